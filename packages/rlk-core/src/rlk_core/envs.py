@@ -1,0 +1,152 @@
+"""Every ``RL_KERNEL_*`` / ``RLK_*`` environment variable rlk reads, declared once.
+
+Each entry has a name, a parser, a default and a doc string; ``docs/envvars.md`` is generated from
+this table (``python -m rlk_core.envs > docs/envvars.md``). Nothing here reads the environment at
+import time: call :func:`get` (one variable) or :func:`snapshot` (all of them) when a value is needed.
+A bad value raises :class:`~rlk_core.errors.RlkConfigError` naming the variable, the value and the
+allowed values.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from rlk_core.errors import RlkConfigError
+
+CASES = ("P/P", "P/R", "R/P", "R/R")
+MODES = ("strict", "audit")
+
+
+@dataclass(frozen=True)
+class EnvVar:
+    name: str
+    parser: Callable[[str, EnvVar], Any]
+    default: Any
+    doc: str
+    allowed: tuple[str, ...] | None = None
+    allowed_doc: str | None = None
+
+    def parse(self, raw: str | None) -> Any:
+        if raw is None or raw == "":
+            return self.default
+        return self.parser(raw, self)
+
+    def error(self, raw: str, extra: str = "") -> RlkConfigError:
+        allowed = self.allowed_doc or (", ".join(self.allowed) if self.allowed else "see docs/envvars.md")
+        msg = f"{self.name}={raw!r} is not valid; allowed: {allowed}"
+        return RlkConfigError(msg + (f" ({extra})" if extra else ""))
+
+
+def _choice(raw: str, var: EnvVar) -> str:
+    value = raw.strip()
+    if var.allowed is not None and value.upper() in {a.upper() for a in var.allowed}:
+        return next(a for a in var.allowed if a.upper() == value.upper())
+    raise var.error(raw)
+
+
+def _bool(raw: str, var: EnvVar) -> bool:
+    value = raw.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise var.error(raw)
+
+
+def _path(raw: str, var: EnvVar) -> str:
+    return os.path.abspath(os.path.expanduser(raw.strip()))
+
+
+def _text(raw: str, var: EnvVar) -> str:
+    value = raw.strip()
+    if any(c in value for c in "/\\\n\0"):
+        raise var.error(raw, "must not contain path separators, newlines or NUL")
+    return value
+
+
+def _backend_overrides(raw: str, var: EnvVar) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for item in raw.split(","):
+        item = item.strip()
+        if not item:
+            continue
+        op, sep, backend = item.partition("=")
+        if not sep or not op.strip() or not backend.strip():
+            raise var.error(raw, f"item {item!r} is not OP=BACKEND_ID")
+        out[op.strip()] = backend.strip()
+    return out
+
+
+ENV_VARS: tuple[EnvVar, ...] = (
+    EnvVar("RL_KERNEL_ATTENTION_CASE", _choice, "P/P",
+           "Route of the attention module, train side / rollout side (P = framework production, R = rlk).",
+           CASES),
+    EnvVar("RL_KERNEL_FFN_CASE", _choice, "P/P",
+           "Route of the FFN module (post-attention RMSNorm, gate/up, SwiGLU, down projection).", CASES),
+    EnvVar("RL_KERNEL_LOGP_CASE", _choice, "P/P",
+           "Route of the log-prob module (final RMSNorm, LM head, temperature, log-softmax, selection).",
+           CASES),
+    EnvVar("RL_KERNEL_MODE", _choice, "strict",
+           "strict: any fallback on an R side raises and an rlk backend on a P side is an error. "
+           "audit: both are recorded in the readback and the run continues.", MODES),
+    EnvVar("RL_KERNEL_READBACK_DIR", _path, None,
+           "Directory that receives one rlk.readback.v1 JSON per (framework, target, process). "
+           "Unset: nothing is written.", allowed_doc="a directory path"),
+    EnvVar("RL_KERNEL_RUN_ID", _text, None,
+           "Run id recorded in readbacks and manifests.",
+           allowed_doc="text without path separators"),
+    EnvVar("RLK_BACKENDS", _backend_overrides, {},
+           "Force a backend per op for A/B testing, e.g. 'linear=acme.blackwell,rms_norm=rlk.reference'. "
+           "A forced backend must be registered for the op's contract id.",
+           allowed_doc="comma-separated OP=BACKEND_ID"),
+    EnvVar("RLK_LOAD_PLUGINS", _bool, True,
+           "Load backends that other packages register through the 'rlk.backends' entry-point group.",
+           ("1", "0", "true", "false")),
+    EnvVar("RLK_REQUIRE_GPU", _bool, False,
+           "Tests: turn the skip of a 'gpu' test on a machine without a GPU into a failure.",
+           ("1", "0", "true", "false")),
+)
+
+_BY_NAME = {v.name: v for v in ENV_VARS}
+
+
+def var(name: str) -> EnvVar:
+    try:
+        return _BY_NAME[name]
+    except KeyError:
+        raise KeyError(f"{name} is not an rlk environment variable; see rlk_core.envs.ENV_VARS") from None
+
+
+def get(name: str, environ: Mapping[str, str] | None = None) -> Any:
+    """Parse one variable from ``environ`` (default ``os.environ``)."""
+    env = os.environ if environ is None else environ
+    return var(name).parse(env.get(name))
+
+
+def snapshot(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """Parse every variable; the first bad value raises."""
+    return {v.name: get(v.name, environ) for v in ENV_VARS}
+
+
+def markdown() -> str:
+    lines = [
+        "# Environment variables",
+        "",
+        "Generated from `rlk_core.envs.ENV_VARS` by `python -m rlk_core.envs`; do not edit by hand.",
+        "",
+        "| name | default | allowed | meaning |",
+        "| --- | --- | --- | --- |",
+    ]
+    for v in ENV_VARS:
+        allowed = v.allowed_doc or (", ".join(f"`{a}`" for a in v.allowed) if v.allowed else "")
+        default = "unset" if v.default in (None, {}) else f"`{v.default}`"
+        lines.append(f"| `{v.name}` | {default} | {allowed} | {v.doc} |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    sys.stdout.write(markdown())

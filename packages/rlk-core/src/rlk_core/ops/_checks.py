@@ -1,0 +1,61 @@
+"""Input validation shared by the ops: every failure names the op, the argument and what is allowed."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+from rlk_core.errors import RlkInputError
+
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def require(cond: bool, op: str, message: str) -> None:
+    if not cond:
+        raise RlkInputError(f"rlk.{op}: {message}")
+
+
+def float_tensor(t: torch.Tensor, op: str, name: str) -> None:
+    require(isinstance(t, torch.Tensor), op, f"{name} must be a tensor, got {type(t).__name__}")
+    require(t.dtype in FLOAT_DTYPES, op,
+            f"{name} has dtype {t.dtype}; allowed: float32, bfloat16, float16")
+
+
+def int_tensor(t: torch.Tensor, op: str, name: str) -> None:
+    require(isinstance(t, torch.Tensor), op, f"{name} must be a tensor, got {type(t).__name__}")
+    require(t.dtype in (torch.int32, torch.int64), op, f"{name} has dtype {t.dtype}; allowed: int32, int64")
+
+
+def same_device(op: str, **tensors: torch.Tensor | None) -> None:
+    devices = {name: t.device for name, t in tensors.items() if t is not None}
+    if len(set(devices.values())) > 1:
+        desc = ", ".join(f"{n} on {d}" for n, d in devices.items())
+        raise RlkInputError(f"rlk.{op}: all tensors must be on one device; got {desc}")
+
+
+def same_dtype(op: str, **tensors: torch.Tensor | None) -> None:
+    dtypes = {name: t.dtype for name, t in tensors.items() if t is not None}
+    if len(set(dtypes.values())) > 1:
+        desc = ", ".join(f"{n} {d}" for n, d in dtypes.items())
+        raise RlkInputError(f"rlk.{op}: dtypes must match; got {desc}")
+
+
+def ndim(t: torch.Tensor, op: str, name: str, allowed: Iterable[int]) -> None:
+    allowed = tuple(allowed)
+    require(t.dim() in allowed, op, f"{name} must have {' or '.join(map(str, allowed))} dims, got shape "
+            f"{tuple(t.shape)}")
+
+
+def in_range(t: torch.Tensor, op: str, name: str, low: int, high: int) -> None:
+    """Every element in [low, high). Skipped for meta/fake tensors, which have no values."""
+    if t.numel() == 0 or t.device.type == "meta" or _is_fake(t):
+        return
+    lo, hi = int(t.min()), int(t.max())
+    require(lo >= low and hi < high, op, f"{name} has values in [{lo}, {hi}]; allowed: [{low}, {high})")
+
+
+def _is_fake(t: torch.Tensor) -> bool:
+    from torch._subclasses.fake_tensor import is_fake
+
+    return is_fake(t)

@@ -1,0 +1,90 @@
+"""``linear``: y = x W^T (+ b) under the batch-invariant GEMM contract ``rlk.gemm.bi.v1``."""
+
+from __future__ import annotations
+
+import torch
+
+from rlk_core.backends import REGISTRY, Backend
+from rlk_core.ops import _checks as C
+from rlk_core.ops._dispatch import run
+from rlk_core.ops.linear.reference import linear_reference
+
+CONTRACT_ID = "rlk.gemm.bi.v1"
+
+
+def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    C.float_tensor(x, "linear", "x")
+    C.float_tensor(weight, "linear", "weight")
+    C.ndim(weight, "linear", "weight", (2,))
+    C.require(x.dim() >= 1, "linear", f"x must have at least 1 dim, got shape {tuple(x.shape)}")
+    C.require(x.shape[-1] == weight.shape[1], "linear",
+              f"x has K={x.shape[-1]} (shape {tuple(x.shape)}) but weight has K={weight.shape[1]} "
+              f"(shape {tuple(weight.shape)})")
+    C.same_dtype("linear", x=x, weight=weight, bias=bias)
+    C.same_device("linear", x=x, weight=weight, bias=bias)
+    if bias is not None:
+        C.require(bias.shape == (weight.shape[0],), "linear",
+                  f"bias must have shape ({weight.shape[0]},), got {tuple(bias.shape)}")
+
+
+@torch.library.custom_op("rlk::linear", mutates_args=())
+def _linear_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    _check(x, weight, bias)
+    return run("linear", x.device, x, weight, bias)
+
+
+@_linear_op.register_fake
+def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    _check(x, weight, bias)
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    x, weight, bias = inputs
+    ctx.save_for_backward(x, weight)
+    ctx.has_bias = bias is not None
+
+
+def _backward(ctx, grad):
+    # Deterministic (not batch-invariant) backward built from the same contract:
+    # dx = dy W, dW = dy^T x, db = sum_m dy — each reduction in the fixed tree order.
+    x, weight = ctx.saved_tensors
+    g2 = grad.reshape(-1, grad.shape[-1]).to(x.dtype)
+    x2 = x.reshape(-1, x.shape[-1])
+    dx = dw = db = None
+    if ctx.needs_input_grad[0]:
+        dx = torch.ops.rlk.linear(grad.to(x.dtype), weight.t().contiguous(), None)
+    if ctx.needs_input_grad[1]:
+        dw = torch.ops.rlk.linear(g2.t().contiguous(), x2.t().contiguous(), None).to(weight.dtype)
+    if ctx.has_bias and ctx.needs_input_grad[2]:
+        ones = g2.new_ones((1, g2.shape[0]))
+        db = torch.ops.rlk.linear(ones, g2.t().contiguous(), None).reshape(-1).to(weight.dtype)
+    return dx, dw, db
+
+
+_linear_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Batch-invariant ``y = x @ weight.T + bias`` (contract ``rlk.gemm.bi.v1``).
+
+    Parameters
+    ----------
+    x : Tensor, shape ``[..., K]``, float32 / bfloat16 / float16.
+    weight : Tensor, shape ``[N, K]``, same dtype and device as ``x``.
+    bias : Tensor, shape ``[N]``, optional.
+
+    Returns
+    -------
+    Tensor, shape ``[..., N]``, dtype of ``x``.
+
+    Contract ``rlk.gemm.bi.v1``: output row ``m`` depends only on ``x[m]``, ``weight`` and ``bias``.
+    Accumulation in fp32 with one K reduction order for every M (the reference uses the fixed
+    pairwise-halves tree of :func:`rlk_core.ops._fixed.tree_sum`), bias added in fp32, one rounding
+    to the output dtype; no split-K, no atomics. Backward (dx, dW, db) is deterministic run to run.
+    """
+    return torch.ops.rlk.linear(x, weight, bias)
+
+
+REGISTRY.register(Backend("rlk.reference", "linear", linear_reference, devices=("cpu", "cuda"),
+                          priority=0, builtin=True))

@@ -1,0 +1,69 @@
+"""``rope``: rotary position embedding (rotate-half layout) under contract ``rlk.rope.v1``."""
+
+from __future__ import annotations
+
+import torch
+
+from rlk_core.backends import REGISTRY, Backend
+from rlk_core.ops import _checks as C
+from rlk_core.ops._dispatch import run
+from rlk_core.ops._grad import recompute_backward
+from rlk_core.ops.rope.reference import rope_cos_sin, rope_reference
+
+CONTRACT_ID = "rlk.rope.v1"
+MAX_POSITION = 1 << 24  # positions are exact in fp32 below this
+
+
+def _check(x: torch.Tensor, positions: torch.Tensor, theta: float, rotary_dim: int) -> None:
+    C.float_tensor(x, "rope", "x")
+    C.ndim(x, "rope", "x", (3,))
+    C.int_tensor(positions, "rope", "positions")
+    C.ndim(positions, "rope", "positions", (1,))
+    C.require(positions.shape[0] == x.shape[0], "rope",
+              f"positions has {positions.shape[0]} entries but x has {x.shape[0]} tokens")
+    C.require(0 < rotary_dim <= x.shape[-1] and rotary_dim % 2 == 0, "rope",
+              f"rotary_dim must be even and in (0, {x.shape[-1]}], got {rotary_dim}")
+    C.require(theta > 0.0, "rope", f"theta must be > 0, got {theta}")
+    C.same_device("rope", x=x, positions=positions)
+    C.in_range(positions, "rope", "positions", 0, MAX_POSITION)
+
+
+@torch.library.custom_op("rlk::rope", mutates_args=())
+def _rope_op(x: torch.Tensor, positions: torch.Tensor, theta: float, rotary_dim: int) -> torch.Tensor:
+    _check(x, positions, theta, rotary_dim)
+    return run("rope", x.device, x, positions, theta, rotary_dim)
+
+
+@_rope_op.register_fake
+def _(x: torch.Tensor, positions: torch.Tensor, theta: float, rotary_dim: int) -> torch.Tensor:
+    _check(x, positions, theta, rotary_dim)
+    return torch.empty_like(x)
+
+
+recompute_backward(_rope_op, rope_reference, n_tensor_inputs=2)
+
+
+def rope(x: torch.Tensor, positions: torch.Tensor, theta: float, rotary_dim: int | None = None) -> torch.Tensor:
+    """Apply rotary embedding at absolute positions (contract ``rlk.rope.v1``).
+
+    Parameters
+    ----------
+    x : Tensor ``[T, H, D]`` (tokens, heads, head dim), float32 / bfloat16 / float16.
+    positions : int Tensor ``[T]``, the absolute position of each token in its sequence, in [0, 2^24).
+    theta : float, ``rope_theta`` of the model config.
+    rotary_dim : int, even, ``<= D`` (default ``D``); dims past it pass through.
+
+    Returns
+    -------
+    Tensor ``[T, H, D]``, dtype of ``x``.
+
+    Contract ``rlk.rope.v1``: each element depends only on its value, its partner in the rotate-half
+    pair and its absolute position; cos/sin tables are built in fp32 by :func:`rope_cos_sin` (the same
+    builder on both sides, never rounded to bf16); one rounding of the rotated values.
+    """
+    return torch.ops.rlk.rope(x, positions, float(theta), int(rotary_dim or x.shape[-1]))
+
+
+REGISTRY.register(Backend("rlk.reference", "rope", rope_reference, devices=("cpu", "cuda"), builtin=True))
+
+__all__ = ["rope", "rope_cos_sin"]

@@ -1,0 +1,53 @@
+"""``swiglu``: ``silu(gate) * up`` under contract ``rlk.swiglu.v1``."""
+
+from __future__ import annotations
+
+import torch
+
+from rlk_core.backends import REGISTRY, Backend
+from rlk_core.ops import _checks as C
+from rlk_core.ops._dispatch import run
+from rlk_core.ops._grad import recompute_backward
+from rlk_core.ops.swiglu.reference import swiglu_reference
+
+CONTRACT_ID = "rlk.swiglu.v1"
+
+
+def _check(x: torch.Tensor) -> None:
+    C.float_tensor(x, "swiglu", "x")
+    C.require(x.dim() >= 1 and x.shape[-1] % 2 == 0 and x.shape[-1] > 0, "swiglu",
+              f"x must be [..., 2*I] (gate then up) with an even, non-zero last dim, got {tuple(x.shape)}")
+
+
+@torch.library.custom_op("rlk::swiglu", mutates_args=())
+def _swiglu_op(x: torch.Tensor) -> torch.Tensor:
+    _check(x)
+    return run("swiglu", x.device, x)
+
+
+@_swiglu_op.register_fake
+def _(x: torch.Tensor) -> torch.Tensor:
+    _check(x)
+    return x.new_empty((*x.shape[:-1], x.shape[-1] // 2))
+
+
+recompute_backward(_swiglu_op, swiglu_reference, n_tensor_inputs=1)
+
+
+def swiglu(x: torch.Tensor) -> torch.Tensor:
+    """SwiGLU of a concatenated ``[gate | up]`` tensor (contract ``rlk.swiglu.v1``).
+
+    Parameters
+    ----------
+    x : Tensor ``[..., 2*I]``: gate in ``[..., :I]``, up in ``[..., I:]``; float32 / bfloat16 / float16.
+
+    Returns
+    -------
+    Tensor ``[..., I]``, dtype of ``x``: ``gate / (1 + exp(-gate)) * up`` in fp32, rounded once.
+
+    Contract ``rlk.swiglu.v1``: each output element depends only on its gate and up elements.
+    """
+    return torch.ops.rlk.swiglu(x)
+
+
+REGISTRY.register(Backend("rlk.reference", "swiglu", swiglu_reference, devices=("cpu", "cuda"), builtin=True))

@@ -1,0 +1,265 @@
+"""Readbacks: the evidence of which implementation actually ran, and the fail-closed policy.
+
+A :class:`ReadbackRecorder` belongs to one (framework, target, process). Code that runs a module
+opens a scope (``with recorder.scope("ffn"):``); every rlk op called inside reports its backend to
+that scope, and production code reports itself with :meth:`ReadbackRecorder.production`. Counting is
+an in-memory dict update — nothing touches the filesystem per call. :meth:`ReadbackRecorder.flush`
+writes ``rlk.readback.v1`` JSON atomically (temp file + ``os.replace``) as
+``<framework>-<target>-<pid>.json``. The route line is logged once per (module, op, backend).
+
+Policy: on an ``R`` side any fallback raises :class:`~rlk_core.errors.RlkPolicyError` in strict mode
+and is recorded in audit mode; an rlk backend reported on a ``P`` side is an error in strict mode.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import json
+import logging
+import os
+import socket
+import tempfile
+import threading
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from rlk_core import envs
+from rlk_core.errors import RlkConfigError, RlkPolicyError
+from rlk_core.plan import MODULES, SIDES, RoutePlan
+
+SCHEMA = "rlk.readback.v1"
+FRAMEWORKS = ("megatron", "vllm", "local")
+TARGETS = {"train": "training", "rollout": "rollout"}
+log = logging.getLogger("rlk")
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+@dataclass
+class _OpRecord:
+    backend_id: str
+    contract_id: str | None
+    call_count: int = 0
+    modes: set[str] = field(default_factory=set)
+    fallback: bool = False
+    fallback_reason: str | None = None
+    provenance: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class _Scope:
+    recorder: ReadbackRecorder
+    module: str
+
+
+_ACTIVE: contextvars.ContextVar[_Scope | None] = contextvars.ContextVar("rlk_readback_scope", default=None)
+
+
+class ReadbackRecorder:
+    def __init__(
+        self,
+        framework: str,
+        side: str,
+        plan: RoutePlan,
+        *,
+        mode: str | None = None,
+        directory: str | os.PathLike[str] | None = None,
+        run_id: str | None = None,
+        rank: int = 0,
+        world_size: int = 1,
+    ) -> None:
+        if framework not in FRAMEWORKS:
+            raise RlkConfigError(f"framework {framework!r} is not one of {', '.join(FRAMEWORKS)}")
+        if side not in SIDES:
+            raise RlkConfigError(f"side {side!r} is not one of {', '.join(SIDES)}")
+        self.framework, self.side, self.plan = framework, side, plan
+        self.target = TARGETS[side]
+        self.mode = mode if mode is not None else envs.get("RL_KERNEL_MODE")
+        if self.mode not in envs.MODES:
+            raise RlkConfigError(f"mode {self.mode!r} is not one of {', '.join(envs.MODES)}")
+        directory = directory if directory is not None else envs.get("RL_KERNEL_READBACK_DIR")
+        self.directory = Path(directory) if directory is not None else None
+        self.run_id = run_id if run_id is not None else envs.get("RL_KERNEL_RUN_ID")
+        self.rank, self.world_size = rank, world_size
+        self.pid = os.getpid()
+        self.created_at = _now()
+        self.hooks: list[dict[str, Any]] = []
+        self._ops: dict[str, dict[str, _OpRecord]] = {m: {} for m in MODULES}
+        self._logged: set[tuple[str, str, str]] = set()
+        self._lock = threading.Lock()
+
+    # -- scopes and counting ----------------------------------------------------------------------
+    @contextmanager
+    def scope(self, module: str):
+        if module not in MODULES:
+            raise RlkConfigError(f"module {module!r} is not one of {', '.join(MODULES)}")
+        token = _ACTIVE.set(_Scope(self, module))
+        try:
+            yield self
+        finally:
+            _ACTIVE.reset(token)
+
+    def add_hook(self, name: str, target: str, kind: str, installed: bool = True) -> None:
+        self.hooks.append({"name": name, "target": target, "kind": kind, "installed": installed})
+
+    def count(
+        self,
+        module: str,
+        op: str,
+        backend_id: str,
+        contract_id: str | None,
+        *,
+        fallback_reason: str | None = None,
+        execution_mode: str = "eager",
+        provenance: dict[str, Any] | None = None,
+    ) -> None:
+        letter = self.plan.letter(module, self.side)
+        is_rlk = backend_id.startswith("rlk.") or contract_id is not None
+        if letter == "P" and is_rlk:
+            self._violation(f"{self.framework} {self.side} side of {module} is P (production) but op {op!r} "
+                            f"ran rlk backend {backend_id!r}")
+        if letter == "R" and fallback_reason is not None:
+            self._violation(f"{self.framework} {self.side} side of {module} is R but op {op!r} fell back to "
+                            f"{backend_id!r}: {fallback_reason}")
+        if letter == "R" and not is_rlk:
+            self._violation(f"{self.framework} {self.side} side of {module} is R but op {op!r} ran the "
+                            f"production implementation {backend_id!r}")
+        key = (module, op, backend_id)
+        with self._lock:
+            rec = self._ops[module].get(op)
+            if rec is None or rec.backend_id != backend_id and rec.call_count == 0:
+                rec = self._ops[module][op] = _OpRecord(backend_id, contract_id)
+            elif rec.backend_id != backend_id:
+                rec.provenance.setdefault("other_backends", {})
+                other = rec.provenance["other_backends"]
+                other[backend_id] = other.get(backend_id, 0) + 1
+            rec.call_count += 1
+            rec.modes.add(execution_mode)
+            if fallback_reason is not None:
+                rec.fallback, rec.fallback_reason = True, fallback_reason
+            if provenance:
+                rec.provenance.update(provenance)
+            first = key not in self._logged
+            self._logged.add(key)
+        if first:
+            log.info("rlk route: %s/%s %s.%s [%s] -> %s (%s)%s", self.framework, self.side, module, op, letter,
+                     backend_id, contract_id or "production",
+                     f" FALLBACK: {fallback_reason}" if fallback_reason else "")
+
+    def production(self, module: str, op: str, backend_id: str, execution_mode: str = "eager") -> None:
+        """Report one call of the framework's own implementation (a P side)."""
+        if not backend_id.startswith("production."):
+            raise RlkConfigError(f"production backend ids start with 'production.', got {backend_id!r}")
+        self.count(module, op, backend_id, None, execution_mode=execution_mode)
+
+    def _violation(self, message: str) -> None:
+        if self.mode == "strict":
+            raise RlkPolicyError(message)
+        log.warning("rlk audit: %s", message)
+
+    # -- the document -----------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        modules: dict[str, Any] = {}
+        with self._lock:
+            for module in MODULES:
+                ops = self._ops[module]
+                if not ops:
+                    continue
+                main = max(ops.values(), key=lambda r: r.call_count)
+                modes = set().union(*(r.modes for r in ops.values()))
+                fallbacks = [f"{op}: {r.fallback_reason}" for op, r in ops.items() if r.fallback]
+                modules[module] = {
+                    "case": self.plan.letter(module, self.side),
+                    "implementation": self.plan.implementation(module, self.side),
+                    "backend_id": main.backend_id,
+                    "contract_id": main.contract_id,
+                    "call_count": sum(r.call_count for r in ops.values()),
+                    "execution_mode": modes.pop() if len(modes) == 1 else "mixed",
+                    "fallback": bool(fallbacks),
+                    "fallback_reason": "; ".join(fallbacks) or None,
+                    "ops": {
+                        op: {
+                            "backend_id": r.backend_id,
+                            "contract_id": r.contract_id,
+                            "call_count": r.call_count,
+                            "execution_mode": next(iter(r.modes)) if len(r.modes) == 1 else "mixed",
+                            "fallback": r.fallback,
+                            "fallback_reason": r.fallback_reason,
+                            "provenance": dict(r.provenance),
+                        }
+                        for op, r in sorted(ops.items())
+                    },
+                }
+        return {
+            "schema": SCHEMA,
+            "framework": self.framework,
+            "target": self.target,
+            "side": self.side,
+            "pid": self.pid,
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "hostname": socket.gethostname(),
+            "run_id": self.run_id,
+            "mode": self.mode,
+            "created_at": self.created_at,
+            "updated_at": _now(),
+            "plan": self.plan.as_dict(),
+            "hooks": list(self.hooks),
+            "modules": modules,
+        }
+
+    @property
+    def filename(self) -> str:
+        return f"{self.framework}-{self.target}-{self.pid}.json"
+
+    def flush(self, directory: str | os.PathLike[str] | None = None) -> Path | None:
+        """Write the readback atomically; returns its path (None when no directory is configured)."""
+        target_dir = Path(directory) if directory is not None else self.directory
+        if target_dir is None:
+            return None
+        target_dir.mkdir(parents=True, exist_ok=True)
+        path = target_dir / self.filename
+        data = json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n"
+        fd, tmp = tempfile.mkstemp(prefix=f".{self.filename}.", suffix=".tmp", dir=target_dir)
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8") as fh:
+                fh.write(data)
+                fh.flush()
+                os.fsync(fh.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+            raise
+        return path
+
+
+def note_op_call(op: str, backend_id: str, contract_id: str, fallback_reason: str | None,
+                 execution_mode: str) -> None:
+    """Called by every rlk op once per call: count it in the active scope, apply the policy."""
+    scope = _ACTIVE.get()
+    if scope is not None:
+        scope.recorder.count(scope.module, op, backend_id, contract_id, fallback_reason=fallback_reason,
+                             execution_mode=execution_mode)
+    elif fallback_reason is not None and envs.get("RL_KERNEL_MODE") == "strict":
+        raise RlkPolicyError(f"op {op!r} fell back to {backend_id!r} in strict mode: {fallback_reason}")
+
+
+def active_scope() -> tuple[ReadbackRecorder, str] | None:
+    scope = _ACTIVE.get()
+    return None if scope is None else (scope.recorder, scope.module)
+
+
+def strict_now() -> bool:
+    scope = _ACTIVE.get()
+    return (scope.recorder.mode if scope is not None else envs.get("RL_KERNEL_MODE")) == "strict"
+
+
+def schema() -> dict[str, Any]:
+    """The JSON Schema of ``rlk.readback.v1`` (shipped as ``rlk_core/schemas/readback.v1.json``)."""
+    return json.loads((Path(__file__).parent / "schemas" / "readback.v1.json").read_text(encoding="utf-8"))

@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# One-command dev install: a virtual environment with every rlk package editable plus test tools.
+#   bash scripts/dev-install.sh            -> .venv (torch + all packages)
+#   RLK_VENV=path bash scripts/dev-install.sh
+# torch: on a CPU machine `pip install torch==2.13.0` takes the CPU build; set RLK_TORCH to override
+# (e.g. RLK_TORCH=skip when the environment already has the torch you want).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+venv="${RLK_VENV:-.venv}"
+torch_req="${RLK_TORCH:-torch==2.13.0}"
+
+if [ ! -x "$venv/bin/python" ]; then
+  echo "rlk: creating $venv"
+  python3 -m venv "$venv"
+fi
+pip=("$venv/bin/python" -m pip install --disable-pip-version-check -q)
+"${pip[@]}" --upgrade "pip>=24" "setuptools>=68" wheel
+if [ "$torch_req" != "skip" ]; then
+  "${pip[@]}" "$torch_req"
+fi
+# --no-build-isolation: rlk-core builds its compiled ops against the torch installed above.
+"${pip[@]}" --no-build-isolation \
+  -e "packages/rlk-core[test]" \
+  -e packages/rlk-collectives \
+  -e packages/rlk-vllm-plugin \
+  -e packages/rlk-megatron-provider \
+  -e "packages/rlk-validate[test,plot]" \
+  -e packages/rlk-repro \
+  pytest ruff
+echo "rlk: installed into $venv"

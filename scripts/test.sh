@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# The test command: install, then run every test suite. Fails on any failure or if no test ran.
+#   1. the full suite in .venv (torch CPU build, all packages);
+#   2. rlk-validate's suite in .venv-validate, where only rlk-validate is installed (no torch).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/dev-install.sh
+
+.venv/bin/python -m ruff check .
+.venv/bin/python -m pytest -q -p no:cacheprovider "$@"
+
+venv=.venv-validate
+[ -x "$venv/bin/python" ] || python3 -m venv "$venv"
+"$venv/bin/python" -m pip install --disable-pip-version-check -q --upgrade "pip>=24" "setuptools>=68"
+"$venv/bin/python" -m pip install --disable-pip-version-check -q -e "packages/rlk-validate[test,plot]"
+if "$venv/bin/python" -c "import torch" 2>/dev/null; then
+  echo "rlk: $venv must not contain torch" >&2
+  exit 1
+fi
+"$venv/bin/python" -m pytest -q -p no:cacheprovider tests/validate

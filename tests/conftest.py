@@ -1,0 +1,52 @@
+"""Hardware markers become skips here, never ``if`` statements in test bodies.
+
+``gpu`` needs CUDA; ``multi_gpu`` two devices; ``vllm`` / ``megatron`` the real packages. With
+``RLK_REQUIRE_GPU=1`` (set on the GPU machine) a ``gpu``/``multi_gpu`` test that would be skipped
+fails instead, so a GPU run cannot pass by skipping.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+
+
+def _cuda_count() -> int:
+    try:
+        import torch
+    except ImportError:
+        return 0
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def _probes():
+    n = _cuda_count()
+    return {
+        "gpu": (n >= 1, "needs a CUDA GPU"),
+        "multi_gpu": (n >= 2, "needs two or more CUDA GPUs"),
+        "vllm": (importlib.util.find_spec("vllm") is not None, "needs the vllm package"),
+        "megatron": (importlib.util.find_spec("megatron") is not None, "needs megatron-core"),
+    }
+
+
+def _require_gpu() -> bool:
+    return os.environ.get("RLK_REQUIRE_GPU", "0").lower() in ("1", "true", "yes", "on")
+
+
+def pytest_collection_modifyitems(config, items):
+    probes = _probes()
+    for item in items:
+        for marker, (ok, reason) in probes.items():
+            if marker in item.keywords and not ok:
+                if _require_gpu() and marker in ("gpu", "multi_gpu"):
+                    item.user_properties.append(("rlk_missing_hardware", reason))
+                else:
+                    item.add_marker(pytest.mark.skip(reason=reason))
+
+
+def pytest_runtest_setup(item):
+    for key, reason in item.user_properties:
+        if key == "rlk_missing_hardware":
+            pytest.fail(f"RLK_REQUIRE_GPU=1 but this test {reason}")

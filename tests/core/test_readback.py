@@ -1,0 +1,139 @@
+import json
+import multiprocessing as mp
+import os
+
+import jsonschema
+import pytest
+import torch
+
+import rlk_core.ops as ops
+from rlk_core.errors import RlkPolicyError
+from rlk_core.plan import RoutePlan
+from rlk_core.readback import ReadbackRecorder, schema
+
+
+def _validate(doc):
+    jsonschema.validate(doc, schema())
+
+
+def test_rlk_calls_are_counted_in_scope_and_the_document_matches_the_schema(tmp_path):
+    plan = RoutePlan("P/R", "R/R", "R/P")
+    rec = ReadbackRecorder("local", "train", plan, mode="strict", directory=tmp_path, run_id="r1")
+    x, w = torch.randn(3, 8), torch.randn(4, 8)
+    with rec.scope("ffn"):
+        for _ in range(3):
+            ops.linear(x, w)
+        ops.rms_norm(x, torch.ones(8))
+    with rec.scope("attention"):
+        rec.production("attention", "sdpa", "production.torch")
+    ops.linear(x, w)  # outside any scope: not counted
+    rec.add_hook("rlk.linear", "local.Linear", "engine")
+    path = rec.flush()
+    doc = json.loads(path.read_text())
+    _validate(doc)
+    assert path.name == f"local-training-{os.getpid()}.json"
+    assert doc["plan"] == {"attention": "P/R", "ffn": "R/R", "logp": "R/P"}
+    ffn = doc["modules"]["ffn"]
+    assert ffn["case"] == "R" and ffn["implementation"] == "rlk" and ffn["call_count"] == 4
+    assert ffn["ops"]["linear"]["call_count"] == 3 and ffn["ops"]["linear"]["backend_id"] == "rlk.reference"
+    assert ffn["ops"]["linear"]["contract_id"] == "rlk.gemm.bi.v1" and ffn["fallback"] is False
+    att = doc["modules"]["attention"]
+    assert att["implementation"] == "production" and att["contract_id"] is None
+    assert "logp" not in doc["modules"]
+
+
+def test_strict_policy_rlk_on_p_side_and_fallback_on_r_side_raise(tmp_path):
+    rec = ReadbackRecorder("local", "train", RoutePlan("P/P", "R/R", "R/R"), mode="strict")
+    with rec.scope("attention"), pytest.raises(RlkPolicyError, match="P \\(production\\).*rlk backend"):
+        ops.rms_norm(torch.randn(2, 4), torch.ones(4))
+    with pytest.raises(RlkPolicyError, match="fell back"):
+        rec.count("ffn", "linear", "rlk.reference", "rlk.gemm.bi.v1", fallback_reason="rlk.triton: bf16 only")
+    with pytest.raises(RlkPolicyError, match="production implementation"):
+        rec.production("ffn", "linear", "production.torch")
+
+
+def test_audit_mode_records_the_fallback_with_its_reason(tmp_path):
+    rec = ReadbackRecorder("vllm", "rollout", RoutePlan("R/R", "R/R", "R/R"), mode="audit", directory=tmp_path)
+    rec.count("ffn", "linear", "rlk.reference", "rlk.gemm.bi.v1", fallback_reason="rlk.triton: unsupported")
+    doc = rec.to_dict()
+    _validate(doc)
+    assert doc["modules"]["ffn"]["fallback"] is True
+    assert "unsupported" in doc["modules"]["ffn"]["fallback_reason"]
+    assert doc["target"] == "rollout" and doc["mode"] == "audit"
+
+
+def test_counting_touches_no_filesystem(tmp_path, monkeypatch):
+    rec = ReadbackRecorder("local", "train", RoutePlan("R/R", "R/R", "R/R"), directory=tmp_path)
+
+    def forbidden(*a, **k):
+        raise AssertionError("filesystem touched on the hot path")
+
+    monkeypatch.setattr("builtins.open", forbidden)
+    monkeypatch.setattr(os, "replace", forbidden)
+    with rec.scope("ffn"):
+        for _ in range(100):
+            ops.swiglu(torch.randn(2, 8))
+    monkeypatch.undo()
+    assert rec.to_dict()["modules"]["ffn"]["call_count"] == 100
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_route_line_is_logged_once_per_op(caplog):
+    rec = ReadbackRecorder("local", "rollout", RoutePlan("R/R", "R/R", "R/R"))
+    with caplog.at_level("INFO", logger="rlk"), rec.scope("ffn"):
+        for _ in range(5):
+            ops.swiglu(torch.randn(2, 8))
+            ops.rms_norm(torch.randn(2, 4), torch.ones(4))
+    lines = [r.getMessage() for r in caplog.records if "rlk route" in r.getMessage()]
+    assert len(lines) == 2 and any("ffn.swiglu" in line for line in lines)
+
+
+def _writer(directory: str, n: int) -> None:
+    rec = ReadbackRecorder("megatron", "train", RoutePlan("R/R", "R/R", "R/R"), directory=directory)
+    for i in range(n):
+        rec.count("ffn", "linear", "rlk.reference", "rlk.gemm.bi.v1")
+        rec.flush()
+
+
+def test_concurrent_writers_leave_complete_valid_documents(tmp_path):
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_writer, args=(str(tmp_path), 30)) for _ in range(4)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+        assert p.exitcode == 0
+    files = sorted(tmp_path.iterdir())
+    assert len(files) == 4 and all(f.name.startswith("megatron-training-") for f in files)
+    for f in files:
+        doc = json.loads(f.read_text())
+        _validate(doc)
+        assert doc["modules"]["ffn"]["call_count"] == 30
+
+
+def test_flush_is_atomic_under_concurrent_flushes_of_one_recorder(tmp_path):
+    import threading
+
+    rec = ReadbackRecorder("local", "train", RoutePlan("R/R", "R/R", "R/R"), directory=tmp_path)
+    rec.count("ffn", "linear", "rlk.reference", "rlk.gemm.bi.v1")
+    threads = [threading.Thread(target=lambda: [rec.flush() for _ in range(20)]) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert [p.name for p in tmp_path.iterdir()] == [rec.filename]
+    _validate(json.loads((tmp_path / rec.filename).read_text()))
+
+
+def test_schema_rejects_broken_documents():
+    rec = ReadbackRecorder("local", "train", RoutePlan("R/R", "R/R", "R/R"))
+    rec.count("ffn", "linear", "rlk.reference", "rlk.gemm.bi.v1")
+    good = rec.to_dict()
+    _validate(good)
+    for mutate in (lambda d: d.update(schema="rlk.readback.v0"), lambda d: d.pop("plan"),
+                   lambda d: d["modules"]["ffn"].update(call_count=-1),
+                   lambda d: d["plan"].update(ffn="R/X")):
+        bad = json.loads(json.dumps(good))
+        mutate(bad)
+        with pytest.raises(jsonschema.ValidationError):
+            _validate(bad)
