@@ -1,0 +1,166 @@
+"""``rlk-selfcheck``: run each op's contract checks on the available device and report.
+
+Prints a table (op, backend, contract id, each invariance pass/fail) and writes JSON
+(``rlk.selfcheck.v1``) with ``--json``. Exit status 0 when every check passed, 1 otherwise,
+2 for bad arguments. Usage: ``rlk-selfcheck [--device cpu|cuda] [--json PATH] [--seed N]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import rlk_core
+from rlk_core.backends import REGISTRY
+from rlk_core.contracts import OP_CONTRACTS
+from rlk_core.testing.compare import dtype_tols
+from rlk_core.testing.invariance import check_batch_invariance, check_run_to_run
+
+SCHEMA = "rlk.selfcheck.v1"
+Check = Callable[[str, torch.Generator], dict[str, tuple[bool, str]]]
+
+
+def _row_checks(op: str, fn: Callable[..., torch.Tensor], reference: Callable[..., torch.Tensor], rows: Any,
+                sizes=(1, 2, 3, 7, 16, 33, 64)) -> dict[str, tuple[bool, str]]:
+    args = rows if isinstance(rows, tuple) else (rows,)
+    checks = {
+        "batch_invariance": check_batch_invariance(fn, rows, sizes),
+        "run_to_run": check_run_to_run(lambda: fn(*args), repeats=10),
+    }
+    device = args[0].device.type
+    if REGISTRY.candidates(op, device)[0].id != "rlk.reference":  # comparing the reference with itself proves nothing
+        got, want = fn(*args), reference(*args)
+        tols = dtype_tols(got.dtype)
+        err = float((got.double() - want.double()).abs().max()) if got.numel() else 0.0
+        close = bool(torch.allclose(got.double(), want.double(), **tols))
+        checks["matches_reference"] = (close, f"max abs diff {err:.3g} vs rlk.reference ({tols})")
+    return checks
+
+
+def _randn(gen: torch.Generator, device: str, dtype: torch.dtype, *shape: int) -> torch.Tensor:
+    return torch.randn(*shape, generator=gen).to(device=device, dtype=dtype)
+
+
+def _check_linear(device: str, gen: torch.Generator) -> dict[str, tuple[bool, str]]:
+    import rlk_core.ops as ops
+
+    out: dict[str, tuple[bool, str]] = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        x, w = _randn(gen, device, dtype, 64, 512), _randn(gen, device, dtype, 96, 512)
+        ref = REGISTRY.get("linear", "rlk.reference").fn
+        for name, res in _row_checks("linear", lambda a: ops.linear(a, w), lambda a: ref(a, w, None), x).items():
+            out[f"{name}[{str(dtype)[6:]}]"] = res
+    return out
+
+
+def _check_rms_norm(device: str, gen: torch.Generator) -> dict[str, tuple[bool, str]]:
+    import rlk_core.ops as ops
+
+    x, w = _randn(gen, device, torch.bfloat16, 64, 1024), _randn(gen, device, torch.bfloat16, 1024)
+    ref = REGISTRY.get("rms_norm", "rlk.reference").fn
+    return _row_checks("rms_norm", lambda a: ops.rms_norm(a, w), lambda a: ref(a, w, 1e-6), x)
+
+
+def _check_swiglu(device: str, gen: torch.Generator) -> dict[str, tuple[bool, str]]:
+    import rlk_core.ops as ops
+
+    x = _randn(gen, device, torch.bfloat16, 64, 2 * 1000)
+    return _row_checks("swiglu", ops.swiglu, REGISTRY.get("swiglu", "rlk.reference").fn, x)
+
+
+def _check_rope(device: str, gen: torch.Generator) -> dict[str, tuple[bool, str]]:
+    import rlk_core.ops as ops
+
+    x = _randn(gen, device, torch.bfloat16, 64, 4, 128)
+    pos = torch.randint(0, 32768, (64,), generator=gen).to(device)
+    ref = REGISTRY.get("rope", "rlk.reference").fn
+    checks = _row_checks("rope", lambda a, p: ops.rope(a, p, 1e6), lambda a, p: ref(a, p, 1e6, 128), (x, pos))
+    full = ops.rope(x, torch.arange(64, device=device), 1e6)
+    part = ops.rope(x[40:], torch.arange(40, 64, device=device), 1e6)
+    checks["offset_invariance"] = (bool(torch.equal(part, full[40:])), "chunk starting at position 40 vs full")
+    return checks
+
+
+CHECKS: dict[str, Check] = {
+    "linear": _check_linear,
+    "rms_norm": _check_rms_norm,
+    "swiglu": _check_swiglu,
+    "rope": _check_rope,
+}
+
+
+def run(device: str, seed: int = 0) -> dict[str, Any]:
+    import rlk_core.ops  # noqa: F401  (defines the ops and registers built-in backends)
+
+    results = []
+    for op, check in CHECKS.items():
+        backend = REGISTRY.candidates(op, device)
+        backend_id = backend[0].id if backend else "none"
+        gen = torch.Generator().manual_seed(seed)
+        t0 = time.perf_counter()
+        try:
+            checks = {k: {"passed": bool(ok), "detail": detail} for k, (ok, detail) in check(device, gen).items()}
+        except Exception as exc:  # reported as a failed check, with the reason, never hidden
+            checks = {"ran": {"passed": False, "detail": f"{type(exc).__name__}: {exc}"}}
+        results.append({"op": op, "backend_id": backend_id, "contract_id": OP_CONTRACTS[op], "checks": checks,
+                        "seconds": round(time.perf_counter() - t0, 3)})
+    missing = sorted(set(OP_CONTRACTS) - set(CHECKS))
+    return {
+        "schema": SCHEMA,
+        "rlk_core": rlk_core.__version__,
+        "torch": torch.__version__,
+        "device": device,
+        "device_name": torch.cuda.get_device_name() if device == "cuda" else platform.processor() or "cpu",
+        "passed": all(c["passed"] for r in results for c in r["checks"].values()),
+        "ops": results,
+        "ops_without_checks": missing,
+    }
+
+
+def format_table(report: dict[str, Any]) -> str:
+    rows = [("op", "backend", "contract", "check", "result")]
+    for r in report["ops"]:
+        for name, c in r["checks"].items():
+            rows.append((r["op"], r["backend_id"], r["contract_id"], name, "pass" if c["passed"] else "FAIL"))
+    widths = [max(len(row[i]) for row in rows) for i in range(5)]
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)) for row in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    for r in report["ops"]:
+        for name, c in r["checks"].items():
+            if not c["passed"]:
+                lines.append(f"\n{r['op']} {name}: {c['detail']}")
+    verdict = "PASSED" if report["passed"] else "FAILED"
+    lines.append(f"\nrlk-selfcheck on {report['device']} ({report['device_name']}): {verdict}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="rlk-selfcheck", description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    parser.add_argument("--json", type=Path, default=None, help="write the report as JSON to this path")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device not in ("cpu", "cuda"):
+        parser.error(f"--device {device!r}: allowed cpu, cuda")
+    if device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: no CUDA device is available")
+    report = run(device, args.seed)
+    print(format_table(report))
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+        print(f"report written to {args.json}")
+    return 0 if report["passed"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
