@@ -90,7 +90,7 @@ def test_route_line_is_logged_once_per_op(caplog):
 
 def _writer(directory: str, n: int) -> None:
     rec = ReadbackRecorder("megatron", "train", RoutePlan("R/R", "R/R", "R/R"), directory=directory)
-    for i in range(n):
+    for _ in range(n):
         rec.count("ffn", "linear", "rlk.reference", "rlk.gemm.bi.v1")
         rec.flush()
 

@@ -18,7 +18,6 @@ from typing import Any
 
 import torch
 
-import rlk_core
 from rlk_core.backends import REGISTRY
 from rlk_core.contracts import OP_CONTRACTS
 from rlk_core.testing.compare import dtype_tols
@@ -53,10 +52,12 @@ def _check_linear(device: str, gen: torch.Generator) -> dict[str, tuple[bool, st
     import rlk_core.ops as ops
 
     out: dict[str, tuple[bool, str]] = {}
+    ref = REGISTRY.get("linear", "rlk.reference").fn
     for dtype in (torch.float32, torch.bfloat16):
         x, w = _randn(gen, device, dtype, 64, 512), _randn(gen, device, dtype, 96, 512)
-        ref = REGISTRY.get("linear", "rlk.reference").fn
-        for name, res in _row_checks("linear", lambda a: ops.linear(a, w), lambda a: ref(a, w, None), x).items():
+        fn = lambda a, w=w: ops.linear(a, w)  # noqa: E731
+        want = lambda a, w=w: ref(a, w, None)  # noqa: E731
+        for name, res in _row_checks("linear", fn, want, x).items():
             out[f"{name}[{str(dtype)[6:]}]"] = res
     return out
 
@@ -98,7 +99,7 @@ CHECKS: dict[str, Check] = {
 
 
 def run(device: str, seed: int = 0) -> dict[str, Any]:
-    import rlk_core.ops  # noqa: F401  (defines the ops and registers built-in backends)
+    import rlk_core.ops
 
     results = []
     for op, check in CHECKS.items():

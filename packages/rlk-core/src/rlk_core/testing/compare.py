@@ -22,7 +22,9 @@ def dtype_tols(dtype: torch.dtype) -> dict[str, float]:
     return {"rtol": rtol, "atol": atol}
 
 
-def bitwise_diff_report(actual: torch.Tensor, expected: torch.Tensor, name: str = "tensor", limit: int = 5) -> str | None:
+def bitwise_diff_report(
+    actual: torch.Tensor, expected: torch.Tensor, name: str = "tensor", limit: int = 5
+) -> str | None:
     """None when ``torch.equal`` holds on the bytes; otherwise a short report of where and by how much."""
     if actual.shape != expected.shape:
         return f"{name}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"

@@ -46,7 +46,8 @@ def qualify_backend(backend, device_type: str, seed: int = 0) -> tuple[bool, str
     gen = torch.Generator().manual_seed(seed)
     suites = _suites(backend.op, device_type, gen)
     if not suites:
-        return False, f"no qualification suite for op {backend.op!r} yet; strict mode accepts only rlk's built-in backends"
+        return False, (f"no qualification suite for op {backend.op!r} yet; "
+                       "strict mode accepts only rlk's built-in backends")
     reference = REGISTRY.get(backend.op, "rlk.reference").fn
     for rows, make in suites:
         fn, ref = make(backend.fn), make(reference)
