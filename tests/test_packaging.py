@@ -1,0 +1,86 @@
+"""Each package builds into its own wheel with correct metadata and dependencies."""
+
+import os
+import subprocess
+import sys
+import zipfile
+from email.parser import Parser
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = {
+    "rlk-core": "rlk_core",
+    "rlk-collectives": "rlk_collectives",
+    "rlk-vllm-plugin": "rlk_vllm_plugin",
+    "rlk-megatron-provider": "rlk_megatron_provider",
+    "rlk-validate": "rlk_validate",
+    "rlk-repro": "rlk_repro",
+}
+
+
+@pytest.fixture(scope="module")
+def wheels(tmp_path_factory):
+    out = tmp_path_factory.mktemp("wheels")
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(out),
+         *(str(ROOT / "packages" / name) for name in PACKAGES)],
+        check=True, capture_output=True, env={**os.environ, "RLK_BUILD_EXT": "0"},
+    )
+    return {p.name.split("-")[0].replace("_", "-"): p for p in out.glob("*.whl")}
+
+
+def _metadata(wheel: Path):
+    with zipfile.ZipFile(wheel) as z:
+        meta = next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))
+        eps = [n for n in z.namelist() if n.endswith(".dist-info/entry_points.txt")]
+        names = z.namelist()
+        return Parser().parsestr(z.read(meta).decode()), (z.read(eps[0]).decode() if eps else ""), names
+
+
+@pytest.mark.parametrize("name", list(PACKAGES))
+def test_each_package_is_its_own_wheel(wheels, name):
+    meta, _, names = _metadata(wheels[name])
+    assert meta["Name"] == name and meta["Version"]
+    assert any(n.startswith(f"{PACKAGES[name]}/__init__.py") for n in names)
+    for other, module in PACKAGES.items():
+        if other != name:
+            assert not any(n.startswith(f"{module}/") for n in names), f"{name} wheel contains {module}"
+
+
+def test_dependencies_point_one_way(wheels):
+    def requires(name):
+        meta, _, _ = _metadata(wheels[name])
+        return [r.split(";")[0].strip() for r in meta.get_all("Requires-Dist") or [] if "extra ==" not in r]
+
+    validate = requires("rlk-validate")
+    assert not any(r.startswith(("torch", "rlk-")) for r in validate), validate
+    assert not any(r.startswith("rlk-") for r in requires("rlk-core"))
+    assert any(r.startswith("rlk-core") for r in requires("rlk-collectives"))
+    for adapter in ("rlk-vllm-plugin", "rlk-megatron-provider"):
+        assert {"rlk-core", "rlk-collectives"} <= {r.split("=")[0].split(">")[0] for r in requires(adapter)}
+
+
+def test_entry_points(wheels):
+    assert "rlk-selfcheck = rlk_core.selfcheck:main" in _metadata(wheels["rlk-core"])[1]
+    assert "[vllm.general_plugins]" in _metadata(wheels["rlk-vllm-plugin"])[1]
+    assert "rlk-validate" in _metadata(wheels["rlk-validate"])[1]
+    assert "rlk-repro" in _metadata(wheels["rlk-repro"])[1]
+    _, _, names = _metadata(wheels["rlk-core"])
+    assert "rlk_core/schemas/readback.v1.json" in names
+
+
+def test_adapters_fail_closed_for_r_routes_they_cannot_install(monkeypatch):
+    from rlk_core.errors import RlkPolicyError
+    from rlk_megatron_provider import initialize_from_environment
+    from rlk_vllm_plugin import register
+
+    monkeypatch.setenv("RL_KERNEL_FFN_CASE", "R/R")
+    with pytest.raises(RlkPolicyError, match="rollout side of: ffn"):
+        register()
+    with pytest.raises(RlkPolicyError, match="train side of: ffn"):
+        initialize_from_environment()
+    monkeypatch.setenv("RL_KERNEL_FFN_CASE", "P/P")
+    register()
+    initialize_from_environment()
