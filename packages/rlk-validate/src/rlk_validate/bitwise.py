@@ -1,0 +1,262 @@
+"""Bitwise comparison of train and rollout log-probs, per round, over the active mask.
+
+A token is a *mismatch* when the float32 bit patterns of the two log-probs differ (so ``-0.0`` vs
+``0.0`` counts, and so does any NaN). ``max_abs_diff`` / ``mean_abs_diff`` are over active tokens with
+finite values, in float64.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any
+
+import numpy as np
+
+from .drift import WorstTokens, abs_histogram, drift_stats
+from .findings import Finding, finding
+from .safeio import InputError, Root
+from .tensors import TrainData, load_pt, load_safetensors, parse_name, torch_importable
+
+CHECK = "bitwise"
+DIR = "train-data"
+
+
+def _f(code: str, msg: str, path: str | None = None, **kw: Any) -> Finding:
+    return finding(code, msg, check=CHECK, path=path, **kw)
+
+
+def _first(mask: np.ndarray) -> list[int]:
+    s, t = np.nonzero(mask)
+    return [int(s[0]), int(t[0])]
+
+
+def _content_findings(td: TrainData) -> tuple[list[Finding], np.ndarray]:
+    """Findings about one file's values; returns the mask of usable (active, finite) positions."""
+    out: list[Finding] = []
+    m = td.mask
+    n = int(np.count_nonzero(m))
+    if n == 0:
+        out.append(_f("MASK_EMPTY", f"{td.rel}: response_mask selects no token; nothing is compared", td.rel))
+    fin = np.isfinite(td.train) & np.isfinite(td.rollout)
+    bad = m & ~fin
+    if bad.any():
+        out.append(
+            _f(
+                "LOGPROB_NONFINITE",
+                f"{td.rel}: {int(np.count_nonzero(bad))} active log-prob(s) are NaN or infinite "
+                f"(first at sample/position {_first(bad)})",
+                td.rel,
+                count=int(np.count_nonzero(bad)),
+                first=_first(bad),
+            )
+        )
+    ok = m & fin
+    pos = ok & ((td.train > 0) | (td.rollout > 0))
+    if pos.any():
+        out.append(
+            _f(
+                "LOGPROB_POSITIVE",
+                f"{td.rel}: {int(np.count_nonzero(pos))} active log-prob(s) are > 0, "
+                f"which no probability gives "
+                f"(first at sample/position {_first(pos)})",
+                td.rel,
+                count=int(np.count_nonzero(pos)),
+                first=_first(pos),
+            )
+        )
+    masked_nz = ~m & ((td.train != 0) | (td.rollout != 0))
+    if masked_nz.any():
+        out.append(
+            _f(
+                "MASKED_NONZERO",
+                f"{td.rel}: {int(np.count_nonzero(masked_nz))} masked position(s) hold a non-zero log-prob",
+                td.rel,
+                count=int(np.count_nonzero(masked_nz)),
+            )
+        )
+    return out, ok
+
+
+def check_train_data(
+    root: Root,
+    *,
+    require_exact: bool,
+    expected_rounds: int | None = None,
+    expected_ranks: int | None = None,
+    clip_eps: float = 0.2,
+    worst_k: int = 10,
+) -> tuple[list[Finding], dict[str, Any] | None, dict[str, Any] | None]:
+    """Returns ``(findings, bitwise_result, drift_result)``; results are None when nothing was read."""
+    findings: list[Finding] = []
+    try:
+        if not root.is_dir(DIR):
+            return (
+                [_f("TRAIN_DATA_MISSING", "train-data/ is absent: no log-probs to compare", DIR)],
+                None,
+                None,
+            )
+        names = root.listdir(DIR)
+    except InputError as e:
+        return [e.finding], None, None
+
+    files: dict[tuple[int, int], str] = {}
+    legacy_skipped = 0
+    for name in names:
+        rel = f"{DIR}/{name}"
+        parsed = parse_name(name)
+        if parsed is None:
+            findings.append(
+                _f(
+                    "TRAIN_DATA_UNEXPECTED",
+                    f"{rel} is not named round-<NNNN>.rank<R>.safetensors; ignored",
+                    rel,
+                    severity="warning",
+                )
+            )
+            continue
+        rnd, rank, kind = parsed
+        if (rnd, rank) in files:
+            findings.append(
+                _f(
+                    "TRAIN_DATA_UNEXPECTED",
+                    f"{rel} and {files[(rnd, rank)]} both claim round {rnd} rank {rank}",
+                    rel,
+                )
+            )
+            continue
+        if expected_rounds is not None and rnd >= expected_rounds:
+            findings.append(
+                _f(
+                    "TRAIN_DATA_UNEXPECTED",
+                    f"{rel} is round {rnd}, but the manifest expects rounds 0..{expected_rounds - 1}",
+                    rel,
+                )
+            )
+        if expected_ranks is not None and rank >= expected_ranks:
+            findings.append(
+                _f(
+                    "TRAIN_DATA_UNEXPECTED",
+                    f"{rel} is rank {rank}, but the manifest expects ranks 0..{expected_ranks - 1}",
+                    rel,
+                )
+            )
+        if kind == "pt" and not torch_importable():
+            legacy_skipped += 1
+        files[(rnd, rank)] = rel
+    if legacy_skipped:
+        findings.append(
+            _f(
+                "LEGACY_PT_UNAVAILABLE",
+                f"{legacy_skipped} legacy .pt train-data file(s) cannot be read: torch is not importable here",
+                DIR,
+            )
+        )
+    if not files:
+        findings.append(_f("TRAIN_DATA_MISSING", "train-data/ holds no round files", DIR))
+        return findings, None, None
+
+    rounds_seen = sorted({r for r, _ in files})
+    n_rounds = expected_rounds if expected_rounds is not None else max(rounds_seen) + 1
+    n_ranks = expected_ranks if expected_ranks is not None else max(k for _, k in files) + 1
+    missing = [(r, k) for r in range(n_rounds) for k in range(n_ranks) if (r, k) not in files]
+    if missing:
+        shown = ", ".join(f"round {r} rank {k}" for r, k in missing[:5]) + (" ..." if len(missing) > 5 else "")
+        findings.append(
+            _f(
+                "ROUNDS_MISSING",
+                f"train-data lacks {len(missing)} of {n_rounds * n_ranks} expected round/rank file(s): {shown}",
+                DIR,
+                missing=[list(x) for x in missing[:100]],
+            )
+        )
+
+    per_round: dict[int, dict[str, Any]] = defaultdict(
+        lambda: {"element_count": 0, "mismatch_count": 0, "diffs": [], "files": 0}
+    )
+    worst = WorstTokens(worst_k)
+    for (rnd, rank), rel in sorted(files.items()):
+        kind = "pt" if rel.endswith(".pt") else "safetensors"
+        if kind == "pt" and legacy_skipped:
+            continue
+        try:
+            td = (load_pt if kind == "pt" else load_safetensors)(root, rel, rnd, rank)
+        except InputError as e:
+            findings.append(e.finding)
+            continue
+        content, ok = _content_findings(td)
+        findings.extend(content)
+        m = td.mask
+        bits_differ = td.train.view(np.uint32) != td.rollout.view(np.uint32)
+        acc = per_round[rnd]
+        acc["files"] += 1
+        acc["element_count"] += int(np.count_nonzero(m))
+        acc["mismatch_count"] += int(np.count_nonzero(bits_differ & m))
+        acc["diffs"].append(td.train[ok].astype(np.float64) - td.rollout[ok].astype(np.float64))
+        worst.add(rnd, rank, td.token_ids, td.train, td.rollout, ok)
+
+    if not per_round:
+        return findings, None, None
+    rounds_out, drift_rounds, all_d = [], [], []
+    for rnd in sorted(per_round):
+        acc = per_round[rnd]
+        d = np.concatenate(acc["diffs"]) if acc["diffs"] else np.zeros(0)
+        all_d.append(d)
+        a = np.abs(d)
+        rounds_out.append(
+            {
+                "round": rnd,
+                "complete": acc["files"] == n_ranks,
+                "files": acc["files"],
+                "element_count": acc["element_count"],
+                "mismatch_count": acc["mismatch_count"],
+                "max_abs_diff": float(a.max()) if a.size else 0.0,
+                "mean_abs_diff": float(a.mean()) if a.size else 0.0,
+            }
+        )
+        drift_rounds.append({"round": rnd, **drift_stats(d, clip_eps)})
+    d_all = np.concatenate(all_d)
+    a_all = np.abs(d_all)
+    total = {
+        "require_exact": require_exact,
+        "complete": not missing and len(rounds_out) == n_rounds and all(r["complete"] for r in rounds_out),
+        "files": sum(r["files"] for r in rounds_out),
+        "element_count": sum(r["element_count"] for r in rounds_out),
+        "mismatch_count": sum(r["mismatch_count"] for r in rounds_out),
+        "max_abs_diff": float(a_all.max()) if a_all.size else 0.0,
+        "mean_abs_diff": float(a_all.mean()) if a_all.size else 0.0,
+        "rounds": rounds_out,
+    }
+    drift = {
+        "clip_eps": clip_eps,
+        "overall": drift_stats(d_all, clip_eps),
+        "rounds": drift_rounds,
+        "worst_tokens": worst.result(),
+        "abs_histogram": abs_histogram(d_all),
+    }
+    if total["element_count"] and total["mismatch_count"]:
+        bad_rounds = [r["round"] for r in rounds_out if r["mismatch_count"]]
+        msg = (
+            f"{total['mismatch_count']} of {total['element_count']} active tokens differ between train and "
+            f"rollout (max |diff| {total['max_abs_diff']:.6g}) in round(s) {bad_rounds[:10]}"
+        )
+        if require_exact:
+            findings.append(
+                _f(
+                    "BITWISE_MISMATCH",
+                    msg + "; bitwise equality is required",
+                    DIR,
+                    mismatch_count=total["mismatch_count"],
+                    element_count=total["element_count"],
+                )
+            )
+        else:
+            findings.append(
+                _f(
+                    "MISMATCH_DIAGNOSTIC",
+                    msg + " (not required to be zero for this plan)",
+                    DIR,
+                    mismatch_count=total["mismatch_count"],
+                    element_count=total["element_count"],
+                )
+            )
+    return findings, total, drift

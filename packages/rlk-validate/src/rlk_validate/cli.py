@@ -1,0 +1,230 @@
+"""``rlk-validate``: command line. Exit codes: 0 passed, 1 failed, 2 incomplete, 3 unusable input or
+usage, 4 internal error (a bug in rlk-validate). Never prints a traceback unless ``--debug``."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import secrets
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from . import __version__
+from .findings import CODES
+from .report import EXIT_CODES, EXIT_INTERNAL, clean, dumps
+from .safeio import Caps, MiB
+
+EXIT_USAGE = EXIT_CODES["unusable"]
+
+
+class UsageError(Exception):
+    pass
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # argparse would exit 2, which means "incomplete" here
+        raise UsageError(message)
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--json",
+        metavar="OUT",
+        help="write the schema-versioned JSON report to OUT (outside the checked directory)",
+    )
+    p.add_argument(
+        "--require-bitwise",
+        action="store_true",
+        help="require bitwise-equal log-probs even when the plan is not all R/R",
+    )
+    p.add_argument(
+        "--clip-eps", type=float, default=0.2, metavar="E", help="clip epsilon of the drift statistics (0.2)"
+    )
+    p.add_argument("--worst", type=int, default=10, metavar="K", help="how many worst tokens to list (10)")
+    p.add_argument(
+        "--allow-backend",
+        action="append",
+        default=[],
+        metavar="ID",
+        help="accept ID as an rlk backend of an R side (a plug-in's registered id); repeatable",
+    )
+    p.add_argument("--max-json-mib", type=float, default=Caps.json_bytes / MiB, metavar="N")
+    p.add_argument("--max-log-mib", type=float, default=Caps.log_bytes / MiB, metavar="N")
+    p.add_argument("--max-tensor-mib", type=float, default=Caps.tensor_bytes / MiB, metavar="N")
+    p.add_argument("-q", "--quiet", action="store_true", help="print only the verdict line")
+    p.add_argument("-v", "--verbose", action="store_true", help="also print info findings")
+    p.add_argument("--debug", action="store_true", help="show a traceback on an internal error")
+
+
+def _run_parser() -> argparse.ArgumentParser:
+    p = _Parser(
+        prog="rlk-validate",
+        description="Check an rlk run directory and say whether the claim holds. "
+        "Subcommands: `rlk-validate [run] RUN_DIR`, `rlk-validate matrix MATRIX_ROOT`, `rlk-validate codes`.",
+    )
+    p.add_argument("run_dir", metavar="RUN_DIR")
+    p.add_argument(
+        "--seal",
+        action="store_true",
+        help="write run-validation.json into RUN_DIR and, only if it passed, COMPLETE",
+    )
+    p.add_argument("--report", metavar="DIR", help="write consistency.png and drift.png into DIR (needs matplotlib)")
+    p.add_argument("--version", action="version", version=f"rlk-validate {__version__}")
+    _common(p)
+    return p
+
+
+def _matrix_parser() -> argparse.ArgumentParser:
+    p = _Parser(
+        prog="rlk-validate matrix",
+        description="Check every cell of an ablation matrix; writes "
+        "matrix-report.json and matrix-report.md at MATRIX_ROOT.",
+    )
+    p.add_argument("matrix_root", metavar="MATRIX_ROOT")
+    p.add_argument("--allow-partial", action="store_true", help="absent cells are warnings, not incomplete")
+    p.add_argument("--no-write", action="store_true", help="do not write matrix-report.json/.md")
+    _common(p)
+    return p
+
+
+def _options(a: argparse.Namespace) -> Any:
+    from .validate import Options
+
+    if not (0 < a.clip_eps < 10):
+        raise UsageError("--clip-eps must be in (0, 10)")
+    if a.worst < 0:
+        raise UsageError("--worst must be >= 0")
+    for name in ("max_json_mib", "max_log_mib", "max_tensor_mib"):
+        if not getattr(a, name) > 0:
+            raise UsageError(f"--{name.replace('_', '-')} must be > 0")
+    caps = Caps(
+        json_bytes=int(a.max_json_mib * MiB),
+        log_bytes=int(a.max_log_mib * MiB),
+        tensor_bytes=int(a.max_tensor_mib * MiB),
+    )
+    return Options(
+        require_bitwise=a.require_bitwise,
+        clip_eps=a.clip_eps,
+        worst_k=a.worst,
+        allowed_backends=frozenset(a.allow_backend),
+        caps=caps,
+    )
+
+
+def _inside(path: str, directory: str) -> bool:
+    p = os.path.realpath(os.path.abspath(path))
+    d = os.path.realpath(os.path.abspath(directory))
+    return p == d or p.startswith(d.rstrip(os.sep) + os.sep)
+
+
+def _write_json(out: str, doc: dict[str, Any]) -> None:
+    out = os.path.abspath(out)
+    tmp = f"{out}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
+    with open(tmp, "x", encoding="utf-8") as fh:
+        fh.write(dumps(doc))
+    os.replace(tmp, out)
+
+
+def _check_outputs(a: argparse.Namespace, checked: str, what: str) -> None:
+    for flag in ("json", "report"):
+        val = getattr(a, flag, None)
+        if val and os.path.isdir(checked) and _inside(val, checked):
+            raise UsageError(
+                f"--{flag} {val} is inside {what}; rlk-validate does not write there "
+                "(only --seal writes run-validation.json and COMPLETE)"
+            )
+
+
+def _main_run(argv: Sequence[str]) -> int:
+    from .seal import seal_run
+    from .validate import validate_run
+
+    a = _run_parser().parse_args(argv)
+    _check_outputs(a, a.run_dir, "RUN_DIR")
+    report = validate_run(a.run_dir, _options(a))
+    if a.seal:
+        seal_run(report)
+    print(report.summary(verbose=a.verbose).splitlines()[-1] if a.quiet else report.summary(verbose=a.verbose))
+    code = report.exit_code
+    if a.report and not report.bitwise:
+        print("rlk-validate: no train-data was compared; plots skipped", file=sys.stderr)
+    elif a.report:
+        from .plots import matplotlib_available, write_plots
+
+        if matplotlib_available():
+            try:
+                for p in write_plots(report, a.report):
+                    print(f"wrote {clean(p)}")
+            except OSError as e:
+                print(
+                    f"rlk-validate: cannot write plots into {clean(a.report)}: {e.strerror or e}",
+                    file=sys.stderr,
+                )
+                code = max(code, EXIT_USAGE)
+        else:
+            print(
+                "rlk-validate: matplotlib is not installed; plots skipped (pip install 'rlk-validate[plot]')",
+                file=sys.stderr,
+            )
+    if a.json:
+        try:
+            _write_json(a.json, report.to_json())
+        except OSError as e:
+            print(f"rlk-validate: cannot write {clean(a.json)}: {e.strerror or e}", file=sys.stderr)
+            return EXIT_USAGE
+    return code
+
+
+def _main_matrix(argv: Sequence[str]) -> int:
+    from .matrix import validate_matrix
+
+    a = _matrix_parser().parse_args(argv)
+    _check_outputs(a, a.matrix_root, "MATRIX_ROOT")
+    rep = validate_matrix(a.matrix_root, _options(a), allow_partial=a.allow_partial, write=not a.no_write)
+    print(rep.summary().splitlines()[-1] if a.quiet else rep.summary())
+    if a.json:
+        try:
+            _write_json(a.json, rep.to_json())
+        except OSError as e:
+            print(f"rlk-validate: cannot write {clean(a.json)}: {e.strerror or e}", file=sys.stderr)
+            return EXIT_USAGE
+    return rep.exit_code
+
+
+def _main_codes() -> int:
+    for code, (sev, meaning) in CODES.items():
+        print(f"{code:<26} {sev:<10} {meaning}")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in args
+    try:
+        if args and args[0] == "matrix":
+            return _main_matrix(args[1:])
+        if args and args[0] == "codes":
+            return _main_codes()
+        if args and args[0] == "run":
+            args = args[1:]
+        return _main_run(args)
+    except UsageError as e:
+        print(f"rlk-validate: usage error: {e} (see rlk-validate --help)", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print("rlk-validate: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:
+        if debug:
+            raise
+        print(
+            f"rlk-validate: internal error, a bug in rlk-validate rather than in your run: "
+            f"{type(e).__name__}: {clean(e)} (rerun with --debug for details)",
+            file=sys.stderr,
+        )
+        return EXIT_INTERNAL
+
+
+if __name__ == "__main__":
+    sys.exit(main())

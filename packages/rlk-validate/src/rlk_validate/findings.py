@@ -1,0 +1,177 @@
+"""Findings: what a check reports, and the table of every finding code.
+
+A finding has a ``code`` (stable, documented in ``docs/validate.md``), a ``severity`` and a
+human ``message``; optionally the ``path`` (relative to the checked directory) it is about and
+machine-readable ``details``.
+
+Severities, strongest first:
+
+- ``error``: the evidence contradicts the claim, or is corrupt. Any error makes the verdict ``failed``.
+- ``incomplete``: evidence the claim needs is missing (nothing seen contradicts it). Without errors,
+  the verdict is ``incomplete``.
+- ``warning``: worth a look; does not change the verdict.
+- ``info``: diagnostics (for example the mismatch of a mixed ``P/R`` cell).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+ERROR = "error"
+INCOMPLETE = "incomplete"
+WARNING = "warning"
+INFO = "info"
+SEVERITIES = (ERROR, INCOMPLETE, WARNING, INFO)
+
+#: code -> (default severity, one-line meaning). docs/validate.md lists the same table.
+CODES: dict[str, tuple[str, str]] = {
+    # input handling (any file)
+    "INPUT_UNUSABLE": (
+        ERROR,
+        "the directory to check does not exist, is not a directory, or cannot be listed",
+    ),
+    "PATH_ESCAPES": (ERROR, "a path (usually a symlink) resolves outside the checked directory"),
+    "FILE_TOO_LARGE": (ERROR, "a file is larger than the size cap for its kind; it was not read"),
+    "FILE_UNREADABLE": (ERROR, "a file or directory could not be opened or listed"),
+    "NOT_A_FILE": (ERROR, "a path that must be a regular file is something else (directory, FIFO, ...)"),
+    "JSON_INVALID": (
+        ERROR,
+        "a JSON document is truncated, malformed, or uses NaN/Infinity or duplicate keys",
+    ),
+    "SCHEMA_UNSUPPORTED": (
+        ERROR,
+        "a document's `schema` is missing, unknown, or a version this checker does not read",
+    ),
+    # run
+    "MANIFEST_MISSING": (INCOMPLETE, "manifest.json is absent"),
+    "MANIFEST_FIELD_MISSING": (ERROR, "a required manifest field is absent"),
+    "MANIFEST_FIELD_INVALID": (ERROR, "a manifest field has the wrong type or value"),
+    "PLAN_INVALID": (ERROR, "a plan is not a mapping of known modules to X/Y cases with X, Y in {P, R}"),
+    "MODE_PLAN_MISMATCH": (ERROR, "the manifest mode (native / consistency) disagrees with its plan"),
+    "REPO_REVISION_UNKNOWN": (
+        INCOMPLETE,
+        "a manifest repository records no SHA or no dirty state (not a git checkout?)",
+    ),
+    "REPO_DIRTY": (WARNING, "a repository recorded in the manifest had uncommitted changes"),
+    "EXIT_CODE_MISSING": (INCOMPLETE, "exit-code is absent: the run has not finished or was killed"),
+    "EXIT_CODE_INVALID": (ERROR, "exit-code does not hold one integer"),
+    "EXIT_CODE_NONZERO": (ERROR, "the run exited with a non-zero status"),
+    "RUN_LOG_MISSING": (INCOMPLETE, "run.log is absent"),
+    "TRACEBACK_IN_LOG": (ERROR, "run.log contains a Python traceback"),
+    "ROUNDS_MISSING": (INCOMPLETE, "fewer rounds (or rank files) of train-data than the manifest expects"),
+    "TRAIN_DATA_UNEXPECTED": (ERROR, "train-data holds files the manifest does not account for"),
+    "METRICS_MISSING": (INCOMPLETE, "metrics.jsonl is absent or lacks rounds"),
+    "METRICS_INVALID": (ERROR, "a metrics.jsonl line is malformed, duplicated or out of range"),
+    "METRICS_DISAGREE": (ERROR, "metrics.jsonl disagrees with the numbers recomputed from train-data"),
+    "BITWISE_FILE_MISSING": (INCOMPLETE, "bitwise-validation.json is absent"),
+    "BITWISE_FILE_INVALID": (ERROR, "bitwise-validation.json lacks fields or has wrong types"),
+    "BITWISE_FILE_DISAGREES": (
+        ERROR,
+        "bitwise-validation.json disagrees with the numbers recomputed from train-data",
+    ),
+    "FALLBACK_FAILURES": (ERROR, "bitwise-validation.json reports fallback failures"),
+    "COMPLETE_UNJUSTIFIED": (ERROR, "COMPLETE exists but the run does not pass validation"),
+    "SEALED": (INFO, "COMPLETE exists and the run passes validation"),
+    "SEAL_WRITTEN": (INFO, "--seal wrote run-validation.json (and COMPLETE when the run passed)"),
+    "SEAL_EXISTS": (WARNING, "--seal asked for, but COMPLETE already exists; nothing was written"),
+    "SEAL_FAILED": (ERROR, "--seal could not write run-validation.json or COMPLETE"),
+    # readbacks
+    "READBACKS_MISSING": (INCOMPLETE, "no readback for one side (train or rollout), or no readbacks at all"),
+    "READBACK_FIELD_INVALID": (ERROR, "a readback field is absent, of the wrong type, or inconsistent"),
+    "READBACK_NAME_MISMATCH": (ERROR, "a readback's file name disagrees with its framework/target/pid"),
+    "READBACK_DUPLICATE": (ERROR, "two readbacks for the same (framework, target, pid)"),
+    "READBACK_PLAN_MISMATCH": (ERROR, "a readback's plan differs from the requested plan"),
+    "READBACK_PLAN_CONFLICT": (ERROR, "readbacks disagree with each other on the plan"),
+    "READBACK_RUN_ID_MISMATCH": (ERROR, "a readback names a different run id than the manifest"),
+    "MODULE_RECORD_MISSING": (ERROR, "a planned module has no record in a side's readbacks"),
+    "MODULE_NOT_EXECUTED": (ERROR, "a planned module has call_count 0 on every process of a side"),
+    "CASE_MISMATCH": (ERROR, "a module record's case is not this side's letter of the plan"),
+    "R_NOT_RLK": (ERROR, "an R side does not report implementation rlk with an rlk backend"),
+    "R_CONTRACT_MISSING": (ERROR, "an R side reports no contract id"),
+    "FALLBACK": (ERROR, "fallback is set somewhere in a module record (nested ops/provenance included)"),
+    "P_NOT_PRODUCTION": (ERROR, "a P side does not report implementation production"),
+    "P_REPORTS_RLK": (ERROR, "a P side names an rlk backend somewhere in its record"),
+    "MODULE_UNPLANNED": (WARNING, "a readback records a module the plan does not contain"),
+    # train-data / bitwise
+    "TRAIN_DATA_MISSING": (INCOMPLETE, "train-data/ is absent or holds no round files"),
+    "TENSOR_FILE_INVALID": (ERROR, "a train-data file cannot be parsed (truncated or corrupt header/data)"),
+    "TENSOR_MISSING": (ERROR, "a required tensor is absent from a train-data file"),
+    "TENSOR_DTYPE_INVALID": (ERROR, "a tensor has a dtype the contract does not allow"),
+    "TENSOR_SHAPE_MISMATCH": (ERROR, "tensors of one file do not share one [S, T] shape"),
+    "TENSOR_METADATA_INVALID": (
+        ERROR,
+        "train-data metadata (schema/round/rank) is absent or disagrees with the file name",
+    ),
+    "MASK_INVALID": (ERROR, "response_mask holds values other than 0 and 1"),
+    "MASK_EMPTY": (ERROR, "response_mask selects no token: nothing was compared"),
+    "LOGPROB_NONFINITE": (ERROR, "a log-prob at an active position is NaN or infinite"),
+    "LOGPROB_POSITIVE": (ERROR, "a log-prob at an active position is > 0"),
+    "MASKED_NONZERO": (WARNING, "a log-prob at a masked position is not 0"),
+    "LEGACY_PT_UNAVAILABLE": (INCOMPLETE, "train-data holds legacy .pt files and torch is not importable"),
+    "BITWISE_MISMATCH": (ERROR, "train and rollout log-probs differ where bitwise equality is required"),
+    "MISMATCH_DIAGNOSTIC": (
+        INFO,
+        "train/rollout mismatch of a case that is not required to be bitwise equal",
+    ),
+    # matrix
+    "MATRIX_CELL_MISSING": (INCOMPLETE, "an expected matrix cell directory is absent"),
+    "MATRIX_CELL_PLAN_MISMATCH": (ERROR, "a cell's plan is not the plan its name stands for"),
+    "MATRIX_CELL_FAILED": (ERROR, "a matrix cell failed validation"),
+    "MATRIX_CELL_INCOMPLETE": (INCOMPLETE, "a matrix cell's evidence is incomplete"),
+    "MATRIX_UNKNOWN_ENTRY": (WARNING, "an entry of the matrix root is not a known cell name; it was skipped"),
+    "MATRIX_WRITE_FAILED": (ERROR, "matrix-report.json / matrix-report.md could not be written"),
+}
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One observation of a check."""
+
+    code: str
+    severity: str
+    message: str
+    check: str = ""
+    path: str | None = None
+    details: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "code": self.code,
+            "severity": self.severity,
+            "check": self.check,
+            "message": self.message,
+        }
+        if self.path is not None:
+            out["path"] = self.path
+        if self.details:
+            out["details"] = self.details
+        return out
+
+
+def finding(
+    code: str,
+    message: str,
+    *,
+    check: str = "",
+    path: str | None = None,
+    severity: str | None = None,
+    **details: Any,
+) -> Finding:
+    """Build a finding with the code's default severity (unless ``severity`` overrides it)."""
+    if code not in CODES:
+        raise KeyError(f"unknown finding code {code!r}")
+    sev = severity or CODES[code][0]
+    if sev not in SEVERITIES:
+        raise ValueError(f"unknown severity {sev!r}")
+    return Finding(code=code, severity=sev, message=message, check=check, path=path, details=details)
+
+
+def verdict_of(findings: list[Finding]) -> str:
+    """``failed`` if any error, else ``incomplete`` if evidence is missing, else ``passed``."""
+    sevs = {f.severity for f in findings}
+    if ERROR in sevs:
+        return "failed"
+    if INCOMPLETE in sevs:
+        return "incomplete"
+    return "passed"

@@ -1,0 +1,278 @@
+"""``rlk-validate matrix MATRIX_ROOT``: every cell checked as a run, plus what the matrix itself needs.
+
+Cells are directories named ``<module>-<XY>`` (the operator-isolation cells: one module at ``X/Y``,
+the others at ``R/R``), ``control-RR`` (all R/R) and optionally ``native-PP`` (all P/P). A cell passes
+when its routes executed as requested and its evidence is complete; only all-R/R cells must be
+bitwise zero, the mismatch of the others is reported as a diagnostic. The only files written are
+``matrix-report.json`` and ``matrix-report.md`` at the matrix root.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import secrets
+from dataclasses import dataclass, field
+from typing import Any
+
+from . import __version__
+from .findings import ERROR, INCOMPLETE, Finding, finding, verdict_of
+from .readbacks import MODULES
+from .report import EXIT_CODES, Report, clean, dumps, now_iso
+from .safeio import InputError, Root
+from .validate import Options, unusable_reason, validate_run
+
+CHECK = "matrix"
+SCHEMA = "rlk.matrix-report.v1"
+JSON_NAME = "matrix-report.json"
+MD_NAME = "matrix-report.md"
+_CELL_RE = re.compile(r"^(attention|ffn|logp)-([PR])([PR])$")
+ISOLATION_CELLS = tuple(f"{m}-{xy}" for m in MODULES for xy in ("PR", "RP", "PP"))
+REQUIRED_CELLS = ("control-RR", *ISOLATION_CELLS)
+
+
+def expected_plan(name: str) -> tuple[str, dict[str, str]] | None:
+    """``(role, plan)`` a cell name stands for, or None for a name that is not a cell."""
+    if name == "control-RR":
+        return "control", {m: "R/R" for m in MODULES}
+    if name == "native-PP":
+        return "native", {m: "P/P" for m in MODULES}
+    m = _CELL_RE.match(name)
+    if not m:
+        return None
+    plan = {mod: "R/R" for mod in MODULES}
+    plan[m.group(1)] = f"{m.group(2)}/{m.group(3)}"
+    return "isolation", plan
+
+
+@dataclass
+class MatrixReport:
+    matrix_root: str
+    cells: list[tuple[str, str, dict[str, str], Report]] = field(default_factory=list)
+    findings: list[Finding] = field(default_factory=list)
+    unusable: bool = False
+    checked_at: str = field(default_factory=now_iso)
+    written: list[str] = field(default_factory=list)
+
+    @property
+    def verdict(self) -> str:
+        return "unusable" if self.unusable else verdict_of(self.findings)
+
+    @property
+    def exit_code(self) -> int:
+        return EXIT_CODES[self.verdict]
+
+    def cell_json(self, name: str, role: str, plan: dict[str, str], r: Report) -> dict[str, Any]:
+        b = r.bitwise or {}
+        o = (r.drift or {}).get("overall") or {}
+        return {
+            "name": name,
+            "role": role,
+            "dir": r.run_dir,
+            "expected_plan": plan,
+            "plan": r.plan,
+            "verdict": r.verdict,
+            "require_exact": r.require_exact,
+            "element_count": b.get("element_count"),
+            "mismatch_count": b.get("mismatch_count"),
+            "max_abs_diff": b.get("max_abs_diff"),
+            "mean_abs_diff": b.get("mean_abs_diff"),
+            "rounds": len(b.get("rounds", [])),
+            "drift": {k: o.get(k) for k in ("abs_p50", "abs_p99", "abs_max", "clip_fraction", "approx_kl0")},
+            "counts": r.counts(),
+            "findings": [f.to_json() for f in r.findings if f.severity in (ERROR, INCOMPLETE)],
+        }
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "schema": SCHEMA,
+            "validator": {"name": "rlk-validate", "version": __version__},
+            "matrix_root": self.matrix_root,
+            "checked_at": self.checked_at,
+            "verdict": self.verdict,
+            "passed": self.verdict == "passed",
+            "exit_code": self.exit_code,
+            "findings": [f.to_json() for f in self.findings],
+            "cells": [self.cell_json(*c) for c in self.cells],
+        }
+
+    def to_markdown(self) -> str:
+        rows = [
+            f"# Matrix report: {self.verdict}",
+            "",
+            f"`{self.matrix_root}`, checked {self.checked_at} by rlk-validate {__version__}. "
+            "Only all-R/R cells "
+            "must be bitwise zero; the mismatch of the others is a diagnostic.",
+            "",
+            "| cell | attention | ffn | logp | verdict | tokens | mismatches | max abs diff | mean abs diff "
+            "| p99 abs diff | clip fraction | approx_kl0 |",
+            "| --- | --- | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        ]
+
+        def num(v: Any, fmt: str = ".3g") -> str:
+            return "-" if v is None else format(v, fmt)
+
+        for name, _role, plan, r in self.cells:
+            b = r.bitwise or {}
+            o = (r.drift or {}).get("overall") or {}
+            rows.append(
+                f"| {name} | {plan['attention']} | {plan['ffn']} | {plan['logp']} | {r.verdict} "
+                f"| {num(b.get('element_count'), 'd')} | {num(b.get('mismatch_count'), 'd')} "
+                f"| {num(b.get('max_abs_diff'))} | {num(b.get('mean_abs_diff'))} | {num(o.get('abs_p99'))} "
+                f"| {num(o.get('clip_fraction'))} | {num(o.get('approx_kl0'))} |"
+            )
+        bad = [f for f in self.findings if f.severity in (ERROR, INCOMPLETE)]
+        if bad:
+            rows += ["", "## Problems", ""]
+            rows += [f"- **{f.code}** {clean(f.message).replace('|', '/')}" for f in bad]
+        return "\n".join(rows) + "\n"
+
+    def summary(self) -> str:
+        lines = [f"rlk-validate {__version__} matrix: {clean(self.matrix_root)}"]
+        for name, _role, _plan, r in self.cells:
+            b = r.bitwise or {}
+            mm = "-" if not b else f"{b['mismatch_count']}/{b['element_count']}"
+            lines.append(
+                f"  {name:<14} {r.verdict:<11} mismatches {mm:<14} max |diff| {b.get('max_abs_diff', float('nan')):.3g}"
+            )
+        for f in self.findings:
+            if f.severity != "info":
+                lines.append(f"  {f.severity.upper():<10} {f.code:<26} {clean(f.message)}")
+        for w in self.written:
+            lines.append(f"wrote {clean(w)}")
+        lines.append(f"verdict: {self.verdict.upper()} (exit {self.exit_code})")
+        return "\n".join(lines)
+
+
+def validate_matrix(
+    path: str | os.PathLike[str],
+    options: Options | None = None,
+    allow_partial: bool = False,
+    write: bool = True,
+) -> MatrixReport:
+    opts = options or Options()
+    root_dir = os.path.abspath(os.fspath(path))
+    rep = MatrixReport(matrix_root=root_dir)
+    why = unusable_reason(root_dir)
+    if why:
+        rep.unusable = True
+        rep.findings.append(finding("INPUT_UNUSABLE", why, check=CHECK))
+        return rep
+    root = Root(root_dir, opts.caps, check=CHECK)
+    try:
+        names = root.listdir("")
+    except InputError as e:
+        rep.unusable = True
+        rep.findings.append(e.finding)
+        return rep
+    seen = set()
+    for name in names:
+        if name in (JSON_NAME, MD_NAME) or name.startswith("."):
+            continue
+        try:
+            is_dir = root.is_dir(name)
+        except InputError as e:
+            rep.findings.append(e.finding)
+            continue
+        if not is_dir:
+            continue
+        exp = expected_plan(name)
+        if exp is None:
+            rep.findings.append(
+                finding("MATRIX_UNKNOWN_ENTRY", f"{name}/ is not a cell name; skipped", check=CHECK, path=name)
+            )
+            continue
+        role, plan = exp
+        seen.add(name)
+        cell_opts = dataclasses.replace(opts, require_bitwise=opts.require_bitwise or role == "control")
+        r = validate_run(os.path.join(root_dir, name), cell_opts)
+        rep.cells.append((name, role, plan, r))
+        if r.plan is not None and r.plan != plan:
+            rep.findings.append(
+                finding(
+                    "MATRIX_CELL_PLAN_MISMATCH",
+                    f"{name}: the manifest plan is {r.plan}, the cell name means {plan}",
+                    check=CHECK,
+                    path=name,
+                )
+            )
+        v = r.verdict
+        if v in ("failed", "unusable"):
+            codes = sorted({f.code for f in r.findings if f.severity == ERROR})
+            rep.findings.append(
+                finding(
+                    "MATRIX_CELL_FAILED",
+                    f"{name} failed: {', '.join(codes)}",
+                    check=CHECK,
+                    path=name,
+                    codes=codes,
+                )
+            )
+        elif v == "incomplete":
+            codes = sorted({f.code for f in r.findings if f.severity == INCOMPLETE})
+            rep.findings.append(
+                finding(
+                    "MATRIX_CELL_INCOMPLETE",
+                    f"{name} is incomplete: {', '.join(codes)}",
+                    check=CHECK,
+                    path=name,
+                    codes=codes,
+                )
+            )
+        b = r.bitwise
+        if b and not r.require_exact and b["mismatch_count"]:
+            rep.findings.append(
+                finding(
+                    "MISMATCH_DIAGNOSTIC",
+                    f"{name}: {b['mismatch_count']} of {b['element_count']} tokens differ (max |diff| "
+                    f"{b['max_abs_diff']:.3g}); diagnostic only",
+                    check=CHECK,
+                    path=name,
+                )
+            )
+    for name in REQUIRED_CELLS:
+        if name not in seen:
+            rep.findings.append(
+                finding(
+                    "MATRIX_CELL_MISSING",
+                    f"cell {name}/ is absent",
+                    check=CHECK,
+                    path=name,
+                    severity="warning" if allow_partial else None,
+                )
+            )
+    if write:
+        _write_reports(rep)
+    return rep
+
+
+def _atomic_write(dirpath: str, name: str, data: bytes) -> str:
+    tmp = os.path.join(dirpath, f".{name}.tmp-{os.getpid()}-{secrets.token_hex(6)}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o644)
+    try:
+        os.write(fd, data)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    try:
+        os.replace(tmp, os.path.join(dirpath, name))
+    except OSError:
+        os.unlink(tmp)
+        raise
+    return os.path.join(dirpath, name)
+
+
+def _write_reports(rep: MatrixReport) -> None:
+    try:
+        for name in (JSON_NAME, MD_NAME):
+            target = os.path.join(rep.matrix_root, name)
+            if os.path.isdir(target) and not os.path.islink(target):
+                raise IsADirectoryError(21, "is a directory", target)
+        md = rep.to_markdown().encode()
+        rep.written.append(_atomic_write(rep.matrix_root, MD_NAME, md))
+        rep.written.append(_atomic_write(rep.matrix_root, JSON_NAME, dumps(rep.to_json()).encode()))
+    except OSError as e:
+        rep.findings.append(
+            finding("MATRIX_WRITE_FAILED", f"could not write the matrix report: {e.strerror or e}", check=CHECK)
+        )

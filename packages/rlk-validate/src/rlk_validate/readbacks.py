@@ -1,0 +1,311 @@
+"""Readback checks (``rlk.readback.v1``): what each process says actually executed.
+
+Rules (docs/evidence.md): the plan each process saw equals the requested plan; every planned module
+has an executed record (call_count > 0) on both sides; an R side reports implementation ``rlk``, an
+``rlk.*`` (or explicitly allowed) backend, a contract id and no fallback anywhere in the record; a P
+side reports implementation ``production`` and names no rlk backend anywhere; no duplicate files.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from typing import Any
+
+from .findings import Finding, finding
+from .safeio import InputError, Root
+
+CHECK = "readbacks"
+DIR = "readbacks"
+SCHEMA = "rlk.readback.v1"
+MODULES = ("attention", "ffn", "logp")
+SIDES = ("train", "rollout")
+TARGET_SIDE = {"training": "train", "rollout": "rollout"}
+FRAMEWORK_TARGETS = {"megatron": ("training",), "vllm": ("rollout",), "local": ("training", "rollout")}
+NAME_RE = re.compile(r"^([a-z0-9_]+)-([a-z]+)-(\d+)\.json$")
+_CASE_RE = re.compile(r"^[PR]/[PR]$")
+
+
+def _f(code: str, msg: str, path: str | None = None, **kw: Any) -> Finding:
+    return finding(code, msg, check=CHECK, path=path, **kw)
+
+
+def plan_problem(plan: Any) -> str | None:
+    """Why ``plan`` is not a valid plan, or None."""
+    if not isinstance(plan, dict) or not plan:
+        return "the plan must be a non-empty object"
+    for k, v in plan.items():
+        if k not in MODULES:
+            return f"unknown module {k!r} (known: {', '.join(MODULES)})"
+        if not isinstance(v, str) or not _CASE_RE.match(v):
+            return f"module {k!r} has case {v!r}, expected X/Y with X, Y in {{P, R}}"
+    return None
+
+
+def letter(plan: dict[str, str], module: str, side: str) -> str:
+    return plan[module][0 if side == "train" else 2]
+
+
+def _is_int(v: Any, lo: int = 0) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= lo
+
+
+def _walk(obj: Any, path: str) -> Iterator[tuple[str, str, Any]]:
+    """Every (path, key, value) of nested dicts and lists."""
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            p = f"{path}.{k}"
+            yield p, str(k), v
+            yield from _walk(v, p)
+    elif isinstance(obj, list):
+        for i, v in enumerate(obj):
+            yield from _walk(v, f"{path}[{i}]")
+
+
+def _truthy(v: Any) -> bool:
+    if isinstance(v, bool):
+        return v
+    if isinstance(v, (int, float)):
+        return v != 0
+    if isinstance(v, str):
+        return v.strip().lower() not in ("", "false", "none", "null", "0", "no")
+    if isinstance(v, (list, dict)):
+        return bool(v)
+    return False
+
+
+def _is_fallback_key(k: str) -> bool:
+    return k in ("fallback", "fallbacks", "fallback_used") or (
+        k.startswith("fallback_") and k.endswith(("count", "calls"))
+    )
+
+
+def _validate_doc(doc: Any, rel: str) -> str | None:
+    if not isinstance(doc, dict):
+        return "the document is not a JSON object"
+    fw, tg, side = doc.get("framework"), doc.get("target"), doc.get("side")
+    if fw not in FRAMEWORK_TARGETS:
+        return f"framework {fw!r} is not one of {', '.join(FRAMEWORK_TARGETS)}"
+    if tg not in FRAMEWORK_TARGETS[fw]:
+        return f"target {tg!r} is not valid for framework {fw!r}"
+    if side != TARGET_SIDE[tg]:
+        return f"side {side!r} does not match target {tg!r} (expected {TARGET_SIDE[tg]!r})"
+    for key, lo in (("pid", 0), ("rank", 0), ("world_size", 1)):
+        if not _is_int(doc.get(key), lo):
+            return f"{key} must be an integer >= {lo}, got {doc.get(key)!r}"
+    if doc["rank"] >= doc["world_size"]:
+        return f"rank {doc['rank']} is not below world_size {doc['world_size']}"
+    if doc.get("mode") not in ("strict", "audit"):
+        return f"mode {doc.get('mode')!r} is not strict or audit"
+    if doc.get("run_id") is not None and not isinstance(doc.get("run_id"), str):
+        return "run_id must be a string or null"
+    if not isinstance(doc.get("modules"), dict):
+        return "modules must be an object"
+    if "hooks" in doc and not isinstance(doc["hooks"], list):
+        return "hooks must be a list"
+    for m, rec in doc["modules"].items():
+        if not isinstance(rec, dict):
+            return f"modules.{m} must be an object"
+        if not _is_int(rec.get("call_count")):
+            return f"modules.{m}.call_count must be an integer >= 0, got {rec.get('call_count')!r}"
+    return None
+
+
+def _check_record(rec: dict[str, Any], module: str, want: str, rel: str, allowed: frozenset[str]) -> list[Finding]:
+    out: list[Finding] = []
+    where = f"modules.{module}"
+    if rec.get("case") != want:
+        out.append(_f("CASE_MISMATCH", f"{rel}: {where}.case is {rec.get('case')!r}, the plan says {want!r}", rel))
+    if want == "R":
+        backend = rec.get("backend_id")
+        if (
+            rec.get("implementation") != "rlk"
+            or not isinstance(backend, str)
+            or not (backend.startswith("rlk.") or backend in allowed)
+        ):
+            out.append(
+                _f(
+                    "R_NOT_RLK",
+                    f"{rel}: {where} is an R side but reports implementation {rec.get('implementation')!r}, "
+                    f"backend {backend!r}",
+                    rel,
+                    module=module,
+                )
+            )
+        if not isinstance(rec.get("contract_id"), str) or not rec.get("contract_id"):
+            out.append(_f("R_CONTRACT_MISSING", f"{rel}: {where} is an R side without a contract_id", rel))
+        for p, k, v in _walk(rec, where):
+            if _is_fallback_key(k) and _truthy(v):
+                out.append(
+                    _f(
+                        "FALLBACK",
+                        f"{rel}: {p} = {v!r} on an R side: a fallback ran",
+                        rel,
+                        field=p,
+                        reason=rec.get("fallback_reason"),
+                    )
+                )
+            elif ("backend" in k and isinstance(v, str) and v.startswith("production.")) or (
+                k == "implementation" and v == "production"
+            ):
+                out.append(_f("R_NOT_RLK", f"{rel}: {p} = {v!r} inside an R side's record", rel, field=p))
+    else:
+        if rec.get("implementation") != "production":
+            out.append(
+                _f(
+                    "P_NOT_PRODUCTION",
+                    f"{rel}: {where} is a P side but reports implementation {rec.get('implementation')!r}",
+                    rel,
+                )
+            )
+        for p, k, v in _walk(rec, where):
+            if (("backend" in k) and isinstance(v, str) and (v.startswith("rlk.") or v in allowed)) or (
+                k == "implementation" and v == "rlk"
+            ):
+                out.append(_f("P_REPORTS_RLK", f"{rel}: {p} = {v!r} on a P side: rlk executed there", rel, field=p))
+    return out
+
+
+def check_readbacks(
+    root: Root,
+    plan: dict[str, str] | None,
+    run_id: str | None = None,
+    allowed_backends: frozenset[str] = frozenset(),
+) -> tuple[list[Finding], dict[str, Any]]:
+    """Check ``readbacks/`` against the requested ``plan`` (None: no manifest, compare among themselves)."""
+    findings: list[Finding] = []
+    summary: dict[str, Any] = {"files": 0, "sides": {}}
+    try:
+        if not root.is_dir(DIR):
+            return [_f("READBACKS_MISSING", "readbacks/ is absent: no evidence of what executed", DIR)], summary
+        names = [n for n in root.listdir(DIR) if n.endswith(".json") and not n.startswith(".")]
+    except InputError as e:
+        return [e.finding], summary
+
+    docs: list[tuple[str, dict[str, Any]]] = []
+    keys: dict[tuple[str, str, int], str] = {}
+    for name in names:
+        rel = f"{DIR}/{name}"
+        try:
+            doc = root.read_json(rel)
+        except InputError as e:
+            findings.append(e.finding)
+            continue
+        schema = doc.get("schema") if isinstance(doc, dict) else None
+        if schema != SCHEMA:
+            findings.append(
+                finding(
+                    "SCHEMA_UNSUPPORTED",
+                    f"{rel}: schema is {schema!r}, expected {SCHEMA!r}",
+                    check=CHECK,
+                    path=rel,
+                )
+            )
+            continue
+        problem = _validate_doc(doc, rel)
+        if problem:
+            findings.append(_f("READBACK_FIELD_INVALID", f"{rel}: {problem}", rel))
+            continue
+        m = NAME_RE.match(name)
+        expect = f"{doc['framework']}-{doc['target']}-{doc['pid']}.json"
+        if not m or name != expect:
+            findings.append(_f("READBACK_NAME_MISMATCH", f"{rel}: its content says it should be named {expect}", rel))
+        key = (doc["framework"], doc["target"], doc["pid"])
+        if key in keys:
+            findings.append(
+                _f(
+                    "READBACK_DUPLICATE",
+                    f"{rel} and {keys[key]} are both the readback of {key[0]} {key[1]} pid {key[2]}",
+                    rel,
+                )
+            )
+            continue
+        keys[key] = rel
+        docs.append((rel, doc))
+    summary["files"] = len(docs)
+
+    ref_plan = plan
+    for rel, doc in docs:
+        p = doc.get("plan")
+        problem = plan_problem(p)
+        if problem:
+            findings.append(_f("PLAN_INVALID", f"{rel}: plan: {problem}", rel))
+        elif plan is not None and p != plan:
+            findings.append(
+                _f(
+                    "READBACK_PLAN_MISMATCH",
+                    f"{rel}: saw plan {p}, the run requested {plan}",
+                    rel,
+                    seen=p,
+                    requested=plan,
+                )
+            )
+        elif plan is None and ref_plan is not None and p != ref_plan:
+            findings.append(_f("READBACK_PLAN_CONFLICT", f"{rel}: saw plan {p}, another readback saw {ref_plan}", rel))
+        elif ref_plan is None:
+            ref_plan = p
+        if run_id is not None and doc.get("run_id") is not None and doc["run_id"] != run_id:
+            findings.append(
+                _f(
+                    "READBACK_RUN_ID_MISMATCH",
+                    f"{rel}: run_id {doc['run_id']!r} is not this run's ({run_id!r}); "
+                    "readbacks of another run are mixed in",
+                    rel,
+                )
+            )
+
+    if ref_plan is None or plan_problem(ref_plan):
+        if not docs and not findings:
+            findings.append(_f("READBACKS_MISSING", "readbacks/ holds no readback", DIR))
+        return findings, summary
+
+    sides: dict[str, dict[str, Any]] = {
+        s: {"processes": [], "modules": {m: {"records": 0, "call_count": 0} for m in ref_plan}} for s in SIDES
+    }
+    for rel, doc in docs:
+        side = doc["side"]
+        sides[side]["processes"].append(
+            {"file": rel, "framework": doc["framework"], "rank": doc["rank"], "pid": doc["pid"]}
+        )
+        for module, rec in doc["modules"].items():
+            if module not in ref_plan:
+                findings.append(_f("MODULE_UNPLANNED", f"{rel}: records module {module!r}, which the plan lacks", rel))
+                continue
+            findings.extend(_check_record(rec, module, letter(ref_plan, module, side), rel, allowed_backends))
+            agg = sides[side]["modules"][module]
+            agg["records"] += 1
+            agg["call_count"] += rec["call_count"]
+            for key in ("implementation", "backend_id", "contract_id"):
+                vals = agg.setdefault(key + "s", [])
+                if rec.get(key) not in vals:
+                    vals.append(rec.get(key))
+    for side in SIDES:
+        if not sides[side]["processes"]:
+            findings.append(
+                _f(
+                    "READBACKS_MISSING",
+                    f"no readback from the {side} side: nothing shows what ran there",
+                    DIR,
+                )
+            )
+            continue
+        for module, agg in sides[side]["modules"].items():
+            if agg["records"] == 0:
+                findings.append(
+                    _f(
+                        "MODULE_RECORD_MISSING",
+                        f"no {side}-side readback records module {module!r} ({ref_plan[module]}): "
+                        "its route was never installed",
+                        DIR,
+                    )
+                )
+            elif agg["call_count"] == 0:
+                findings.append(
+                    _f(
+                        "MODULE_NOT_EXECUTED",
+                        f"module {module!r} has call_count 0 on every {side}-side process",
+                        DIR,
+                    )
+                )
+    summary["sides"] = sides
+    return findings, summary

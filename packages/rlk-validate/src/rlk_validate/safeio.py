@@ -1,0 +1,198 @@
+"""Careful, read-only access to a directory somebody else wrote.
+
+Every read goes through :class:`Root`: paths are resolved and must stay inside the root (a symlink
+that points outside is refused), files must be regular files (a FIFO is never opened for a blocking
+read), sizes are checked against a cap *before* reading, and every failure becomes an
+:class:`InputError` carrying a finding instead of an exception trace.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+from dataclasses import dataclass
+from typing import Any
+
+from .findings import Finding, finding
+
+MiB = 1 << 20
+
+
+@dataclass(frozen=True)
+class Caps:
+    """Size caps, in bytes, checked before a file is read."""
+
+    json_bytes: int = 64 * MiB
+    log_bytes: int = 8192 * MiB
+    tensor_bytes: int = 16384 * MiB
+    small_bytes: int = 4096  # exit-code, COMPLETE
+
+
+class InputError(Exception):
+    """A file could not be used; ``finding`` says why."""
+
+    def __init__(self, f: Finding):
+        super().__init__(f.message)
+        self.finding = f
+
+
+class _DuplicateKey(ValueError):
+    pass
+
+
+def _no_constants(name: str) -> Any:
+    raise ValueError(f"non-standard JSON constant {name}")
+
+
+def _pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in pairs:
+        if k in out:
+            raise _DuplicateKey(f"duplicate key {k!r}")
+        out[k] = v
+    return out
+
+
+def parse_json_text(text: str) -> Any:
+    """Strict JSON: no NaN/Infinity, no duplicate keys. Raises ``ValueError`` (or RecursionError)."""
+    return json.loads(text, parse_constant=_no_constants, object_pairs_hook=_pairs)
+
+
+class Root:
+    """Read-only view of a directory; ``rel`` paths use ``/`` and are relative to it."""
+
+    def __init__(self, path: str | os.PathLike[str], caps: Caps | None = None, check: str = "input"):
+        self.path = os.path.abspath(os.fspath(path))
+        self.real = os.path.realpath(self.path)
+        self.caps = caps or Caps()
+        self.check = check
+
+    # -- paths -------------------------------------------------------------------------------
+    def _err(self, code: str, message: str, rel: str, **details: Any) -> InputError:
+        return InputError(finding(code, message, check=self.check, path=rel, **details))
+
+    def resolve(self, rel: str) -> str:
+        """The real path of ``rel``; raises ``PATH_ESCAPES`` when it leaves the root."""
+        joined = os.path.join(self.path, *rel.split("/")) if rel else self.path
+        real = os.path.realpath(joined)
+        if real != self.real and not real.startswith(self.real.rstrip(os.sep) + os.sep):
+            raise self._err(
+                "PATH_ESCAPES",
+                f"{rel} resolves to {real}, outside the checked directory; it was not read",
+                rel,
+                target=real,
+            )
+        return real
+
+    def lexists(self, rel: str) -> bool:
+        return os.path.lexists(os.path.join(self.path, *rel.split("/")))
+
+    def is_dir(self, rel: str) -> bool:
+        """True when ``rel`` is a directory inside the root (raises when it escapes)."""
+        if not self.lexists(rel):
+            return False
+        return os.path.isdir(self.resolve(rel))
+
+    def listdir(self, rel: str) -> list[str]:
+        real = self.resolve(rel)
+        try:
+            return sorted(os.listdir(real))
+        except OSError as e:
+            raise self._err("FILE_UNREADABLE", f"cannot list {rel or '.'}/: {e.strerror or e}", rel) from None
+
+    # -- files -------------------------------------------------------------------------------
+    def open_fd(self, rel: str, cap: int) -> tuple[int, int]:
+        """Open ``rel`` for reading; returns ``(fd, size)``. Checks type and size before any read."""
+        real = self.resolve(rel)
+        try:
+            fd = _open_readonly(real)
+        except FileNotFoundError:
+            raise self._err("FILE_UNREADABLE", f"{rel} does not exist (dangling link?)", rel) from None
+        except OSError as e:
+            raise self._err("FILE_UNREADABLE", f"cannot open {rel}: {e.strerror or e}", rel) from None
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise self._err("NOT_A_FILE", f"{rel} is not a regular file; it was not read", rel)
+            if st.st_size > cap:
+                raise self._err(
+                    "FILE_TOO_LARGE",
+                    f"{rel} is {st.st_size} bytes, over the cap of {cap} bytes; it was not read",
+                    rel,
+                    size=st.st_size,
+                    cap=cap,
+                )
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd, st.st_size
+
+    def read_bytes(self, rel: str, cap: int) -> bytes:
+        fd, _ = self.open_fd(rel, cap)
+        try:
+            chunks = []
+            left = cap + 1
+            while left > 0:
+                b = os.read(fd, min(left, 1 << 24))
+                if not b:
+                    break
+                chunks.append(b)
+                left -= len(b)
+        except OSError as e:
+            raise self._err("FILE_UNREADABLE", f"cannot read {rel}: {e.strerror or e}", rel) from None
+        finally:
+            os.close(fd)
+        data = b"".join(chunks)
+        if len(data) > cap:
+            raise self._err("FILE_TOO_LARGE", f"{rel} grew past the cap of {cap} bytes while read", rel)
+        return data
+
+    def read_text(self, rel: str, cap: int) -> str:
+        data = self.read_bytes(rel, cap)
+        try:
+            return data.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise self._err("JSON_INVALID", f"{rel} is not UTF-8 text (byte {e.start})", rel) from None
+
+    def read_json(self, rel: str, cap: int | None = None) -> Any:
+        text = self.read_text(rel, self.caps.json_bytes if cap is None else cap)
+        try:
+            return parse_json_text(text)
+        except json.JSONDecodeError as e:
+            ended = e.pos >= len(text.rstrip()) or e.msg.startswith("Unterminated")
+            what = "truncated" if ended and text.strip() else "invalid"
+            raise self._err(
+                "JSON_INVALID", f"{rel} is {what} JSON: {e.msg} at line {e.lineno} column {e.colno}", rel
+            ) from None
+        except RecursionError:
+            raise self._err("JSON_INVALID", f"{rel} is nested too deeply to read", rel) from None
+        except ValueError as e:
+            raise self._err("JSON_INVALID", f"{rel} is not strict JSON: {e}", rel) from None
+
+    def find_in_text(self, rel: str, needle: bytes, cap: int) -> int | None:
+        """Stream ``rel`` and return the 1-based line of the first ``needle``, or None."""
+        fd, _ = self.open_fd(rel, cap)
+        line = 1
+        tail = b""
+        try:
+            while True:
+                b = os.read(fd, 1 << 22)
+                if not b:
+                    return None
+                buf = tail + b
+                i = buf.find(needle)
+                if i >= 0:
+                    return line + buf.count(b"\n", 0, i) - tail.count(b"\n")
+                line += b.count(b"\n")
+                tail = buf[-(len(needle) - 1) :] if len(needle) > 1 else b""
+        except OSError as e:
+            raise self._err("FILE_UNREADABLE", f"cannot read {rel}: {e.strerror or e}", rel) from None
+        finally:
+            os.close(fd)
+
+
+def _open_readonly(real: str) -> int:
+    """Open without blocking on FIFOs and without following a final symlink swapped in late."""
+    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOFOLLOW", 0)
+    return os.open(real, flags)

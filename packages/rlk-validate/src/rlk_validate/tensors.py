@@ -1,0 +1,222 @@
+"""Reading ``train-data/`` files: safetensors through numpy, legacy ``.pt`` only if torch is importable.
+
+The safetensors header is parsed and checked here (length, JSON, dtypes, shapes, offsets) before the
+data is handed to ``safetensors.numpy``, so a truncated or hostile file gives a finding, not a trace.
+torch is never imported unless a legacy ``.pt`` file is actually present.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import re
+import struct
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .findings import finding
+from .safeio import InputError, Root, parse_json_text
+
+CHECK = "bitwise"
+SCHEMA = "rlk.train-data.v1"
+NAMES = ("token_ids", "response_mask", "rollout_logprobs", "train_logprobs")
+_ST_DTYPES = {
+    "BOOL": np.dtype(bool),
+    "U8": np.dtype(np.uint8),
+    "I8": np.dtype(np.int8),
+    "I16": np.dtype(np.int16),
+    "U16": np.dtype(np.uint16),
+    "I32": np.dtype(np.int32),
+    "U32": np.dtype(np.uint32),
+    "I64": np.dtype(np.int64),
+    "U64": np.dtype(np.uint64),
+    "F16": np.dtype(np.float16),
+    "F32": np.dtype(np.float32),
+    "F64": np.dtype(np.float64),
+    "BF16": None,
+    "F8_E4M3": None,
+    "F8_E5M2": None,
+}
+_ALLOWED = {
+    "token_ids": ("I64", "I32"),
+    "response_mask": ("BOOL", "U8"),
+    "rollout_logprobs": ("F32",),
+    "train_logprobs": ("F32",),
+}
+_HEADER_CAP = 100 * (1 << 20)
+NAME_RE = re.compile(r"^round-(\d{4,})\.rank(\d+)\.safetensors$")
+LEGACY_RE = re.compile(r"^(?:round-)?(\d+)\.rank(\d+)\.pt$")
+_PT_ALIASES = {
+    "token_ids": ("token_ids", "tokens", "input_ids"),
+    "response_mask": ("response_mask", "loss_mask", "mask"),
+    "rollout_logprobs": ("rollout_logprobs", "rollout_log_probs", "rollout_logp"),
+    "train_logprobs": ("train_logprobs", "train_log_probs", "log_probs", "train_logp"),
+}
+
+
+@dataclass
+class TrainData:
+    """One round/rank file: ``mask`` is bool, log-probs float32, all ``[S, T]``."""
+
+    rel: str
+    round: int
+    rank: int
+    token_ids: np.ndarray
+    mask: np.ndarray
+    rollout: np.ndarray
+    train: np.ndarray
+
+
+def parse_name(name: str) -> tuple[int, int, str] | None:
+    """``(round, rank, "safetensors"|"pt")`` for a train-data file name, else None."""
+    m = NAME_RE.match(name)
+    if m:
+        return int(m.group(1)), int(m.group(2)), "safetensors"
+    m = LEGACY_RE.match(name)
+    if m:
+        return int(m.group(1)), int(m.group(2)), "pt"
+    return None
+
+
+def torch_importable() -> bool:
+    """Whether torch could be imported; does not import it."""
+    return importlib.util.find_spec("torch") is not None
+
+
+def _bad(rel: str, msg: str, code: str = "TENSOR_FILE_INVALID", **details: Any) -> InputError:
+    return InputError(finding(code, f"{rel}: {msg}", check=CHECK, path=rel, **details))
+
+
+def _parse_header(rel: str, data: bytes) -> tuple[dict[str, Any], dict[str, str], int]:
+    if len(data) < 8:
+        raise _bad(rel, f"file is {len(data)} bytes, too short for a safetensors header")
+    (n,) = struct.unpack("<Q", data[:8])
+    if n > _HEADER_CAP or 8 + n > len(data):
+        raise _bad(rel, f"header length {n} does not fit in a {len(data)}-byte file (truncated?)")
+    try:
+        header = parse_json_text(data[8 : 8 + n].decode("utf-8"))
+    except (ValueError, RecursionError, UnicodeDecodeError) as e:
+        raise _bad(rel, f"header is not valid JSON ({e})") from None
+    if not isinstance(header, dict):
+        raise _bad(rel, "header is not a JSON object")
+    meta = header.pop("__metadata__", None) or {}
+    if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
+        raise _bad(rel, "__metadata__ must map names to strings", "TENSOR_METADATA_INVALID")
+    body = len(data) - 8 - n
+    for name, info in header.items():
+        if not isinstance(info, dict):
+            raise _bad(rel, f"tensor {name!r} has no description")
+        dt, shape, offs = info.get("dtype"), info.get("shape"), info.get("data_offsets")
+        if dt not in _ST_DTYPES:
+            raise _bad(rel, f"tensor {name!r} has unknown dtype {dt!r}")
+        if not (isinstance(shape, list) and all(isinstance(s, int) and s >= 0 for s in shape)):
+            raise _bad(rel, f"tensor {name!r} has an invalid shape {shape!r}")
+        if not (
+            isinstance(offs, list)
+            and len(offs) == 2
+            and all(isinstance(o, int) for o in offs)
+            and 0 <= offs[0] <= offs[1] <= body
+        ):
+            raise _bad(rel, f"tensor {name!r} data offsets {offs!r} fall outside the file (truncated?)")
+        npdt = _ST_DTYPES[dt]
+        itemsize = npdt.itemsize if npdt is not None else (2 if dt == "BF16" else 1)
+        if offs[1] - offs[0] != math.prod(shape) * itemsize:
+            raise _bad(rel, f"tensor {name!r}: {offs[1] - offs[0]} bytes do not hold shape {shape} of {dt}")
+    return header, meta, body
+
+
+def _check_structure(rel: str, dtypes: dict[str, str], shapes: dict[str, tuple[int, ...]]) -> None:
+    missing = [n for n in NAMES if n not in dtypes]
+    if missing:
+        raise _bad(rel, f"missing tensor(s) {', '.join(missing)}", "TENSOR_MISSING", missing=missing)
+    for n in NAMES:
+        if dtypes[n] not in _ALLOWED[n]:
+            raise _bad(
+                rel,
+                f"{n} has dtype {dtypes[n]}, expected {' or '.join(_ALLOWED[n])}",
+                "TENSOR_DTYPE_INVALID",
+                tensor=n,
+                dtype=dtypes[n],
+            )
+    ref = shapes["response_mask"]
+    if len(ref) != 2:
+        raise _bad(rel, f"response_mask has shape {list(ref)}, expected [S, T]", "TENSOR_SHAPE_MISMATCH")
+    for n in NAMES:
+        if shapes[n] != ref:
+            raise _bad(
+                rel,
+                f"{n} has shape {list(shapes[n])} but response_mask has {list(ref)}",
+                "TENSOR_SHAPE_MISMATCH",
+                shapes={k: list(v) for k, v in shapes.items() if k in NAMES},
+            )
+
+
+def load_safetensors(root: Root, rel: str, round_: int, rank: int) -> TrainData:
+    data = root.read_bytes(rel, root.caps.tensor_bytes)
+    header, meta, _ = _parse_header(rel, data)
+    _check_structure(rel, {k: v["dtype"] for k, v in header.items()}, {k: tuple(v["shape"]) for k, v in header.items()})
+    if meta.get("schema") != SCHEMA:
+        raise _bad(rel, f"metadata schema is {meta.get('schema')!r}, expected {SCHEMA!r}", "TENSOR_METADATA_INVALID")
+    for key, want in (("round", round_), ("rank", rank)):
+        got = meta.get(key)
+        if got is None or not got.strip().isdigit() or int(got) != want:
+            raise _bad(
+                rel,
+                f"metadata {key}={got!r} disagrees with the file name ({want})",
+                "TENSOR_METADATA_INVALID",
+            )
+    try:
+        from safetensors.numpy import load
+
+        tensors = load(data)
+    except Exception as e:  # safetensors raises its own error types for corrupt input
+        raise _bad(rel, f"safetensors could not read it ({type(e).__name__}: {e})") from None
+    return _finish(rel, round_, rank, tensors)
+
+
+def load_pt(root: Root, rel: str, round_: int, rank: int) -> TrainData:
+    """Legacy torch file; only called when :func:`torch_importable` is true."""
+    import torch  # legacy path only: never reached without .pt files
+
+    real = root.resolve(rel)
+    fd, _ = root.open_fd(rel, root.caps.tensor_bytes)
+    import os
+
+    os.close(fd)
+    try:
+        obj = torch.load(real, map_location="cpu", weights_only=True)
+    except Exception as e:
+        raise _bad(rel, f"torch.load failed ({type(e).__name__}: {e})") from None
+    if not isinstance(obj, dict):
+        raise _bad(rel, f"holds a {type(obj).__name__}, expected a dict of tensors")
+    tensors: dict[str, np.ndarray] = {}
+    for name, aliases in _PT_ALIASES.items():
+        for a in aliases:
+            t = obj.get(a)
+            if isinstance(t, torch.Tensor):
+                if t.dtype == torch.bfloat16:
+                    raise _bad(rel, f"{name} is bfloat16, expected float32", "TENSOR_DTYPE_INVALID")
+                tensors[name] = t.detach().cpu().numpy()
+                break
+    return _finish(rel, round_, rank, tensors, check_dtypes=True)
+
+
+_NP_TO_ST = {np.dtype(v): k for k, v in _ST_DTYPES.items() if v is not None}
+
+
+def _finish(rel: str, round_: int, rank: int, t: dict[str, np.ndarray], check_dtypes: bool = False) -> TrainData:
+    if check_dtypes:
+        _check_structure(
+            rel,
+            {k: _NP_TO_ST.get(v.dtype, str(v.dtype)) for k, v in t.items()},
+            {k: v.shape for k, v in t.items()},
+        )
+    mask = t["response_mask"]
+    if mask.dtype != np.bool_:
+        if mask.size and int(mask.max(initial=0)) > 1:
+            bad = int(np.count_nonzero(mask > 1))
+            raise _bad(rel, f"response_mask has {bad} value(s) other than 0 and 1", "MASK_INVALID")
+        mask = mask.astype(bool)
+    return TrainData(rel, round_, rank, t["token_ids"], mask, t["rollout_logprobs"], t["train_logprobs"])

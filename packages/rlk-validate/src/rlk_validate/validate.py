@@ -1,0 +1,113 @@
+"""Check one run directory: every check, in order, into one :class:`Report`. Reads only."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from .bitwise import check_train_data
+from .drift import DEFAULT_CLIP_EPS
+from .findings import finding
+from .readbacks import check_readbacks
+from .report import Report
+from .run import all_rr, check_bitwise_file, check_exit_and_log, check_manifest, check_metrics
+from .safeio import Caps, InputError, Root
+
+
+@dataclass(frozen=True)
+class Options:
+    """What to require and how much to read."""
+
+    require_bitwise: bool = False
+    clip_eps: float = DEFAULT_CLIP_EPS
+    worst_k: int = 10
+    allowed_backends: frozenset[str] = frozenset()
+    caps: Caps = field(default_factory=Caps)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "require_bitwise": self.require_bitwise,
+            "clip_eps": self.clip_eps,
+            "worst_k": self.worst_k,
+            "allowed_backends": sorted(self.allowed_backends),
+            "caps": {
+                "json_bytes": self.caps.json_bytes,
+                "log_bytes": self.caps.log_bytes,
+                "tensor_bytes": self.caps.tensor_bytes,
+            },
+        }
+
+
+def unusable_reason(path: str) -> str | None:
+    """Why ``path`` cannot be checked at all, or None."""
+    if not os.path.lexists(path):
+        return f"{path} does not exist"
+    if not os.path.isdir(path):
+        return f"{path} is not a directory"
+    try:
+        os.listdir(path)
+    except OSError as e:
+        return f"{path} cannot be listed: {e.strerror or e}"
+    return None
+
+
+def validate_run(path: str | os.PathLike[str], options: Options | None = None) -> Report:
+    """Check the run directory at ``path``; never writes anything."""
+    opts = options or Options()
+    run_dir = os.path.abspath(os.fspath(path))
+    report = Report(run_dir=run_dir, options=opts.to_json())
+    why = unusable_reason(run_dir)
+    if why:
+        report.unusable = True
+        report.findings.append(finding("INPUT_UNUSABLE", why, check="run"))
+        return report
+    root = Root(run_dir, opts.caps, check="run")
+    f = report.findings
+
+    mf, info = check_manifest(root)
+    f.extend(mf)
+    report.plan, report.run_id = info["plan"], info["run_id"]
+    f.extend(check_exit_and_log(root))
+
+    rf, summary = check_readbacks(root, info["plan"], info["run_id"], opts.allowed_backends)
+    f.extend(rf)
+    report.readbacks = summary
+
+    report.require_exact = opts.require_bitwise or all_rr(info["plan"])
+    bf, bitwise, drift = check_train_data(
+        root,
+        require_exact=report.require_exact,
+        expected_rounds=info["rounds"],
+        expected_ranks=info["ranks"],
+        clip_eps=opts.clip_eps,
+        worst_k=opts.worst_k,
+    )
+    f.extend(bf)
+    report.bitwise, report.drift = bitwise, drift
+    f.extend(check_metrics(root, info["rounds"], bitwise))
+    f.extend(check_bitwise_file(root, info["plan"], bitwise))
+    _check_complete(root, report)
+    return report
+
+
+def _check_complete(root: Root, report: Report) -> None:
+    try:
+        if not root.lexists("COMPLETE"):
+            return
+        root.resolve("COMPLETE")
+    except InputError as e:
+        report.findings.append(e.finding)
+        return
+    if report.verdict != "passed":
+        report.findings.append(
+            finding(
+                "COMPLETE_UNJUSTIFIED",
+                f"COMPLETE exists, but the run is {report.verdict} on this check: "
+                "the seal is not supported by the evidence",
+                check="run",
+                path="COMPLETE",
+            )
+        )
+    else:
+        report.findings.append(finding("SEALED", "COMPLETE exists and the run passes", check="run", path="COMPLETE"))
