@@ -49,6 +49,7 @@ OP_CONTRACTS: dict[str, str] = {
     "swiglu": "rlk.swiglu.v1",
     "rope": "rlk.rope.v1",
     "attention_varlen": "rlk.attention.v1",
+    "attention_varlen_backward": "rlk.attention.v1",
     "attention_paged_prefill": "rlk.attention.v1",
     "attention_decode": "rlk.attention.v1",
     "kv_cache_write": "rlk.attention.v1",

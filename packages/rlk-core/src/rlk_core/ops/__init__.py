@@ -5,9 +5,25 @@ where training needs it, autograd). Backend choice happens inside each op; see
 :mod:`rlk_core.backends`. Every docstring states the op's contract id and what a result depends on.
 """
 
+from rlk_core.ops.attention import (
+    attention_decode,
+    attention_paged_prefill,
+    attention_varlen,
+    kv_cache_write,
+)
 from rlk_core.ops.linear import linear
 from rlk_core.ops.rms_norm import rms_norm
 from rlk_core.ops.rope import rope, rope_cos_sin
 from rlk_core.ops.swiglu import swiglu
 
-__all__ = ["linear", "rms_norm", "rope", "rope_cos_sin", "swiglu"]
+__all__ = [
+    "attention_decode",
+    "attention_paged_prefill",
+    "attention_varlen",
+    "kv_cache_write",
+    "linear",
+    "rms_norm",
+    "rope",
+    "rope_cos_sin",
+    "swiglu",
+]
