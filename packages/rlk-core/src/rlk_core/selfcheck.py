@@ -90,7 +90,32 @@ def _check_rope(device: str, gen: torch.Generator) -> dict[str, tuple[bool, str]
     return checks
 
 
+def _check_attention(device: str, gen: torch.Generator) -> dict[str, tuple[bool, str]]:
+    import rlk_core.ops as ops
+    from rlk_core.testing.attention import check_cp_sharding, check_prefill_chunked_decode, cu_seqlens
+
+    length, hq, hkv, d = 150, 4, 2, 64
+    q = _randn(gen, device, torch.bfloat16, length, hq, d)
+    k = _randn(gen, device, torch.bfloat16, length, hkv, d)
+    v = _randn(gen, device, torch.bfloat16, length, hkv, d)
+    scale = d**-0.5
+    checks = {
+        "prefill_chunked_decode": check_prefill_chunked_decode(q, k, v, scale, generator=gen),
+        "cp_sharding": check_cp_sharding(q, k, v, scale),
+    }
+    # batch composition: the sequence alone vs packed between the two halves of another sequence set
+    oq, ok_, ov = (_randn(gen, device, torch.bfloat16, 77, h, d) for h in (hq, hkv, hkv))
+    cu1, cu3 = cu_seqlens([length], device), cu_seqlens([33, length, 77 - 33], device)
+    alone = ops.attention_varlen(q, k, v, cu1, cu1, scale)
+    packed = ops.attention_varlen(*(torch.cat([o[:33], t, o[33:]]) for o, t in ((oq, q), (ok_, k), (ov, v))),
+                                  cu3, cu3, scale)[33 : 33 + length]
+    checks["batch_composition"] = (bool(torch.equal(packed, alone)), "one sequence alone vs packed between others")
+    checks["run_to_run"] = check_run_to_run(lambda: ops.attention_varlen(q, k, v, cu1, cu1, scale), repeats=5)
+    return checks
+
+
 CHECKS: dict[str, Check] = {
+    "attention_varlen": _check_attention,
     "linear": _check_linear,
     "rms_norm": _check_rms_norm,
     "swiglu": _check_swiglu,
