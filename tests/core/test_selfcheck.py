@@ -12,7 +12,7 @@ def test_selfcheck_passes_on_cpu_and_writes_json(tmp_path, capsys):
     report = json.loads(out.read_text())
     assert report["schema"] == "rlk.selfcheck.v1" and report["passed"] is True
     ops = {r["op"]: r for r in report["ops"]}
-    assert {"linear", "rms_norm", "swiglu", "rope", "attention_varlen"} <= set(ops)
+    assert {"linear", "rms_norm", "swiglu", "rope", "attention_varlen", "linear_logprobs"} <= set(ops)
     assert ops["linear"]["contract_id"] == "rlk.gemm.bi.v1"
     assert all(c["passed"] for r in report["ops"] for c in r["checks"].values())
     table = capsys.readouterr().out

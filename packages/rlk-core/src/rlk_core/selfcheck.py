@@ -114,7 +114,32 @@ def _check_attention(device: str, gen: torch.Generator) -> dict[str, tuple[bool,
     return checks
 
 
+def _check_logp(device: str, gen: torch.Generator) -> dict[str, tuple[bool, str]]:
+    import rlk_core.ops as ops
+    from rlk_core.testing.logp import (
+        check_fused_equals_unfused,
+        check_linear_vocab_shard_merge,
+        check_vocab_shard_merge,
+    )
+
+    t, h, vocab = 64, 256, 8 * 520
+    hidden = _randn(gen, device, torch.bfloat16, t, h)
+    weight = (_randn(gen, device, torch.float32, vocab, h) / h**0.5).to(torch.bfloat16)
+    target = torch.randint(0, vocab, (t,), generator=gen).to(device)
+    logits = ops.linear(hidden, weight)
+    return {
+        "batch_invariance": check_batch_invariance(lambda x, y: ops.token_logprobs(x, y, 0.7)[0], (logits, target)),
+        "batch_invariance_fused": check_batch_invariance(
+            lambda x, y: ops.linear_logprobs(x, weight, y, 0.7)[0], (hidden, target), (1, 2, 7, 33, 64)),
+        "vocab_shards_1_2_4_8": check_vocab_shard_merge(logits, target, 0.7),
+        "vocab_shards_fused": check_linear_vocab_shard_merge(hidden, weight, target, 0.7),
+        "fused_equals_unfused": check_fused_equals_unfused(hidden, weight, target, 0.7),
+        "run_to_run": check_run_to_run(lambda: ops.linear_logprobs(hidden, weight, target, 0.7), repeats=3),
+    }
+
+
 CHECKS: dict[str, Check] = {
+    "linear_logprobs": _check_logp,
     "attention_varlen": _check_attention,
     "linear": _check_linear,
     "rms_norm": _check_rms_norm,

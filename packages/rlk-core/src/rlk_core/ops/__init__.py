@@ -12,9 +12,11 @@ from rlk_core.ops.attention import (
     kv_cache_write,
 )
 from rlk_core.ops.linear import linear
+from rlk_core.ops.linear_logprobs import linear_logp_partials, linear_logprobs
 from rlk_core.ops.rms_norm import rms_norm
 from rlk_core.ops.rope import rope, rope_cos_sin
 from rlk_core.ops.swiglu import swiglu
+from rlk_core.ops.token_logprobs import logp_partials, merge_logp_partials, token_logprobs
 
 __all__ = [
     "attention_decode",
@@ -22,8 +24,13 @@ __all__ = [
     "attention_varlen",
     "kv_cache_write",
     "linear",
+    "linear_logp_partials",
+    "linear_logprobs",
+    "logp_partials",
+    "merge_logp_partials",
     "rms_norm",
     "rope",
     "rope_cos_sin",
     "swiglu",
+    "token_logprobs",
 ]

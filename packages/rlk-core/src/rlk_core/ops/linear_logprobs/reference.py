@@ -1,0 +1,105 @@
+"""Reference fused log-probs from hidden states — contract ``rlk.logp.v1`` without full logits.
+
+The vocab is walked group by group, leaf block by leaf block (the blocks of
+:mod:`rlk_core.ops._logp_tree`). Each block's logits are computed with the rlk GEMM arithmetic —
+``round_to(hidden.dtype)(matmul_nt(f32(hidden), f32(weight[block])))``, exactly the elements
+``rlk_core.ops.linear`` produces — then ``z = f32(logits) / f32(temperature)`` and the block partial
+``(m, s)``. Block partials merge in the same trees as ``token_logprobs``, so
+``linear_logprobs(h, W, y, t) == token_logprobs(linear(h, W), y, t)`` bit for bit, by construction.
+Extra memory is O(T * 256) for logits plus the blocked GEMM's work chunk; never O(T * V).
+
+Backward recomputes each block's logits and, in the same block order, accumulates
+``dhidden += dz @ W[block]`` (fp32, fixed order) and writes ``dW[block] = dz^T @ hidden``, with
+``dz = (g_logp * (onehot - p) + g_lse * p) / temperature``, ``p = exp(z - lse)``; the rounding of
+the logits is treated as the identity. Deterministic run to run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+
+from rlk_core.ops import _logp_tree as L
+from rlk_core.ops._fixed import matmul_nt
+
+
+def _blocks(vocab_start: int, width: int, vocab_size: int) -> Iterator[tuple[int, list[tuple[int, int]]]]:
+    """``(group, [(lo, hi), ...])`` in column order for the groups of a shard; columns are local."""
+    g0, g1 = L.shard_groups("linear_logprobs", vocab_start, width, vocab_size)
+    bounds = L.group_bounds(vocab_size)
+    for g in range(g0, g1):
+        lo, hi = bounds[g] - vocab_start, bounds[g + 1] - vocab_start
+        yield g, [(b, min(b + L.BLOCK, hi)) for b in range(lo, hi, L.BLOCK)]
+
+
+def _block_z(h32: torch.Tensor, weight: torch.Tensor, lo: int, hi: int, dtype: torch.dtype,
+             temperature: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 weight block and ``z`` of one leaf block, logits rounded as ``linear`` rounds them."""
+    w32 = weight[lo:hi].float()
+    logits = matmul_nt(h32, w32).to(dtype)
+    return w32, logits.float() / temperature[:, None]
+
+
+def linear_logp_partials_reference(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
+                                   temperature: torch.Tensor, vocab_start: int, vocab_size: int
+                                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Group partials ``(m, s)`` of the shard ``weight = W[vocab_start : vocab_start + Vl]`` and its
+    ``z[target]`` (``-inf`` where the target lies elsewhere), as ``logp_partials`` would give for
+    ``linear(hidden, weight)``."""
+    t = hidden.shape[0]
+    h32 = hidden.float()
+    z_t = torch.full((t,), L.NEG_INF, dtype=torch.float32, device=hidden.device)
+    gm, gs = [], []
+    for _, blocks in _blocks(vocab_start, weight.shape[0], vocab_size):
+        bm, bs = [], []
+        for lo, hi in blocks:
+            _, z = _block_z(h32, weight, lo, hi, hidden.dtype, temperature)
+            m, s = L.block_partials(L.pad_block(z))
+            bm.append(m)
+            bs.append(s)
+            z_t = L.select_target(z, target, vocab_start + lo, z_t)
+        m, s = L.group_partial_from_blocks(bm, bs, vocab_size)
+        gm.append(m)
+        gs.append(s)
+    if gm:
+        return torch.stack(gm, 1), torch.stack(gs, 1), z_t
+    m, s = L.identity((t, 0), hidden)
+    return m, s, z_t
+
+
+def linear_logprobs_reference(hidden: torch.Tensor, weights: list[torch.Tensor], target: torch.Tensor,
+                              temperature: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    vocab_size = sum(w.shape[0] for w in weights)
+    ms, ss, z_t, start = [], [], None, 0
+    for w in weights:
+        m, s, zt = linear_logp_partials_reference(hidden, w, target, temperature, start, vocab_size)
+        ms.append(m)
+        ss.append(s)
+        z_t = zt if z_t is None else torch.maximum(z_t, zt)
+        start += w.shape[0]
+    return L.finish(*L.tree_merge_groups(torch.cat(ms, 1), torch.cat(ss, 1)), z_t)
+
+
+def linear_logprobs_backward_reference(hidden: torch.Tensor, weights: list[torch.Tensor], target: torch.Tensor,
+                                       temperature: torch.Tensor, lse: torch.Tensor, grad_logp: torch.Tensor,
+                                       grad_lse: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """``(dhidden, [dW shard, ...])``: block by block in column order; dhidden accumulated in fp32 in
+    that order (the same order for any whole-group sharding), each dW block reduced over T by the
+    fixed tree, each rounded once to its input's dtype."""
+    vocab_size = sum(w.shape[0] for w in weights)
+    h32 = hidden.float()
+    h32_t = h32.t().contiguous()
+    dh = torch.zeros_like(h32)
+    dws, start = [], 0
+    for w in weights:
+        dw = torch.empty_like(w)
+        for _, blocks in _blocks(start, w.shape[0], vocab_size):
+            for lo, hi in blocks:
+                w32, z = _block_z(h32, w, lo, hi, hidden.dtype, temperature)
+                dz = L.grad_z(z, target, start + lo, temperature, lse, grad_logp, grad_lse)
+                dh = dh + matmul_nt(dz, w32.t().contiguous())
+                dw[lo:hi] = matmul_nt(dz.t().contiguous(), h32_t).to(w.dtype)
+        dws.append(dw)
+        start += w.shape[0]
+    return dh.to(hidden.dtype), dws

@@ -1,0 +1,235 @@
+"""``token_logprobs``: selected-token log-prob and log-sum-exp from logits, contract ``rlk.logp.v1``.
+
+Also the two halves a vocab-parallel caller needs: :func:`logp_partials` (per-shard group partials)
+and :func:`merge_logp_partials` (the fixed merge tree over the gathered partials).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from rlk_core.backends import REGISTRY, Backend
+from rlk_core.ops import _checks as C
+from rlk_core.ops import _logp_tree as L
+from rlk_core.ops._dispatch import run
+from rlk_core.ops.token_logprobs.reference import (
+    logp_partials_reference,
+    merge_logp_partials_reference,
+    token_logprobs_backward_reference,
+    token_logprobs_reference,
+)
+
+CONTRACT_ID = "rlk.logp.v1"
+OP = "token_logprobs"
+
+
+def _check_logits(op: str, shards: Sequence[torch.Tensor]) -> int:
+    """Shards: non-empty list of 2-d float tensors with the same rows, dtype, device; returns V."""
+    C.require(len(shards) > 0, op, "logits must be a tensor [T, V] or a non-empty list of vocab shards")
+    for i, x in enumerate(shards):
+        C.float_tensor(x, op, f"logits[{i}]")
+        C.ndim(x, op, f"logits[{i}]", (2,))
+        C.require(x.shape[0] == shards[0].shape[0], op,
+                  f"vocab shards must have the same rows; shard 0 has {shards[0].shape[0]}, shard {i} has "
+                  f"{x.shape[0]}")
+    C.same_dtype(op, **{f"logits[{i}]": x for i, x in enumerate(shards)})
+    C.same_device(op, **{f"logits[{i}]": x for i, x in enumerate(shards)})
+    vocab_size = sum(x.shape[1] for x in shards)
+    C.require(vocab_size > 0, op, f"the vocabulary is empty (logits shapes {[tuple(x.shape) for x in shards]})")
+    start = 0
+    for x in shards:
+        L.shard_groups(op, start, x.shape[1], vocab_size)
+        start += x.shape[1]
+    return vocab_size
+
+
+def _check(shards: Sequence[torch.Tensor], target: torch.Tensor, temperature: torch.Tensor) -> None:
+    vocab_size = _check_logits(OP, shards)
+    L.check_rows(OP, shards[0].shape[0], target, temperature, vocab_size)
+    C.same_device(OP, logits=shards[0], target=target, temperature=temperature)
+
+
+@torch.library.custom_op("rlk::token_logprobs", mutates_args=())
+def _token_logprobs_op(logits: list[torch.Tensor], target: torch.Tensor, temperature: torch.Tensor
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    _check(logits, target, temperature)
+    return run(OP, logits[0].device, list(logits), target, temperature)
+
+
+@_token_logprobs_op.register_fake
+def _(logits, target, temperature):
+    _check(logits, target, temperature)
+    t = logits[0].shape[0]
+    return logits[0].new_empty((t,), dtype=torch.float32), logits[0].new_empty((t,), dtype=torch.float32)
+
+
+@torch.library.custom_op("rlk::token_logprobs_backward", mutates_args=())
+def _token_logprobs_backward_op(logits: list[torch.Tensor], target: torch.Tensor, temperature: torch.Tensor,
+                                lse: torch.Tensor, grad_logp: torch.Tensor, grad_lse: torch.Tensor
+                                ) -> list[torch.Tensor]:
+    return token_logprobs_backward_reference(list(logits), target, temperature, lse, grad_logp, grad_lse)
+
+
+@_token_logprobs_backward_op.register_fake
+def _(logits, target, temperature, lse, grad_logp, grad_lse):
+    return [torch.empty_like(x) for x in logits]
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    logits, target, temperature = inputs
+    ctx.save_for_backward(target, temperature, output[1], *logits)
+
+
+def _backward(ctx, grad_logp, grad_lse):
+    target, temperature, lse, *logits = ctx.saved_tensors
+    g_logp, g_lse = L.grads_or_zeros(lse, grad_logp, grad_lse)
+    grads = torch.ops.rlk.token_logprobs_backward(logits, target, temperature, lse, g_logp, g_lse)
+    return list(grads), None, None
+
+
+_token_logprobs_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def token_logprobs(logits: torch.Tensor | Sequence[torch.Tensor], target: torch.Tensor,
+                   temperature: float | torch.Tensor = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-prob of the target token and the log-sum-exp over the vocabulary (contract ``rlk.logp.v1``).
+
+    Parameters
+    ----------
+    logits : Tensor ``[T, V]`` (float32 / bfloat16 / float16), or a list of contiguous vocab shards
+        ``[T, V_i]`` in rank order whose boundaries fall on group boundaries (multiples of
+        ``ceil(V/8)``, clamped to ``V``) — e.g. the ``V/TP`` columns of each rank for TP 1/2/4/8 when
+        ``V`` is divisible by 8.
+    target : Tensor ``[T]``, int32 / int64, values in ``[0, V)``.
+    temperature : float > 0, or a float tensor ``[T]`` (one per row, > 0); converted to fp32 once.
+
+    Returns
+    -------
+    (logp, lse) : two float32 Tensors ``[T]``; ``logp = z[target] - lse``, ``lse = log sum exp z``,
+    ``z = f32(logits) / f32(temperature)``.
+
+    Contract ``rlk.logp.v1``: a row's results depend only on that row's logits, its temperature and
+    its target id — not on the other rows, nor on how the vocabulary is sharded (1, 2, 4, 8 shards give
+    identical bits), and they equal :func:`~rlk_core.ops.linear_logprobs.linear_logprobs` bit for bit
+    when the logits come from :func:`~rlk_core.ops.linear.linear`. ``z`` is one fp32 division; the
+    log-sum-exp runs over 8 groups of ``ceil(V/8)`` columns, leaf blocks of 256 anchored at each group
+    start (block max, ``tree_sum`` of ``exp(z - max)``), merged pairwise upper-half-onto-lower-half
+    inside a group and ``((g0+g1)+(g2+g3))+((g4+g5)+(g6+g7))`` across groups; the reference is built
+    only from elementwise fp32 operations and maxima, so this holds by construction on the CPU.
+    Masked (``-inf``) logits contribute exactly nothing. Backward w.r.t. the logits,
+    ``(g_logp*(onehot - p) + g_lse*p) / temperature`` with ``p = exp(z - lse)``, is elementwise and
+    deterministic.
+    """
+    shards = [logits] if isinstance(logits, torch.Tensor) else list(logits)
+    C.require(len(shards) > 0 and all(isinstance(x, torch.Tensor) for x in shards), OP,
+              "logits must be a tensor [T, V] or a non-empty list of tensor shards")
+    _check_logits(OP, shards)
+    temp = L.as_temperature(OP, temperature, shards[0].shape[0] if shards[0].dim() else 0, shards[0].device)
+    return torch.ops.rlk.token_logprobs(shards, target, temp)
+
+
+# -- the vocab-parallel halves ---------------------------------------------------------------------
+@torch.library.custom_op("rlk::logp_partials", mutates_args=())
+def _logp_partials_op(logits_shard: torch.Tensor, target: torch.Tensor, temperature: torch.Tensor,
+                      vocab_start: int, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    _check_partials(logits_shard, target, temperature, vocab_start, vocab_size)
+    return logp_partials_reference(logits_shard, target, temperature, vocab_start, vocab_size)
+
+
+def _check_partials(x, target, temperature, vocab_start, vocab_size) -> tuple[int, int]:
+    op = "logp_partials"
+    C.float_tensor(x, op, "logits_shard")
+    C.ndim(x, op, "logits_shard", (2,))
+    g0, g1 = L.shard_groups(op, vocab_start, x.shape[1], vocab_size)
+    L.check_rows(op, x.shape[0], target, temperature, vocab_size)
+    C.same_device(op, logits_shard=x, target=target, temperature=temperature)
+    return g0, g1
+
+
+@_logp_partials_op.register_fake
+def _(logits_shard, target, temperature, vocab_start, vocab_size):
+    g0, g1 = _check_partials(logits_shard, target, temperature, vocab_start, vocab_size)
+    t = logits_shard.shape[0]
+    f = torch.float32
+    return (logits_shard.new_empty((t, g1 - g0), dtype=f), logits_shard.new_empty((t, g1 - g0), dtype=f),
+            logits_shard.new_empty((t,), dtype=f))
+
+
+def logp_partials(logits_shard: torch.Tensor, target: torch.Tensor, temperature: float | torch.Tensor,
+                  vocab_start: int, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One vocab shard's half of ``token_logprobs`` (contract ``rlk.logp.v1``).
+
+    Parameters
+    ----------
+    logits_shard : Tensor ``[T, V_local]``: columns ``[vocab_start, vocab_start + V_local)`` of the
+        logits; both ends on group boundaries of ``vocab_size`` (see :func:`token_logprobs`).
+    target : Tensor ``[T]`` int, global ids in ``[0, vocab_size)``.
+    temperature : float or float tensor ``[T]``, > 0.
+    vocab_start, vocab_size : int.
+
+    Returns
+    -------
+    (m, s, z_target) : float32 ``[T, G_local]``, ``[T, G_local]``, ``[T]`` — the partials ``(max, sum
+    exp)`` of the non-empty groups this shard holds, and ``z[target]`` where the target lies in this
+    shard, ``-inf`` elsewhere. A distributed caller all-gathers ``m`` and ``s`` along dim 1 in rank
+    order (exact data movement), all-reduces ``z_target`` with MAX (exact), and calls
+    :func:`merge_logp_partials`; the result equals the unsharded :func:`token_logprobs` bit for bit.
+    Each group partial depends only on that row and the group's columns. Not differentiable.
+    """
+    temp = L.as_temperature("logp_partials", temperature, logits_shard.shape[0], logits_shard.device)
+    return torch.ops.rlk.logp_partials(logits_shard, target, temp, int(vocab_start), int(vocab_size))
+
+
+def _check_merge(m, s, z_target, vocab_size) -> None:
+    op = "merge_logp_partials"
+    C.require(vocab_size > 0, op, f"vocab_size must be > 0, got {vocab_size}")
+    k = L.num_groups(vocab_size)
+    for name, x in (("m", m), ("s", s)):
+        C.require(isinstance(x, torch.Tensor) and x.dtype == torch.float32 and x.dim() == 2, op,
+                  f"{name} must be a float32 tensor [T, {k}]")
+        C.require(x.shape[1] == k, op,
+                  f"{name} has {x.shape[1]} group partials but vocab_size={vocab_size} has {k} non-empty "
+                  f"groups; gather every shard's partials in rank order")
+    C.require(m.shape == s.shape, op, f"m {tuple(m.shape)} and s {tuple(s.shape)} must have the same shape")
+    C.require(isinstance(z_target, torch.Tensor) and z_target.dtype == torch.float32
+              and tuple(z_target.shape) == (m.shape[0],), op, f"z_target must be a float32 tensor [{m.shape[0]}]")
+    C.same_device(op, m=m, s=s, z_target=z_target)
+
+
+@torch.library.custom_op("rlk::merge_logp_partials", mutates_args=())
+def _merge_op(m: torch.Tensor, s: torch.Tensor, z_target: torch.Tensor, vocab_size: int
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    _check_merge(m, s, z_target, vocab_size)
+    return merge_logp_partials_reference(m, s, z_target, vocab_size)
+
+
+@_merge_op.register_fake
+def _(m, s, z_target, vocab_size):
+    _check_merge(m, s, z_target, vocab_size)
+    return torch.empty_like(z_target), torch.empty_like(z_target)
+
+
+def merge_logp_partials(m: torch.Tensor, s: torch.Tensor, z_target: torch.Tensor, vocab_size: int
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Merge gathered group partials into ``(logp, lse)`` (contract ``rlk.logp.v1``).
+
+    Parameters
+    ----------
+    m, s : float32 ``[T, num_groups]``: every shard's :func:`logp_partials` output concatenated along
+        dim 1 in rank order (``num_groups = ceil(V / ceil(V/8))``, 8 unless ``V`` is tiny).
+    z_target : float32 ``[T]``: ``z[target]`` (the MAX over the shards' ``z_target``).
+    vocab_size : int, ``V``.
+
+    Returns
+    -------
+    (logp, lse) : float32 ``[T]`` each. Fixed tree ``((g0+g1)+(g2+g3))+((g4+g5)+(g6+g7))`` (absent
+    trailing groups are exact identities), ``lse = m + log(s)``, ``logp = z_target - lse``. Each row
+    depends only on that row's partials.
+    """
+    return torch.ops.rlk.merge_logp_partials(m, s, z_target, int(vocab_size))
+
+
+REGISTRY.register(Backend("rlk.reference", OP, token_logprobs_reference, devices=("cpu", "cuda"),
+                          builtin=True))
