@@ -132,7 +132,7 @@ class ReadbackRecorder:
         key = (module, op, backend_id)
         with self._lock:
             rec = self._ops[module].get(op)
-            if rec is None or rec.backend_id != backend_id and rec.call_count == 0:
+            if rec is None or (rec.backend_id != backend_id and rec.call_count == 0):
                 rec = self._ops[module][op] = _OpRecord(backend_id, contract_id)
             elif rec.backend_id != backend_id:
                 rec.provenance.setdefault("other_backends", {})
