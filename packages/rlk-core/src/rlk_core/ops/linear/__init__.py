@@ -88,3 +88,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 REGISTRY.register(Backend("rlk.reference", "linear", linear_reference, devices=("cpu", "cuda"),
                           priority=0, builtin=True))
+
+from rlk_core.ops._triton_common import triton_backend  # noqa: E402  (imports no Triton until used on CUDA)
+
+REGISTRY.register(triton_backend("linear"))

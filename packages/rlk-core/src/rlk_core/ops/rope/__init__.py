@@ -67,3 +67,7 @@ def rope(x: torch.Tensor, positions: torch.Tensor, theta: float, rotary_dim: int
 REGISTRY.register(Backend("rlk.reference", "rope", rope_reference, devices=("cpu", "cuda"), builtin=True))
 
 __all__ = ["rope", "rope_cos_sin"]
+
+from rlk_core.ops._triton_common import triton_backend  # noqa: E402  (imports no Triton until used on CUDA)
+
+REGISTRY.register(triton_backend("rope"))

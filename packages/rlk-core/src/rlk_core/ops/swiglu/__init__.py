@@ -51,3 +51,7 @@ def swiglu(x: torch.Tensor) -> torch.Tensor:
 
 
 REGISTRY.register(Backend("rlk.reference", "swiglu", swiglu_reference, devices=("cpu", "cuda"), builtin=True))
+
+from rlk_core.ops._triton_common import triton_backend  # noqa: E402  (imports no Triton until used on CUDA)
+
+REGISTRY.register(triton_backend("swiglu"))

@@ -1,0 +1,76 @@
+"""Shared plumbing of rlk's Triton backends (``rlk.triton``): probe, lazy loading, small helpers.
+
+Importing this module imports neither Triton nor touches CUDA: each op's ``ops/<op>/triton.py``
+(which does import Triton at its top) is loaded on the first call that needs it, after
+:func:`available` said Triton and a suitable GPU are there.
+
+Every kernel of this backend follows one rule: its compile-time configuration (block sizes, warps,
+stages) is a pure function of the dtype and the reduction length, never of the number of rows, and
+the row count is passed with ``do_not_specialize`` so the compiled binary is the same for every M.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from typing import Any
+
+from rlk_core.backends import Backend
+
+BACKEND_ID = "rlk.triton"
+PRIORITY = 10
+MIN_CAPABILITY = (8, 0)  # bf16 tensor-core dot; validated on sm_90 (H200)
+
+
+def available() -> tuple[bool, str]:
+    """``(ok, reason)``: Triton importable, a CUDA device of compute capability >= 8.0.
+
+    ROCm builds of torch report ``torch.version.hip``; the kernels avoid CUDA-only features (see
+    docs/ops/gpu-kernels.md) but are not validated there, so the probe says no rather than guess.
+    """
+    try:
+        import triton  # noqa: F401
+    except ImportError as exc:
+        return False, f"triton is not importable: {exc}"
+    import torch
+
+    if getattr(torch.version, "hip", None):
+        return False, "ROCm/HIP device: rlk.triton kernels are not validated on ROCm yet"
+    if not torch.cuda.is_available():
+        return False, "no CUDA device"
+    cap = torch.cuda.get_device_capability()
+    if cap < MIN_CAPABILITY:
+        return False, f"compute capability {cap} < {MIN_CAPABILITY}"
+    return True, f"triton on compute capability {cap}"
+
+
+def next_pow2(n: int) -> int:
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
+def _lazy(module: str, attr: str) -> Callable[..., Any]:
+    cache: list[Callable[..., Any]] = []
+
+    def call(*args: Any) -> Any:
+        if not cache:
+            cache.append(getattr(importlib.import_module(module), attr))
+        return cache[0](*args)
+
+    call.__name__ = f"{module}.{attr}"
+    return call
+
+
+def triton_backend(op: str) -> Backend:
+    """The ``rlk.triton`` :class:`Backend` of ``op``; its module ``rlk_core.ops.<op>.triton`` must
+    define ``forward(*args)`` (the op's signature) and ``supports(*args) -> (ok, reason)``."""
+    module = f"rlk_core.ops.{op}.triton"
+    return Backend(
+        id=BACKEND_ID,
+        op=op,
+        fn=_lazy(module, "forward"),
+        devices=("cuda",),
+        priority=PRIORITY,
+        available=available,
+        supports=_lazy(module, "supports"),
+        builtin=True,
+    )

@@ -1,0 +1,52 @@
+"""Triton SwiGLU under contract ``rlk.swiglu.v1`` (backend ``rlk.triton``).
+
+``y = round_to(x.dtype)( (g / (1 + exp(-g))) * u )`` with ``g, u`` the fp32 gate and up halves of
+``x = [gate | up]``: elementwise, one rounding. ``exp`` is Triton's ``tl.exp`` and ``/`` its fp32
+division (both the fast hardware forms, portable to HIP); the result is equal to the reference
+within ``dtype_tols``, not bitwise, and depends only on the element (no reduction, M not specialised).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from rlk_core.ops._triton_common import next_pow2
+
+
+def config(inter: int) -> dict[str, int]:
+    block = min(2048, next_pow2(inter))
+    return {"BLOCK": block, "num_warps": max(1, min(8, block // 256))}
+
+
+@triton.jit(do_not_specialize=["M"])
+def _swiglu_fwd_kernel(x_ptr, y_ptr, M, INTER, stride_xm, stride_ym, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < INTER
+    g = tl.load(x_ptr + row * stride_xm + cols, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(x_ptr + row * stride_xm + INTER + cols, mask=mask, other=0.0).to(tl.float32)
+    y = (g / (tl.exp(-g) + 1.0)) * u
+    tl.store(y_ptr + row * stride_ym + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def forward(x: torch.Tensor) -> torch.Tensor:
+    two_i = x.shape[-1]
+    inter = two_i // 2
+    x2 = x.reshape(-1, two_i)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    m = x2.shape[0]
+    y = torch.empty((m, inter), dtype=x.dtype, device=x.device)
+    if m > 0:
+        c = config(inter)
+        grid = (m, triton.cdiv(inter, c["BLOCK"]))
+        _swiglu_fwd_kernel[grid](x2, y, m, inter, x2.stride(0), y.stride(0), **c)
+    return y.reshape(*x.shape[:-1], inter)
+
+
+def supports(x: torch.Tensor) -> tuple[bool, str]:
+    if triton.cdiv(x.shape[-1] // 2, config(x.shape[-1] // 2)["BLOCK"]) > 65535:
+        return False, f"intermediate size {x.shape[-1] // 2} exceeds the grid's second dimension"
+    return True, ""

@@ -1,0 +1,50 @@
+"""Shapes and input builders shared by the GPU tests and benchmarks/ (one source of truth).
+
+Qwen3-8B: hidden 4096, 32 q heads, 8 kv heads, head dim 128, intermediate 12288, vocab 151936.
+Qwen3-0.6B: hidden 1024, 16 q heads, 8 kv heads, head dim 128, intermediate 3072, vocab 151936.
+Tensor-parallel shards divide N (column-parallel) or K (row-parallel) by TP.
+"""
+
+from __future__ import annotations
+
+import torch
+
+M_LIST = (1, 2, 3, 7, 16, 63, 64, 65, 127, 128, 1000, 4096, 8192)
+
+MODELS = {
+    "qwen3-8b": {"hidden": 4096, "q_heads": 32, "kv_heads": 8, "head_dim": 128, "inter": 12288, "vocab": 151936},
+    "qwen3-0.6b": {"hidden": 1024, "q_heads": 16, "kv_heads": 8, "head_dim": 128, "inter": 3072, "vocab": 151936},
+}
+TP_LIST = (1, 2, 4)
+
+
+def linear_shapes() -> list[tuple[str, int, int]]:
+    """``(name, N, K)`` of every projection of both models at TP 1, 2, 4."""
+    out = []
+    for model, c in MODELS.items():
+        h, d = c["hidden"], c["head_dim"]
+        for tp in TP_LIST:
+            qkv = (c["q_heads"] + 2 * c["kv_heads"]) * d // tp
+            out += [
+                (f"{model}/tp{tp}/qkv", qkv, h),
+                (f"{model}/tp{tp}/o", h, c["q_heads"] * d // tp),
+                (f"{model}/tp{tp}/gate_up", 2 * c["inter"] // tp, h),
+                (f"{model}/tp{tp}/down", h, c["inter"] // tp),
+                (f"{model}/tp{tp}/lm_head", c["vocab"] // tp, h),
+            ]
+    return out
+
+
+def gen(seed: int) -> torch.Generator:
+    return torch.Generator(device="cuda").manual_seed(seed)
+
+
+def randn(shape, dtype=torch.bfloat16, scale: float = 1.0, seed: int = 0) -> torch.Tensor:
+    """Random normal data on the GPU (never zeros: zeros hide unwritten outputs)."""
+    return (torch.randn(shape, device="cuda", generator=gen(seed), dtype=torch.float32) * scale).to(dtype)
+
+
+def linear_inputs(m: int, n: int, k: int, dtype=torch.bfloat16, seed: int = 0):
+    x = randn((m, k), dtype, 1.0, seed)
+    w = randn((n, k), dtype, k ** -0.5, seed + 1)  # outputs of order 1, as in a trained layer
+    return x, w

@@ -1,0 +1,58 @@
+"""Driver for compute-sanitizer: runs every rlk.triton kernel once at small, awkward shapes.
+
+    PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck  python tests/gpu/sanitize_kernels.py
+    PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool racecheck python tests/gpu/sanitize_kernels.py
+
+Not a pytest module (no ``test_`` prefix): the sanitizer wraps the whole process. Exits non-zero if
+a result is wrong, so a run that silently computed garbage cannot look clean.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from rlk_core.ops.linear import triton as linear_t
+from rlk_core.ops.linear.reference import linear_reference
+from rlk_core.ops.rms_norm import triton as rms_t
+from rlk_core.ops.rms_norm.reference import rms_norm_reference
+from rlk_core.ops.rope import triton as rope_t
+from rlk_core.ops.rope.reference import rope_reference
+from rlk_core.ops.swiglu import triton as swiglu_t
+from rlk_core.ops.swiglu.reference import swiglu_reference
+from rlk_core.testing import dtype_tols
+
+
+def close(a, b, dtype, what):
+    torch.testing.assert_close(a.double(), b.double(), **dtype_tols(dtype), msg=lambda m: f"{what}: {m}")
+
+
+def main() -> int:
+    torch.manual_seed(0)
+    dev = "cuda"
+    for dt in (torch.bfloat16, torch.float32):
+        for m, n, k in ((1, 64, 64), (65, 130, 200), (3, 257, 128)):
+            x = torch.randn(m, k, device=dev).to(dt)
+            w = (torch.randn(n, k, device=dev) * k ** -0.5).to(dt)
+            b = torch.randn(n, device=dev).to(dt)
+            close(linear_t.forward(x, w, b), linear_reference(x, w, b), dt, f"linear {m}x{n}x{k}")
+            close(linear_t.forward(x.t().contiguous().t(), w.t().contiguous().t(), None),
+                  linear_reference(x, w, None), dt, "linear strided")
+        for shape in ((5, 128), (3, 1000), (17, 4096)):
+            x, wt = torch.randn(shape, device=dev).to(dt), torch.randn(shape[-1], device=dev).to(dt)
+            close(rms_t.forward(x, wt, 1e-6), rms_norm_reference(x, wt, 1e-6), dt, f"rms_norm {shape}")
+        for shape in ((5, 2 * 768), (3, 2 * 100), (2, 2 * 3072)):
+            x = torch.randn(shape, device=dev).to(dt)
+            close(swiglu_t.forward(x), swiglu_reference(x), dt, f"swiglu {shape}")
+        for t, h, d, rd in ((5, 8, 128, 128), (3, 3, 96, 64)):
+            x = torch.randn(t, h, d, device=dev).to(dt)
+            pos = torch.randint(0, 5000, (t,), device=dev)
+            close(rope_t.forward(x, pos, 1e6, rd), rope_reference(x, pos, 1e6, rd), dt, f"rope {t, h, d, rd}")
+    torch.cuda.synchronize()
+    print("sanitize_kernels: all kernels ran and matched the reference")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

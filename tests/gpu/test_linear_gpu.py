@@ -1,0 +1,131 @@
+"""``linear`` on the GPU (backend ``rlk.triton``, contract ``rlk.gemm.bi.v1``): bitwise batch
+invariance over the issue's M list, decode-sized vs training-sized batches, run-to-run forward and
+backward, tolerance vs the reference, and cuBLAS as the negative control."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from rlk_core.backends import REGISTRY
+from rlk_core.ops import linear
+from rlk_core.ops.linear.reference import linear_reference
+from rlk_core.testing import assert_bitwise_equal, check_batch_invariance, check_run_to_run, dtype_tols
+
+from ._shapes import M_LIST, linear_inputs, randn
+
+pytestmark = pytest.mark.gpu
+
+# (N, K): down projection (the large-K shape where cuBLAS is not batch-invariant), qkv, awkward
+SHAPES = [(4096, 12288), (6144, 4096), (333, 1000)]
+
+
+def assert_close_dot(out, ref, absdot, dtype, name):
+    """``|out - ref| <= atol + rtol * max(|ref|, sum_k |x_k w_k|)`` with (rtol, atol) from ``dtype_tols``.
+
+    Two fp32 accumulation orders of one dot product (the kernel's sequential K loop, the reference's
+    pairwise tree) differ by up to about ``sqrt(K) * eps * sum_k |x_k w_k|`` (Higham's bound), which
+    for results near zero is far above ``rtol * |ref|``; scaling by the sum of absolute products is the
+    condition-aware form of the same tolerance.
+    """
+    tols = dtype_tols(dtype)
+    allowed = tols["atol"] + tols["rtol"] * torch.maximum(ref.double().abs(), absdot.double())
+    err = (out.double() - ref.double()).abs()
+    bad = err > allowed
+    assert not bool(bad.any()), (f"{name}: {int(bad.sum())} of {err.numel()} elements outside tolerance; "
+                                 f"worst error / allowed {float((err / allowed).max()):.3g}")
+
+
+def test_triton_backend_is_selected():
+    x, w = linear_inputs(4, 64, 128)
+    sel = REGISTRY.select("linear", "cuda", (x, w, None), strict=True)
+    assert sel.backend.id == "rlk.triton" and sel.fallback_reason is None
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("n,k", SHAPES)
+def test_linear_batch_invariant(n, k, dtype):
+    rows, w = linear_inputs(64, n, k, dtype)
+    ok, detail = check_batch_invariance(lambda a: linear(a, w), rows, batch_sizes=M_LIST, probe=5)
+    assert ok, detail
+
+
+def test_linear_fp32_batch_invariant():
+    rows, w = linear_inputs(32, 300, 520, torch.float32)
+    ok, detail = check_batch_invariance(lambda a: linear(a, w), rows, batch_sizes=M_LIST[:11], probe=3)
+    assert ok, detail
+
+
+@pytest.mark.parametrize("n,k", SHAPES[:2])
+def test_linear_decode_equals_training_batch(n, k):
+    x, w = linear_inputs(8192, n, k)
+    b = randn((n,), seed=7)
+    big = linear(x, w, b)
+    for m in (1, 2, 3, 7, 16, 63, 65):
+        for start in (0, 4001, 8192 - m):
+            assert_bitwise_equal(linear(x[start:start + m], w, b), big[start:start + m],
+                                 f"rows {start}..{start + m} alone vs in the batch of 8192")
+
+
+def test_linear_3d_and_noncontiguous_rows():
+    x, w = linear_inputs(2 * 96, 256, 512)
+    x3 = x.view(2, 96, 512)
+    assert_bitwise_equal(linear(x3, w), linear(x, w).view(2, 96, 256), "[2, 96, K] vs [192, K]")
+    strided = x[::2]  # row stride 2K: a non-contiguous view
+    assert_bitwise_equal(linear(strided, w), linear(x, w)[::2], "strided rows vs the same rows in the batch")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("m,n,k", [(65, 256, 4096), (7, 130, 1000), (1, 64, 96)])
+def test_linear_matches_reference(m, n, k, dtype):
+    x, w = linear_inputs(m, n, k, dtype, seed=11)
+    b = randn((n,), dtype, seed=12)
+    out = linear(x, w, b)
+    ref = linear_reference(x, w, b)
+    if dtype != torch.float32:  # rounding to bf16/fp16 dominates: the plain elementwise tolerance holds
+        torch.testing.assert_close(out.double(), ref.double(), **dtype_tols(dtype))
+    absdot = x.double().abs() @ w.double().abs().T + b.double().abs()
+    assert_close_dot(out, ref, absdot, dtype, f"linear {m}x{n}x{k} {dtype} vs reference")
+
+
+def test_linear_forward_backward_run_to_run():
+    x0, w0 = linear_inputs(1000, 1536, 4096)
+    b0 = randn((1536,), seed=3)
+    g = randn((1000, 1536), seed=4)
+
+    def step():
+        x, w, b = (t.detach().clone().requires_grad_() for t in (x0, w0, b0))
+        y = linear(x, w, b)
+        y.backward(g)
+        return y, x.grad, w.grad, b.grad
+
+    ok, detail = check_run_to_run(step, repeats=10)
+    assert ok, detail
+
+
+def test_linear_backward_matches_reference():
+    x0, w0 = linear_inputs(63, 96, 256, torch.float32)
+    g = randn((63, 96), torch.float32, seed=5)
+    x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
+    linear(x, w).backward(g)
+    g64, x64, w64 = g.double(), x0.double(), w0.double()
+    assert_close_dot(x.grad, g64 @ w64, g64.abs() @ w64.abs(), torch.float32, "dx vs float64")
+    assert_close_dot(w.grad, g64.T @ x64, g64.abs().T @ x64.abs(), torch.float32, "dW vs float64")
+
+
+def test_cublas_is_not_batch_invariant_negative_control():
+    """The check above must be able to fail: on the H200, cuBLAS (torch.mm / F.linear) gives a row
+    different bits at M=1 than inside M=2048 for the down projection (12288 -> 4096)."""
+    x, w = linear_inputs(2048, 4096, 12288)
+    alone_mm, batch_mm = torch.mm(x[:1], w.t()), torch.mm(x, w.t())[:1]
+    alone_fl, batch_fl = F.linear(x[:1], w), F.linear(x, w)[:1]
+    assert not torch.equal(alone_mm, batch_mm), "torch.mm was batch-invariant here: the negative control is void"
+    assert not torch.equal(alone_fl, batch_fl), "F.linear was batch-invariant here: the negative control is void"
+    assert_bitwise_equal(linear(x[:1], w), linear(x, w)[:1], "rlk linear, row 0 at M=1 vs M=2048")
+
+
+def test_linear_opcheck():
+    x, w = linear_inputs(5, 48, 64)
+    b = randn((48,), seed=9)
+    torch.library.opcheck(torch.ops.rlk.linear.default, (x, w, b))
