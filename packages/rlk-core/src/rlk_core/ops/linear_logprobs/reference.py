@@ -2,8 +2,9 @@
 
 The vocab is walked group by group, leaf block by leaf block (the blocks of
 :mod:`rlk_core.ops._logp_tree`). Each block's logits are computed with the rlk GEMM arithmetic —
-``round_to(hidden.dtype)(matmul_nt(f32(hidden), f32(weight[block])))``, exactly the elements
-``rlk_core.ops.linear`` produces — then ``z = f32(logits) / f32(temperature)`` and the block partial
+``rlk_core.ops.linear(hidden, weight[block])`` — the GEMM op itself, whichever backend it runs on
+this device, so exactly the elements ``linear(hidden, weight)`` produces — then
+``z = f32(logits) / f32(temperature)`` and the block partial
 ``(m, s)``. Block partials merge in the same trees as ``token_logprobs``, so
 ``linear_logprobs(h, W, y, t) == token_logprobs(linear(h, W), y, t)`` bit for bit, by construction.
 Extra memory is O(T * 256) for logits plus the blocked GEMM's work chunk; never O(T * V).
@@ -33,12 +34,13 @@ def _blocks(vocab_start: int, width: int, vocab_size: int) -> Iterator[tuple[int
         yield g, [(b, min(b + L.BLOCK, hi)) for b in range(lo, hi, L.BLOCK)]
 
 
-def _block_z(h32: torch.Tensor, weight: torch.Tensor, lo: int, hi: int, dtype: torch.dtype,
+def _block_z(hidden: torch.Tensor, weight: torch.Tensor, lo: int, hi: int,
              temperature: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp32 weight block and ``z`` of one leaf block, logits rounded as ``linear`` rounds them."""
-    w32 = weight[lo:hi].float()
-    logits = matmul_nt(h32, w32).to(dtype)
-    return w32, logits.float() / temperature[:, None]
+    """fp32 weight block and ``z`` of one leaf block. The block's logits come from the ``linear`` op
+    itself (whichever backend it selects on this device), so they are exactly the elements
+    ``linear(hidden, weight)`` produces: the GEMM contract makes each element independent of N."""
+    logits = torch.ops.rlk.linear(hidden, weight[lo:hi], None)
+    return weight[lo:hi].float(), logits.float() / temperature[:, None]
 
 
 def linear_logp_partials_reference(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
@@ -48,13 +50,12 @@ def linear_logp_partials_reference(hidden: torch.Tensor, weight: torch.Tensor, t
     ``z[target]`` (``-inf`` where the target lies elsewhere), as ``logp_partials`` would give for
     ``linear(hidden, weight)``."""
     t = hidden.shape[0]
-    h32 = hidden.float()
     z_t = torch.full((t,), L.NEG_INF, dtype=torch.float32, device=hidden.device)
     gm, gs = [], []
     for _, blocks in _blocks(vocab_start, weight.shape[0], vocab_size):
         bm, bs = [], []
         for lo, hi in blocks:
-            _, z = _block_z(h32, weight, lo, hi, hidden.dtype, temperature)
+            _, z = _block_z(hidden, weight, lo, hi, temperature)
             m, s = L.block_partials(L.pad_block(z))
             bm.append(m)
             bs.append(s)
@@ -96,7 +97,7 @@ def linear_logprobs_backward_reference(hidden: torch.Tensor, weights: list[torch
         dw = torch.empty_like(w)
         for _, blocks in _blocks(start, w.shape[0], vocab_size):
             for lo, hi in blocks:
-                w32, z = _block_z(h32, w, lo, hi, hidden.dtype, temperature)
+                w32, z = _block_z(hidden, w, lo, hi, temperature)
                 dz = L.grad_z(z, target, start + lo, temperature, lse, grad_logp, grad_lse)
                 dh = dh + matmul_nt(dz, w32.t().contiguous())
                 dw[lo:hi] = matmul_nt(dz.t().contiguous(), h32_t).to(w.dtype)
