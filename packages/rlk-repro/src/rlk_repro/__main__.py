@@ -1,0 +1,5 @@
+import sys
+
+from rlk_repro.cli import main
+
+sys.exit(main())

@@ -1,0 +1,178 @@
+"""``rlk-repro``: command line.
+
+``rlk-repro run --engine local`` runs the embedded experiment and writes a new run directory under
+``--output``. Exit codes: 0 done (and, for an exact run, bitwise equal); 1 an exact (all R/R, strict)
+run found mismatches or fallbacks; 2 bad arguments or configuration; 3 the run failed (see run.log).
+Errors are one line on stderr, never a traceback (``--debug`` shows it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from rlk_core.errors import RlkConfigError, RlkError
+
+EXIT_OK, EXIT_MISMATCH, EXIT_USAGE, EXIT_FAILED = 0, 1, 2, 3
+CASES = ("P/P", "P/R", "R/P", "R/R")
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line, exit 2, no usage dump
+        raise _Usage(f"{self.prog}: {message}")
+
+
+class _Usage(Exception):
+    pass
+
+
+def _case(value: str) -> str:
+    v = value.strip().upper().replace("-", "/")
+    if len(v) == 2 and "/" not in v:
+        v = f"{v[0]}/{v[1]}"
+    if v not in CASES:
+        raise argparse.ArgumentTypeError(
+            f"{value!r} is not a case; allowed: {', '.join(CASES)} (X = train, Y = rollout)"
+        )
+    return v
+
+
+def _positive(value: str) -> int:
+    try:
+        n = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not an integer") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{value!r} must be >= 1")
+    return n
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from rlk_repro import __version__
+
+    p = _Parser(prog="rlk-repro", description="Train/rollout numerical-consistency experiments (rlk).")
+    p.add_argument("--version", action="version", version=f"rlk-repro {__version__}")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    r = sub.add_parser("run", help="run rounds of rollout -> train -> compare -> update and write a run directory",
+                       description="Run the experiment; a new run directory is created under --output.")
+    r.add_argument("--engine", choices=("local",), default="local",
+                   help="local: the embedded Qwen3 rollout engine + trainer on this machine (default)")
+    r.add_argument("--mode", choices=("native", "consistency"), default=None,
+                   help="native = all P/P, consistency = all R/R (default: consistency); per-module cases override it")
+    for module in ("attention", "ffn", "logp"):
+        r.add_argument(f"--{module}-case", type=_case, default=None, metavar="X/Y",
+                       help=f"{module} case, train/rollout, each P (production) or R (rlk); overrides --mode")
+    r.add_argument("--rounds", type=_positive, default=5, help="rounds (rollout steps) to run (5)")
+    r.add_argument("--output", default="rlk-runs", help="directory under which the run directory is created (rlk-runs)")
+    r.add_argument("--seed", type=int, default=1234, help="seed of the checkpoint, sampling and training (1234)")
+    r.add_argument("--device", default="cpu", help="cpu (default) or cuda[:N]")
+    r.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
+                   help="compute dtype (default: float32 on cpu, bfloat16 on cuda)")
+    r.add_argument("--model", choices=("tiny", "small", "qwen3-0.6b"), default="tiny",
+                   help="model shape preset with random weights (tiny)")
+    r.add_argument("--checkpoint", metavar="DIR",
+                   help="Hugging Face Qwen3 directory (config.json + safetensors); overrides --model")
+    r.add_argument("--prompts-per-round", type=_positive, default=4, help="prompts (GRPO groups) per round (4)")
+    r.add_argument("--samples-per-prompt", type=_positive, default=4,
+                   help="samples per prompt, the GRPO group size (4)")
+    r.add_argument("--max-new-tokens", type=_positive, default=16, help="response token limit (16)")
+    r.add_argument("--chunk-size", type=_positive, default=16,
+                   help="chunked-prefill chunk size per request and step (16)")
+    r.add_argument("--page-size", type=_positive, default=8, help="KV cache page size (8)")
+    r.add_argument("--max-num-seqs", type=_positive, default=6, help="running requests at most (6)")
+    r.add_argument("--temperature", type=float, default=1.0, help="sampling temperature, > 0 (1.0)")
+    r.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling threshold in (0, 1] (0.95)")
+    r.add_argument("--top-k", type=int, default=0, help="top-k sampling, 0 = off (0)")
+    r.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw")
+    r.add_argument("--lr", type=float, default=1e-3, help="learning rate (1e-3)")
+    r.add_argument("--threads", type=_positive, default=None,
+                   help="torch CPU threads (default 1 on cpu: the small ops of a tiny model lose more to OpenMP "
+                   "spinning than they gain, badly so on a shared machine; raise it for larger models)")
+    r.add_argument("--audit", action="store_true",
+                   help="record fallbacks and route violations instead of failing (default: strict)")
+    r.add_argument("--debug", action="store_true", help="show tracebacks")
+    return p
+
+
+def _plan(a: argparse.Namespace):
+    from rlk_core.plan import PRESETS, RoutePlan
+
+    cases = {m: getattr(a, f"{m}_case") for m in ("attention", "ffn", "logp")}
+    if a.mode is not None and any(cases.values()):
+        base = PRESETS[a.mode]
+    elif any(cases.values()):
+        base = PRESETS["consistency"]
+    else:
+        base = PRESETS[a.mode or "consistency"]
+    return RoutePlan(**{m: cases[m] or base.case(m) for m in cases})
+
+
+def _cmd_run(a: argparse.Namespace, argv: Sequence[str]) -> int:
+    from rlk_repro.engine.local import LocalRunConfig, run_local
+
+    plan = _plan(a)
+    device = a.device
+    dtype = a.dtype or ("bfloat16" if device.startswith("cuda") else "float32")
+    cfg = LocalRunConfig(
+        plan=plan, rounds=a.rounds, seed=a.seed, device=device, dtype=dtype, model=a.model, checkpoint=a.checkpoint,
+        prompts_per_round=a.prompts_per_round, samples_per_prompt=a.samples_per_prompt,
+        max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_p=a.top_p, top_k=a.top_k,
+        chunk_size=a.chunk_size, page_size=a.page_size, max_num_seqs=a.max_num_seqs, optimizer=a.optimizer,
+        lr=a.lr, readback_mode="audit" if a.audit else "strict", command=["rlk-repro", *argv],
+        threads=a.threads or (1 if device == "cpu" else None),
+    )
+    from rlk_repro.engine.sampling import SamplingParams
+
+    SamplingParams(a.temperature, a.top_p, a.top_k, a.max_new_tokens)  # argument errors before any work
+    cfg.validate()
+    print(f"rlk-repro: engine local, mode {cfg.mode}, plan {plan.as_dict()}, {a.rounds} rounds, model "
+          f"{a.checkpoint or a.model}, {device}/{dtype}", file=sys.stderr)
+    result = run_local(cfg, a.output)
+    from rlk_repro.runs import summary_table
+
+    print(summary_table(result.rounds, result.bitwise))
+    b = result.bitwise
+    verdict = ("PASS: bitwise equal" if b["mismatch_count"] == 0 else
+               f"{'FAIL' if result.exit_code else 'info'}: {b['mismatch_count']} of {b['element_count']} tokens differ")
+    print(f"{verdict} ({'exact equality required' if cfg.exact_required else 'exact equality not required'}); "
+          f"weights changed every round: {'yes' if result.weights_changed_every_round else 'NO'}")
+    print(f"run directory: {result.run_dir}")
+    return result.exit_code
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in argv
+    try:
+        a = build_parser().parse_args(argv)
+        if a.command is None:
+            build_parser().print_help()
+            return EXIT_USAGE
+        return _cmd_run(a, argv)
+    except _Usage as exc:
+        print(f"{exc}\n(see `rlk-repro run --help`)", file=sys.stderr)
+        return EXIT_USAGE
+    except RlkConfigError as exc:
+        if debug:
+            raise
+        print(f"rlk-repro: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except RlkError as exc:
+        if debug:
+            raise
+        print(f"rlk-repro: run failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+    except KeyboardInterrupt:
+        print("rlk-repro: interrupted", file=sys.stderr)
+        return 130
+    except Exception as exc:  # a bug or an environment failure: one line here, --debug for the traceback
+        if debug:
+            raise
+        print(f"rlk-repro: run failed: {type(exc).__name__}: {exc} (rerun with --debug for a traceback)",
+              file=sys.stderr)
+        return EXIT_FAILED
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,265 @@
+"""The local experiment: N rounds of rollout -> train recompute -> compare -> update -> weight sync.
+
+:func:`run_local` writes the whole run directory (``docs/evidence.md``) and returns a
+:class:`LocalRunResult`; it never prints (the CLI does). Readbacks come from two recorders of
+framework ``local``: the trainer's (side ``train``) and the rollout engine's (side ``rollout``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from rlk_core.errors import RlkConfigError
+from rlk_core.plan import RoutePlan
+from rlk_core.readback import ReadbackRecorder
+from rlk_repro import runs
+from rlk_repro.engine.data import encode, load_prompts, prompts_sha256, reward
+from rlk_repro.engine.rollout import Request, RolloutEngine
+from rlk_repro.engine.sampling import SamplingParams
+from rlk_repro.engine.trainer import Sample, Trainer, group_advantages
+from rlk_repro.model.config import PRESETS, Qwen3Config
+from rlk_repro.model.ops import Ops
+from rlk_repro.model.weights import load_checkpoint, random_weights, weights_sha256
+
+log = logging.getLogger("rlk_repro")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class LocalRunConfig:
+    plan: RoutePlan = field(default_factory=lambda: RoutePlan("R/R", "R/R", "R/R"))
+    rounds: int = 5
+    seed: int = 1234
+    device: str = "cpu"
+    dtype: str = "float32"
+    model: str = "tiny"
+    checkpoint: str | None = None
+    prompts_per_round: int = 4
+    samples_per_prompt: int = 4
+    max_new_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 0.95
+    top_k: int = 0
+    chunk_size: int = 16
+    page_size: int = 8
+    max_num_seqs: int = 6
+    arrivals_per_step: int = 2
+    optimizer: str = "adamw"
+    lr: float = 1e-3
+    readback_mode: str = "strict"
+    threads: int | None = None  # torch intra-op threads for the run (None: leave torch's setting)
+    require_exact: bool | None = None  # default: the plan is all R/R
+    command: list[str] = field(default_factory=lambda: list(sys.argv))
+
+    def validate(self) -> None:
+        for name in ("rounds", "prompts_per_round", "samples_per_prompt", "max_new_tokens", "chunk_size",
+                     "page_size", "max_num_seqs", "arrivals_per_step"):
+            if getattr(self, name) < 1:
+                raise RlkConfigError(f"{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if self.dtype not in DTYPES:
+            raise RlkConfigError(f"dtype {self.dtype!r} is not one of {', '.join(DTYPES)}")
+        if self.checkpoint is None and self.model not in PRESETS:
+            raise RlkConfigError(f"model {self.model!r} is not one of {', '.join(PRESETS)}")
+        if self.checkpoint is not None:
+            Qwen3Config.from_dir(self.checkpoint)  # a readable config.json, before any run directory exists
+        if self.lr <= 0:
+            raise RlkConfigError(f"lr must be > 0, got {self.lr}")
+        if self.threads is not None and self.threads < 1:
+            raise RlkConfigError(f"threads must be >= 1, got {self.threads}")
+        if self.readback_mode not in ("strict", "audit"):
+            raise RlkConfigError(f"readback mode {self.readback_mode!r} is not strict or audit")
+
+    @property
+    def mode(self) -> str:
+        return {"P/P": "native", "R/R": "consistency"}.get(_uniform(self.plan), "mixed")
+
+    @property
+    def exact_required(self) -> bool:
+        return self.require_exact if self.require_exact is not None else _uniform(self.plan) == "R/R"
+
+
+def _uniform(plan: RoutePlan) -> str | None:
+    cases = set(plan.as_dict().values())
+    return cases.pop() if len(cases) == 1 else None
+
+
+@dataclass
+class LocalRunResult:
+    run_id: str
+    run_dir: Path
+    rounds: list[dict[str, Any]]
+    bitwise: dict[str, Any]
+    exit_code: int
+    weights_changed_every_round: bool
+
+
+def resolve_device(name: str) -> torch.device:
+    try:
+        device = torch.device(name)
+    except RuntimeError as exc:
+        raise RlkConfigError(f"device {name!r} is not a torch device ({exc})") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise RlkConfigError(f"device {name!r} asked for, but this torch ({torch.__version__}) sees no CUDA GPU")
+    if device.type not in ("cpu", "cuda"):
+        raise RlkConfigError(f"device {name!r}: the local engine runs on cpu or cuda")
+    return device
+
+
+def load_model(cfg: LocalRunConfig) -> tuple[Qwen3Config, dict[str, torch.Tensor], str]:
+    if cfg.checkpoint:
+        model_cfg, weights = load_checkpoint(cfg.checkpoint)
+        weights = {k: v.float() for k, v in weights.items()}
+    else:
+        model_cfg = PRESETS[cfg.model]
+        weights = random_weights(model_cfg, cfg.seed)
+    return model_cfg, weights, weights_sha256(weights)
+
+
+def _progress(total: int, desc: str, leave: bool = False):
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, leave=leave, disable=None, unit="tok", dynamic_ncols=True)
+
+
+def run_local(cfg: LocalRunConfig, output: str | os.PathLike[str]) -> LocalRunResult:
+    """Create a run directory under ``output`` and run the experiment into it."""
+    cfg.validate()
+    device = resolve_device(cfg.device)
+    dtype = DTYPES[cfg.dtype]
+    run_id, run_dir = runs.create_run_dir(output)
+    handler = runs.open_run_log(run_dir)
+    code = 3
+    threads_before = torch.get_num_threads()
+    if cfg.threads is not None:
+        torch.set_num_threads(cfg.threads)
+    try:
+        result = _run(cfg, run_id, run_dir, device, dtype)
+        code = result.exit_code
+        return result
+    except Exception as exc:
+        log.error("run failed: %s: %s", type(exc).__name__, exc)
+        raise
+    finally:
+        torch.set_num_threads(threads_before)
+        runs.write_exit_code(run_dir, code)
+        runs.close_run_log(handler)
+
+
+def _run(cfg: LocalRunConfig, run_id: str, run_dir: Path, device: torch.device, dtype: torch.dtype) -> LocalRunResult:
+    plan = cfg.plan
+    log.info("run %s: engine local, mode %s, plan %s, device %s, dtype %s", run_id, cfg.mode, plan.as_dict(),
+             device, cfg.dtype)
+    torch.manual_seed(cfg.seed)
+    model_cfg, weights, ckpt_hash = load_model(cfg)
+    prompts = load_prompts()
+    encoded = [encode(p.text, model_cfg.bos_token_id) for p in prompts]
+    max_len = max(len(e) for e in encoded) + cfg.max_new_tokens
+
+    readbacks = run_dir / "readbacks"
+    rec_train = ReadbackRecorder("local", "train", plan, mode=cfg.readback_mode, directory=readbacks, run_id=run_id)
+    rec_roll = ReadbackRecorder("local", "rollout", plan, mode=cfg.readback_mode, directory=readbacks, run_id=run_id)
+    for rec, target in ((rec_train, "local.trainer"), (rec_roll, "local.rollout_engine")):
+        for module in ("attention", "ffn", "logp"):
+            rec.add_hook(f"rlk_repro.ops.{module}", f"{target}.{module}", "ops_table",
+                         installed=plan.uses_rlk(module, rec.side))
+    engine = RolloutEngine(model_cfg, weights, Ops(plan, "rollout", rec_roll), device=device, dtype=dtype,
+                           page_size=cfg.page_size, chunk_size=cfg.chunk_size, max_num_seqs=cfg.max_num_seqs,
+                           max_model_len=max_len, seed=cfg.seed)
+    trainer = Trainer(model_cfg, weights, Ops(plan, "train", rec_train), device=device, dtype=dtype,
+                      temperature=cfg.temperature, optimizer=cfg.optimizer, lr=cfg.lr)
+
+    manifest = {
+        "schema": runs.MANIFEST_SCHEMA, "run_id": run_id, "created_at": runs.utc_now(), "engine": "local",
+        "mode": cfg.mode, "command": [str(c) for c in cfg.command], "plan": plan.as_dict(), "rounds": cfg.rounds,
+        "ranks": 1, "repos": [runs.repo_state(Path(__file__).resolve().parent)],
+        "packages": runs.package_versions(), "hardware": runs.hardware(device),
+        "inputs": {"prompts": prompts_sha256(), "checkpoint": ckpt_hash},
+        "seeds": {"train": cfg.seed, "rollout": cfg.seed},
+        "config": {**{k: v for k, v in asdict(cfg).items() if k not in ("plan", "command")},
+                   "env": plan.env(), "model_config": model_cfg.as_dict(), "require_exact": cfg.exact_required,
+                   "max_model_len": max_len, "max_batched_tokens": engine.max_batched_tokens,
+                   "torch_threads": torch.get_num_threads()},
+    }
+    runs.write_json_atomic(run_dir / "manifest.json", manifest)
+
+    params = SamplingParams(cfg.temperature, cfg.top_p, cfg.top_k, cfg.max_new_tokens, cfg.seed)
+    rounds: list[dict[str, Any]] = []
+    all_changed = True
+    n = cfg.samples_per_prompt
+    for rnd in range(cfg.rounds):
+        chosen = [(rnd * cfg.prompts_per_round + j) % len(prompts) for j in range(cfg.prompts_per_round)]
+        requests = []
+        for j, pi in enumerate(chosen):
+            for s in range(n):
+                k = j * n + s
+                # per-request token limits vary (in [max/2, max]) so responses end at different steps
+                limit = cfg.max_new_tokens - (k * 7 + rnd) % (cfg.max_new_tokens // 2 + 1)
+                requests.append(Request(rid=rnd * 100_000 + k, prompt=list(encoded[pi]),
+                                        params=SamplingParams(params.temperature, params.top_p, params.top_k,
+                                                              max(1, limit), params.seed),
+                                        arrival_step=k // cfg.arrivals_per_step))
+        bar = _progress(sum(r.params.max_new_tokens for r in requests), f"round {rnd} rollout")
+        stats = engine.generate(requests, on_token=bar.update)
+        bar.close()
+
+        rewards = [reward(r.output, prompts[chosen[i // n]].answer) for i, r in enumerate(requests)]
+        adv = group_advantages(rewards, n)
+        samples = [Sample(r.prompt, r.output, r.logprobs, a) for r, a in zip(requests, adv, strict=True)]
+        bar = _progress(sum(len(r.prompt) + len(r.output) - 1 for r in requests), f"round {rnd} train")
+        res = trainer.step(samples)
+        bar.update(res.tokens)
+        bar.close()
+
+        roll = [torch.tensor(r.logprobs, dtype=torch.float32) for r in requests]
+        cmp = runs.compare(torch.cat(roll), torch.cat([t.cpu() for t in res.train_logprobs]))
+        runs.write_train_data(run_dir, rnd, 0, [r.prompt for r in requests], [r.output for r in requests], roll,
+                              res.train_logprobs)
+        changed = engine.load_weights(trainer.export_weights())
+        all_changed &= changed
+        row = {
+            "schema": runs.METRICS_SCHEMA, "round": rnd, "compared_tokens": cmp["element_count"],
+            "mismatch_count": cmp["mismatch_count"], "max_abs_diff": cmp["max_abs_diff"],
+            "mean_abs_diff": cmp["mean_abs_diff"], "reward_mean": sum(rewards) / len(rewards),
+            "reward_std": float(torch.tensor(rewards, dtype=torch.float64).std(unbiased=False)),
+            "loss": res.loss, "grad_norm": res.grad_norm,
+            "rollout_tokens_per_s": stats.tokens / max(stats.seconds, 1e-9),
+            "rollout_generated_tokens_per_s": stats.generated / max(stats.seconds, 1e-9),
+            "train_tokens_per_s": res.tokens / max(res.seconds, 1e-9),
+            "rollout_seconds": stats.seconds, "train_seconds": res.seconds,
+            "peak_memory_bytes": runs.peak_memory_bytes(device), "weights_changed": changed,
+            "samples": len(requests), "response_tokens": stats.generated,
+            "rollout_steps": stats.steps, "batch_composition_changes": stats.composition_changes,
+            "max_batch": stats.max_batch, "chunked_prompts": stats.chunked_prompts,
+            "decode_steps": stats.decode_calls, "prefill_steps": stats.prefill_calls,
+            "eos_finished": sum(r.finish_reason == "eos" for r in requests),
+        }
+        runs.append_jsonl(run_dir / "metrics.jsonl", row)
+        rounds.append({"round": rnd, **cmp, **{k: row[k] for k in row if k not in cmp and k != "schema"}})
+        log.info("round %d: %d tokens compared, %d mismatches (max |diff| %.3g), reward %.3f, loss %.4g, "
+                 "weights changed: %s, %d steps / %d composition changes, %d chunked prompts", rnd,
+                 cmp["element_count"], cmp["mismatch_count"], cmp["max_abs_diff"], row["reward_mean"], res.loss,
+                 changed, stats.steps, stats.composition_changes, stats.chunked_prompts)
+        rec_train.flush()
+        rec_roll.flush()
+
+    fallbacks = sum(1 for rec in (rec_train, rec_roll) for m in rec.to_dict()["modules"].values() if m["fallback"])
+    bitwise = runs.bitwise_document(rounds, cfg.exact_required, fallbacks)
+    runs.write_json_atomic(run_dir / "bitwise-validation.json", bitwise)
+    (run_dir / "report" / "summary.md").write_text(
+        f"# {run_id}: engine local, mode {cfg.mode}, plan {plan.as_dict()}\n\n```\n"
+        + runs.summary_table(rounds, bitwise) + "\n```\n", encoding="utf-8")
+    failed = cfg.exact_required and cfg.readback_mode == "strict" and (bitwise["mismatch_count"] > 0 or fallbacks > 0)
+    if failed:
+        log.error("bitwise check FAILED: %d of %d compared tokens differ (plan %s requires exact equality)",
+                  bitwise["mismatch_count"], bitwise["element_count"], plan.as_dict())
+    else:
+        log.info("bitwise: %d of %d compared tokens differ (exact equality %s)", bitwise["mismatch_count"],
+                 bitwise["element_count"], "required" if cfg.exact_required else "not required")
+    return LocalRunResult(run_id, run_dir, rounds, bitwise, 1 if failed else 0, all_changed)

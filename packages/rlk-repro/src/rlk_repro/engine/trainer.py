@@ -1,0 +1,123 @@
+"""The trainer (Megatron stand-in): packed varlen forward to token log-probs, GRPO loss, optimizer step.
+
+Sequences (prompt + response) are packed into one token stream with ``cu_seqlens``; the forward runs
+the train-side attention core over the packed stream and the train-side log-prob op (fused
+``linear_logprobs`` for R; ``F.linear`` + ``log_softmax`` for P) on every position. The log-probs of the
+response tokens, taken from this forward *before* the update, are what the run compares with the
+rollout engine's. Master weights are fp32; the forward runs in the compute dtype (a cast of the master
+weights, the same cast the weight sync sends to the rollout engine).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from rlk_core.errors import RlkConfigError
+from rlk_repro.model import qwen3
+from rlk_repro.model.config import Qwen3Config
+from rlk_repro.model.ops import Ops
+from rlk_repro.model.weights import Weights
+
+
+@dataclass
+class Sample:
+    prompt: list[int]
+    response: list[int]
+    rollout_logprobs: list[float]
+    advantage: float
+
+
+@dataclass
+class TrainResult:
+    train_logprobs: list[torch.Tensor]  # per sample, [len(response)] fp32, from the forward before the update
+    loss: float
+    grad_norm: float
+    tokens: int
+    seconds: float
+
+
+class Trainer:
+    def __init__(self, cfg: Qwen3Config, weights: Weights, ops: Ops, *, device: torch.device, dtype: torch.dtype,
+                 temperature: float, optimizer: str = "adamw", lr: float = 1e-3, clip_eps: float = 0.2) -> None:
+        if ops.side != "train":
+            raise RlkConfigError(f"the trainer needs train-side ops, got {ops.side!r}")
+        self.cfg, self.ops, self.device, self.dtype = cfg, ops, device, dtype
+        self.temperature, self.clip_eps = temperature, clip_eps
+        self.master = {k: v.detach().to(device=device, dtype=torch.float32).clone().requires_grad_(True)
+                       for k, v in weights.items()}
+        params = [self.master[k] for k in sorted(self.master)]
+        if optimizer == "adamw":
+            self.opt: torch.optim.Optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0, foreach=False)
+        elif optimizer == "sgd":
+            self.opt = torch.optim.SGD(params, lr=lr, foreach=False)
+        else:
+            raise RlkConfigError(f"optimizer {optimizer!r} is not one of adamw, sgd")
+
+    def export_weights(self) -> Weights:
+        """The weights the rollout engine receives: the master weights cast to the compute dtype."""
+        return {k: v.detach().to(self.dtype) for k, v in self.master.items()}
+
+    def forward_logprobs(self, seqs: list[list[int]], rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Log-prob of ``seq[t+1]`` at positions ``t`` of the packed sequences, fp32.
+
+        ``rows`` selects packed positions (default: all ``sum(len - 1)``); the LM head and log-softmax run
+        only on those rows (the response positions), as RL trainers do.
+        """
+        cfg, ops, dev = self.cfg, self.ops, self.device
+        lens = [len(s) - 1 for s in seqs]
+        ids = torch.tensor([t for s in seqs for t in s[:-1]], device=dev, dtype=torch.long)
+        target = torch.tensor([t for s in seqs for t in s[1:]], device=dev, dtype=torch.long)
+        pos = torch.cat([torch.arange(n, device=dev) for n in lens])
+        cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], device=dev, dtype=torch.int32)
+        w = {k: v.to(self.dtype) for k, v in self.master.items()}
+        scale = cfg.head_dim**-0.5
+        h = qwen3.embed(w, ids)
+        for layer in range(cfg.num_hidden_layers):
+            q, k, v = qwen3.attention_qkv(ops, cfg, w, layer, h, pos)
+            o = ops.attention_varlen(q, k, v, cu, lens, scale)
+            h = h + qwen3.attention_out(ops, w, layer, o)
+            h = h + qwen3.ffn(ops, cfg, w, layer, h)
+        hn = qwen3.final_norm(ops, cfg, w, h)
+        if rows is not None:
+            hn, target = hn[rows], target[rows]
+        return ops.linear_logprobs(hn, qwen3.lm_head_weight(w), target, self.temperature)
+
+    def step(self, samples: list[Sample]) -> TrainResult:
+        """Recompute log-probs, then one GRPO (PPO-clip, token-mean) update."""
+        t0 = time.perf_counter()
+        seqs = [s.prompt + s.response for s in samples]
+        rows, adv, start = [], [], 0
+        for s in samples:
+            n = len(s.prompt) + len(s.response) - 1
+            rows.append(torch.arange(start + len(s.prompt) - 1, start + n, device=self.device))
+            adv += [s.advantage] * len(s.response)
+            start += n
+        logp = self.forward_logprobs(seqs, torch.cat(rows))
+        old = logp.detach()
+        a = torch.tensor(adv, device=self.device, dtype=torch.float32)
+        ratio = torch.exp(logp - old)
+        surrogate = torch.minimum(ratio * a, ratio.clamp(1 - self.clip_eps, 1 + self.clip_eps) * a)
+        loss = -surrogate.mean()
+        self.opt.zero_grad(set_to_none=True)
+        loss.backward()
+        grads = [p.grad for p in self.master.values() if p.grad is not None]
+        grad_norm = float(torch.sqrt(sum((g.double() ** 2).sum() for g in grads))) if grads else 0.0
+        self.opt.step()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        per_sample = list(old.split([len(s.response) for s in samples]))
+        return TrainResult(per_sample, float(loss.detach()), grad_norm, start,
+                           time.perf_counter() - t0)
+
+
+def group_advantages(rewards: list[float], group_size: int) -> list[float]:
+    """GRPO: ``(r - mean_group) / (std_group + 1e-6)`` over consecutive groups of ``group_size``."""
+    out = []
+    for g in range(0, len(rewards), group_size):
+        r = torch.tensor(rewards[g : g + group_size], dtype=torch.float64)
+        std = r.std(unbiased=False) if len(r) > 1 else torch.tensor(0.0, dtype=torch.float64)
+        out += ((r - r.mean()) / (std + 1e-6)).tolist()
+    return out

@@ -1,0 +1,116 @@
+"""Qwen3 dense decoder configuration: the Hugging Face ``config.json`` fields the model uses, and presets.
+
+Presets ``tiny`` and ``small`` are random-weight models for CPU runs and tests (byte-level vocabulary
+plus a few specials); ``qwen3-0.6b`` has the shape of Qwen/Qwen3-0.6B (random weights unless a
+checkpoint directory is given).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, replace
+from typing import Any
+
+from rlk_core.errors import RlkConfigError
+
+
+@dataclass(frozen=True)
+class Qwen3Config:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1_000_000.0
+    max_position_embeddings: int = 40960
+    tie_word_embeddings: bool = False
+    bos_token_id: int | None = 256
+    eos_token_id: int = 257
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                     "num_attention_heads", "num_key_value_heads", "head_dim"):
+            if int(getattr(self, name)) <= 0:
+                raise RlkConfigError(f"model config {name} must be > 0, got {getattr(self, name)}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise RlkConfigError(f"num_attention_heads={self.num_attention_heads} is not a multiple of "
+                                 f"num_key_value_heads={self.num_key_value_heads}")
+        if self.head_dim % 2:
+            raise RlkConfigError(f"head_dim must be even for RoPE, got {self.head_dim}")
+        if not 0 <= self.eos_token_id < self.vocab_size:
+            raise RlkConfigError(f"eos_token_id={self.eos_token_id} is outside the vocabulary [0, {self.vocab_size})")
+
+    @property
+    def q_size(self) -> int:
+        return self.num_attention_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_key_value_heads * self.head_dim
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_hf(cls, data: dict[str, Any]) -> Qwen3Config:
+        """Build from a Hugging Face Qwen3 ``config.json`` mapping (dense models only)."""
+        arch = data.get("model_type")
+        if arch not in (None, "qwen3"):
+            raise RlkConfigError(f"config.json model_type is {arch!r}; the local engine runs dense 'qwen3' models")
+        if data.get("rope_scaling"):
+            raise RlkConfigError(f"config.json sets rope_scaling={data['rope_scaling']!r}; not supported")
+        eos = data.get("eos_token_id", 257)
+        if isinstance(eos, list):
+            eos = eos[0]
+        try:
+            return cls(
+                vocab_size=int(data["vocab_size"]),
+                hidden_size=int(data["hidden_size"]),
+                intermediate_size=int(data["intermediate_size"]),
+                num_hidden_layers=int(data["num_hidden_layers"]),
+                num_attention_heads=int(data["num_attention_heads"]),
+                num_key_value_heads=int(data.get("num_key_value_heads", data["num_attention_heads"])),
+                head_dim=int(data.get("head_dim") or data["hidden_size"] // data["num_attention_heads"]),
+                rms_norm_eps=float(data.get("rms_norm_eps", 1e-6)),
+                rope_theta=float(data.get("rope_theta", 1_000_000.0)),
+                max_position_embeddings=int(data.get("max_position_embeddings", 40960)),
+                tie_word_embeddings=bool(data.get("tie_word_embeddings", False)),
+                bos_token_id=data.get("bos_token_id"),
+                eos_token_id=int(eos),
+            )
+        except KeyError as exc:
+            raise RlkConfigError(f"config.json lacks the field {exc.args[0]!r}") from None
+
+    @classmethod
+    def from_dir(cls, path: str | os.PathLike[str]) -> Qwen3Config:
+        cfg_path = os.path.join(path, "config.json")
+        if not os.path.isfile(cfg_path):
+            raise RlkConfigError(f"{cfg_path} does not exist (expected a Hugging Face model directory)")
+        with open(cfg_path, encoding="utf-8") as fh:
+            return cls.from_hf(json.load(fh))
+
+    def to_hf(self) -> dict[str, Any]:
+        d = self.as_dict()
+        d.update({"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], "rope_scaling": None,
+                  "hidden_act": "silu", "attention_bias": False})
+        return d
+
+    def with_overrides(self, **kw: Any) -> Qwen3Config:
+        return replace(self, **kw)
+
+
+PRESETS: dict[str, Qwen3Config] = {
+    # 2 layers, GQA 4/2, head dim 16: a CPU run of a few rounds takes seconds.
+    "tiny": Qwen3Config(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, head_dim=16),
+    "small": Qwen3Config(vocab_size=512, hidden_size=128, intermediate_size=384, num_hidden_layers=4,
+                         num_attention_heads=8, num_key_value_heads=2, head_dim=32),
+    # the shape of Qwen/Qwen3-0.6B (its LM head is tied to the embedding)
+    "qwen3-0.6b": Qwen3Config(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+                              num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+                              tie_word_embeddings=True, bos_token_id=None, eos_token_id=151645),
+}

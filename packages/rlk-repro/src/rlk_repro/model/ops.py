@@ -1,0 +1,229 @@
+"""``Ops``: one side's operator table, built from the route plan.
+
+Every floating-point operation of the model goes through an :class:`Ops` method that names its module
+(``attention``, ``ffn``, ``logp``). For a module whose letter on this side is ``R`` the method calls
+``rlk_core.ops`` inside the recorder's scope, so each rlk op reports its backend and contract itself;
+for ``P`` it runs the production stand-in (``F.linear`` / SDPA / ``torch.log_softmax`` and the usual
+PyTorch RMSNorm, SiLU and RoPE formulas) and reports ``production.torch*`` to the recorder.
+
+The train side (Megatron stand-in) and the rollout side (vLLM stand-in) each get their own ``Ops``;
+their attention cores and log-prob paths are different code: the train side runs packed varlen
+attention and the fused ``linear_logprobs``; the rollout side writes a paged KV cache, runs paged
+prefill / decode attention and computes log-probs from materialised logits after sampling.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import torch
+import torch.nn.functional as F
+
+from rlk_core.errors import RlkConfigError
+from rlk_core.plan import RoutePlan
+from rlk_core.readback import ReadbackRecorder
+
+# rlk ops each side's R modules need; checked when the table is built so a missing op fails early.
+_NEEDS = {
+    ("attention", "train"): ("linear", "rms_norm", "rope", "attention_varlen"),
+    ("attention", "rollout"): ("linear", "rms_norm", "rope", "kv_cache_write", "attention_paged_prefill",
+                               "attention_decode"),
+    ("ffn", "train"): ("linear", "rms_norm", "swiglu"),
+    ("ffn", "rollout"): ("linear", "rms_norm", "swiglu"),
+    ("logp", "train"): ("rms_norm", "linear_logprobs"),
+    ("logp", "rollout"): ("rms_norm", "linear", "token_logprobs"),
+}
+PRODUCTION = "production.torch"
+PRODUCTION_SDPA = "production.torch.sdpa"
+
+
+# the rlk_core.ops subpackage that defines each op
+_FAMILY = {"attention_varlen": "attention", "attention_paged_prefill": "attention", "attention_decode": "attention",
+           "kv_cache_write": "attention"}
+
+
+def rlk_op(name: str):
+    """The public function ``rlk_core.ops.<name>`` (looked up in its op subpackage), or None."""
+    try:
+        module = importlib.import_module(f"rlk_core.ops.{_FAMILY.get(name, name)}")
+    except ImportError:
+        return None
+    fn = getattr(module, name, None)
+    return fn if callable(fn) else None
+
+
+def missing_rlk_ops(plan: RoutePlan, side: str) -> list[str]:
+    """rlk ops the plan needs on ``side`` that this rlk-core does not provide."""
+    out = []
+    for (module, s), names in _NEEDS.items():
+        if s == side and plan.uses_rlk(module, side):
+            out += [f"rlk_core.ops.{n} (for {module} R on the {side} side)" for n in names if rlk_op(n) is None]
+    return sorted(set(out))
+
+
+class _RlkOps:
+    """Attribute access to the rlk ops, resolved once."""
+
+    def __init__(self, names: set[str]) -> None:
+        for n in names:
+            fn = rlk_op(n)
+            if fn is not None:
+                setattr(self, n, fn)
+
+
+class Ops:
+    """The operator table of one side (``train`` or ``rollout``) under one plan."""
+
+    def __init__(self, plan: RoutePlan, side: str, recorder: ReadbackRecorder) -> None:
+        if recorder.side != side or recorder.plan != plan:
+            raise RlkConfigError(f"recorder is for side {recorder.side!r} / plan {recorder.plan.name}, "
+                                 f"ops asked for side {side!r} / plan {plan.name}")
+        missing = missing_rlk_ops(plan, side)
+        if missing:
+            raise RlkConfigError("this rlk-core lacks " + ", ".join(missing))
+        self.plan, self.side, self.rec = plan, side, recorder
+        self.r = {m: plan.uses_rlk(m, side) for m in ("attention", "ffn", "logp")}
+        self.rk = _RlkOps({n for (m, sd), names in _NEEDS.items() if sd == side and self.r[m] for n in names})
+        self._rope_cache: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def _p(self, module: str, op: str, backend: str = PRODUCTION) -> None:
+        self.rec.production(module, op, backend)
+
+    # -- shared elementwise / GEMM ops ------------------------------------------------------------
+    def linear(self, module: str, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        if self.r[module]:
+            with self.rec.scope(module):
+                return self.rk.linear(x, w)
+        self._p(module, "linear")
+        return F.linear(x, w)
+
+    def rms_norm(self, module: str, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+        if self.r[module]:
+            with self.rec.scope(module):
+                return self.rk.rms_norm(x, w, eps)
+        self._p(module, "rms_norm")
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+        return w.to(x.dtype) * xf.to(x.dtype)
+
+    def swiglu(self, x: torch.Tensor) -> torch.Tensor:
+        if self.r["ffn"]:
+            with self.rec.scope("ffn"):
+                return self.rk.swiglu(x)
+        self._p("ffn", "swiglu")
+        gate, up = x.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+    def rope(self, x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
+        """x ``[T, H, D]`` rotated (rotate-half layout) at absolute ``positions`` ``[T]``."""
+        if self.r["attention"]:
+            with self.rec.scope("attention"):
+                return self.rk.rope(x, positions, theta)
+        self._p("attention", "rope")
+        d = x.shape[-1]
+        inv_freq = 1.0 / (theta ** (torch.arange(0, d, 2, device=x.device, dtype=torch.int64).float() / d))
+        freqs = positions.float()[:, None] * inv_freq[None, :]
+        emb = torch.cat([freqs, freqs], dim=-1)
+        cos, sin = emb.cos().to(x.dtype)[:, None, :], emb.sin().to(x.dtype)[:, None, :]
+        x1, x2 = x[..., : d // 2], x[..., d // 2 :]
+        return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+
+    # -- attention cores --------------------------------------------------------------------------
+    def attention_varlen(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
+                         seq_lens: list[int], scale: float) -> torch.Tensor:
+        """Train side: causal attention over packed sequences (q/k/v ``[T, H, D]``)."""
+        if self.r["attention"]:
+            with self.rec.scope("attention"):
+                return self.rk.attention_varlen(q, k, v, cu_seqlens, cu_seqlens, scale, causal=True)
+        self._p("attention", "attention.varlen", PRODUCTION_SDPA)
+        out, start = [], 0
+        for n in seq_lens:
+            out.append(_sdpa(q[start : start + n], k[start : start + n], v[start : start + n], scale, causal=True))
+            start += n
+        return torch.cat(out) if out else q.new_empty(q.shape)
+
+    def kv_cache_write(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                       slot_mapping: torch.Tensor) -> None:
+        if self.r["attention"]:
+            with self.rec.scope("attention"):
+                self.rk.kv_cache_write(k, v, k_cache, v_cache, slot_mapping)
+            return
+        self._p("attention", "kv_cache_write")
+        hkv, d = k_cache.shape[-2:]
+        k_cache.view(-1, hkv, d).index_copy_(0, slot_mapping, k)
+        v_cache.view(-1, hkv, d).index_copy_(0, slot_mapping, v)
+
+    def attention_decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                         block_table: torch.Tensor, seq_lens: torch.Tensor, seq_lens_host: list[int],
+                         scale: float) -> torch.Tensor:
+        """Rollout side: one new token per sequence (q ``[B, H, D]``) over its paged KV."""
+        if self.r["attention"]:
+            with self.rec.scope("attention"):
+                return self.rk.attention_decode(q, k_cache, v_cache, block_table, seq_lens, scale)
+        self._p("attention", "attention.decode", PRODUCTION_SDPA)
+        outs = []
+        for b, n in enumerate(seq_lens_host):
+            k, v = _gather(k_cache, v_cache, block_table[b], n)
+            outs.append(_sdpa(q[b : b + 1], k, v, scale, causal=False))
+        return torch.cat(outs)
+
+    def attention_paged_prefill(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                                block_table: torch.Tensor, cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor,
+                                q_lens_host: list[int], seq_lens_host: list[int], scale: float) -> torch.Tensor:
+        """Rollout side: a (chunk of a) prompt per sequence; the new tokens are the last ``Lq`` positions."""
+        if self.r["attention"]:
+            with self.rec.scope("attention"):
+                return self.rk.attention_paged_prefill(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, scale)
+        self._p("attention", "attention.paged_prefill", PRODUCTION_SDPA)
+        outs, start = [], 0
+        for b, (lq, n) in enumerate(zip(q_lens_host, seq_lens_host, strict=True)):
+            k, v = _gather(k_cache, v_cache, block_table[b], n)
+            outs.append(_sdpa(q[start : start + lq], k, v, scale, causal=True))
+            start += lq
+        return torch.cat(outs)
+
+    # -- log-probs --------------------------------------------------------------------------------
+    def token_logprobs(self, logits: torch.Tensor, target: torch.Tensor, temperature: float) -> torch.Tensor:
+        """Rollout side: log-prob of ``target`` under softmax(logits / T), from materialised logits."""
+        if self.r["logp"]:
+            with self.rec.scope("logp"):
+                return self.rk.token_logprobs(logits, target, temperature)[0]
+        self._p("logp", "token_logprobs")
+        logp = torch.log_softmax(logits.float() / temperature, dim=-1)
+        return logp.gather(-1, target[:, None]).squeeze(-1)
+
+    def linear_logprobs(self, hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
+                        temperature: float) -> torch.Tensor:
+        """Train side: LM head + log-softmax + selection (fused for R; full logits for P)."""
+        if self.r["logp"]:
+            with self.rec.scope("logp"):
+                return self.rk.linear_logprobs(hidden, weight, target, temperature)[0]
+        self._p("logp", "linear")
+        logits = F.linear(hidden, weight)
+        self._p("logp", "token_logprobs")
+        logp = torch.log_softmax(logits.float() / temperature, dim=-1)
+        return logp.gather(-1, target[:, None]).squeeze(-1)
+
+
+def _gather(k_cache: torch.Tensor, v_cache: torch.Tensor, blocks: torch.Tensor, n: int):
+    """The first ``n`` positions of one sequence's paged K/V, gathered contiguous ``[n, Hkv, D]``."""
+    page = k_cache.shape[1]
+    idx = blocks[: (n + page - 1) // page].long()
+    hkv, d = k_cache.shape[-2:]
+    return k_cache[idx].reshape(-1, hkv, d)[:n], v_cache[idx].reshape(-1, hkv, d)[:n]
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool) -> torch.Tensor:
+    """Production attention: SDPA over contiguous K/V; q ``[Lq, Hq, D]`` are the last Lq positions of k."""
+    lq, hq, _ = q.shape
+    lk, hkv, _ = k.shape
+    rep = hq // hkv
+    qh = q.transpose(0, 1)[None]
+    kh = k.repeat_interleave(rep, dim=1).transpose(0, 1)[None]
+    vh = v.repeat_interleave(rep, dim=1).transpose(0, 1)[None]
+    mask = None
+    if causal and lq > 1:
+        rows = torch.arange(lq, device=q.device)[:, None] + (lk - lq)
+        mask = torch.arange(lk, device=q.device)[None, :] <= rows
+    out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale)
+    return out[0].transpose(0, 1).contiguous()

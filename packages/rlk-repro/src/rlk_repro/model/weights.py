@@ -1,0 +1,161 @@
+"""Weights of the local Qwen3 model: layout, random checkpoints, Hugging Face safetensors load/save.
+
+The engine keeps the fused layout both production frameworks use (vLLM's ``qkv_proj`` /
+``gate_up_proj``, Megatron's ``linear_qkv`` / ``linear_fc1``):
+
+=========================  ==========================  ===========================================
+name                       shape                       Hugging Face source
+=========================  ==========================  ===========================================
+``embed``                  ``[V, H]``                  ``model.embed_tokens.weight``
+``layers.i.input_norm``    ``[H]``                     ``model.layers.i.input_layernorm.weight``
+``layers.i.qkv``           ``[(Hq + 2 Hkv) D, H]``     ``self_attn.{q,k,v}_proj.weight`` concatenated
+``layers.i.q_norm``        ``[D]``                     ``self_attn.q_norm.weight``
+``layers.i.k_norm``        ``[D]``                     ``self_attn.k_norm.weight``
+``layers.i.o``             ``[H, Hq D]``               ``self_attn.o_proj.weight``
+``layers.i.post_norm``     ``[H]``                     ``post_attention_layernorm.weight``
+``layers.i.gate_up``       ``[2 I, H]``                ``mlp.{gate,up}_proj.weight`` concatenated
+``layers.i.down``          ``[H, I]``                  ``mlp.down_proj.weight``
+``norm``                   ``[H]``                     ``model.norm.weight``
+``lm_head``                ``[V, H]``                  ``lm_head.weight`` (absent when tied)
+=========================  ==========================  ===========================================
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from rlk_core.errors import RlkConfigError
+from rlk_repro.model.config import Qwen3Config
+
+Weights = dict[str, torch.Tensor]
+
+
+def expected_shapes(cfg: Qwen3Config) -> dict[str, tuple[int, ...]]:
+    h, d, i = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
+    shapes: dict[str, tuple[int, ...]] = {"embed": (cfg.vocab_size, h), "norm": (h,)}
+    for n in range(cfg.num_hidden_layers):
+        p = f"layers.{n}."
+        shapes.update({
+            p + "input_norm": (h,), p + "qkv": (cfg.q_size + 2 * cfg.kv_size, h), p + "q_norm": (d,),
+            p + "k_norm": (d,), p + "o": (h, cfg.q_size), p + "post_norm": (h,), p + "gate_up": (2 * i, h),
+            p + "down": (h, i),
+        })
+    if not cfg.tie_word_embeddings:
+        shapes["lm_head"] = (cfg.vocab_size, h)
+    return shapes
+
+
+def random_weights(cfg: Qwen3Config, seed: int, dtype: torch.dtype = torch.float32) -> Weights:
+    """A deterministic random checkpoint (CPU generator, so the same seed gives the same bits everywhere).
+
+    Projections ~ N(0, 0.02^2); the LM head ~ N(0, (0.5/sqrt(H))^2) so next-token distributions are
+    neither uniform nor one-hot; norm weights 1.
+    """
+    g = torch.Generator().manual_seed(int(seed))
+    out: Weights = {}
+    for name, shape in expected_shapes(cfg).items():
+        if len(shape) == 1:
+            t = torch.ones(shape)
+        else:
+            std = 0.5 / cfg.hidden_size**0.5 if name == "lm_head" else 0.02
+            t = torch.randn(shape, generator=g) * std
+        out[name] = t.to(dtype)
+    return out
+
+
+def check_weights(cfg: Qwen3Config, weights: Weights) -> None:
+    shapes = expected_shapes(cfg)
+    missing = sorted(set(shapes) - set(weights))
+    extra = sorted(set(weights) - set(shapes))
+    if missing or extra:
+        raise RlkConfigError(f"checkpoint does not match the config: missing {missing[:5]}, unexpected {extra[:5]}")
+    for name, shape in shapes.items():
+        if tuple(weights[name].shape) != shape:
+            raise RlkConfigError(f"weight {name} has shape {tuple(weights[name].shape)}, config implies {shape}")
+
+
+# -- Hugging Face layout ---------------------------------------------------------------------------
+def from_hf(cfg: Qwen3Config, hf: Weights) -> Weights:
+    def take(name: str) -> torch.Tensor:
+        try:
+            return hf[name]
+        except KeyError:
+            raise RlkConfigError(f"checkpoint lacks tensor {name!r}") from None
+
+    out: Weights = {"embed": take("model.embed_tokens.weight"), "norm": take("model.norm.weight")}
+    for n in range(cfg.num_hidden_layers):
+        s, p = f"model.layers.{n}.", f"layers.{n}."
+        out[p + "input_norm"] = take(s + "input_layernorm.weight")
+        out[p + "qkv"] = torch.cat([take(s + f"self_attn.{x}_proj.weight") for x in "qkv"])
+        out[p + "q_norm"] = take(s + "self_attn.q_norm.weight")
+        out[p + "k_norm"] = take(s + "self_attn.k_norm.weight")
+        out[p + "o"] = take(s + "self_attn.o_proj.weight")
+        out[p + "post_norm"] = take(s + "post_attention_layernorm.weight")
+        out[p + "gate_up"] = torch.cat([take(s + "mlp.gate_proj.weight"), take(s + "mlp.up_proj.weight")])
+        out[p + "down"] = take(s + "mlp.down_proj.weight")
+    if not cfg.tie_word_embeddings:
+        out["lm_head"] = take("lm_head.weight")
+    check_weights(cfg, out)
+    return out
+
+
+def to_hf(cfg: Qwen3Config, weights: Weights) -> Weights:
+    out: Weights = {"model.embed_tokens.weight": weights["embed"], "model.norm.weight": weights["norm"]}
+    q, kv, i = cfg.q_size, cfg.kv_size, cfg.intermediate_size
+    for n in range(cfg.num_hidden_layers):
+        s, p = f"model.layers.{n}.", f"layers.{n}."
+        qkv = weights[p + "qkv"]
+        out[s + "input_layernorm.weight"] = weights[p + "input_norm"]
+        out[s + "self_attn.q_proj.weight"] = qkv[:q]
+        out[s + "self_attn.k_proj.weight"] = qkv[q : q + kv]
+        out[s + "self_attn.v_proj.weight"] = qkv[q + kv :]
+        out[s + "self_attn.q_norm.weight"] = weights[p + "q_norm"]
+        out[s + "self_attn.k_norm.weight"] = weights[p + "k_norm"]
+        out[s + "self_attn.o_proj.weight"] = weights[p + "o"]
+        out[s + "post_attention_layernorm.weight"] = weights[p + "post_norm"]
+        out[s + "mlp.gate_proj.weight"] = weights[p + "gate_up"][:i]
+        out[s + "mlp.up_proj.weight"] = weights[p + "gate_up"][i:]
+        out[s + "mlp.down_proj.weight"] = weights[p + "down"]
+    if not cfg.tie_word_embeddings:
+        out["lm_head.weight"] = weights["lm_head"]
+    return {k: v.contiguous() for k, v in out.items()}
+
+
+def save_checkpoint(path: str | os.PathLike[str], cfg: Qwen3Config, weights: Weights) -> None:
+    """Write a Hugging Face directory: ``config.json`` and ``model.safetensors``."""
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, "config.json"), "w", encoding="utf-8") as fh:
+        json.dump(cfg.to_hf(), fh, indent=2)
+    save_file(to_hf(cfg, weights), os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+
+
+def load_checkpoint(path: str | os.PathLike[str]) -> tuple[Qwen3Config, Weights]:
+    """Read a Hugging Face Qwen3 directory (``config.json`` + one or more ``*.safetensors``)."""
+    cfg = Qwen3Config.from_dir(path)
+    files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+    if not files:
+        raise RlkConfigError(f"{path} holds no *.safetensors files")
+    hf: Weights = {}
+    for f in files:
+        with safe_open(os.path.join(path, f), framework="pt") as fh:
+            for key in fh.keys():
+                hf[key] = fh.get_tensor(key)
+    if cfg.tie_word_embeddings:
+        hf.pop("lm_head.weight", None)
+    return cfg, from_hf(cfg, hf)
+
+
+def weights_sha256(weights: Weights) -> str:
+    """``sha256:<hex>`` over names, dtypes, shapes and raw bytes in sorted name order."""
+    h = hashlib.sha256()
+    for name in sorted(weights):
+        t = weights[name].detach().contiguous().cpu()
+        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}\n".encode())
+        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return "sha256:" + h.hexdigest()

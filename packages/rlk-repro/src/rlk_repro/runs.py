@@ -1,0 +1,253 @@
+"""The run directory (``docs/evidence.md``): creation, manifest, logs, train-data, metrics, bitwise file.
+
+A run directory is append-only: :func:`create_run_dir` makes a new ``<UTC time>-<6 hex>`` directory
+under the output root and refuses to reuse one. Every writer here writes whole files atomically
+(temp file + ``os.replace``) except ``run.log`` and ``metrics.jsonl``, which are appended line by line.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import platform
+import secrets
+import subprocess
+import sys
+import tempfile
+from datetime import datetime, timezone
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+from rlk_core.errors import RlkConfigError
+
+MANIFEST_SCHEMA = "rlk.manifest.v1"
+METRICS_SCHEMA = "rlk.metrics.v1"
+BITWISE_SCHEMA = "rlk.bitwise-validation.v1"
+TRAIN_DATA_SCHEMA = "rlk.train-data.v1"
+PACKAGES = ("torch", "numpy", "safetensors", "rlk-core", "rlk-repro", "rlk-validate")
+
+
+def utc_now() -> str:
+    return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def new_run_id() -> str:
+    return datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ") + "-" + secrets.token_hex(3)
+
+
+def create_run_dir(output: str | os.PathLike[str]) -> tuple[str, Path]:
+    root = Path(output)
+    if root.exists() and not root.is_dir():
+        raise RlkConfigError(f"--output {root} exists and is not a directory")
+    root.mkdir(parents=True, exist_ok=True)
+    for _ in range(16):
+        run_id = new_run_id()
+        path = root / run_id
+        try:
+            path.mkdir()
+        except FileExistsError:
+            continue
+        for sub in ("readbacks", "train-data", "report"):
+            (path / sub).mkdir()
+        return run_id, path
+    raise RlkConfigError(f"could not create a new run directory under {root}")
+
+
+def write_json_atomic(path: Path, doc: Any) -> None:
+    data = json.dumps(doc, indent=2, sort_keys=False, allow_nan=False) + "\n"
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            fh.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def append_jsonl(path: Path, doc: dict[str, Any]) -> None:
+    with open(path, "a", encoding="utf-8") as fh:
+        fh.write(json.dumps(doc, allow_nan=False) + "\n")
+
+
+def open_run_log(run_dir: Path) -> logging.Handler:
+    """Send the ``rlk`` and ``rlk_repro`` loggers to ``run.log`` (no tracebacks are ever formatted there)."""
+    handler = logging.FileHandler(run_dir / "run.log", encoding="utf-8")
+    handler.setFormatter(_NoTracebackFormatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    for name in ("rlk", "rlk_repro"):
+        lg = logging.getLogger(name)
+        lg.addHandler(handler)
+        lg.setLevel(logging.INFO)
+    return handler
+
+
+def close_run_log(handler: logging.Handler) -> None:
+    for name in ("rlk", "rlk_repro"):
+        logging.getLogger(name).removeHandler(handler)
+    handler.close()
+
+
+class _NoTracebackFormatter(logging.Formatter):
+    def formatException(self, ei) -> str:
+        return f"{ei[0].__name__}: {ei[1]}" if ei and ei[0] else ""
+
+
+def write_exit_code(run_dir: Path, code: int) -> None:
+    (run_dir / "exit-code").write_text(f"{int(code)}\n", encoding="utf-8")
+
+
+# -- manifest ----------------------------------------------------------------------------------
+def repo_state(path: Path) -> dict[str, Any]:
+    """Name, path, HEAD SHA and dirty state of the git checkout holding ``path`` (best effort)."""
+    def git(*args: str) -> str | None:
+        try:
+            out = subprocess.run(["git", "-C", str(path), *args], capture_output=True, text=True, timeout=20)
+        except (OSError, subprocess.SubprocessError):
+            return None
+        return out.stdout.strip() if out.returncode == 0 else None
+
+    top = git("rev-parse", "--show-toplevel")
+    if top is None:
+        return {"name": "rlk", "path": str(path), "sha": None, "dirty": None, "error": "not a git checkout"}
+    sha = git("rev-parse", "HEAD")
+    status = git("status", "--porcelain", "--untracked-files=normal")
+    dirty = bool(status) if status is not None else None
+    out: dict[str, Any] = {"name": "rlk", "path": top, "sha": sha, "dirty": dirty}
+    if sha is None:
+        out["error"] = "the checkout has no commit"
+    return out
+
+
+def package_versions() -> dict[str, str]:
+    out = {}
+    for name in PACKAGES:
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            out[name] = "not installed"
+    out["python"] = platform.python_version()
+    return out
+
+
+def hardware(device: torch.device) -> dict[str, Any]:
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        return {"device": str(device), "name": props.name, "driver": None, "cuda_runtime": torch.version.cuda,
+                "capability": f"{props.major}.{props.minor}", "memory_bytes": props.total_memory}
+    name = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as fh:
+            for line in fh:
+                if line.startswith("model name"):
+                    name = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    return {"device": "cpu", "name": name, "driver": None, "threads": torch.get_num_threads(),
+            "cpu_count": os.cpu_count()}
+
+
+def file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            h.update(chunk)
+    return "sha256:" + h.hexdigest()
+
+
+# -- train-data --------------------------------------------------------------------------------
+def write_train_data(run_dir: Path, rnd: int, rank: int, prompts: list[list[int]], responses: list[list[int]],
+                     rollout_logps: list[torch.Tensor], train_logps: list[torch.Tensor]) -> Path:
+    s = len(prompts)
+    t = max(len(p) + len(r) for p, r in zip(prompts, responses, strict=True))
+    ids = torch.zeros((s, t), dtype=torch.int64)
+    mask = torch.zeros((s, t), dtype=torch.bool)
+    rl = torch.zeros((s, t), dtype=torch.float32)
+    tl = torch.zeros((s, t), dtype=torch.float32)
+    for i, (p, r) in enumerate(zip(prompts, responses, strict=True)):
+        lp, n = len(p), len(r)
+        ids[i, : lp + n] = torch.tensor(p + r, dtype=torch.int64)
+        mask[i, lp : lp + n] = True
+        rl[i, lp : lp + n] = rollout_logps[i].cpu()
+        tl[i, lp : lp + n] = train_logps[i].cpu()
+    path = run_dir / "train-data" / f"round-{rnd:04d}.rank{rank}.safetensors"
+    tmp = path.with_name(f".{path.name}.tmp")
+    save_file({"token_ids": ids, "response_mask": mask, "rollout_logprobs": rl, "train_logprobs": tl}, str(tmp),
+              metadata={"schema": TRAIN_DATA_SCHEMA, "round": str(rnd), "rank": str(rank)})
+    os.replace(tmp, path)
+    return path
+
+
+def compare(rollout: torch.Tensor, train: torch.Tensor) -> dict[str, Any]:
+    """Bitwise comparison of two fp32 vectors of active tokens (bit patterns; diffs in float64)."""
+    r, t = rollout.detach().cpu().float().contiguous(), train.detach().cpu().float().contiguous()
+    neq = r.view(torch.int32) != t.view(torch.int32)
+    diff = (r.double() - t.double()).abs()
+    finite = diff[torch.isfinite(diff)]
+    return {
+        "element_count": int(r.numel()),
+        "mismatch_count": int(neq.sum()),
+        "max_abs_diff": float(finite.max()) if finite.numel() else 0.0,
+        "mean_abs_diff": float(finite.mean()) if finite.numel() else 0.0,
+    }
+
+
+def bitwise_document(rounds: list[dict[str, Any]], require_exact: bool, fallback_failures: int) -> dict[str, Any]:
+    elements = sum(r["element_count"] for r in rounds)
+    mismatches = sum(r["mismatch_count"] for r in rounds)
+    return {
+        "schema": BITWISE_SCHEMA,
+        "require_exact": require_exact,
+        "torch_equal": mismatches == 0,
+        "element_count": elements,
+        "mismatch_count": mismatches,
+        "max_abs_diff": max((r["max_abs_diff"] for r in rounds), default=0.0),
+        "mean_abs_diff": (sum(r["mean_abs_diff"] * r["element_count"] for r in rounds) / elements) if elements else 0.0,
+        "rounds": [{k: r[k] for k in ("round", "element_count", "mismatch_count", "max_abs_diff", "mean_abs_diff")}
+                   for r in rounds],
+        "fallback_failures": fallback_failures,
+    }
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    try:
+        import resource
+
+        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return int(rss if sys.platform == "darwin" else rss * 1024)
+    except (ImportError, OSError):
+        return 0
+
+
+# -- report ------------------------------------------------------------------------------------
+def _fmt(x: float) -> str:
+    return "0" if x == 0 else f"{x:.3g}"
+
+
+def summary_table(rounds: list[dict[str, Any]], bitwise: dict[str, Any]) -> str:
+    """The per-round table the CLI prints and ``report/summary.md`` holds."""
+    head = ("round", "compared", "mismatch", "max|diff|", "mean|diff|", "reward", "loss", "roll tok/s",
+            "train tok/s", "changed")
+    rows = [head]
+    for r in rounds:
+        rows.append((str(r["round"]), str(r["element_count"]), str(r["mismatch_count"]), _fmt(r["max_abs_diff"]),
+                     _fmt(r["mean_abs_diff"]), f"{r['reward_mean']:.3f}", f"{r['loss']:.4g}",
+                     f"{r['rollout_tokens_per_s']:.0f}", f"{r['train_tokens_per_s']:.0f}",
+                     "yes" if r["weights_changed"] else "NO"))
+    b = bitwise
+    rows.append(("total", str(b["element_count"]), str(b["mismatch_count"]), _fmt(b["max_abs_diff"]),
+                 _fmt(b["mean_abs_diff"]), "", "", "", "", ""))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
+    lines = ["  ".join(c.rjust(w) for c, w in zip(row, widths, strict=True)) for row in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    lines.insert(len(lines) - 1, lines[1])
+    return "\n".join(lines)
