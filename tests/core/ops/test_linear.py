@@ -59,6 +59,8 @@ def test_leading_dims_non_contiguous_and_empty_inputs():
     wt = torch.randn(32, 10).T
     assert_bitwise_equal(ops.linear(x, wt), ops.linear(x, wt.contiguous()))
     assert ops.linear(x[:0], w, b).shape == (0, 10)
+    # K = 0: an empty reduction is 0, plus the bias
+    assert_bitwise_equal(ops.linear(torch.randn(3, 0), torch.randn(10, 0), b), b.expand(3, 10).contiguous())
 
 
 def test_run_to_run_forward_and_backward():

@@ -9,6 +9,8 @@ result is rounded once to the activation dtype. Nothing depends on M or on a row
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from rlk_core.ops._fixed import matmul_nt
@@ -16,7 +18,7 @@ from rlk_core.ops._fixed import matmul_nt
 
 def linear_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     lead = x.shape[:-1]
-    x2 = x.reshape(-1, x.shape[-1]).float()
+    x2 = x.reshape(math.prod(lead), x.shape[-1]).float()  # explicit M: reshape(-1, 0) is ambiguous
     y = matmul_nt(x2, weight.float())
     if bias is not None:
         y = y + bias.float()
