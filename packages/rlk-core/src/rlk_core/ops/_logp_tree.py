@@ -74,6 +74,18 @@ def shard_groups(op: str, vocab_start: int, width: int, vocab_size: int) -> tupl
     return bounds.index(vocab_start), bounds.index(end)
 
 
+def check_shard_widths(op: str, widths: list[int], what: str) -> int:
+    """The vocabulary size of contiguous shards of these widths (in rank order); raise when it is empty
+    or a shard does not start and end on group boundaries. ``what`` describes the shards in errors."""
+    vocab_size = sum(widths)
+    C.require(vocab_size > 0, op, f"the vocabulary is empty ({what})")
+    start = 0
+    for width in widths:
+        shard_groups(op, start, width, vocab_size)
+        start += width
+    return vocab_size
+
+
 def identity(shape: tuple[int, ...], like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (torch.full(shape, NEG_INF, dtype=torch.float32, device=like.device),
             torch.zeros(shape, dtype=torch.float32, device=like.device))

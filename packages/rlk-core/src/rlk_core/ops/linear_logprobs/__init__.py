@@ -43,12 +43,8 @@ def _check_hidden_weight(op: str, hidden: torch.Tensor, weights: Sequence[torch.
 def _check(hidden: torch.Tensor, weights: Sequence[torch.Tensor], target: torch.Tensor,
            temperature: torch.Tensor) -> None:
     _check_hidden_weight(OP, hidden, weights)
-    vocab_size = sum(w.shape[0] for w in weights)
-    C.require(vocab_size > 0, OP, f"the vocabulary is empty (weight shapes {[tuple(w.shape) for w in weights]})")
-    start = 0
-    for w in weights:
-        L.shard_groups(OP, start, w.shape[0], vocab_size)
-        start += w.shape[0]
+    vocab_size = L.check_shard_widths(OP, [w.shape[0] for w in weights],
+                                      f"weight shapes {[tuple(w.shape) for w in weights]}")
     L.check_rows(OP, hidden.shape[0], target, temperature, vocab_size)
     C.same_device(OP, hidden=hidden, target=target, temperature=temperature)
 

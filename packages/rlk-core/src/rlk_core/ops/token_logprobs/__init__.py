@@ -36,13 +36,7 @@ def _check_logits(op: str, shards: Sequence[torch.Tensor]) -> int:
                   f"{x.shape[0]}")
     C.same_dtype(op, **{f"logits[{i}]": x for i, x in enumerate(shards)})
     C.same_device(op, **{f"logits[{i}]": x for i, x in enumerate(shards)})
-    vocab_size = sum(x.shape[1] for x in shards)
-    C.require(vocab_size > 0, op, f"the vocabulary is empty (logits shapes {[tuple(x.shape) for x in shards]})")
-    start = 0
-    for x in shards:
-        L.shard_groups(op, start, x.shape[1], vocab_size)
-        start += x.shape[1]
-    return vocab_size
+    return L.check_shard_widths(op, [x.shape[1] for x in shards], f"logits shapes {[tuple(x.shape) for x in shards]}")
 
 
 def _check(shards: Sequence[torch.Tensor], target: torch.Tensor, temperature: torch.Tensor) -> None:
