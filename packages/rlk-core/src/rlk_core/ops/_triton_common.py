@@ -60,17 +60,18 @@ def _lazy(module: str, attr: str) -> Callable[..., Any]:
     return call
 
 
-def triton_backend(op: str) -> Backend:
-    """The ``rlk.triton`` :class:`Backend` of ``op``; its module ``rlk_core.ops.<op>.triton`` must
-    define ``forward(*args)`` (the op's signature) and ``supports(*args) -> (ok, reason)``."""
-    module = f"rlk_core.ops.{op}.triton"
+def triton_backend(op: str, module: str | None = None, fn: str = "forward", supports: str = "supports") -> Backend:
+    """The ``rlk.triton`` :class:`Backend` of ``op``. Its module (default ``rlk_core.ops.<op>.triton``)
+    must define ``fn(*args)`` (the op's signature) and ``supports(*args) -> (ok, reason)``; ops that
+    share a module (the attention family) name their own functions."""
+    module = module or f"rlk_core.ops.{op}.triton"
     return Backend(
         id=BACKEND_ID,
         op=op,
-        fn=_lazy(module, "forward"),
+        fn=_lazy(module, fn),
         devices=("cuda",),
         priority=PRIORITY,
         available=available,
-        supports=_lazy(module, "supports"),
+        supports=_lazy(module, supports),
         builtin=True,
     )
