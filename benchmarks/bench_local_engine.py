@@ -1,0 +1,137 @@
+"""The local consistency engine on one GPU: R/R and P/P on the same seeds, mismatches and throughput.
+
+Runs ``rlk-repro run`` twice (``--mode consistency`` = all R/R, ``--mode native`` = all P/P) as
+subprocesses with identical settings, validates each run directory with ``rlk-validate``, and writes
+``local_engine.json`` / ``local_engine.md`` (GPU, driver, versions, commit) with, per mode: compared
+tokens, mismatches, max |diff|, and rollout / training throughput. Throughput is summed over the
+rounds after the first (round 0 includes Triton compilation and cuBLAS/cuDNN warm-up) and also over all
+rounds; the ratio is R/R tokens/s over P/P tokens/s, per phase.
+
+    RLK_COMMIT=$(git rev-parse HEAD) python benchmarks/bench_local_engine.py --rounds 10
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import _common  # noqa: F401  (puts rlk-core on sys.path)
+import torch
+from harness import copy_bandwidth, default_out_dir, environment, write_results
+
+ROOT = Path(__file__).resolve().parents[1]
+SRC = [ROOT / "packages" / p / "src" for p in ("rlk-core", "rlk-repro", "rlk-validate")]
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    paths = [str(p) for p in SRC] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])
+    env["PYTHONPATH"] = os.pathsep.join(paths)
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    return env
+
+
+def run_mode(mode: str, args: argparse.Namespace, out: Path) -> dict:
+    cmd = [sys.executable, "-m", "rlk_repro", "run", "--engine", "local", "--mode", mode, "--device", args.device,
+           "--model", args.model, "--rounds", str(args.rounds), "--prompts-per-round", str(args.prompts),
+           "--samples-per-prompt", str(args.samples), "--max-new-tokens", str(args.max_new_tokens),
+           "--max-num-seqs", str(args.max_num_seqs), "--chunk-size", str(args.chunk_size),
+           "--page-size", str(args.page_size), "--seed", str(args.seed), "--output", str(out / mode)]
+    print("$", " ".join(cmd), flush=True)
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, env=_env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    wall = time.perf_counter() - t0
+    tail = proc.stdout[-4000:]
+    print(tail, flush=True)
+    dirs = sorted((out / mode).glob("*/manifest.json"))
+    result: dict = {"mode": mode, "exit_code": proc.returncode, "wall_s": wall}
+    if not dirs:
+        result["error"] = "no run directory was written"
+        return result
+    run_dir = dirs[-1].parent
+    result["run_dir"] = str(run_dir)
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    bitwise = json.loads((run_dir / "bitwise-validation.json").read_text())
+    report = run_dir.parent / f"{run_dir.name}-validation.json"
+    vcmd = [sys.executable, "-m", "rlk_validate", str(run_dir), "--json", str(report), "-q"]
+    if mode == "consistency":
+        vcmd.append("--require-bitwise")
+    val = subprocess.run(vcmd, env=_env(), cwd=ROOT, capture_output=True, text=True)
+    print(val.stdout.strip(), val.stderr.strip(), flush=True)
+    try:
+        rep = json.loads(report.read_text())
+        verdict = rep["verdict"]
+        findings = [f"{f.get('code')}: {f.get('message', '')[:160]}" for f in rep.get("findings", [])
+                    if f.get("severity") in ("error", "incomplete", "warning")]
+    except (OSError, json.JSONDecodeError, KeyError) as exc:
+        verdict, findings = f"no report ({type(exc).__name__}; exit {val.returncode})", []
+    steady = metrics[1:] or metrics
+
+    def rate(rows: list[dict], tokens: str, seconds: str) -> float:
+        return sum(r[tokens] for r in rows) / max(sum(r[seconds] for r in rows), 1e-9)
+
+    result.update({
+        "rounds": len(metrics), "compared_tokens": bitwise.get("element_count"),
+        "mismatch_count": bitwise.get("mismatch_count"), "max_abs_diff": bitwise.get("max_abs_diff"),
+        "weights_changed_every_round": all(r["weights_changed"] for r in metrics),
+        "validate_exit": val.returncode, "validate_verdict": verdict, "validate_findings": findings,
+        "rollout_tok_s": rate(steady, "rollout_tokens", "rollout_seconds"),
+        "rollout_gen_tok_s": rate(steady, "response_tokens", "rollout_seconds"),
+        "train_tok_s": rate(steady, "train_tokens", "train_seconds"),
+        "rollout_tok_s_all": rate(metrics, "rollout_tokens", "rollout_seconds"),
+        "train_tok_s_all": rate(metrics, "train_tokens", "train_seconds"),
+        "peak_memory_gib": max(r["peak_memory_bytes"] or 0 for r in metrics) / 2**30,
+        "chunked_prompts": sum(r["chunked_prompts"] for r in metrics),
+        "batch_composition_changes": sum(r["batch_composition_changes"] for r in metrics),
+        "rollout_seconds": sum(r["rollout_seconds"] for r in metrics),
+        "train_seconds": sum(r["train_seconds"] for r in metrics),
+    })
+    return result
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="qwen3-0.6b")
+    p.add_argument("--rounds", type=int, default=10)
+    p.add_argument("--prompts", type=int, default=16, help="prompts (GRPO groups) per round")
+    p.add_argument("--samples", type=int, default=8, help="samples per prompt")
+    p.add_argument("--max-new-tokens", type=int, default=100)
+    p.add_argument("--max-num-seqs", type=int, default=128)
+    p.add_argument("--chunk-size", type=int, default=16)
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--modes", default="consistency,native")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--work", default="/tmp/rlk-local-engine", help="where the run directories go")
+    args = p.parse_args()
+
+    env, copy = environment(), copy_bandwidth()
+    work = Path(args.work)
+    rows = []
+    for mode in args.modes.split(","):
+        rows.append(run_mode(mode, args, work))
+    by = {r["mode"]: r for r in rows}
+    ratios = {}
+    if "rollout_tok_s" in by.get("consistency", {}) and "rollout_tok_s" in by.get("native", {}):
+        c, n = by["consistency"], by["native"]
+        ratios = {"rollout": c["rollout_tok_s"] / n["rollout_tok_s"], "train": c["train_tok_s"] / n["train_tok_s"]}
+    meta = {"env": env, "copy": copy, "args": vars(args), "ratios_rr_over_pp": ratios,
+            "throughput": "tokens / seconds pooled over rounds 1..N-1 (round 0 compiles kernels); *_all: all rounds",
+            "torch_cuda_device": torch.cuda.get_device_name(0)}
+    write_results(default_out_dir(), "local_engine", meta, rows,
+                  [("mode", "mode"), ("rounds", "rounds"), ("compared_tokens", "compared tokens"),
+                   ("mismatch_count", "mismatches"), ("max_abs_diff", "max abs diff"),
+                   ("validate_verdict", "rlk-validate"), ("rollout_tok_s", "rollout tok/s"),
+                   ("train_tok_s", "train tok/s"), ("peak_memory_gib", "peak GiB"), ("wall_s", "wall s")])
+    print(json.dumps({"ratios_rr_over_pp": ratios}), flush=True)
+    cons = by.get("consistency", {})
+    return 0 if cons.get("exit_code") == 0 and cons.get("mismatch_count") == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
