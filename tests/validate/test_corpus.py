@@ -191,6 +191,13 @@ CASES = [
         "logp.main.fallback",
     ),
     C(
+        "backend-diverges",
+        _set(_rb, lambda d: d["modules"]["ffn"]["ops"]["ffn.main"].update(backend_id="rlk.triton")),
+        "failed",
+        "BACKEND_DIVERGES",
+        "'ffn.main' ran ['rlk.triton'] on the train side",
+    ),
+    C(
         "fallback-count",
         _set(_rb, lambda d: d["modules"]["attention"].update(fallback_count=3)),
         "failed",

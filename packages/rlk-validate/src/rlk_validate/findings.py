@@ -90,6 +90,7 @@ CODES: dict[str, tuple[str, str]] = {
     "R_NOT_RLK": (ERROR, "an R side does not report implementation rlk with an rlk backend"),
     "R_CONTRACT_MISSING": (ERROR, "an R side reports no contract id"),
     "FALLBACK": (ERROR, "fallback is set somewhere in a module record (nested ops/provenance included)"),
+    "BACKEND_DIVERGES": (ERROR, "a module that is R on both sides ran different rlk backends on the two sides"),
     "P_NOT_PRODUCTION": (ERROR, "a P side does not report implementation production"),
     "P_REPORTS_RLK": (ERROR, "a P side names an rlk backend somewhere in its record"),
     "MODULE_UNPLANNED": (WARNING, "a readback records a module the plan does not contain"),

@@ -4,6 +4,10 @@ Rules (docs/evidence.md): the plan each process saw equals the requested plan; e
 has an executed record (call_count > 0) on both sides; an R side reports implementation ``rlk``, an
 ``rlk.*`` (or explicitly allowed) backend, a contract id and no fallback anywhere in the record; a P
 side reports implementation ``production`` and names no rlk backend anywhere; no duplicate files.
+For a module that is R on both sides, both sides ran the same rlk backends: an op both sides call
+ran the same backend on each, and the module's set of backends is the same on each (a contract's
+bits are those of one backend's kernels: ``rlk.triton`` on one side and ``rlk.reference`` on the
+other agree within tolerance, not bit for bit).
 """
 
 from __future__ import annotations
@@ -279,6 +283,7 @@ def check_readbacks(
                 vals = agg.setdefault(key + "s", [])
                 if rec.get(key) not in vals:
                     vals.append(rec.get(key))
+    findings.extend(_check_same_backends(docs, ref_plan))
     for side in SIDES:
         if not sides[side]["processes"]:
             findings.append(
@@ -309,3 +314,42 @@ def check_readbacks(
                 )
     summary["sides"] = sides
     return findings, summary
+
+
+def _op_backends(docs: list[tuple[str, dict[str, Any]]], module: str, side: str) -> dict[str, set[str]]:
+    """``{op: {backend_id, ...}}`` over every process of ``side`` for ``module`` (module-level backend
+    under the key ``""`` when a record lists no ops)."""
+    out: dict[str, set[str]] = {}
+    for _, doc in docs:
+        rec = doc["modules"].get(module) if doc["side"] == side else None
+        if not isinstance(rec, dict):
+            continue
+        ops = rec.get("ops")
+        items = ops.items() if isinstance(ops, dict) and ops else [("", rec)]
+        for name, op in items:
+            if isinstance(op, dict) and isinstance(op.get("backend_id"), str):
+                out.setdefault(name, set()).add(op["backend_id"])
+    return out
+
+
+def _check_same_backends(docs: list[tuple[str, dict[str, Any]]], plan: dict[str, str]) -> list[Finding]:
+    out: list[Finding] = []
+    for module, case in plan.items():
+        if case != "R/R":
+            continue
+        train, roll = _op_backends(docs, module, "train"), _op_backends(docs, module, "rollout")
+        if not train or not roll:
+            continue  # a missing side is reported elsewhere
+        for op in sorted(set(train) & set(roll)):
+            if train[op] != roll[op]:
+                out.append(_f("BACKEND_DIVERGES",
+                              f"module {module!r} (R/R): op {op!r} ran {sorted(train[op])} on the train side but "
+                              f"{sorted(roll[op])} on the rollout side; their bits can differ", DIR,
+                              module=module, op=op, train=sorted(train[op]), rollout=sorted(roll[op])))
+        t_all, r_all = set().union(*train.values()), set().union(*roll.values())
+        if t_all != r_all:
+            out.append(_f("BACKEND_DIVERGES",
+                          f"module {module!r} (R/R): the train side ran backends {sorted(t_all)}, the rollout side "
+                          f"{sorted(r_all)}; one contract's bits are one backend's kernels", DIR,
+                          module=module, train=sorted(t_all), rollout=sorted(r_all)))
+    return out
