@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -75,6 +76,13 @@ def run_mode(mode: str, args: argparse.Namespace, out: Path) -> dict:
     def rate(rows: list[dict], tokens: str, seconds: str) -> float:
         return sum(r[tokens] for r in rows) / max(sum(r[seconds] for r in rows), 1e-9)
 
+    keep = Path(default_out_dir()) / "local-engine-runs" / mode  # the summary files, not the tensors
+    keep.mkdir(parents=True, exist_ok=True)
+    for rel in ("manifest.json", "metrics.jsonl", "bitwise-validation.json", "report/summary.md", "exit-code"):
+        if (run_dir / rel).is_file():
+            shutil.copy(run_dir / rel, keep / Path(rel).name)
+    if report.is_file():
+        shutil.copy(report, keep / "rlk-validate.json")
     result.update({
         "rounds": len(metrics), "compared_tokens": bitwise.get("element_count"),
         "mismatch_count": bitwise.get("mismatch_count"), "max_abs_diff": bitwise.get("max_abs_diff"),
