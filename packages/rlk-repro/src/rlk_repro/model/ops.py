@@ -136,11 +136,7 @@ class Ops:
             with self.rec.scope("attention"):
                 return self.rk.attention_varlen(q, k, v, cu_seqlens, cu_seqlens, scale, causal=True)
         self._p("attention", "attention.varlen", PRODUCTION_SDPA)
-        out, start = [], 0
-        for n in seq_lens:
-            out.append(_sdpa(q[start : start + n], k[start : start + n], v[start : start + n], scale, causal=True))
-            start += n
-        return torch.cat(out) if out else q.new_empty(q.shape)
+        return _sdpa_packed_causal(q, k, v, seq_lens, scale)
 
     def kv_cache_write(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                        slot_mapping: torch.Tensor) -> None:
@@ -161,11 +157,7 @@ class Ops:
             with self.rec.scope("attention"):
                 return self.rk.attention_decode(q, k_cache, v_cache, block_table, seq_lens, scale)
         self._p("attention", "attention.decode", PRODUCTION_SDPA)
-        outs = []
-        for b, n in enumerate(seq_lens_host):
-            k, v = _gather(k_cache, v_cache, block_table[b], n)
-            outs.append(_sdpa(q[b : b + 1], k, v, scale, causal=False))
-        return torch.cat(outs)
+        return _sdpa_paged_decode(q, k_cache, v_cache, block_table, seq_lens, max(seq_lens_host), scale)
 
     def attention_paged_prefill(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                 block_table: torch.Tensor, cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor,
@@ -211,6 +203,49 @@ def _gather(k_cache: torch.Tensor, v_cache: torch.Tensor, blocks: torch.Tensor, 
     idx = blocks[: (n + page - 1) // page].long()
     hkv, d = k_cache.shape[-2:]
     return k_cache[idx].reshape(-1, hkv, d)[:n], v_cache[idx].reshape(-1, hkv, d)[:n]
+
+
+def _heads_first(x: torch.Tensor, rep: int) -> torch.Tensor:
+    """``[B, L, H, D]`` -> ``[B, H * rep, L, D]`` (GQA: each KV head repeated for its query heads)."""
+    return (x.repeat_interleave(rep, dim=2) if rep > 1 else x).transpose(1, 2)
+
+
+def _sdpa_packed_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_lens: list[int],
+                        scale: float) -> torch.Tensor:
+    """Production training attention: the packed sequences right-padded into one batch and one causal
+    SDPA call (a padded key comes after every real query of its row, so ``is_causal`` alone masks it);
+    padded rows are dropped again. Differentiable."""
+    if not seq_lens:
+        return q.new_empty(q.shape)
+    b, lmax = len(seq_lens), max(seq_lens)
+    lens = torch.tensor(seq_lens, device=q.device)
+    valid = torch.arange(lmax, device=q.device)[None, :] < lens[:, None]  # [B, Lmax]
+
+    def pad(x: torch.Tensor) -> torch.Tensor:
+        out = x.new_zeros((b, lmax, *x.shape[1:]))
+        return out.masked_scatter(valid[..., None, None], x)
+
+    rep = q.shape[1] // k.shape[1]
+    out = F.scaled_dot_product_attention(_heads_first(pad(q), 1), _heads_first(pad(k), rep),
+                                         _heads_first(pad(v), rep), is_causal=True, scale=scale)
+    return out.transpose(1, 2)[valid]
+
+
+def _sdpa_paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
+                       seq_lens: torch.Tensor, max_len: int, scale: float) -> torch.Tensor:
+    """Production decode: every sequence's pages gathered into one padded ``[B, Lmax]`` K/V batch and one
+    SDPA call with a key-padding mask (q ``[B, Hq, D]``)."""
+    b, page = q.shape[0], k_cache.shape[1]
+    npages = -(-max_len // page)
+    idx = block_table[:, :npages].long()
+    hkv, d = k_cache.shape[-2:]
+    k = k_cache[idx].reshape(b, npages * page, hkv, d)[:, :max_len]
+    v = v_cache[idx].reshape(b, npages * page, hkv, d)[:, :max_len]
+    mask = torch.arange(max_len, device=q.device)[None, :] < seq_lens[:, None].long()  # [B, Lmax]
+    rep = q.shape[1] // hkv
+    out = F.scaled_dot_product_attention(q[:, :, None, :], _heads_first(k, rep), _heads_first(v, rep),
+                                         attn_mask=mask[:, None, None, :], scale=scale)
+    return out[:, :, 0, :]
 
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool) -> torch.Tensor:
