@@ -106,6 +106,11 @@ ENV_VARS: tuple[EnvVar, ...] = (
     EnvVar("RLK_LOAD_PLUGINS", _bool, True,
            "Load backends that other packages register through the 'rlk.backends' entry-point group.",
            ("1", "0", "true", "false")),
+    EnvVar("RLK_VALUE_CHECKS", _choice, "auto",
+           "Range checks on the values of index tensors (cu_seqlens, positions, block tables, slots, targets). "
+           "auto: run them when those tensors are on the CPU; on a GPU each costs a device sync per call, so "
+           "they run there only with 'always' (shape, dtype and device checks always run).",
+           ("auto", "always", "never")),
     EnvVar("RLK_REQUIRE_GPU", _bool, False,
            "Tests: turn the skip of a 'gpu' test on a machine without a GPU into a failure.",
            ("1", "0", "true", "false")),

@@ -6,6 +6,7 @@ from collections.abc import Iterable
 
 import torch
 
+from rlk_core import envs
 from rlk_core.errors import RlkInputError
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -47,9 +48,20 @@ def ndim(t: torch.Tensor, op: str, name: str, allowed: Iterable[int]) -> None:
             f"{tuple(t.shape)}")
 
 
+def values_checked(*tensors: torch.Tensor | None) -> bool:
+    """Whether range checks on these tensors' values run: never for meta/fake tensors (no values);
+    per ``RLK_VALUE_CHECKS`` otherwise (``auto``: only when all of them are on the CPU, because reading
+    GPU values syncs the device on every call)."""
+    ts = [t for t in tensors if t is not None]
+    if any(t.device.type == "meta" or _is_fake(t) for t in ts):
+        return False
+    mode = envs.get("RLK_VALUE_CHECKS")
+    return mode == "always" or (mode == "auto" and all(t.device.type == "cpu" for t in ts))
+
+
 def in_range(t: torch.Tensor, op: str, name: str, low: int, high: int) -> None:
-    """Every element in [low, high). Skipped for meta/fake tensors, which have no values."""
-    if t.numel() == 0 or t.device.type == "meta" or _is_fake(t):
+    """Every element in [low, high), when :func:`values_checked` says value checks run."""
+    if t.numel() == 0 or not values_checked(t):
         return
     lo, hi = int(t.min()), int(t.max())
     require(lo >= low and hi < high, op, f"{name} has values in [{lo}, {hi}]; allowed: [{low}, {high})")

@@ -11,7 +11,7 @@ from rlk_core.ops import _checks as C
 
 
 def _has_values(*tensors: torch.Tensor | None) -> bool:
-    return all(t is None or (t.device.type != "meta" and not C._is_fake(t)) for t in tensors)
+    return C.values_checked(*tensors)
 
 
 def _index_tensor(t: torch.Tensor, op: str, name: str, dtype: torch.dtype, dims: int) -> None:
