@@ -286,3 +286,89 @@ def test_property_any_vocab_size_shards_and_formula(v, t, seed, dtype, int32):
     want_logp, want_lse = _formula64(logits, target.long(), temp)
     assert_close_to_formula(logp, want_logp, torch.float32, "logp")
     assert_close_to_formula(lse, want_lse, torch.float32, "lse")
+
+
+# -- the rlk.triton log-prob kernels under the Triton interpreter (CPU; the bits are not the GPU's) --
+_INTERPRET_SCRIPT = r'''
+import torch
+from rlk_core.ops import _logp_tree as L
+from rlk_core.ops.linear import triton as LT
+from rlk_core.ops.linear_logprobs import triton as LLT
+from rlk_core.ops.linear_logprobs.reference import linear_logprobs_backward_reference, linear_logprobs_reference
+from rlk_core.ops.token_logprobs import triton as TT
+from rlk_core.ops.token_logprobs.reference import token_logprobs_backward_reference, token_logprobs_reference
+
+def close(a, b, rtol, atol, what):
+    torch.testing.assert_close(a.double(), b.double(), rtol=rtol, atol=atol, msg=lambda m: what + ": " + m)
+
+g = torch.Generator().manual_seed(0)
+for t, v, dt in ((5, 1000, torch.float32), (3, 2051, torch.bfloat16), (2, 9, torch.float16)):
+    x = (torch.randn(t, v, generator=g) * 4).to(dt)
+    x[0, : v // 3] = float("-inf")
+    y = torch.randint(0, v, (t,), generator=g)
+    y[0] = v - 1
+    temp = torch.rand(t, generator=g) + 0.5
+    lp, lse = TT.forward([x], y, temp)
+    rl, rs = token_logprobs_reference([x], y, temp)
+    close(lp, rl, 1e-5, 1e-5, "logp")
+    close(lse, rs, 1e-5, 1e-5, "lse")
+    b = L.group_bounds(v)
+    for n in (2, 4, 8):
+        per = 8 // n
+        sh = [x[:, b[i * per]:b[(i + 1) * per]] for i in range(n)]
+        a = TT.forward(sh, y, temp)
+        assert torch.equal(a[0], lp) and torch.equal(a[1], lse), ("shards", n)
+        parts = [TT.logp_partials(s_, y, temp, b[i * per], v) for i, s_ in enumerate(sh)]
+        m, s = torch.cat([p[0] for p in parts], 1), torch.cat([p[1] for p in parts], 1)
+        zt = torch.stack([p[2] for p in parts]).amax(0)
+        c = TT.merge_logp_partials(m, s, zt, v)
+        assert torch.equal(c[0], lp) and torch.equal(c[1], lse), ("partials", n)
+    for i in range(t):
+        a = TT.forward([x[i:i + 1]], y[i:i + 1], temp[i:i + 1])
+        assert torch.equal(a[0], lp[i:i + 1]) and torch.equal(a[1], lse[i:i + 1]), ("row", i)
+    gl, gs = torch.randn(t, generator=g), torch.randn(t, generator=g)
+    d = TT.backward([x], y, temp, lse, gl, gs)[0]
+    r = token_logprobs_backward_reference([x], y, temp, lse, gl, gs)[0]
+    close(d, r, 1.6e-2, 1e-5, "dlogits")
+
+# linear_logprobs: the GEMM kernel does not run under the interpreter; a torch stand-in takes its place
+LT.linear_2d_into = lambda x, w, out: out.copy_((x.double() @ w.double().t()).to(out.dtype))
+LLT.CHUNK_BYTES = 5 * 4 * 512  # several chunks per group
+for t, v, h, dt in ((5, 4000, 64, torch.float32), (3, 1030, 48, torch.bfloat16)):
+    hid = torch.randn(t, h, generator=g).to(dt)
+    w = (torch.randn(v, h, generator=g) * 3 * h ** -0.5).to(dt)
+    y = torch.randint(0, v, (t,), generator=g)
+    temp = torch.rand(t, generator=g) + 0.5
+    lp, lse = LLT.forward(hid, [w], y, temp)
+    un = TT.forward([torch.ops.rlk.linear(hid, w, None)], y, temp)
+    assert torch.equal(lp, un[0]) and torch.equal(lse, un[1]), "fused != unfused"
+    rl, rs = linear_logprobs_reference(hid, [w], y, temp)
+    close(lp, rl, 1e-5, 1e-5, "linear logp")
+    b = L.group_bounds(v)
+    parts = [LLT.linear_logp_partials(hid, w[b[2 * i]:b[2 * i + 2]], y, temp, b[2 * i], v) for i in range(4)]
+    m, s = torch.cat([p[0] for p in parts], 1), torch.cat([p[1] for p in parts], 1)
+    zt = torch.stack([p[2] for p in parts]).amax(0)
+    assert torch.equal(TT.merge_logp_partials(m, s, zt, v)[0], lp), "linear partials"
+    gl, gs = torch.randn(t, generator=g), torch.randn(t, generator=g)
+    dh, dws = LLT.backward(hid, [w], y, temp, lse, gl, gs)
+    rh, rws = linear_logprobs_backward_reference(hid, [w], y, temp, lse, gl, gs)
+    tol = 1e-5 if dt == torch.float32 else 3e-2
+    close(dh, rh, tol, tol, "dhidden")
+    close(dws[0], rws[0], tol, tol, "dW")
+print("INTERPRETER OK")
+'''
+
+
+def test_triton_kernels_under_interpreter():
+    """The rlk.triton log-prob kernels run under TRITON_INTERPRET=1 (a subprocess: the flag must be set
+    before Triton is imported): within tolerance of the reference, and the GPU invariances (vocab
+    shards, partials + merge, rows alone vs in the batch, fused == unfused) hold bit for bit there."""
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    proc = subprocess.run([sys.executable, "-c", _INTERPRET_SCRIPT], env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0 and "INTERPRETER OK" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-4000:]

@@ -118,3 +118,26 @@ def supports(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -
     if x.dtype not in CONFIGS:
         return False, f"dtype {x.dtype} has no rlk.triton GEMM configuration"
     return True, ""
+
+
+def linear_2d_into(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """Internal: ``out[M, N] = x[M, K] @ weight[N, K]^T`` with the contract configuration of
+    ``x.dtype``, any strides on all three (transposed views need no copy), rounded once to
+    ``out.dtype`` (an fp32 ``out`` keeps the fp32 accumulator). The same kernel and arithmetic as
+    :func:`linear_2d`; used by the log-prob backward GEMMs."""
+    m, k = x.shape
+    n = weight.shape[0]
+    assert weight.shape[1] == k and tuple(out.shape) == (m, n), (x.shape, weight.shape, out.shape)
+    if m == 0 or n == 0:
+        return out
+    if k == 0:
+        return out.zero_()
+    c = config(x.dtype, k)
+    grid = (triton.cdiv(m, c["BLOCK_M"]) * triton.cdiv(n, c["BLOCK_N"]),)
+    _linear_fwd_kernel[grid](
+        x, weight, out, out,
+        m, n, k,
+        x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), out.stride(0), out.stride(1),
+        HAS_BIAS=False, **c,
+    )
+    return out

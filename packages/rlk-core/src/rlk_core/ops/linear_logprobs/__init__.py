@@ -15,6 +15,7 @@ from rlk_core.backends import REGISTRY, Backend
 from rlk_core.ops import _checks as C
 from rlk_core.ops import _logp_tree as L
 from rlk_core.ops._dispatch import run
+from rlk_core.ops._triton_common import BACKEND_ID, triton_backend
 from rlk_core.ops.linear_logprobs.reference import (
     linear_logp_partials_reference,
     linear_logprobs_backward_reference,
@@ -23,6 +24,19 @@ from rlk_core.ops.linear_logprobs.reference import (
 
 CONTRACT_ID = "rlk.logp.v1"
 OP = "linear_logprobs"
+
+
+def _gpu_kernels(hidden: torch.Tensor, weights: list[torch.Tensor], target: torch.Tensor,
+                 temperature: torch.Tensor):
+    """The ``rlk.triton`` module when the forward op would select that backend for these inputs (so
+    backward and the vocab-parallel half run the arithmetic the forward ran), else None."""
+    if hidden.device.type != "cuda":
+        return None
+    if REGISTRY.select(OP, "cuda", (hidden, weights, target, temperature), strict=False).backend.id != BACKEND_ID:
+        return None
+    from rlk_core.ops.linear_logprobs import triton as kernels
+
+    return kernels
 
 
 def _check_hidden_weight(op: str, hidden: torch.Tensor, weights: Sequence[torch.Tensor]) -> None:
@@ -67,6 +81,9 @@ def _(hidden, weight, target, temperature):
 def _linear_logprobs_backward_op(hidden: torch.Tensor, weight: list[torch.Tensor], target: torch.Tensor,
                                  temperature: torch.Tensor, lse: torch.Tensor, grad_logp: torch.Tensor,
                                  grad_lse: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    kernels = _gpu_kernels(hidden, list(weight), target, temperature)
+    if kernels is not None:
+        return kernels.backward(hidden, list(weight), target, temperature, lse, grad_logp, grad_lse)
     return linear_logprobs_backward_reference(hidden, list(weight), target, temperature, lse, grad_logp,
                                               grad_lse)
 
@@ -115,11 +132,14 @@ def linear_logprobs(hidden: torch.Tensor, weight: torch.Tensor | Sequence[torch.
     anchored at each group start); each block's logits are the rlk GEMM's elements
     (:func:`~rlk_core.ops._fixed.matmul_nt` in fp32, one rounding to ``hidden.dtype``), then
     ``z = f32(logits) / f32(temperature)`` and the block partial; the partials merge in the same trees
-    as ``token_logprobs``. Extra memory is O(T x 256) logits plus the GEMM's work chunk, never O(T x V).
+    as ``token_logprobs``. Extra memory is O(T x 256) logits plus the GEMM's work chunk in the reference
+    (on CUDA, backend ``rlk.triton``: one logits chunk of at most 256 MiB), never O(T x V).
     Backward (hidden and weight) recomputes each block's logits, with
     ``dz = (g_logp*(onehot - p) + g_lse*p) / temperature``, ``p = exp(z - lse)`` (the logits rounding
     taken as the identity), accumulates ``dhidden`` over the blocks in column order in fp32 and writes
-    ``dW`` per block (each reduction in the fixed tree order); deterministic run to run.
+    ``dW`` per block (each reduction in the fixed tree order); deterministic run to run. On CUDA
+    (``rlk.triton``) the products run on the rlk GEMM kernel (sequential K loop, no split-K, no atomics)
+    with ``dz`` rounded to ``hidden.dtype``: within ``dtype_tols`` of the reference, deterministic.
     """
     weights = [weight] if isinstance(weight, torch.Tensor) else list(weight)
     C.require(isinstance(hidden, torch.Tensor) and hidden.dim() == 2, OP,
@@ -142,6 +162,9 @@ def _linear_logp_partials_op(hidden: torch.Tensor, weight: torch.Tensor, target:
                              temperature: torch.Tensor, vocab_start: int, vocab_size: int
                              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     _check_partials(hidden, weight, target, temperature, vocab_start, vocab_size)
+    kernels = _gpu_kernels(hidden, [weight], target, temperature)
+    if kernels is not None:
+        return kernels.linear_logp_partials(hidden, weight, target, temperature, vocab_start, vocab_size)
     return linear_logp_partials_reference(hidden, weight, target, temperature, vocab_start, vocab_size)
 
 
@@ -171,3 +194,4 @@ def linear_logp_partials(hidden: torch.Tensor, weight_shard: torch.Tensor, targe
 
 REGISTRY.register(Backend("rlk.reference", OP, linear_logprobs_reference, devices=("cpu", "cuda"),
                           builtin=True))
+REGISTRY.register(triton_backend(OP))  # imports no Triton until used on CUDA

@@ -1,0 +1,385 @@
+"""Triton backward of ``attention_varlen`` (dq, dk, dv) under contract ``rlk.attention.v1`` (backend ``rlk.triton``).
+
+Flash-style recomputation in three kernels, all arithmetic in fp32 except the MMA inputs:
+
+1. ``_attn_bwd_stats_kernel`` — one program per (query tile, query head): recomputes the forward for
+   each row (online softmax over KV blocks in increasing order; ``p`` rounded to ``v.dtype`` before
+   ``p @ v`` as the forward does), the output ``O = round_to(q.dtype)(acc / l)`` as a forward would
+   have saved it, ``lse`` (base 2) and ``Delta = sum_D(dO * O)``.
+2. ``_attn_bwd_dkdv_kernel`` — one program per (KV block, KV head): loops over the G query heads of
+   the group, then over the query tiles that can see the block, in increasing order; recomputes
+   ``P = exp2(s * log2(e) - lse)`` and accumulates ``dV += P^T dO``, ``dK += dS^T Q`` with
+   ``dS = P * (dO V^T - Delta)`` in one fp32 register accumulator each.
+3. ``_attn_bwd_dq_kernel`` — one program per (query tile, query head): loops over the KV blocks the
+   tile can see, in increasing order: ``dQ += dS K``.
+
+Determinism: every output element is written by exactly one program and accumulated in a fixed
+order (no atomics, no split whose count depends on the batch); the launch configuration
+(``CONFIGS``) is a function of dtype and head size only; the tile lists are a function of
+``cu_seqlens`` only. Results are therefore bitwise equal run to run; they are within tolerance of
+``attention_varlen_backward_reference`` (not bitwise: MMA summation order, ``exp2``, and ``P``/``dS``
+rounded to the input dtype before their MMAs, as every flash backward does).
+
+Masking: a query row sees keys ``0..limit``, computed in the kernels as in the reference
+(``MODE_ALIGNED``: ``Lk_b - Lq_b + i``; ``MODE_FULL`` (``causal=False``): ``Lk_b - 1``;
+``MODE_POSITIONS``: ``q_positions[i]``). Only blocks that straddle a limit run the masked path; masked
+scores are *selected* to zero probability (``tl.where``), K/V/Q rows past a sequence are masked loads
+(zeros) and are never stored, so garbage never leaks into a result. The host reads ``cu_seqlens``
+once (one device-to-host sync) to build the tile lists.
+"""
+
+from __future__ import annotations
+
+import struct
+
+import torch
+import triton
+import triton.language as tl
+
+from rlk_core.ops._triton_common import next_pow2
+
+_LOG2E = 1.4426950408889634
+MAX_HEAD_DIM = 128
+
+# Per kernel: (BLOCK_M, BLOCK_N, num_warps, num_stages) for stats, dkdv, dq.
+CONFIGS: dict[torch.dtype, dict[str, tuple[int, int, int, int]]] = {
+    torch.bfloat16: {"stats": (128, 64, 8, 3), "dkdv": (32, 64, 4, 3), "dq": (128, 64, 8, 3)},
+    torch.float16: {"stats": (128, 64, 8, 3), "dkdv": (32, 64, 4, 3), "dq": (128, 64, 8, 3)},
+    torch.float32: {"stats": (64, 32, 4, 1), "dkdv": (32, 64, 4, 1), "dq": (64, 32, 4, 1)},
+}
+
+# Masking mode of a call (constexpr): how a query row's limit depends on the row.
+MODE_ALIGNED, MODE_FULL, MODE_POSITIONS = 0, 1, 2
+
+
+def config(dtype: torch.dtype, head_dim: int) -> dict[str, dict[str, int]]:
+    """Launch configuration: a pure function of ``(dtype, head_dim)`` — never of lengths or batch."""
+    block_d = max(16, next_pow2(head_dim))
+    return {name: {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_D": block_d, "num_warps": w, "num_stages": st}
+            for name, (bm, bn, w, st) in CONFIGS[dtype].items()}
+
+
+@triton.jit
+def _mma(a, b, acc, IEEE: tl.constexpr):
+    if IEEE:
+        return tl.dot(a, b, acc, input_precision="ieee")
+    else:
+        return tl.dot(a, b, acc)
+
+
+@triton.jit
+def _load_rows(ptr, tok, ok, h, s_t, s_h, offs_d, d_ok):
+    return tl.load(ptr + tok[:, None] * s_t + h * s_h + offs_d[None, :], mask=ok[:, None] & d_ok[None, :], other=0.0)
+
+
+@triton.jit
+def _row_limits(pos_ptr, q0, rows, row_ok, lq, lk, MODE: tl.constexpr):
+    """Last key position each query row sees; -1 for rows past the sequence (they see nothing)."""
+    if MODE == 0:
+        lim = tl.where(row_ok, lk - lq + rows, -1)
+    elif MODE == 1:
+        lim = tl.where(row_ok, lk - 1 + rows * 0, -1)
+    else:
+        lim = tl.load(pos_ptr + q0 + rows, mask=row_ok, other=-1).to(tl.int32)
+    return lim
+
+
+@triton.jit
+def _stats_step(q, m, l, acc, k_ptr, v_ptr, k0, lk, hk, j, lim, qk_scale2, s_kt, s_kh, offs_n, offs_d, d_ok,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                MASK: tl.constexpr, IEEE: tl.constexpr):
+    kpos = j * BLOCK_N + offs_n
+    ktok = (k0 + kpos).to(tl.int64)
+    k = _load_rows(k_ptr, ktok, kpos < lk, hk, s_kt, s_kh, offs_d, d_ok)
+    v = _load_rows(v_ptr, ktok, kpos < lk, hk, s_kt, s_kh, offs_d, d_ok)
+    s = _mma(q, tl.trans(k), tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), IEEE) * qk_scale2
+    if MASK:
+        valid = kpos[None, :] <= lim[:, None]
+        s = tl.where(valid, s, float("-inf"))
+    m_new = tl.maximum(m, tl.max(s, axis=1))
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m - m_use)
+    p = tl.exp2(s - m_use[:, None])
+    if MASK:
+        p = tl.where(valid, p, 0.0)
+    l = l * alpha + tl.sum(p, axis=1)
+    acc = _mma(p.to(v.dtype), v, acc * alpha[:, None], IEEE)
+    return m_new, l, acc
+
+
+@triton.jit(do_not_specialize=["T", "Tk"])
+def _attn_bwd_stats_kernel(
+    q_ptr, k_ptr, v_ptr, do_ptr, pos_ptr, cu_q_ptr, cu_k_ptr, tile_ptr,
+    lse_ptr, delta_ptr,
+    T, Tk, D, qk_scale2,
+    s_qt, s_qh, s_kt, s_kh, s_dot, s_doh,
+    G: tl.constexpr, MODE: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    h = tl.program_id(1)
+    hk = h // G
+    seq = tl.load(tile_ptr + 2 * pid)
+    start = tl.load(tile_ptr + 2 * pid + 1)
+    q0 = tl.load(cu_q_ptr + seq)
+    lq = tl.load(cu_q_ptr + seq + 1) - q0
+    k0 = tl.load(cu_k_ptr + seq)
+    lk = tl.load(cu_k_ptr + seq + 1) - k0
+
+    rows = start + tl.arange(0, BLOCK_M)
+    row_ok = rows < lq
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < D
+    offs_n = tl.arange(0, BLOCK_N)
+    lim = _row_limits(pos_ptr, q0, rows, row_ok, lq, lk, MODE)
+    tok = (q0 + rows).to(tl.int64)
+    q = _load_rows(q_ptr, tok, row_ok, h, s_qt, s_qh, offs_d, d_ok)
+    do = _load_rows(do_ptr, tok, row_ok, h, s_dot, s_doh, offs_d, d_ok)
+
+    m = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
+    l = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
+    # blocks every valid row sees entirely need no mask (rows past the sequence are never stored)
+    n_full = (tl.min(tl.where(row_ok, lim, 2147483647)) + 1) // BLOCK_N
+    n_blocks = (tl.max(lim) + BLOCK_N) // BLOCK_N
+    for j in range(0, n_full):
+        m, l, acc = _stats_step(q, m, l, acc, k_ptr, v_ptr, k0, lk, hk, j, lim, qk_scale2, s_kt, s_kh, offs_n,
+                                offs_d, d_ok, BLOCK_M, BLOCK_N, BLOCK_D, False, IEEE)
+    for j in range(n_full, n_blocks):
+        m, l, acc = _stats_step(q, m, l, acc, k_ptr, v_ptr, k0, lk, hk, j, lim, qk_scale2, s_kt, s_kh, offs_n,
+                                offs_d, d_ok, BLOCK_M, BLOCK_N, BLOCK_D, True, IEEE)
+
+    l_safe = tl.where(l > 0.0, l, 1.0)
+    o = (acc / l_safe[:, None]).to(q_ptr.dtype.element_ty).to(tl.float32)
+    delta = tl.sum(do.to(tl.float32) * o, axis=1)
+    lse = tl.where(l > 0.0, m + tl.log2(l_safe), 0.0)
+    stat = h.to(tl.int64) * T + q0 + rows
+    tl.store(lse_ptr + stat, lse, mask=row_ok)
+    tl.store(delta_ptr + stat, delta, mask=row_ok)
+
+
+@triton.jit
+def _dkdv_step(dk, dv, k, v, q_ptr, do_ptr, pos_ptr, lse_ptr, delta_ptr, kpos, q0, lq, lk, h, m_start, T, qk_scale2,
+               s_qt, s_qh, s_dot, s_doh, offs_m, offs_d, d_ok,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr, MODE: tl.constexpr,
+               IEEE: tl.constexpr):
+    rows = m_start + offs_m
+    row_ok = rows < lq
+    tok = (q0 + rows).to(tl.int64)
+    # rows past the sequence load q = dO = 0, lse = Delta = 0: P stays finite and they add exactly 0
+    q = _load_rows(q_ptr, tok, row_ok, h, s_qt, s_qh, offs_d, d_ok)
+    do = _load_rows(do_ptr, tok, row_ok, h, s_dot, s_doh, offs_d, d_ok)
+    stat = h.to(tl.int64) * T + q0 + rows
+    lse = tl.load(lse_ptr + stat, mask=row_ok, other=0.0)
+    delta = tl.load(delta_ptr + stat, mask=row_ok, other=0.0)
+    zero = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    p_t = tl.exp2(_mma(k, tl.trans(q), zero, IEEE) * qk_scale2 - lse[None, :])
+    if MASK:
+        lim = _row_limits(pos_ptr, q0, rows, row_ok, lq, lk, MODE)
+        p_t = tl.where(kpos[:, None] <= lim[None, :], p_t, 0.0)
+    dv = _mma(p_t.to(do.dtype), do, dv, IEEE)
+    dp_t = _mma(v, tl.trans(do), zero, IEEE)
+    ds_t = p_t * (dp_t - delta[None, :])
+    dk = _mma(ds_t.to(q.dtype), q, dk, IEEE)
+    return dk, dv
+
+
+@triton.jit(do_not_specialize=["T", "Tk"])
+def _attn_bwd_dkdv_kernel(
+    q_ptr, k_ptr, v_ptr, do_ptr, pos_ptr, cu_q_ptr, cu_k_ptr, tile_ptr,
+    lse_ptr, delta_ptr, dk_ptr, dv_ptr,
+    T, Tk, D, qk_scale2, scale,
+    s_qt, s_qh, s_kt, s_kh, s_dot, s_doh, s_dkt, s_dkh,
+    G: tl.constexpr, MODE: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    hk = tl.program_id(1)
+    seq = tl.load(tile_ptr + 2 * pid)
+    kstart = tl.load(tile_ptr + 2 * pid + 1)
+    q0 = tl.load(cu_q_ptr + seq)
+    lq = tl.load(cu_q_ptr + seq + 1) - q0
+    k0 = tl.load(cu_k_ptr + seq)
+    lk = tl.load(cu_k_ptr + seq + 1) - k0
+
+    kpos = kstart + tl.arange(0, BLOCK_N)
+    k_ok = kpos < lk
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < D
+    offs_m = tl.arange(0, BLOCK_M)
+    ktok = (k0 + kpos).to(tl.int64)
+    k = _load_rows(k_ptr, ktok, k_ok, hk, s_kt, s_kh, offs_d, d_ok)
+    v = _load_rows(v_ptr, ktok, k_ok, hk, s_kt, s_kh, offs_d, d_ok)
+    dk = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
+    dv = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
+
+    # Query tiles [m_begin, m_full) need the mask, [m_full, lq) see the whole block; tiles before
+    # m_begin see none of it (they would add exactly 0). Bottom-right aligned causal: row r sees
+    # keys 0..lk-lq+r. Non-causal: every row sees every key. Arbitrary positions: mask everything.
+    if MODE == 0:
+        off = lk - lq
+        m_begin = (tl.maximum(kstart - off, 0) // BLOCK_M) * BLOCK_M
+        m_full = ((tl.maximum(kstart + BLOCK_N - 1 - off, 0) + BLOCK_M - 1) // BLOCK_M) * BLOCK_M
+    elif MODE == 1:
+        m_begin = 0
+        m_full = 0
+    else:
+        m_begin = 0
+        m_full = lq
+    m_mask_end = tl.minimum(m_full, lq)
+    for g in range(0, G):
+        h = hk * G + g
+        for m_start in range(m_begin, m_mask_end, BLOCK_M):
+            dk, dv = _dkdv_step(dk, dv, k, v, q_ptr, do_ptr, pos_ptr, lse_ptr, delta_ptr, kpos, q0, lq, lk, h,
+                                m_start, T, qk_scale2, s_qt, s_qh, s_dot, s_doh, offs_m, offs_d, d_ok,
+                                BLOCK_M, BLOCK_N, True, MODE, IEEE)
+        for m_start in range(m_full, lq, BLOCK_M):
+            dk, dv = _dkdv_step(dk, dv, k, v, q_ptr, do_ptr, pos_ptr, lse_ptr, delta_ptr, kpos, q0, lq, lk, h,
+                                m_start, T, qk_scale2, s_qt, s_qh, s_dot, s_doh, offs_m, offs_d, d_ok,
+                                BLOCK_M, BLOCK_N, False, MODE, IEEE)
+
+    dk = dk * scale
+    out = ktok[:, None] * s_dkt + hk * s_dkh + offs_d[None, :]
+    kv_mask = k_ok[:, None] & d_ok[None, :]
+    tl.store(dk_ptr + out, dk.to(dk_ptr.dtype.element_ty), mask=kv_mask)
+    tl.store(dv_ptr + out, dv.to(dv_ptr.dtype.element_ty), mask=kv_mask)
+
+
+@triton.jit
+def _dq_step(dq, q, do, lse, delta, lim, k_ptr, v_ptr, k0, lk, hk, j, qk_scale2, s_kt, s_kh, offs_n, offs_d, d_ok,
+             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr, IEEE: tl.constexpr):
+    kpos = j * BLOCK_N + offs_n
+    ktok = (k0 + kpos).to(tl.int64)
+    k = _load_rows(k_ptr, ktok, kpos < lk, hk, s_kt, s_kh, offs_d, d_ok)
+    v = _load_rows(v_ptr, ktok, kpos < lk, hk, s_kt, s_kh, offs_d, d_ok)
+    zero = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    p = tl.exp2(_mma(q, tl.trans(k), zero, IEEE) * qk_scale2 - lse[:, None])
+    if MASK:
+        p = tl.where(kpos[None, :] <= lim[:, None], p, 0.0)
+    dp = _mma(do, tl.trans(v), zero, IEEE)
+    ds = p * (dp - delta[:, None])
+    return _mma(ds.to(k.dtype), k, dq, IEEE)
+
+
+@triton.jit(do_not_specialize=["T", "Tk"])
+def _attn_bwd_dq_kernel(
+    q_ptr, k_ptr, v_ptr, do_ptr, pos_ptr, cu_q_ptr, cu_k_ptr, tile_ptr,
+    lse_ptr, delta_ptr, dq_ptr,
+    T, Tk, D, qk_scale2, scale,
+    s_qt, s_qh, s_kt, s_kh, s_dot, s_doh, s_dqt, s_dqh,
+    G: tl.constexpr, MODE: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    h = tl.program_id(1)
+    hk = h // G
+    seq = tl.load(tile_ptr + 2 * pid)
+    start = tl.load(tile_ptr + 2 * pid + 1)
+    q0 = tl.load(cu_q_ptr + seq)
+    lq = tl.load(cu_q_ptr + seq + 1) - q0
+    k0 = tl.load(cu_k_ptr + seq)
+    lk = tl.load(cu_k_ptr + seq + 1) - k0
+
+    rows = start + tl.arange(0, BLOCK_M)
+    row_ok = rows < lq
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < D
+    offs_n = tl.arange(0, BLOCK_N)
+    tok = (q0 + rows).to(tl.int64)
+    q = _load_rows(q_ptr, tok, row_ok, h, s_qt, s_qh, offs_d, d_ok)
+    do = _load_rows(do_ptr, tok, row_ok, h, s_dot, s_doh, offs_d, d_ok)
+    lim = _row_limits(pos_ptr, q0, rows, row_ok, lq, lk, MODE)
+    stat = h.to(tl.int64) * T + q0 + rows
+    lse = tl.load(lse_ptr + stat, mask=row_ok, other=0.0)
+    delta = tl.load(delta_ptr + stat, mask=row_ok, other=0.0)
+
+    dq = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
+    # blocks every valid row sees entirely need no mask (rows past the sequence are never stored)
+    n_full = (tl.min(tl.where(row_ok, lim, 2147483647)) + 1) // BLOCK_N
+    n_blocks = (tl.max(lim) + BLOCK_N) // BLOCK_N
+    for j in range(0, n_full):
+        dq = _dq_step(dq, q, do, lse, delta, lim, k_ptr, v_ptr, k0, lk, hk, j, qk_scale2, s_kt, s_kh, offs_n,
+                      offs_d, d_ok, BLOCK_M, BLOCK_N, False, IEEE)
+    for j in range(n_full, n_blocks):
+        dq = _dq_step(dq, q, do, lse, delta, lim, k_ptr, v_ptr, k0, lk, hk, j, qk_scale2, s_kt, s_kh, offs_n,
+                      offs_d, d_ok, BLOCK_M, BLOCK_N, True, IEEE)
+
+    dq = dq * scale
+    tl.store(dq_ptr + tok[:, None] * s_dqt + h * s_dqh + offs_d[None, :], dq.to(dq_ptr.dtype.element_ty),
+             mask=row_ok[:, None] & d_ok[None, :])
+
+
+def _tiles(lengths: list[int], block: int, heavy_first_reversed: bool) -> list[int]:
+    """``[seq, start, seq, start, ...]`` of every ``block``-row tile of every sequence.
+
+    The order only changes when a program runs (tiles with the most work first), never what it computes."""
+    out: list[int] = []
+    for b, n in enumerate(lengths):
+        offs = range(0, n, block)
+        for o in (reversed(offs) if heavy_first_reversed else offs):
+            out += (b, o)
+    return out
+
+
+def attention_varlen_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                              cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, scale: float, causal: bool,
+                              q_positions: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dq, dk, dv)`` of ``attention_varlen`` (see the module docstring); deterministic run to run."""
+    t, hq, d = q.shape
+    tk, hkv = k.shape[0], k.shape[1]
+    q, k, v, do = (x.contiguous() for x in (q, k, v, grad_out.to(q.dtype)))
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    if tk == 0 or hq == 0 or d == 0:
+        return dq.zero_(), dk.zero_(), dv.zero_()
+    dev = q.device
+    nb = cu_seqlens_q.shape[0]
+    cu_both = torch.cat([cu_seqlens_q.reshape(-1), cu_seqlens_k.reshape(-1).to(cu_seqlens_q.device)]).tolist()
+    cq, ck = cu_both[:nb], cu_both[nb:]  # one device-to-host sync for both
+    lq = [cq[b + 1] - cq[b] for b in range(len(cq) - 1)]
+    lk = [ck[b + 1] - ck[b] for b in range(len(ck) - 1)]
+    cu_q = cu_seqlens_q.to(device=dev, dtype=torch.int32).contiguous()
+    cu_k = cu_seqlens_k.to(device=dev, dtype=torch.int32).contiguous()
+    if not causal:
+        mode, pos = MODE_FULL, cu_q
+    elif q_positions is not None:
+        mode, pos = MODE_POSITIONS, q_positions.to(device=dev).contiguous()
+    else:
+        mode, pos = MODE_ALIGNED, cu_q
+    c = config(q.dtype, d)
+    # one host-to-device copy for the three tile lists (a function of cu_seqlens only)
+    lists = [_tiles(lq, c["stats"]["BLOCK_M"], True), _tiles(lq, c["dq"]["BLOCK_M"], True),
+             _tiles(lk, c["dkdv"]["BLOCK_N"], False)]
+    tiles = torch.tensor(lists[0] + lists[1] + lists[2], dtype=torch.int32).to(dev, non_blocking=True)
+    n0, n1 = len(lists[0]), len(lists[1])
+    t_stats, t_dq, t_dkdv = tiles[:n0], tiles[n0:n0 + n1], tiles[n0 + n1:]
+    qk_scale2 = struct.unpack("f", struct.pack("f", scale))[0] * _LOG2E
+    strides = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), do.stride(0), do.stride(1))
+    common = dict(G=hq // hkv, MODE=mode, IEEE=q.dtype == torch.float32)
+
+    lse = torch.empty((hq, max(t, 1)), dtype=torch.float32, device=dev)
+    delta = torch.empty((hq, max(t, 1)), dtype=torch.float32, device=dev)
+    if n0:
+        _attn_bwd_stats_kernel[(n0 // 2, hq)](
+            q, k, v, do, pos, cu_q, cu_k, t_stats, lse, delta, t, tk, d, qk_scale2, *strides,
+            **common, **c["stats"],
+        )
+        _attn_bwd_dq_kernel[(n1 // 2, hq)](
+            q, k, v, do, pos, cu_q, cu_k, t_dq, lse, delta, dq, t, tk, d, qk_scale2, scale, *strides,
+            dq.stride(0), dq.stride(1), **common, **c["dq"],
+        )
+    if len(lists[2]):
+        _attn_bwd_dkdv_kernel[(len(lists[2]) // 2, hkv)](
+            q, k, v, do, pos, cu_q, cu_k, t_dkdv, lse, delta, dk, dv, t, tk, d, qk_scale2, scale, *strides,
+            dk.stride(0), dk.stride(1), **common, **c["dkdv"],
+        )
+    return dq, dk, dv
+
+
+def supports_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, scale: float, causal: bool,
+                      q_positions: torch.Tensor | None) -> tuple[bool, str]:
+    if q.dtype not in CONFIGS:
+        return False, f"dtype {q.dtype} has no rlk.triton attention backward configuration"
+    if q.shape[-1] > MAX_HEAD_DIM:
+        return False, f"head size {q.shape[-1]} > {MAX_HEAD_DIM} (rlk.triton attention backward)"
+    return True, ""

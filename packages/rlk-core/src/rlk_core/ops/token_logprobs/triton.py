@@ -1,0 +1,230 @@
+"""Triton kernels of contract ``rlk.logp.v1`` (backend ``rlk.triton``), shared by ``token_logprobs``
+and ``linear_logprobs`` so that the fused and unfused forms run the same arithmetic by construction.
+
+Leaf-block partials (``_logp_block_fwd_kernel``): one program takes ``BLOCK_T`` rows and one
+256-column leaf block of one group (blocks anchored at the group start, as in
+:mod:`rlk_core.ops._logp_tree`); ``z = div_rn(f32(x), temp[row])`` (one IEEE division), absent
+columns ``-inf``, ``m = max(z)`` (exact in any order), ``s`` = the pairwise-halves tree of
+``exp(z - base(m))`` written out as 8 levels of elementwise adds on reshaped halves of the tile —
+never ``tl.sum`` — so a row's bits do not depend on the register layout or on ``BLOCK_T``. The
+program whose block holds a row's target writes ``z[target]``. The block partials land in a
+``[T, groups, P]`` buffer pre-filled with the identity ``(-inf, 0)``; the group halves tree, the
+8-group adjacent-pairs tree and ``lse = m + log(s)`` are the elementwise torch code of
+:mod:`rlk_core.ops._logp_tree` (a few launches on small tensors, elementwise, deterministic).
+
+Every GPU path (``token_logprobs`` with any vocab sharding, ``logp_partials`` +
+``merge_logp_partials``, ``linear_logprobs``) produces each block partial with this one kernel and
+merges with this one code, so they agree bit for bit. The GPU bits need not equal the CPU
+reference's (``tl.exp`` is not the CPU ``expf``); they are within ``dtype_tols`` of it.
+
+Backward (``_logp_grad_kernel``): ``dz = (g_logp*(onehot - p) + g_lse*p) / temp``,
+``p = exp(z - lse)``, elementwise, written in the output's dtype (may alias the input: each element
+is read before it is written by the same program).
+
+Launch configurations are constants (never a function of the number of rows); T is not specialised.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from rlk_core.ops import _logp_tree as L
+
+BLOCK_T = 16  # rows per program of the partials kernel (a constant: never a function of T)
+GRAD_BLOCK_T = 16
+GRAD_BLOCK_N = 256
+NUM_WARPS = 4
+
+
+@triton.jit
+def _halve(x, R: tl.constexpr, W: tl.constexpr):
+    """``[R, W] -> [R, W/2]``: element ``i`` plus element ``i + W/2`` (one level of the halves tree)."""
+    y = tl.permute(tl.reshape(x, (R, 2, W // 2)), (0, 2, 1))
+    a, b = tl.split(y)
+    return a + b
+
+
+@triton.jit(do_not_specialize=["T"])
+def _logp_block_fwd_kernel(
+    x_ptr, temp_ptr, target_ptr, m_ptr, s_ptr, zt_ptr,
+    T, width, col0, slot0,
+    stride_xt, stride_xn, stride_mt,
+    BLOCK_T: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """``x``: the logits of columns ``[col0, col0 + width)`` (global ids) of one group, starting on a
+    leaf-block boundary of it; program (i, b) writes slot ``slot0 + b`` of ``m``/``s`` (row stride
+    ``stride_mt``) for rows ``i*BLOCK_T ...``."""
+    pid_t = tl.program_id(0)
+    pid_b = tl.program_id(1)
+    rows = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    cols = pid_b * BLOCK + tl.arange(0, BLOCK)
+    row_ok = rows < T
+    col_ok = cols < width
+    ok = row_ok[:, None] & col_ok[None, :]
+    x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_xt + cols[None, :].to(tl.int64) * stride_xn,
+                mask=ok, other=0.0)
+    temp = tl.load(temp_ptr + rows, mask=row_ok, other=1.0)
+    z = tl.math.div_rn(x.to(tl.float32), temp[:, None])
+    z = tl.where(ok, z, float("-inf"))
+    m = tl.max(z, axis=1)
+    base = tl.where(m == float("-inf"), 0.0, m)
+    e = tl.exp(z - base[:, None])
+    # pairwise-halves tree over the 256 slots, 8 explicit levels
+    e = _halve(e, BLOCK_T, 256)
+    e = _halve(e, BLOCK_T, 128)
+    e = _halve(e, BLOCK_T, 64)
+    e = _halve(e, BLOCK_T, 32)
+    e = _halve(e, BLOCK_T, 16)
+    e = _halve(e, BLOCK_T, 8)
+    e = _halve(e, BLOCK_T, 4)
+    e = _halve(e, BLOCK_T, 2)
+    s = tl.reshape(e, (BLOCK_T,))
+    slot = slot0 + pid_b
+    tl.store(m_ptr + rows.to(tl.int64) * stride_mt + slot, m, mask=row_ok)
+    tl.store(s_ptr + rows.to(tl.int64) * stride_mt + slot, s, mask=row_ok)
+    # z[target] from the one program whose block holds the target (no other program writes that row)
+    tgt = tl.load(target_ptr + rows, mask=row_ok, other=-1).to(tl.int64)
+    local = tgt - col0 - pid_b * BLOCK
+    mine = row_ok & (local >= 0) & (local < BLOCK) & (local < width - pid_b * BLOCK)
+    hit = (cols[None, :].to(tl.int64) - pid_b * BLOCK) == local[:, None]
+    zt = tl.max(tl.where(hit & ok, z, float("-inf")), axis=1)
+    tl.store(zt_ptr + rows, zt, mask=mine)
+
+
+@triton.jit(do_not_specialize=["T"])
+def _logp_grad_kernel(
+    x_ptr, out_ptr, temp_ptr, target_ptr, lse_ptr, glogp_ptr, glse_ptr,
+    T, width, col0,
+    stride_xt, stride_xn, stride_ot, stride_on,
+    BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    pid_t = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    rows = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < T
+    ok = row_ok[:, None] & (cols[None, :] < width)
+    r64 = rows[:, None].to(tl.int64)
+    c64 = cols[None, :].to(tl.int64)
+    x = tl.load(x_ptr + r64 * stride_xt + c64 * stride_xn, mask=ok, other=0.0)
+    temp = tl.load(temp_ptr + rows, mask=row_ok, other=1.0)
+    lse = tl.load(lse_ptr + rows, mask=row_ok, other=0.0)
+    g_logp = tl.load(glogp_ptr + rows, mask=row_ok, other=0.0)
+    g_lse = tl.load(glse_ptr + rows, mask=row_ok, other=0.0)
+    tgt = tl.load(target_ptr + rows, mask=row_ok, other=-1).to(tl.int64)
+    z = tl.math.div_rn(x.to(tl.float32), temp[:, None])
+    p = tl.exp(z - lse[:, None])
+    onehot = tl.where((c64 + col0) == tgt[:, None], 1.0, 0.0)
+    g = g_logp[:, None] * (onehot - p) + g_lse[:, None] * p
+    dz = tl.math.div_rn(g, temp[:, None])
+    tl.store(out_ptr + r64 * stride_ot + c64 * stride_on, dz.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+# -- launchers ------------------------------------------------------------------------------------
+def new_partials(t: int, groups: int, vocab_size: int, device: torch.device
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Identity-filled block partials ``[T, groups, P]`` and ``z_target = -inf`` ``[T]``."""
+    p = L.padded_blocks(vocab_size)
+    m, s = L.identity((t, groups, p), torch.empty(0, device=device))
+    zt = torch.full((t,), L.NEG_INF, dtype=torch.float32, device=device)
+    return m, s, zt
+
+
+def block_partials_into(x: torch.Tensor, temperature: torch.Tensor, target: torch.Tensor, m: torch.Tensor,
+                        s: torch.Tensor, zt: torch.Tensor, col0: int, slot0: int) -> None:
+    """Block partials of ``x`` (``[T, w]``, columns ``[col0, col0 + w)`` of one group, starting on its
+    leaf block ``slot0``) into ``m[:, slot0:]``, ``s[:, slot0:]`` (``[T, P]`` views, unit column
+    stride) and ``z[target]`` into ``zt`` where the target lies in these columns."""
+    t, w = x.shape
+    if t == 0 or w == 0:
+        return
+    assert m.stride(1) == 1 and s.stride(1) == 1 and m.stride(0) == s.stride(0)
+    grid = (triton.cdiv(t, BLOCK_T), triton.cdiv(w, L.BLOCK))
+    _logp_block_fwd_kernel[grid](
+        x, temperature, target, m, s, zt,
+        t, w, col0, slot0,
+        x.stride(0), x.stride(1), m.stride(0),
+        BLOCK_T=BLOCK_T, BLOCK=L.BLOCK, num_warps=NUM_WARPS,
+    )
+
+
+def shard_block_partials_into(x: torch.Tensor, temperature: torch.Tensor, target: torch.Tensor,
+                              vocab_start: int, vocab_size: int, m: torch.Tensor, s: torch.Tensor,
+                              zt: torch.Tensor) -> None:
+    """All groups of a logits shard (``m``/``s``: ``[T, groups of the shard, P]``)."""
+    g0, g1 = L.shard_groups("logp_partials", vocab_start, x.shape[1], vocab_size)
+    bounds = L.group_bounds(vocab_size)
+    for i, g in enumerate(range(g0, g1)):
+        lo, hi = bounds[g] - vocab_start, bounds[g + 1] - vocab_start
+        block_partials_into(x[:, lo:hi], temperature, target, m[:, i], s[:, i], zt, bounds[g], 0)
+
+
+def merge_blocks(m: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[T, G, P]`` block partials -> ``[T, G]`` group partials (the fixed halves tree)."""
+    return L.tree_merge_halves(m, s)
+
+
+def logp_partials(x: torch.Tensor, target: torch.Tensor, temperature: torch.Tensor, vocab_start: int,
+                  vocab_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g0, g1 = L.shard_groups("logp_partials", vocab_start, x.shape[1], vocab_size)
+    m, s, zt = new_partials(x.shape[0], g1 - g0, vocab_size, x.device)
+    shard_block_partials_into(x, temperature, target, vocab_start, vocab_size, m, s, zt)
+    gm, gs = merge_blocks(m, s)
+    return gm.contiguous(), gs.contiguous(), zt
+
+
+def merge_logp_partials(m: torch.Tensor, s: torch.Tensor, z_target: torch.Tensor, vocab_size: int
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    return L.finish(*L.tree_merge_groups(m, s), z_target)
+
+
+def forward(shards: list[torch.Tensor], target: torch.Tensor, temperature: torch.Tensor
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+    target, temperature = target.contiguous(), temperature.contiguous()
+    vocab_size = sum(x.shape[1] for x in shards)
+    t = shards[0].shape[0]
+    m, s, zt = new_partials(t, L.num_groups(vocab_size), vocab_size, shards[0].device)
+    start, gi = 0, 0
+    for x in shards:
+        g0, g1 = L.shard_groups("token_logprobs", start, x.shape[1], vocab_size)
+        shard_block_partials_into(x, temperature, target, start, vocab_size, m[:, gi:gi + g1 - g0],
+                                  s[:, gi:gi + g1 - g0], zt)
+        gi += g1 - g0
+        start += x.shape[1]
+    return merge_logp_partials(*merge_blocks(m, s), zt, vocab_size)
+
+
+def grad_into(x: torch.Tensor, out: torch.Tensor, target: torch.Tensor, temperature: torch.Tensor,
+              lse: torch.Tensor, g_logp: torch.Tensor, g_lse: torch.Tensor, col0: int) -> None:
+    """``out = dL/dlogits`` of ``x`` (columns ``[col0, col0 + w)``), in ``out``'s dtype; ``out`` may be ``x``."""
+    t, w = x.shape
+    if t == 0 or w == 0:
+        return
+    grid = (triton.cdiv(t, GRAD_BLOCK_T), triton.cdiv(w, GRAD_BLOCK_N))
+    _logp_grad_kernel[grid](
+        x, out, temperature, target, lse, g_logp, g_lse,
+        t, w, col0,
+        x.stride(0), x.stride(1), out.stride(0), out.stride(1),
+        BLOCK_T=GRAD_BLOCK_T, BLOCK_N=GRAD_BLOCK_N, num_warps=NUM_WARPS,
+    )
+
+
+def backward(shards: list[torch.Tensor], target: torch.Tensor, temperature: torch.Tensor, lse: torch.Tensor,
+             grad_logp: torch.Tensor, grad_lse: torch.Tensor) -> list[torch.Tensor]:
+    out, start = [], 0
+    target, temperature = target.contiguous(), temperature.contiguous()
+    g_logp, g_lse = grad_logp.float().contiguous(), grad_lse.float().contiguous()
+    for x in shards:
+        d = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        grad_into(x, d, target, temperature, lse.contiguous(), g_logp, g_lse, start)
+        out.append(d)
+        start += x.shape[1]
+    return out
+
+
+def supports(shards: list[torch.Tensor], target: torch.Tensor, temperature: torch.Tensor) -> tuple[bool, str]:
+    if shards[0].dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return False, f"dtype {shards[0].dtype} not supported by the rlk.triton log-prob kernels"
+    return True, ""
