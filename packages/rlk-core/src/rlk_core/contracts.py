@@ -1,7 +1,11 @@
-"""Contract ids: versioned names for the exact arithmetic of each operator.
+"""Contract ids: versioned names for the arithmetic of each operator.
 
-Two implementations with the same contract id must give identical bits on the same hardware;
-changing the arithmetic means a new id. ``docs/ops/<op>.md`` states each contract in full.
+A contract id fixes what a result may depend on and the structure of its arithmetic (block sizes,
+reduction trees, conversion points: ``docs/ops/<op>.md``); changing that means a new id. The exact bits
+are those of one backend's kernels under the contract: two runs of the same (contract id, backend id)
+on the same hardware give identical bits, while ``rlk.reference`` and ``rlk.triton`` under one id agree
+within ``dtype_tols`` (their MMA / summation order inside a block differs). That is why readbacks record
+both ids and ``rlk-validate`` requires an R/R module to run the same backends on both sides.
 """
 
 from __future__ import annotations
