@@ -248,3 +248,13 @@ for _op, _fn in (("attention_varlen", attention_varlen_reference),
                  ("kv_cache_write", kv_cache_write_reference),
                  ("attention_varlen_backward", attention_varlen_backward_reference)):
     REGISTRY.register(Backend("rlk.reference", _op, _fn, devices=("cpu", "cuda"), builtin=True))
+
+from rlk_core.ops._triton_common import triton_backend  # noqa: E402  (imports no Triton until used on CUDA)
+
+for _op, _fn, _sup in (("attention_varlen", "attention_varlen", "supports_varlen"),
+                       ("attention_paged_prefill", "attention_paged_prefill", "supports_paged_prefill"),
+                       ("attention_decode", "attention_decode", "supports_decode"),
+                       ("kv_cache_write", "kv_cache_write", "supports_kv_cache_write")):
+    REGISTRY.register(triton_backend(_op, module="rlk_core.ops.attention.triton", fn=_fn, supports=_sup))
+REGISTRY.register(triton_backend("attention_varlen_backward", module="rlk_core.ops.attention.triton_backward",
+                                 fn="attention_varlen_backward", supports="supports_backward"))

@@ -1,0 +1,283 @@
+"""Triton forward attention under contract ``rlk.attention.v1`` (backend ``rlk.triton``).
+
+One ``@triton.jit`` kernel, :func:`_attention_fwd_kernel`, runs varlen prefill, chunked prefill over a
+paged cache and paged decode. The three forms differ only in *runtime* arguments (where a position's
+K/V lives, each query's position), so all three run the same compiled binary and per row the same
+instruction sequence:
+
+- A tile is ``BLOCK_M`` rows; row ``r`` is query token ``r // G_PAD`` of the tile and group head
+  ``r % G_PAD`` of one KV head (``G = Hq // Hkv`` padded to a power of two), so K/V of a block are loaded
+  once for the whole GQA group. Decode is a chunk of one token (``cu_seqlens_q = arange(B + 1)``).
+- Row limit ``t`` (its absolute position; non-causal ``Lk_b - 1``; padding rows ``0``). KV blocks of
+  ``BLOCK_N = KV_BLOCK = 64`` from position 0 up to the tile's largest limit, increasing order. ``s =
+  dot(q, k^T) * (scale * log2 e)``, positions ``> t`` selected to ``-inf`` after the dot; online softmax
+  in fp32 with ``exp2``; ``p`` rounded to ``v.dtype`` before ``dot(p, v)``; ``l`` sums the fp32 ``p``;
+  ``out = acc / l`` rounded once. A block past a row's limit is an exact no-op for that row
+  (``alpha = exp2(0) = 1``, ``p = 0``).
+- Addressing: position ``j`` of sequence ``b`` lives at ``base + table[b, j // P] * s_page + (j % P) *
+  s_off``. Paged: the block table, ``P`` the page size. Varlen: ``table = cu_seqlens_k`` (one column),
+  ``P = 2^30``, ``s_page = s_off`` = the token stride, i.e. token ``cu_seqlens_k[b] + j``. K/V loads past
+  the tile's largest limit are masked (``other=0``), so unused cache slots (NaN) and block-table entries
+  past a sequence's pages are never read.
+- Tile schedule without a host sync: per sequence ``ceil(Lq_b / TOK)`` tiles, their cumulative sum on
+  the device; the grid is the upper bound ``ceil(T / TOK) + B`` and each program finds its sequence by
+  binary search (programs past the end return).
+
+Configuration per (dtype, padded head size) only (``CONFIGS``); counts are ``do_not_specialize``.
+No atomics, no split-KV, no autotuning. fp32 inputs use ``input_precision="ieee"``.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from rlk_core.ops._triton_common import next_pow2
+from rlk_core.ops.attention._core import KV_BLOCK
+
+LOG2E = 1.4426950408889634
+_VARLEN_PAGE = 1 << 30  # "page size" of contiguous varlen K/V: one page per sequence
+
+# (dtype, padded head size) -> (BLOCK_M, num_warps, num_stages); BLOCK_N is always KV_BLOCK = 64.
+CONFIGS: dict[tuple[torch.dtype, int], tuple[int, int, int]] = {}
+for _dt in (torch.bfloat16, torch.float16):
+    CONFIGS.update({(_dt, 16): (128, 4, 3), (_dt, 32): (128, 4, 3), (_dt, 64): (128, 4, 3),
+                    (_dt, 128): (64, 4, 2), (_dt, 256): (64, 8, 2)})
+CONFIGS.update({(torch.float32, 16): (64, 4, 2), (torch.float32, 32): (64, 4, 2), (torch.float32, 64): (64, 4, 2),
+                (torch.float32, 128): (64, 8, 2)})
+
+
+def config(dtype: torch.dtype, head_size: int) -> dict[str, int | bool]:
+    """The launch configuration for ``dtype`` and head size — never a function of token counts."""
+    d_pad = max(16, next_pow2(head_size))
+    block_m, warps, stages = CONFIGS[(dtype, d_pad)]
+    return {"BLOCK_M": block_m, "BLOCK_N": KV_BLOCK, "HEAD_D": head_size, "D_PAD": d_pad,
+            "IEEE": dtype == torch.float32, "num_warps": warps, "num_stages": stages}
+
+
+@triton.jit(do_not_specialize=["B", "G", "page_size", "stride_tb", "has_qpos", "causal"])
+def _attention_fwd_kernel(
+    q_ptr, k_ptr, v_ptr, o_ptr,
+    table_ptr, cu_q_ptr, lens_ptr, tile_cum_ptr, qpos_ptr,
+    B, G, page_size, stride_tb,
+    stride_qt, stride_qh, stride_qd,
+    stride_kp, stride_ko, stride_kh, stride_kd,
+    stride_vp, stride_vo, stride_vh, stride_vd,
+    stride_ot, stride_oh, stride_od,
+    qk_scale, has_qpos, causal,
+    G_PAD: tl.constexpr, HEAD_D: tl.constexpr, D_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
+):
+    TOK: tl.constexpr = BLOCK_M // G_PAD
+    pid = tl.program_id(0)
+    kvh = tl.program_id(1)
+
+    # -- which sequence and which tokens (binary search in the cumulative tile counts) ----------
+    total = tl.load(tile_cum_ptr + B - 1)
+    if pid >= total:
+        return
+    lo = pid * 0
+    hi = lo + B
+    while lo < hi:
+        mid = (lo + hi) // 2
+        below = tl.load(tile_cum_ptr + mid) <= pid
+        lo = tl.where(below, mid + 1, lo)
+        hi = tl.where(below, hi, mid)
+    b = lo
+    prev = tl.load(tile_cum_ptr + b - 1, mask=b > 0, other=0)
+    q0 = tl.load(cu_q_ptr + b)
+    n_q = tl.load(cu_q_ptr + b + 1) - q0
+    n_k = tl.load(lens_ptr + b)
+    n_tiles = tl.load(tile_cum_ptr + b) - prev
+    tile = n_tiles - 1 - (pid - prev)  # the sequence's last (longest) tiles first
+    tok0 = tile * TOK
+
+    rows = tl.arange(0, BLOCK_M)
+    tok = tok0 + rows // G_PAD
+    hg = rows % G_PAD
+    row_ok = (tok < n_q) & (hg < G)
+    head = kvh * G + hg
+    offs_d = tl.arange(0, D_PAD)
+    d_ok = offs_d < HEAD_D
+
+    # -- each row's limit: the last key position it sees ---------------------------------------
+    if has_qpos != 0:
+        pos = tl.load(qpos_ptr + q0 + tok, mask=row_ok, other=0)
+    else:
+        pos = n_k - n_q + tok
+    if causal == 0:
+        pos = tok * 0 + (n_k - 1)
+    limit = tl.where(row_ok, pos, 0)
+    last = tl.max(limit, axis=0)
+
+    q_rows = (q0 + tok).to(tl.int64) * stride_qt + head.to(tl.int64) * stride_qh
+    q = tl.load(q_ptr + q_rows[:, None] + offs_d[None, :] * stride_qd,
+                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+
+    m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_M, D_PAD), dtype=tl.float32)
+
+    offs_n = tl.arange(0, BLOCK_N)
+    k_head = k_ptr + kvh.to(tl.int64) * stride_kh
+    v_head = v_ptr + kvh.to(tl.int64) * stride_vh
+    table_row = table_ptr + b.to(tl.int64) * stride_tb
+    for j in range(0, last // BLOCK_N + 1):
+        kpos = j * BLOCK_N + offs_n
+        ld = kpos <= last
+        page = tl.load(table_row + kpos // page_size, mask=ld, other=0).to(tl.int64)
+        off = (kpos % page_size).to(tl.int64)
+        kv_ok = ld[:, None] & d_ok[None, :]
+        k = tl.load(k_head + (page * stride_kp + off * stride_ko)[:, None] + offs_d[None, :] * stride_kd,
+                    mask=kv_ok, other=0.0)
+        v = tl.load(v_head + (page * stride_vp + off * stride_vo)[:, None] + offs_d[None, :] * stride_vd,
+                    mask=kv_ok, other=0.0)
+        if IEEE:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        s = s * qk_scale
+        s = tl.where(kpos[None, :] <= limit[:, None], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.math.exp2(m_i - m_new)
+        p = tl.math.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None]
+        if IEEE:
+            acc = tl.dot(p.to(v.dtype), v, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(p.to(v.dtype), v, acc)
+        m_i = m_new
+
+    out = acc / l_i[:, None]
+    o_rows = (q0 + tok).to(tl.int64) * stride_ot + head.to(tl.int64) * stride_oh
+    tl.store(o_ptr + o_rows[:, None] + offs_d[None, :] * stride_od, out.to(o_ptr.dtype.element_ty),
+             mask=row_ok[:, None] & d_ok[None, :])
+
+
+def _launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, table: torch.Tensor, stride_tb: int,
+            page_size: int, k_strides: tuple[int, int, int, int], v_strides: tuple[int, int, int, int],
+            cu_q: torch.Tensor, lens: torch.Tensor, q_positions: torch.Tensor | None, causal: bool,
+            scale: float) -> torch.Tensor:
+    t, hq, d = q.shape
+    hkv = k.shape[-2]
+    out = torch.empty_like(q)
+    b = cu_q.shape[0] - 1
+    if t == 0 or b == 0:
+        return out
+    g = hq // hkv
+    cfg = config(q.dtype, d)
+    g_pad = next_pow2(g)
+    tok = cfg["BLOCK_M"] // g_pad
+    lq = cu_q[1:] - cu_q[:-1]
+    tile_cum = torch.cumsum(torch.div(lq + (tok - 1), tok, rounding_mode="floor"), 0).to(torch.int32)
+    qpos = q_positions.to(torch.int32) if q_positions is not None else lens
+    qk_scale = float(torch.tensor(float(scale), dtype=torch.float32) * torch.tensor(LOG2E, dtype=torch.float32))
+    grid = (triton.cdiv(t, tok) + b, hkv)
+    _attention_fwd_kernel[grid](
+        q, k, v, out, table, cu_q, lens, tile_cum, qpos,
+        b, g, page_size, stride_tb,
+        q.stride(0), q.stride(1), q.stride(2),
+        *k_strides, *v_strides,
+        out.stride(0), out.stride(1), out.stride(2),
+        qk_scale, int(q_positions is not None), int(bool(causal)),
+        G_PAD=g_pad, **cfg,
+    )
+    return out
+
+
+def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, causal, q_positions):
+    lens = (cu_seqlens_k[1:] - cu_seqlens_k[:-1]).to(torch.int32)
+    ks = (k.stride(0), k.stride(0), k.stride(1), k.stride(2))
+    vs = (v.stride(0), v.stride(0), v.stride(1), v.stride(2))
+    return _launch(q, k, v, cu_seqlens_k, 1, _VARLEN_PAGE, ks, vs, cu_seqlens_q, lens,
+                   q_positions if causal else None, causal, scale)
+
+
+def attention_paged_prefill(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, scale):
+    return _launch(q, k_cache, v_cache, block_table, block_table.stride(0), k_cache.shape[1],
+                   tuple(k_cache.stride()), tuple(v_cache.stride()), cu_seqlens_q, seq_lens, None, True, scale)
+
+
+def attention_decode(q, k_cache, v_cache, block_table, seq_lens, scale):
+    # decode is chunked prefill with one token per sequence: the same binary, the same arithmetic
+    cu_q = torch.arange(q.shape[0] + 1, dtype=torch.int32, device=q.device)
+    return attention_paged_prefill(q, k_cache, v_cache, block_table, cu_q, seq_lens, scale)
+
+
+@triton.jit(do_not_specialize=["T"])
+def _kv_cache_write_kernel(
+    k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, T, H, page_size,
+    stride_kt, stride_kh, stride_kd, stride_vt, stride_vh, stride_vd,
+    stride_kcp, stride_kco, stride_kch, stride_kcd, stride_vcp, stride_vco, stride_vch, stride_vcd,
+    HEAD_D: tl.constexpr, D_PAD: tl.constexpr, H_PAD: tl.constexpr,
+):
+    i = tl.program_id(0)
+    slot = tl.load(slot_ptr + i)
+    if slot < 0:
+        return
+    page = slot // page_size
+    off = slot % page_size
+    h = tl.arange(0, H_PAD)
+    d = tl.arange(0, D_PAD)
+    mask = (h < H)[:, None] & (d < HEAD_D)[None, :]
+    it = i.to(tl.int64)
+    hh = h.to(tl.int64)[:, None]
+    kx = tl.load(k_ptr + it * stride_kt + hh * stride_kh + d[None, :] * stride_kd, mask=mask)
+    vx = tl.load(v_ptr + it * stride_vt + hh * stride_vh + d[None, :] * stride_vd, mask=mask)
+    tl.store(kc_ptr + page * stride_kcp + off * stride_kco + hh * stride_kch + d[None, :] * stride_kcd, kx, mask=mask)
+    tl.store(vc_ptr + page * stride_vcp + off * stride_vco + hh * stride_vch + d[None, :] * stride_vcd, vx, mask=mask)
+
+
+def kv_cache_write(k, v, k_cache, v_cache, slot_mapping):
+    t, h, d = k.shape
+    if t == 0:
+        return None
+    _kv_cache_write_kernel[(t,)](
+        k, v, k_cache, v_cache, slot_mapping, t, h, k_cache.shape[1],
+        *k.stride(), *v.stride(), *k_cache.stride(), *v_cache.stride(),
+        HEAD_D=d, D_PAD=next_pow2(d), H_PAD=next_pow2(h),
+    )
+    return None
+
+
+# -- supports: (ok, reason); anything else falls back to the reference --------------------------
+def _supports_heads(q: torch.Tensor, k: torch.Tensor) -> tuple[bool, str]:
+    d = q.shape[-1]
+    d_pad = max(16, next_pow2(d))
+    if (q.dtype, d_pad) not in CONFIGS:
+        return False, f"no rlk.triton attention configuration for dtype {q.dtype} and head size {d}"
+    if k.dtype != q.dtype:
+        return False, f"K/V dtype {k.dtype} != q dtype {q.dtype}"
+    g_pad = next_pow2(q.shape[-2] // k.shape[-2])
+    block_m = CONFIGS[(q.dtype, d_pad)][0]
+    if g_pad > block_m:
+        return False, f"GQA group size {q.shape[-2] // k.shape[-2]} exceeds BLOCK_M={block_m}"
+    return True, ""
+
+
+def supports_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, causal, q_positions):
+    return _supports_heads(q, k)
+
+
+def supports_paged_prefill(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, scale):
+    return _supports_heads(q, k_cache)
+
+
+def supports_decode(q, k_cache, v_cache, block_table, seq_lens, scale):
+    return _supports_heads(q, k_cache)
+
+
+def supports_kv_cache_write(k, v, k_cache, v_cache, slot_mapping):
+    if k.dtype != k_cache.dtype or v.dtype != v_cache.dtype:
+        return False, f"K/V dtype {k.dtype} != cache dtype {k_cache.dtype}"
+    if next_pow2(k.shape[1]) * next_pow2(k.shape[2]) > 1 << 16:
+        return False, f"Hkv * head size = {k.shape[1] * k.shape[2]} too large for one program"
+    return True, ""
+
+
+__all__ = ["CONFIGS", "attention_decode", "attention_paged_prefill", "attention_varlen", "config",
+           "kv_cache_write", "supports_decode", "supports_kv_cache_write", "supports_paged_prefill",
+           "supports_varlen"]
+
