@@ -13,7 +13,7 @@ from rlk_core.plan import RoutePlan
 from rlk_core.readback import ReadbackRecorder
 from rlk_repro.engine.data import encode, load_prompts, reward
 from rlk_repro.engine.rollout import Request, RolloutEngine
-from rlk_repro.engine.sampling import SamplingParams, sample_token
+from rlk_repro.engine.sampling import SamplingParams, race_noise, sample_token, sample_tokens
 from rlk_repro.engine.trainer import group_advantages
 from rlk_repro.model import PRESETS, Ops, Qwen3Config, load_checkpoint, random_weights, save_checkpoint
 
@@ -48,13 +48,24 @@ def test_random_weights_are_deterministic():
 def test_sampling_is_seeded_and_filters():
     logits = torch.randn(CFG.vocab_size, generator=torch.Generator().manual_seed(0))
     p = SamplingParams(temperature=0.7, top_k=1)
-    assert sample_token(logits, p, torch.Generator().manual_seed(1)) == int(logits.argmax())
+    assert sample_token(logits, p, 1) == int(logits.argmax())
     q = SamplingParams(temperature=1.0, top_p=0.9)
-    draws = [sample_token(logits, q, torch.Generator().manual_seed(s)) for s in range(20)]
-    assert draws == [sample_token(logits, q, torch.Generator().manual_seed(s)) for s in range(20)]
+    draws = [sample_token(logits, q, s) for s in range(20)]
+    assert draws == [sample_token(logits, q, s) for s in range(20)]
     assert len(set(draws)) > 1
+    # a batch draws what each row draws alone (the noise is a function of the row's seed only)
+    rows = logits[None].repeat(20, 1) + torch.randn(20, 1, generator=torch.Generator().manual_seed(3))
+    assert sample_tokens(rows, [q] * 20, list(range(20))) == [sample_token(rows[i], q, i) for i in range(20)]
     with pytest.raises(RlkConfigError):
         SamplingParams(temperature=0.0)
+
+
+def test_race_noise_is_exponential_and_seeded():
+    seeds = torch.tensor([0, 1, 2**61 + 5], dtype=torch.int64)
+    e = race_noise(seeds, 50_000)
+    assert torch.equal(e, race_noise(seeds, 50_000)) and not torch.equal(e[0], e[1])
+    assert bool((e > 0).all()) and bool(torch.isfinite(e).all())
+    assert abs(float(e.mean()) - 1.0) < 0.02 and abs(float(e.std()) - 1.0) < 0.03  # Exp(1): mean 1, std 1
 
 
 def test_group_advantages_and_reward():

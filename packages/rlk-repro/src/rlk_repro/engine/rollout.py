@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from rlk_core.errors import RlkConfigError
-from rlk_repro.engine.sampling import SamplingParams, draw_seed, sample_token
+from rlk_repro.engine.sampling import SamplingParams, draw_seed, sample_tokens
 from rlk_repro.model import qwen3
 from rlk_repro.model.config import Qwen3Config
 from rlk_repro.model.ops import Ops
@@ -243,11 +243,8 @@ class RolloutEngine:
             return []
         hn = qwen3.final_norm(ops, cfg, w, h[torch.tensor(rows, device=dev)])
         logits = ops.linear("logp", hn, qwen3.lm_head_weight(w))
-        tokens = []
-        for i, r in enumerate(ready):
-            g = torch.Generator(device=dev)
-            g.manual_seed(draw_seed(r.params.seed, r.rid, len(r.output)))
-            tokens.append(sample_token(logits[i], r.params, g))
+        tokens = sample_tokens(logits, [r.params for r in ready],
+                               [draw_seed(r.params.seed, r.rid, len(r.output)) for r in ready])
         target = torch.tensor(tokens, device=dev, dtype=torch.long)
         logp = torch.empty(len(ready), device=dev, dtype=torch.float32)
         for temp in sorted({r.params.temperature for r in ready}):

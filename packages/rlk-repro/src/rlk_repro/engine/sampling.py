@@ -2,8 +2,10 @@
 
 The token is drawn from the filtered, temperature-scaled distribution; the log-prob the engine records
 is computed separately (by the ``logp`` module's op) under the temperature-scaled *unfiltered*
-distribution, which is what the trainer recomputes. Each draw uses its own generator seeded from
-(run seed, request id, token index), so a request's samples do not depend on the batch it ran in.
+distribution, which is what the trainer recomputes. Each draw is an exponential race whose noise is a
+counter-based hash of (draw seed, vocab id) — the draw seed derived from (run seed, request id, token
+index) — computed elementwise in int64, so a request's samples do not depend on the batch it ran in
+or on the device, and a whole step's requests are sampled in a few batched kernels with one host read.
 """
 
 from __future__ import annotations
@@ -39,17 +41,52 @@ def draw_seed(seed: int, request_id: int, index: int) -> int:
     return (seed * 1_000_003 + request_id * 10_007 + index * 7919 + 12345) % (1 << 62)
 
 
-def sample_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
-    """One token from ``logits`` ``[V]``: temperature, top-k, top-p, then an exponential-race draw."""
-    x = logits.float() / params.temperature
-    if params.top_k and params.top_k < x.shape[-1]:
-        kth = torch.topk(x, params.top_k).values[-1]
-        x = x.masked_fill(x < kth, float("-inf"))
-    if params.top_p < 1.0:
-        sorted_x, order = torch.sort(x, descending=True)
+_M31 = (1 << 31) - 1
+
+
+def _mix31(x: torch.Tensor) -> torch.Tensor:
+    """An integer mixer (xor-shift / multiply rounds) on int64 tensors holding values in [0, 2^31):
+    every product stays below 2^58, so nothing relies on integer overflow and CPU and GPU agree."""
+    for _ in range(2):
+        x = x ^ (x >> 16)
+        x = (x * 0x45D9F3B) & _M31
+    return x ^ (x >> 16)
+
+
+def race_noise(seeds: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Exponential noise ``[B, V]`` (float64) for the race, from draw seeds ``[B]`` (int64, >= 0): two
+    31-bit hashes of (seed, vocab id) give a 53-bit uniform in (0, 1], then ``-log``."""
+    key = _mix31(_mix31(seeds & _M31) ^ ((seeds >> 31) & _M31))[:, None]
+    ids = torch.arange(vocab, device=seeds.device, dtype=torch.int64)[None, :]
+    hi = _mix31(_mix31(key ^ 0x2F0B3A5) ^ ids)
+    lo = _mix31(_mix31(key ^ 0x61C8864) ^ ids)
+    u = (hi * 2**22 + (lo >> 9) + 1).to(torch.float64) * 2.0**-53
+    return -torch.log(u)
+
+
+def sample_tokens(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int]) -> list[int]:
+    """One token per row of ``logits`` ``[B, V]``: temperature, top-k, top-p (per row), then the race
+    ``argmax(probs / E)`` with :func:`race_noise` of that row's draw seed."""
+    x = logits.float()
+    temp = torch.tensor([p.temperature for p in params], device=x.device, dtype=torch.float32)
+    x = x / temp[:, None]
+    vocab = x.shape[-1]
+    for k in sorted({p.top_k for p in params if p.top_k and p.top_k < vocab}):
+        rows = torch.tensor([i for i, p in enumerate(params) if p.top_k == k], device=x.device)
+        kth = torch.topk(x[rows], k, dim=-1).values[:, -1:]
+        x[rows] = x[rows].masked_fill(x[rows] < kth, float("-inf"))
+    top_p = torch.tensor([p.top_p for p in params], device=x.device, dtype=torch.float32)
+    if bool((top_p < 1.0).any()):
+        sorted_x, order = torch.sort(x, dim=-1, descending=True)
         probs = torch.softmax(sorted_x, dim=-1)
-        drop = (torch.cumsum(probs, dim=-1) - probs) > params.top_p  # keep the smallest prefix reaching top_p
-        x = x.scatter(0, order, sorted_x.masked_fill(drop, float("-inf")))
-    probs = torch.softmax(x, dim=-1)
-    race = torch.empty_like(probs).exponential_(generator=generator)
-    return int(torch.argmax(probs / race))
+        drop = (torch.cumsum(probs, dim=-1) - probs) > top_p[:, None]  # keep the smallest prefix reaching top_p
+        drop &= (top_p < 1.0)[:, None]
+        x = x.scatter(-1, order, sorted_x.masked_fill(drop, float("-inf")))
+    probs = torch.softmax(x, dim=-1).double()
+    noise = race_noise(torch.tensor(seeds, device=x.device, dtype=torch.int64), vocab)
+    return torch.argmax(probs / noise, dim=-1).tolist()
+
+
+def sample_token(logits: torch.Tensor, params: SamplingParams, seed: int) -> int:
+    """One token from ``logits`` ``[V]`` with draw seed ``seed`` (see :func:`sample_tokens`)."""
+    return sample_tokens(logits[None], [params], [seed])[0]
