@@ -22,7 +22,6 @@ import time
 from pathlib import Path
 
 import _common  # noqa: F401  (puts rlk-core on sys.path)
-import torch
 from harness import copy_bandwidth, default_out_dir, environment, write_results
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -56,26 +55,12 @@ def run_mode(mode: str, args: argparse.Namespace, out: Path) -> dict:
         return result
     run_dir = dirs[-1].parent
     result["run_dir"] = str(run_dir)
-    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    bitwise = json.loads((run_dir / "bitwise-validation.json").read_text())
     report = run_dir.parent / f"{run_dir.name}-validation.json"
     vcmd = [sys.executable, "-m", "rlk_validate", str(run_dir), "--json", str(report), "-q"]
     if mode == "consistency":
         vcmd.append("--require-bitwise")
     val = subprocess.run(vcmd, env=_env(), cwd=ROOT, capture_output=True, text=True)
     print(val.stdout.strip(), val.stderr.strip(), flush=True)
-    try:
-        rep = json.loads(report.read_text())
-        verdict = rep["verdict"]
-        findings = [f"{f.get('code')}: {f.get('message', '')[:160]}" for f in rep.get("findings", [])
-                    if f.get("severity") in ("error", "incomplete", "warning")]
-    except (OSError, json.JSONDecodeError, KeyError) as exc:
-        verdict, findings = f"no report ({type(exc).__name__}; exit {val.returncode})", []
-    steady = metrics[1:] or metrics
-
-    def rate(rows: list[dict], tokens: str, seconds: str) -> float:
-        return sum(r[tokens] for r in rows) / max(sum(r[seconds] for r in rows), 1e-9)
-
     keep = Path(default_out_dir()) / "local-engine-runs" / mode  # the summary files, not the tensors
     keep.mkdir(parents=True, exist_ok=True)
     for rel in ("manifest.json", "metrics.jsonl", "bitwise-validation.json", "report/summary.md", "exit-code"):
@@ -83,11 +68,36 @@ def run_mode(mode: str, args: argparse.Namespace, out: Path) -> dict:
             shutil.copy(run_dir / rel, keep / Path(rel).name)
     if report.is_file():
         shutil.copy(report, keep / "rlk-validate.json")
-    result.update({
-        "rounds": len(metrics), "compared_tokens": bitwise.get("element_count"),
-        "mismatch_count": bitwise.get("mismatch_count"), "max_abs_diff": bitwise.get("max_abs_diff"),
+    result.update(summarize(keep))
+    result["validate_exit"] = val.returncode
+    return result
+
+
+def summarize(keep: Path) -> dict:
+    """The row of one mode from its kept summary files (metrics.jsonl, bitwise-validation.json,
+    rlk-validate.json, manifest.json)."""
+    metrics = [json.loads(line) for line in (keep / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    bitwise = json.loads((keep / "bitwise-validation.json").read_text())
+    manifest = json.loads((keep / "manifest.json").read_text())
+    try:
+        rep = json.loads((keep / "rlk-validate.json").read_text())
+        verdict = rep["verdict"]
+        findings = [f"{f.get('code')}: {f.get('message', '')[:160]}" for f in rep.get("findings", [])
+                    if f.get("severity") in ("error", "incomplete", "warning")]
+    except (OSError, json.JSONDecodeError, KeyError) as exc:
+        verdict, findings = f"no report ({type(exc).__name__})", []
+    steady = metrics[1:] or metrics
+
+    def rate(rows: list[dict], tokens: str, seconds: str) -> float:
+        return sum(r[tokens] for r in rows) / max(sum(r[seconds] for r in rows), 1e-9)
+
+    return {
+        "mode": manifest["mode"], "plan": manifest["plan"], "run_id": manifest["run_id"],
+        "commit": (manifest.get("repos") or [{}])[0].get("sha"), "rounds": len(metrics),
+        "compared_tokens": bitwise.get("element_count"), "mismatch_count": bitwise.get("mismatch_count"),
+        "max_abs_diff": bitwise.get("max_abs_diff"),
         "weights_changed_every_round": all(r["weights_changed"] for r in metrics),
-        "validate_exit": val.returncode, "validate_verdict": verdict, "validate_findings": findings,
+        "validate_verdict": verdict, "validate_findings": findings,
         "rollout_tok_s": rate(steady, "rollout_tokens", "rollout_seconds"),
         "rollout_gen_tok_s": rate(steady, "response_tokens", "rollout_seconds"),
         "train_tok_s": rate(steady, "train_tokens", "train_seconds"),
@@ -98,8 +108,23 @@ def run_mode(mode: str, args: argparse.Namespace, out: Path) -> dict:
         "batch_composition_changes": sum(r["batch_composition_changes"] for r in metrics),
         "rollout_seconds": sum(r["rollout_seconds"] for r in metrics),
         "train_seconds": sum(r["train_seconds"] for r in metrics),
-    })
-    return result
+    }
+
+
+def write_summary(rows: list[dict], env: dict, copy: dict, args: dict) -> dict:
+    by = {r["mode"]: r for r in rows}
+    ratios = {}
+    if "rollout_tok_s" in by.get("consistency", {}) and "rollout_tok_s" in by.get("native", {}):
+        c, n = by["consistency"], by["native"]
+        ratios = {"rollout": c["rollout_tok_s"] / n["rollout_tok_s"], "train": c["train_tok_s"] / n["train_tok_s"]}
+    meta = {"env": env, "copy": copy, "args": args, "ratios_rr_over_pp": ratios,
+            "throughput": "tokens / seconds pooled over rounds 1..N-1 (round 0 compiles kernels); *_all: all rounds"}
+    write_results(default_out_dir(), "local_engine", meta, rows,
+                  [("mode", "mode"), ("rounds", "rounds"), ("compared_tokens", "compared tokens"),
+                   ("mismatch_count", "mismatches"), ("max_abs_diff", "max abs diff"),
+                   ("validate_verdict", "rlk-validate"), ("rollout_tok_s", "rollout tok/s"),
+                   ("train_tok_s", "train tok/s"), ("peak_memory_gib", "peak GiB")])
+    return ratios
 
 
 def main() -> int:
@@ -115,28 +140,24 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--modes", default="consistency,native")
     p.add_argument("--device", default="cuda")
+    p.add_argument("--summarize", nargs="+", metavar="KEPT_DIR",
+                   help="only rebuild local_engine.json/.md from kept run summaries (no GPU needed)")
+    p.add_argument("--env-from", metavar="JSON", help="with --summarize: a local_engine.json whose meta.env to use")
     p.add_argument("--work", default="/tmp/rlk-local-engine", help="where the run directories go")
     args = p.parse_args()
 
+    if args.summarize:  # rebuild the table from kept run summaries (e.g. modes run in separate calls)
+        meta = json.loads(Path(args.env_from).read_text())["meta"]
+        rows = [summarize(Path(d)) for d in args.summarize]
+        ratios = write_summary(rows, meta["env"], meta["copy"], {"summarized": args.summarize})
+        print(json.dumps({"ratios_rr_over_pp": ratios}), flush=True)
+        return 0
     env, copy = environment(), copy_bandwidth()
     work = Path(args.work)
-    rows = []
-    for mode in args.modes.split(","):
-        rows.append(run_mode(mode, args, work))
-    by = {r["mode"]: r for r in rows}
-    ratios = {}
-    if "rollout_tok_s" in by.get("consistency", {}) and "rollout_tok_s" in by.get("native", {}):
-        c, n = by["consistency"], by["native"]
-        ratios = {"rollout": c["rollout_tok_s"] / n["rollout_tok_s"], "train": c["train_tok_s"] / n["train_tok_s"]}
-    meta = {"env": env, "copy": copy, "args": vars(args), "ratios_rr_over_pp": ratios,
-            "throughput": "tokens / seconds pooled over rounds 1..N-1 (round 0 compiles kernels); *_all: all rounds",
-            "torch_cuda_device": torch.cuda.get_device_name(0)}
-    write_results(default_out_dir(), "local_engine", meta, rows,
-                  [("mode", "mode"), ("rounds", "rounds"), ("compared_tokens", "compared tokens"),
-                   ("mismatch_count", "mismatches"), ("max_abs_diff", "max abs diff"),
-                   ("validate_verdict", "rlk-validate"), ("rollout_tok_s", "rollout tok/s"),
-                   ("train_tok_s", "train tok/s"), ("peak_memory_gib", "peak GiB"), ("wall_s", "wall s")])
+    rows = [run_mode(mode, args, work) for mode in args.modes.split(",")]
+    ratios = write_summary(rows, env, copy, vars(args))
     print(json.dumps({"ratios_rr_over_pp": ratios}), flush=True)
+    by = {r["mode"]: r for r in rows}
     cons = by.get("consistency", {})
     return 0 if cons.get("exit_code") == 0 and cons.get("mismatch_count") == 0 else 1
 
