@@ -18,6 +18,11 @@ pip=("$venv/bin/python" -m pip install --disable-pip-version-check -q)
 if [ "$torch_req" != "skip" ]; then
   "${pip[@]}" "$torch_req"
 fi
+# Triton: a CUDA torch brings its own; on a CPU machine it is installed for the kernels' interpreter tests
+# (TRITON_INTERPRET=1). RLK_TRITON=skip leaves it out.
+if [ "${RLK_TRITON:-triton==3.6.0}" != "skip" ] && ! "$venv/bin/python" -c "import triton" 2>/dev/null; then
+  "${pip[@]}" "${RLK_TRITON:-triton==3.6.0}"
+fi
 # --no-build-isolation: rlk-core builds its compiled ops against the torch installed above.
 "${pip[@]}" --no-build-isolation \
   -e "packages/rlk-core[test]" \
