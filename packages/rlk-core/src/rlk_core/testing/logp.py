@@ -44,8 +44,10 @@ def _compare(got: Sequence[torch.Tensor], want: Sequence[torch.Tensor], what: st
 
 def check_vocab_shard_merge(logits: torch.Tensor, target: torch.Tensor, temperature: float | torch.Tensor = 1.0,
                             shard_counts: Sequence[int] = SHARD_COUNTS,
-                            token_fn: LogpFn | None = None) -> tuple[bool, str]:
-    """Sharded ``token_logprobs`` (list form and partials + merge) == unsharded, bit for bit."""
+                            token_fn: LogpFn | None = None, partials: bool = True) -> tuple[bool, str]:
+    """Sharded ``token_logprobs`` (list form and, with ``partials``, ``logp_partials`` + merge) ==
+    unsharded, bit for bit. The partials path always runs rlk's ops: leave it out when ``token_fn`` is
+    another backend's."""
     from rlk_core.ops.token_logprobs import logp_partials, merge_logp_partials, token_logprobs
 
     fn = token_fn or token_logprobs
@@ -57,6 +59,8 @@ def check_vocab_shard_merge(logits: torch.Tensor, target: torch.Tensor, temperat
         report = _compare(fn(shards, target, temperature), full, f"{n} shards (list form) vs unsharded")
         if report is not None:
             return False, report
+        if not partials:
+            continue
         parts = [logp_partials(x, target, temperature, a, vocab_size) for x, (a, _) in zip(shards, bounds)]
         m = torch.cat([p[0] for p in parts], 1)
         s = torch.cat([p[1] for p in parts], 1)
@@ -71,8 +75,9 @@ def check_vocab_shard_merge(logits: torch.Tensor, target: torch.Tensor, temperat
 def check_linear_vocab_shard_merge(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
                                    temperature: float | torch.Tensor = 1.0,
                                    shard_counts: Sequence[int] = SHARD_COUNTS,
-                                   fused_fn: LogpFn | None = None) -> tuple[bool, str]:
-    """``linear_logprobs`` with LM-head shards (list form and partials + merge) == unsharded."""
+                                   fused_fn: LogpFn | None = None, partials: bool = True) -> tuple[bool, str]:
+    """``linear_logprobs`` with LM-head shards (list form and, with ``partials``, partials + merge through
+    rlk's ops) == unsharded."""
     from rlk_core.ops.linear_logprobs import linear_logp_partials, linear_logprobs
     from rlk_core.ops.token_logprobs import merge_logp_partials
 
@@ -85,6 +90,8 @@ def check_linear_vocab_shard_merge(hidden: torch.Tensor, weight: torch.Tensor, t
         report = _compare(fn(hidden, shards, target, temperature), full, f"{n} weight shards vs unsharded")
         if report is not None:
             return False, report
+        if not partials:
+            continue
         parts = [linear_logp_partials(hidden, w, target, temperature, a, vocab_size)
                  for w, (a, _) in zip(shards, bounds)]
         m = torch.cat([p[0] for p in parts], 1)
