@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from rlk_core.backends import REGISTRY, Backend
-from rlk_core.ops._dispatch import run
+from rlk_core.ops._dispatch import call, custom_op, run
 from rlk_core.ops.attention import _validate as V
 from rlk_core.ops.attention._core import KV_BLOCK
 from rlk_core.ops.attention.reference import (
@@ -44,7 +44,7 @@ Tensor = torch.Tensor
 
 
 # -- varlen prefill (with autograd) ---------------------------------------------------------------
-@torch.library.custom_op("rlk::attention_varlen", mutates_args=())
+@custom_op("attention_varlen")
 def _attention_varlen_op(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
                          scale: float, causal: bool, q_positions: Tensor | None) -> Tensor:
     V.check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, causal, q_positions)
@@ -123,12 +123,12 @@ def attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_s
     Backward (dq, dk, dv) is the flash-style recomputation in fp32 with every reduction in a fixed
     tree (no atomics): deterministic run to run.
     """
-    return torch.ops.rlk.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, float(scale), bool(causal),
+    return call("attention_varlen", q, k, v, cu_seqlens_q, cu_seqlens_k, float(scale), bool(causal),
                                           q_positions)
 
 
 # -- chunked prefill over a paged KV cache ---------------------------------------------------------
-@torch.library.custom_op("rlk::attention_paged_prefill", mutates_args=())
+@custom_op("attention_paged_prefill")
 def _attention_paged_prefill_op(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Tensor,
                                 cu_seqlens_q: Tensor, seq_lens: Tensor, scale: float) -> Tensor:
     V.check_paged_prefill(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, scale)
@@ -167,12 +167,12 @@ def attention_paged_prefill(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_t
     result is bitwise equal to a full prefill, any other chunking, and :func:`attention_decode`, for
     any page size and block table.
     """
-    return torch.ops.rlk.attention_paged_prefill(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens,
+    return call("attention_paged_prefill", q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens,
                                                  float(scale))
 
 
 # -- decode over a paged KV cache ------------------------------------------------------------------
-@torch.library.custom_op("rlk::attention_decode", mutates_args=())
+@custom_op("attention_decode")
 def _attention_decode_op(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Tensor, seq_lens: Tensor,
                          scale: float) -> Tensor:
     V.check_decode(q, k_cache, v_cache, block_table, seq_lens, scale)
@@ -208,11 +208,11 @@ def attention_decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: T
     points) is that of :func:`attention_varlen`, so decode at position ``t`` is bitwise equal to the
     prefill output at ``t``. No split of the KV length that depends on the batch.
     """
-    return torch.ops.rlk.attention_decode(q, k_cache, v_cache, block_table, seq_lens, float(scale))
+    return call("attention_decode", q, k_cache, v_cache, block_table, seq_lens, float(scale))
 
 
 # -- writing K/V into the paged cache --------------------------------------------------------------
-@torch.library.custom_op("rlk::kv_cache_write", mutates_args=("k_cache", "v_cache"))
+@custom_op("kv_cache_write", mutates_args=("k_cache", "v_cache"))
 def _kv_cache_write_op(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor) -> None:
     V.check_kv_cache_write(k, v, k_cache, v_cache, slot_mapping)
     run("kv_cache_write", k.device, k, v, k_cache, v_cache, slot_mapping)
@@ -239,7 +239,7 @@ def kv_cache_write(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_
     None. ``k_cache[slot // page_size, slot % page_size] = k[i]`` (and ``v``) for every ``slot >= 0``;
     nothing else in the caches (or their underlying buffer) changes.
     """
-    torch.ops.rlk.kv_cache_write(k, v, k_cache, v_cache, slot_mapping)
+    call("kv_cache_write", k, v, k_cache, v_cache, slot_mapping)
 
 
 for _op, _fn in (("attention_varlen", attention_varlen_reference),

@@ -6,7 +6,7 @@ import torch
 
 from rlk_core.backends import REGISTRY, Backend
 from rlk_core.ops import _checks as C
-from rlk_core.ops._dispatch import run
+from rlk_core.ops._dispatch import call, custom_op, run
 from rlk_core.ops.linear.reference import linear_reference
 
 CONTRACT_ID = "rlk.gemm.bi.v1"
@@ -27,7 +27,7 @@ def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
                   f"bias must have shape ({weight.shape[0]},), got {tuple(bias.shape)}")
 
 
-@torch.library.custom_op("rlk::linear", mutates_args=())
+@custom_op("linear")
 def _linear_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     _check(x, weight, bias)
     return run("linear", x.device, x, weight, bias)
@@ -83,7 +83,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     pairwise-halves tree of :func:`rlk_core.ops._fixed.tree_sum`), bias added in fp32, one rounding
     to the output dtype; no split-K, no atomics. Backward (dx, dW, db) is deterministic run to run.
     """
-    return torch.ops.rlk.linear(x, weight, bias)
+    return call("linear", x, weight, bias)
 
 
 REGISTRY.register(Backend("rlk.reference", "linear", linear_reference, devices=("cpu", "cuda"),

@@ -14,7 +14,7 @@ import torch
 from rlk_core.backends import REGISTRY, Backend
 from rlk_core.ops import _checks as C
 from rlk_core.ops import _logp_tree as L
-from rlk_core.ops._dispatch import run
+from rlk_core.ops._dispatch import call, custom_op, run
 from rlk_core.ops._triton_common import BACKEND_ID, triton_backend
 from rlk_core.ops.linear_logprobs.reference import (
     linear_logp_partials_reference,
@@ -63,7 +63,7 @@ def _check(hidden: torch.Tensor, weights: Sequence[torch.Tensor], target: torch.
     C.same_device(OP, hidden=hidden, target=target, temperature=temperature)
 
 
-@torch.library.custom_op("rlk::linear_logprobs", mutates_args=())
+@custom_op("linear_logprobs")
 def _linear_logprobs_op(hidden: torch.Tensor, weight: list[torch.Tensor], target: torch.Tensor,
                         temperature: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     _check(hidden, weight, target, temperature)
@@ -145,7 +145,7 @@ def linear_logprobs(hidden: torch.Tensor, weight: torch.Tensor | Sequence[torch.
     C.require(isinstance(hidden, torch.Tensor) and hidden.dim() == 2, OP,
               f"hidden must be a tensor [T, H], got {getattr(hidden, 'shape', type(hidden).__name__)}")
     temp = L.as_temperature(OP, temperature, hidden.shape[0], hidden.device)
-    return torch.ops.rlk.linear_logprobs(hidden, weights, target, temp)
+    return call("linear_logprobs", hidden, weights, target, temp)
 
 
 def _check_partials(hidden, weight, target, temperature, vocab_start, vocab_size) -> tuple[int, int]:

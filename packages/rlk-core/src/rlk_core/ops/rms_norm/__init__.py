@@ -6,7 +6,7 @@ import torch
 
 from rlk_core.backends import REGISTRY, Backend
 from rlk_core.ops import _checks as C
-from rlk_core.ops._dispatch import run
+from rlk_core.ops._dispatch import call, custom_op, run
 from rlk_core.ops._grad import recompute_backward
 from rlk_core.ops.rms_norm.reference import rms_norm_reference
 
@@ -23,7 +23,7 @@ def _check(x: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
     C.same_device("rms_norm", x=x, weight=weight)
 
 
-@torch.library.custom_op("rlk::rms_norm", mutates_args=())
+@custom_op("rms_norm")
 def _rms_norm_op(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     _check(x, weight, eps)
     return run("rms_norm", x.device, x, weight, eps)
@@ -56,7 +56,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.
     sum of squares is reduced in a fixed order (reference: pairwise-halves tree over H), ``x * inv``
     is multiplied before ``* weight``, one rounding. Backward is deterministic.
     """
-    return torch.ops.rlk.rms_norm(x, weight, float(eps))
+    return call("rms_norm", x, weight, float(eps))
 
 
 REGISTRY.register(Backend("rlk.reference", "rms_norm", rms_norm_reference, devices=("cpu", "cuda"),

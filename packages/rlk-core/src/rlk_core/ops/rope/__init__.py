@@ -6,7 +6,7 @@ import torch
 
 from rlk_core.backends import REGISTRY, Backend
 from rlk_core.ops import _checks as C
-from rlk_core.ops._dispatch import run
+from rlk_core.ops._dispatch import call, custom_op, run
 from rlk_core.ops._grad import recompute_backward
 from rlk_core.ops.rope.reference import rope_cos_sin, rope_reference
 
@@ -28,7 +28,7 @@ def _check(x: torch.Tensor, positions: torch.Tensor, theta: float, rotary_dim: i
     C.in_range(positions, "rope", "positions", 0, MAX_POSITION)
 
 
-@torch.library.custom_op("rlk::rope", mutates_args=())
+@custom_op("rope")
 def _rope_op(x: torch.Tensor, positions: torch.Tensor, theta: float, rotary_dim: int) -> torch.Tensor:
     _check(x, positions, theta, rotary_dim)
     return run("rope", x.device, x, positions, theta, rotary_dim)
@@ -61,7 +61,7 @@ def rope(x: torch.Tensor, positions: torch.Tensor, theta: float, rotary_dim: int
     pair and its absolute position; cos/sin tables are built in fp32 by :func:`rope_cos_sin` (the same
     builder on both sides, never rounded to bf16); one rounding of the rotated values.
     """
-    return torch.ops.rlk.rope(x, positions, float(theta), int(rotary_dim or x.shape[-1]))
+    return call("rope", x, positions, float(theta), int(rotary_dim or x.shape[-1]))
 
 
 REGISTRY.register(Backend("rlk.reference", "rope", rope_reference, devices=("cpu", "cuda"), builtin=True))

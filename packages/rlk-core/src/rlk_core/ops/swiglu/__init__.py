@@ -6,7 +6,7 @@ import torch
 
 from rlk_core.backends import REGISTRY, Backend
 from rlk_core.ops import _checks as C
-from rlk_core.ops._dispatch import run
+from rlk_core.ops._dispatch import call, custom_op, run
 from rlk_core.ops._grad import recompute_backward
 from rlk_core.ops.swiglu.reference import swiglu_reference
 
@@ -19,7 +19,7 @@ def _check(x: torch.Tensor) -> None:
               f"x must be [..., 2*I] (gate then up) with an even, non-zero last dim, got {tuple(x.shape)}")
 
 
-@torch.library.custom_op("rlk::swiglu", mutates_args=())
+@custom_op("swiglu")
 def _swiglu_op(x: torch.Tensor) -> torch.Tensor:
     _check(x)
     return run("swiglu", x.device, x)
@@ -47,7 +47,7 @@ def swiglu(x: torch.Tensor) -> torch.Tensor:
 
     Contract ``rlk.swiglu.v1``: each output element depends only on its gate and up elements.
     """
-    return torch.ops.rlk.swiglu(x)
+    return call("swiglu", x)
 
 
 REGISTRY.register(Backend("rlk.reference", "swiglu", swiglu_reference, devices=("cpu", "cuda"), builtin=True))

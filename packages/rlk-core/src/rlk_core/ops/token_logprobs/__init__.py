@@ -13,7 +13,7 @@ import torch
 from rlk_core.backends import REGISTRY, Backend
 from rlk_core.ops import _checks as C
 from rlk_core.ops import _logp_tree as L
-from rlk_core.ops._dispatch import run
+from rlk_core.ops._dispatch import call, custom_op, run
 from rlk_core.ops._triton_common import BACKEND_ID, triton_backend
 from rlk_core.ops.token_logprobs.reference import (
     logp_partials_reference,
@@ -59,7 +59,7 @@ def _check(shards: Sequence[torch.Tensor], target: torch.Tensor, temperature: to
     C.same_device(OP, logits=shards[0], target=target, temperature=temperature)
 
 
-@torch.library.custom_op("rlk::token_logprobs", mutates_args=())
+@custom_op("token_logprobs")
 def _token_logprobs_op(logits: list[torch.Tensor], target: torch.Tensor, temperature: torch.Tensor
                        ) -> tuple[torch.Tensor, torch.Tensor]:
     _check(logits, target, temperature)
@@ -138,7 +138,7 @@ def token_logprobs(logits: torch.Tensor | Sequence[torch.Tensor], target: torch.
               "logits must be a tensor [T, V] or a non-empty list of tensor shards")
     _check_logits(OP, shards)
     temp = L.as_temperature(OP, temperature, shards[0].shape[0] if shards[0].dim() else 0, shards[0].device)
-    return torch.ops.rlk.token_logprobs(shards, target, temp)
+    return call("token_logprobs", shards, target, temp)
 
 
 # -- the vocab-parallel halves ---------------------------------------------------------------------
