@@ -3,6 +3,11 @@
 ``rlk-repro run --engine local`` runs the embedded experiment and writes a new run directory under
 ``--output``. Exit codes: 0 done (and, for an exact run, bitwise equal); 1 an exact (all R/R, strict)
 run found mismatches or fallbacks; 2 bad arguments or configuration; 3 the run failed (see run.log).
+
+``rlk-repro matrix`` runs the operator ablation matrix (``control-RR``, each module at ``P/R``, ``R/P``
+and ``P/P`` with the others ``R/R``, and ``native-PP``) as cell directories of one matrix root, then
+checks it with ``rlk-validate matrix``; ``--resume ROOT`` runs only the cells that have not finished.
+Exit codes: 0 the matrix validates; 1 it does not (a cell failed or is incomplete); 2 and 3 as for run.
 Errors are one line on stderr, never a traceback (``--debug`` shows it).
 """
 
@@ -63,8 +68,22 @@ def build_parser() -> argparse.ArgumentParser:
     for module in ("attention", "ffn", "logp"):
         r.add_argument(f"--{module}-case", type=_case, default=None, metavar="X/Y",
                        help=f"{module} case, train/rollout, each P (production) or R (rlk); overrides --mode")
-    r.add_argument("--rounds", type=_positive, default=5, help="rounds (rollout steps) to run (5)")
     r.add_argument("--output", default="rlk-runs", help="directory under which the run directory is created (rlk-runs)")
+    _experiment_options(r)
+    m = sub.add_parser("matrix", help="run the operator ablation matrix and check it with rlk-validate matrix",
+                       description="Run every cell of the ablation matrix into one new matrix root under --output "
+                       "(or finish an interrupted one with --resume), then validate it.")
+    m.add_argument("--output", default="rlk-runs", help="directory under which the matrix root is created (rlk-runs)")
+    m.add_argument("--resume", metavar="ROOT", help="an existing matrix root: run only its unfinished cells")
+    m.add_argument("--cells", default=None, metavar="A,B,...",
+                   help="cells to run (default: control-RR, the 9 isolation cells and native-PP)")
+    _experiment_options(m)
+    return p
+
+
+def _experiment_options(r: argparse.ArgumentParser) -> None:
+    """The options of one experiment (model, rollout, training), shared by ``run`` and ``matrix``."""
+    r.add_argument("--rounds", type=_positive, default=5, help="rounds (rollout steps) to run (5)")
     r.add_argument("--seed", type=int, default=1234, help="seed of the checkpoint, sampling and training (1234)")
     r.add_argument("--device", default="cpu", help="cpu (default) or cuda[:N]")
     r.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
@@ -92,7 +111,6 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--audit", action="store_true",
                    help="record fallbacks and route violations instead of failing (default: strict)")
     r.add_argument("--debug", action="store_true", help="show tracebacks")
-    return p
 
 
 def _plan(a: argparse.Namespace):
@@ -108,10 +126,10 @@ def _plan(a: argparse.Namespace):
     return RoutePlan(**{m: cases[m] or base.case(m) for m in cases})
 
 
-def _cmd_run(a: argparse.Namespace, argv: Sequence[str]) -> int:
-    from rlk_repro.engine.local import LocalRunConfig, run_local
+def _config(a: argparse.Namespace, argv: Sequence[str], plan):
+    from rlk_repro.engine.local import LocalRunConfig
+    from rlk_repro.engine.sampling import SamplingParams
 
-    plan = _plan(a)
     device = a.device
     dtype = a.dtype or ("bfloat16" if device.startswith("cuda") else "float32")
     cfg = LocalRunConfig(
@@ -122,12 +140,18 @@ def _cmd_run(a: argparse.Namespace, argv: Sequence[str]) -> int:
         lr=a.lr, readback_mode="audit" if a.audit else "strict", command=["rlk-repro", *argv],
         threads=a.threads or (1 if device == "cpu" else None),
     )
-    from rlk_repro.engine.sampling import SamplingParams
-
     SamplingParams(a.temperature, a.top_p, a.top_k, a.max_new_tokens)  # argument errors before any work
     cfg.validate()
+    return cfg
+
+
+def _cmd_run(a: argparse.Namespace, argv: Sequence[str]) -> int:
+    from rlk_repro.engine.local import run_local
+
+    plan = _plan(a)
+    cfg = _config(a, argv, plan)
     print(f"rlk-repro: engine local, mode {cfg.mode}, plan {plan.as_dict()}, {a.rounds} rounds, model "
-          f"{a.checkpoint or a.model}, {device}/{dtype}", file=sys.stderr)
+          f"{a.checkpoint or a.model}, {cfg.device}/{cfg.dtype}", file=sys.stderr)
     result = run_local(cfg, a.output)
     from rlk_repro.runs import summary_table
 
@@ -141,6 +165,68 @@ def _cmd_run(a: argparse.Namespace, argv: Sequence[str]) -> int:
     return result.exit_code
 
 
+def _matrix_cells(spec: str | None) -> list[str]:
+    from rlk_validate.matrix import REQUIRED_CELLS, expected_plan
+
+    cells = [*REQUIRED_CELLS, "native-PP"] if spec is None else [c.strip() for c in spec.split(",") if c.strip()]
+    bad = [c for c in cells if expected_plan(c) is None]
+    if bad or not cells:
+        raise RlkConfigError(f"--cells: {bad or spec!r} not matrix cells; allowed: "
+                             f"{', '.join([*REQUIRED_CELLS, 'native-PP'])}")
+    return list(dict.fromkeys(cells))
+
+
+def _cell_finished(path) -> bool:
+    return (path / "exit-code").is_file() and (path / "bitwise-validation.json").is_file()
+
+
+def _cmd_matrix(a: argparse.Namespace, argv: Sequence[str]) -> int:
+    from pathlib import Path
+
+    from rlk_core.plan import RoutePlan
+    from rlk_repro.engine.local import run_local
+    from rlk_repro.runs import new_run_id
+    from rlk_validate.matrix import expected_plan, validate_matrix
+    from rlk_validate.validate import Options
+
+    cells = _matrix_cells(a.cells)
+    configs = {c: _config(a, argv, RoutePlan(**expected_plan(c)[1])) for c in cells}  # all errors before any run
+    if a.resume:
+        root = Path(a.resume)
+        if not root.is_dir():
+            raise RlkConfigError(f"--resume {root}: not a directory")
+    else:
+        root = Path(a.output) / f"matrix-{new_run_id()}"
+        root.mkdir(parents=True)
+    print(f"rlk-repro: matrix root {root}, {len(cells)} cells, {a.rounds} rounds each", file=sys.stderr)
+    rows, failed = [], []
+    for cell in cells:
+        path = root / cell
+        if _cell_finished(path):
+            print(f"  {cell:16s} finished earlier, kept", file=sys.stderr)
+            continue
+        if path.exists():  # an interrupted cell: keep its files for inspection, run the cell afresh
+            kept = path.with_name(f"{cell}.interrupted-{new_run_id()}")
+            path.rename(kept)
+            print(f"  {cell:16s} was interrupted; its files moved to {kept.name}", file=sys.stderr)
+        try:
+            result = run_local(configs[cell], root, run_name=cell)
+        except Exception as exc:  # one cell failing does not lose the others; validation reports it
+            failed.append(cell)
+            print(f"  {cell:16s} FAILED to run: {type(exc).__name__}: {exc}", file=sys.stderr)
+            continue
+        b = result.bitwise
+        rows.append((cell, b["mismatch_count"], b["element_count"]))
+        print(f"  {cell:16s} {configs[cell].plan.as_dict()}: {b['mismatch_count']} of {b['element_count']} "
+              "tokens differ", file=sys.stderr)
+    rep = validate_matrix(str(root), Options(), allow_partial=a.cells is not None, write=True)
+    print(rep.summary())
+    print(f"matrix root: {root}")
+    if failed:
+        return EXIT_FAILED
+    return EXIT_OK if rep.exit_code == 0 else EXIT_MISMATCH
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv
@@ -149,9 +235,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if a.command is None:
             build_parser().print_help()
             return EXIT_USAGE
-        return _cmd_run(a, argv)
+        return _cmd_matrix(a, argv) if a.command == "matrix" else _cmd_run(a, argv)
     except _Usage as exc:
-        print(f"{exc}\n(see `rlk-repro run --help`)", file=sys.stderr)
+        print(f"{exc}\n(see `rlk-repro --help`)", file=sys.stderr)
         return EXIT_USAGE
     except RlkConfigError as exc:
         if debug:

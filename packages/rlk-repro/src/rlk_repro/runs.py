@@ -41,17 +41,21 @@ def new_run_id() -> str:
     return datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ") + "-" + secrets.token_hex(3)
 
 
-def create_run_dir(output: str | os.PathLike[str]) -> tuple[str, Path]:
+def create_run_dir(output: str | os.PathLike[str], name: str | None = None) -> tuple[str, Path]:
+    """A new run directory under ``output``: named by a fresh run id, or ``name`` (a matrix cell), which
+    must not exist yet. Returns ``(run_id, path)``."""
     root = Path(output)
     if root.exists() and not root.is_dir():
         raise RlkConfigError(f"--output {root} exists and is not a directory")
     root.mkdir(parents=True, exist_ok=True)
-    for _ in range(16):
+    for _ in range(16 if name is None else 1):
         run_id = new_run_id()
-        path = root / run_id
+        path = root / (name or run_id)
         try:
             path.mkdir()
         except FileExistsError:
+            if name is not None:
+                raise RlkConfigError(f"{path} already exists; a run never writes into an existing directory") from None
             continue
         for sub in ("readbacks", "train-data", "report"):
             (path / sub).mkdir()

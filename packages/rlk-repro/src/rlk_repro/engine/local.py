@@ -128,12 +128,13 @@ def _progress(total: int, desc: str, leave: bool = False):
     return tqdm(total=total, desc=desc, leave=leave, disable=None, unit="tok", dynamic_ncols=True)
 
 
-def run_local(cfg: LocalRunConfig, output: str | os.PathLike[str]) -> LocalRunResult:
-    """Create a run directory under ``output`` and run the experiment into it."""
+def run_local(cfg: LocalRunConfig, output: str | os.PathLike[str], run_name: str | None = None) -> LocalRunResult:
+    """Create a run directory under ``output`` (named ``run_name``, e.g. a matrix cell, or by its run id)
+    and run the experiment into it."""
     cfg.validate()
     device = resolve_device(cfg.device)
     dtype = DTYPES[cfg.dtype]
-    run_id, run_dir = runs.create_run_dir(output)
+    run_id, run_dir = runs.create_run_dir(output, run_name)
     handler = runs.open_run_log(run_dir)
     code = 3
     threads_before = torch.get_num_threads()
