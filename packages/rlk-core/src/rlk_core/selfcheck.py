@@ -112,6 +112,13 @@ def _check_attention(device: str, gen: torch.Generator) -> dict[str, tuple[bool,
                                   cu3, cu3, scale)[33 : 33 + length]
     checks["batch_composition"] = (bool(torch.equal(packed, alone)), "one sequence alone vs packed between others")
     checks["run_to_run"] = check_run_to_run(lambda: ops.attention_varlen(q, k, v, cu1, cu1, scale), repeats=5)
+    grad = _randn(gen, device, torch.bfloat16, length, hq, d)
+
+    def grads() -> tuple[torch.Tensor, ...]:
+        leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+        return torch.autograd.grad(ops.attention_varlen(*leaves, cu1, cu1, scale), leaves, grad)
+
+    checks["backward_run_to_run"] = check_run_to_run(grads, repeats=3)
     return checks
 
 
@@ -136,7 +143,16 @@ def _check_logp(device: str, gen: torch.Generator) -> dict[str, tuple[bool, str]
         "vocab_shards_fused": check_linear_vocab_shard_merge(hidden, weight, target, 0.7),
         "fused_equals_unfused": check_fused_equals_unfused(hidden, weight, target, 0.7),
         "run_to_run": check_run_to_run(lambda: ops.linear_logprobs(hidden, weight, target, 0.7), repeats=3),
+        "backward_run_to_run": check_run_to_run(lambda: _logp_grads(hidden, weight, target), repeats=3),
     }
+
+
+def _logp_grads(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    import rlk_core.ops as ops
+
+    h, w = hidden.detach().requires_grad_(), weight.detach().requires_grad_()
+    logp, lse = ops.linear_logprobs(h, w, target, 0.7)
+    return torch.autograd.grad(logp.sum() + 0.5 * lse.sum(), (h, w))
 
 
 CHECKS: dict[str, Check] = {
