@@ -1,8 +1,10 @@
-"""Deterministic backward for reference-defined ops: recompute the reference forward under autograd.
+"""Deterministic backward passes for the elementwise/row-wise ops.
 
-The reference forward is built only from elementwise operations and fixed-order reductions, so
-autograd's backward through it is elementwise too and deterministic run to run on the CPU.
-GPU backends replace this with their own kernels where they register a backward.
+:func:`closed_form_backward` registers an op's backward as a closed-form function of the saved inputs
+(``<op>_backward_reference``): elementwise fp32 operations and single torch reductions over a fixed
+shape, which are deterministic run to run on the CPU and on CUDA (no atomics) and cost a handful of
+kernels — unlike autograd through the reference forward, which launches one kernel per step of its
+reduction trees.
 """
 
 from __future__ import annotations
@@ -12,19 +14,15 @@ from collections.abc import Callable
 import torch
 
 
-def recompute_backward(op, reference: Callable[..., torch.Tensor], n_tensor_inputs: int) -> None:
+def closed_form_backward(op, backward: Callable[..., tuple[torch.Tensor | None, ...]], n_tensor_inputs: int) -> None:
+    """``backward(*saved_tensor_inputs, *non_tensor_inputs, grad)`` returns one gradient per tensor input."""
     def setup_context(ctx, inputs, output) -> None:
         ctx.save_for_backward(*inputs[:n_tensor_inputs])
         ctx.rest = inputs[n_tensor_inputs:]
 
-    def backward(ctx, grad):
-        saved = ctx.saved_tensors
-        with torch.enable_grad():
-            leaves = [t.detach().requires_grad_(ctx.needs_input_grad[i]) for i, t in enumerate(saved)]
-            out = reference(*leaves, *ctx.rest)
-            wanted = [leaf for leaf in leaves if leaf.requires_grad]
-            grads = iter(torch.autograd.grad(out, wanted, grad, allow_unused=True)) if wanted else iter(())
-        result = [next(grads) if leaf.requires_grad else None for leaf in leaves]
+    def _backward(ctx, grad):
+        grads = backward(*ctx.saved_tensors, *ctx.rest, grad)
+        result = [g if need else None for g, need in zip(grads, ctx.needs_input_grad, strict=False)]
         return (*result, *([None] * len(ctx.rest)))
 
-    op.register_autograd(backward, setup_context=setup_context)
+    op.register_autograd(_backward, setup_context=setup_context)

@@ -7,8 +7,8 @@ import torch
 from rlk_core.backends import REGISTRY, Backend
 from rlk_core.ops import _checks as C
 from rlk_core.ops._dispatch import call, custom_op, run
-from rlk_core.ops._grad import recompute_backward
-from rlk_core.ops.rms_norm.reference import rms_norm_reference
+from rlk_core.ops._grad import closed_form_backward
+from rlk_core.ops.rms_norm.reference import rms_norm_backward_reference, rms_norm_reference
 
 CONTRACT_ID = "rlk.rms_norm.v1"
 
@@ -35,7 +35,7 @@ def _(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return torch.empty_like(x)
 
 
-recompute_backward(_rms_norm_op, rms_norm_reference, n_tensor_inputs=2)
+closed_form_backward(_rms_norm_op, rms_norm_backward_reference, n_tensor_inputs=2)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:

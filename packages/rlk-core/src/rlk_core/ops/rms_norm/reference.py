@@ -19,3 +19,19 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tor
     ss = tree_sum(xf * xf)
     inv = torch.rsqrt(ss / x.shape[-1] + eps)
     return ((xf * inv[..., None]) * weight.float()).to(x.dtype)
+
+
+def rms_norm_backward_reference(x: torch.Tensor, weight: torch.Tensor, eps: float, grad: torch.Tensor
+                                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(dx, dweight)`` of ``rms_norm`` in fp32, rounded once to the input dtypes: with
+    ``xhat = f32(x) * inv`` and ``gw = f32(grad) * f32(w)``, ``dx = inv * (gw - xhat * mean(gw * xhat))``,
+    ``dweight = sum over rows of f32(grad) * xhat``. Deterministic (fixed-shape reductions, no atomics);
+    the forward's rounding is taken as the identity."""
+    xf = x.float()
+    inv = torch.rsqrt((xf * xf).sum(-1, keepdim=True) / x.shape[-1] + eps)
+    xhat = xf * inv
+    g = grad.float()
+    gw = g * weight.float()
+    dx = inv * (gw - xhat * (gw * xhat).mean(-1, keepdim=True))
+    dw = (g * xhat).reshape(-1, x.shape[-1]).sum(0)
+    return dx.to(x.dtype), dw.to(weight.dtype)

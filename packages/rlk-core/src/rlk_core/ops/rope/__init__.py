@@ -7,8 +7,8 @@ import torch
 from rlk_core.backends import REGISTRY, Backend
 from rlk_core.ops import _checks as C
 from rlk_core.ops._dispatch import call, custom_op, run
-from rlk_core.ops._grad import recompute_backward
-from rlk_core.ops.rope.reference import rope_cos_sin, rope_reference
+from rlk_core.ops._grad import closed_form_backward
+from rlk_core.ops.rope.reference import rope_backward_reference, rope_cos_sin, rope_reference
 
 CONTRACT_ID = "rlk.rope.v1"
 MAX_POSITION = 1 << 24  # positions are exact in fp32 below this
@@ -40,7 +40,7 @@ def _(x: torch.Tensor, positions: torch.Tensor, theta: float, rotary_dim: int) -
     return torch.empty_like(x)
 
 
-recompute_backward(_rope_op, rope_reference, n_tensor_inputs=2)
+closed_form_backward(_rope_op, rope_backward_reference, n_tensor_inputs=2)
 
 
 def rope(x: torch.Tensor, positions: torch.Tensor, theta: float, rotary_dim: int | None = None) -> torch.Tensor:

@@ -69,3 +69,17 @@ def rope_reference(x: torch.Tensor, positions: torch.Tensor, theta: float, rotar
     out1 = x1 * cos - x2 * sin
     out2 = x2 * cos + x1 * sin
     return torch.cat([out1.to(x.dtype), out2.to(x.dtype), x[..., rotary_dim:]], dim=-1)
+
+
+def rope_backward_reference(x: torch.Tensor, positions: torch.Tensor, theta: float, rotary_dim: int,
+                            grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+    """The inverse rotation of ``grad`` with the forward's fp32 tables: ``dx1 = g1*cos + g2*sin``,
+    ``dx2 = g2*cos - g1*sin``, dims ``R..D`` passed through; elementwise, deterministic."""
+    cos, sin = rope_cos_sin(positions, rotary_dim, theta)
+    cos, sin = cos[:, None, :], sin[:, None, :]
+    half = rotary_dim // 2
+    g = grad.float()
+    g1, g2 = g[..., :half], g[..., half:rotary_dim]
+    dx1 = g1 * cos + g2 * sin
+    dx2 = g2 * cos - g1 * sin
+    return torch.cat([dx1.to(x.dtype), dx2.to(x.dtype), grad[..., rotary_dim:].to(x.dtype)], dim=-1), None

@@ -7,8 +7,8 @@ import torch
 from rlk_core.backends import REGISTRY, Backend
 from rlk_core.ops import _checks as C
 from rlk_core.ops._dispatch import call, custom_op, run
-from rlk_core.ops._grad import recompute_backward
-from rlk_core.ops.swiglu.reference import swiglu_reference
+from rlk_core.ops._grad import closed_form_backward
+from rlk_core.ops.swiglu.reference import swiglu_backward_reference, swiglu_reference
 
 CONTRACT_ID = "rlk.swiglu.v1"
 
@@ -31,7 +31,7 @@ def _(x: torch.Tensor) -> torch.Tensor:
     return x.new_empty((*x.shape[:-1], x.shape[-1] // 2))
 
 
-recompute_backward(_swiglu_op, swiglu_reference, n_tensor_inputs=1)
+closed_form_backward(_swiglu_op, swiglu_backward_reference, n_tensor_inputs=1)
 
 
 def swiglu(x: torch.Tensor) -> torch.Tensor:
