@@ -15,7 +15,7 @@ from rlk_core.backends import REGISTRY, Backend
 from rlk_core.ops import _checks as C
 from rlk_core.ops import _logp_tree as L
 from rlk_core.ops._dispatch import call, custom_op, run
-from rlk_core.ops._triton_common import BACKEND_ID, triton_backend
+from rlk_core.ops._triton_common import kernels_if_selected, triton_backend
 from rlk_core.ops.linear_logprobs.reference import (
     linear_logp_partials_reference,
     linear_logprobs_backward_reference,
@@ -24,19 +24,6 @@ from rlk_core.ops.linear_logprobs.reference import (
 
 CONTRACT_ID = "rlk.logp.v1"
 OP = "linear_logprobs"
-
-
-def _gpu_kernels(hidden: torch.Tensor, weights: list[torch.Tensor], target: torch.Tensor,
-                 temperature: torch.Tensor):
-    """The ``rlk.triton`` module when the forward op would select that backend for these inputs (so
-    backward and the vocab-parallel half run the arithmetic the forward ran), else None."""
-    if hidden.device.type != "cuda":
-        return None
-    if REGISTRY.select(OP, "cuda", (hidden, weights, target, temperature), strict=False).backend.id != BACKEND_ID:
-        return None
-    from rlk_core.ops.linear_logprobs import triton as kernels
-
-    return kernels
 
 
 def _check_hidden_weight(op: str, hidden: torch.Tensor, weights: Sequence[torch.Tensor]) -> None:
@@ -81,7 +68,7 @@ def _(hidden, weight, target, temperature):
 def _linear_logprobs_backward_op(hidden: torch.Tensor, weight: list[torch.Tensor], target: torch.Tensor,
                                  temperature: torch.Tensor, lse: torch.Tensor, grad_logp: torch.Tensor,
                                  grad_lse: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    kernels = _gpu_kernels(hidden, list(weight), target, temperature)
+    kernels = kernels_if_selected(OP, hidden.device, (hidden, list(weight), target, temperature))
     if kernels is not None:
         return kernels.backward(hidden, list(weight), target, temperature, lse, grad_logp, grad_lse)
     return linear_logprobs_backward_reference(hidden, list(weight), target, temperature, lse, grad_logp,
@@ -162,7 +149,7 @@ def _linear_logp_partials_op(hidden: torch.Tensor, weight: torch.Tensor, target:
                              temperature: torch.Tensor, vocab_start: int, vocab_size: int
                              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     _check_partials(hidden, weight, target, temperature, vocab_start, vocab_size)
-    kernels = _gpu_kernels(hidden, [weight], target, temperature)
+    kernels = kernels_if_selected(OP, hidden.device, (hidden, [weight], target, temperature))
     if kernels is not None:
         return kernels.linear_logp_partials(hidden, weight, target, temperature, vocab_start, vocab_size)
     return linear_logp_partials_reference(hidden, weight, target, temperature, vocab_start, vocab_size)

@@ -14,7 +14,7 @@ from rlk_core.backends import REGISTRY, Backend
 from rlk_core.ops import _checks as C
 from rlk_core.ops import _logp_tree as L
 from rlk_core.ops._dispatch import call, custom_op, run
-from rlk_core.ops._triton_common import BACKEND_ID, triton_backend
+from rlk_core.ops._triton_common import kernels_if_selected, triton_backend
 from rlk_core.ops.token_logprobs.reference import (
     logp_partials_reference,
     merge_logp_partials_reference,
@@ -24,19 +24,6 @@ from rlk_core.ops.token_logprobs.reference import (
 
 CONTRACT_ID = "rlk.logp.v1"
 OP = "token_logprobs"
-
-
-def _gpu_kernels(device: torch.device, shards: list[torch.Tensor], target: torch.Tensor,
-                 temperature: torch.Tensor):
-    """The ``rlk.triton`` kernel module when the forward op would select that backend for these inputs
-    (so backward and the vocab-parallel halves always run the arithmetic the forward ran), else None."""
-    if device.type != "cuda":
-        return None
-    if REGISTRY.select(OP, "cuda", (shards, target, temperature), strict=False).backend.id != BACKEND_ID:
-        return None
-    from rlk_core.ops.token_logprobs import triton as kernels
-
-    return kernels
 
 
 def _check_logits(op: str, shards: Sequence[torch.Tensor]) -> int:
@@ -77,7 +64,7 @@ def _(logits, target, temperature):
 def _token_logprobs_backward_op(logits: list[torch.Tensor], target: torch.Tensor, temperature: torch.Tensor,
                                 lse: torch.Tensor, grad_logp: torch.Tensor, grad_lse: torch.Tensor
                                 ) -> list[torch.Tensor]:
-    kernels = _gpu_kernels(logits[0].device, list(logits), target, temperature)
+    kernels = kernels_if_selected(OP, logits[0].device, (list(logits), target, temperature))
     if kernels is not None:
         return kernels.backward(list(logits), target, temperature, lse, grad_logp, grad_lse)
     return token_logprobs_backward_reference(list(logits), target, temperature, lse, grad_logp, grad_lse)
@@ -146,7 +133,7 @@ def token_logprobs(logits: torch.Tensor | Sequence[torch.Tensor], target: torch.
 def _logp_partials_op(logits_shard: torch.Tensor, target: torch.Tensor, temperature: torch.Tensor,
                       vocab_start: int, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     _check_partials(logits_shard, target, temperature, vocab_start, vocab_size)
-    kernels = _gpu_kernels(logits_shard.device, [logits_shard], target, temperature)
+    kernels = kernels_if_selected(OP, logits_shard.device, ([logits_shard], target, temperature))
     if kernels is not None:
         return kernels.logp_partials(logits_shard, target.contiguous(), temperature.contiguous(), vocab_start,
                                      vocab_size)
