@@ -8,6 +8,8 @@ run found mismatches or fallbacks; 2 bad arguments or configuration; 3 the run f
 and ``P/P`` with the others ``R/R``, and ``native-PP``) as cell directories of one matrix root, then
 checks it with ``rlk-validate matrix``; ``--resume ROOT`` runs only the cells that have not finished.
 Exit codes: 0 the matrix validates; 1 it does not (a cell failed or is incomplete); 2 and 3 as for run.
+
+``rlk-repro report RUN_DIR [RUN_DIR ...]`` writes plots and a summary table of the runs' metrics.
 Errors are one line on stderr, never a traceback (``--debug`` shows it).
 """
 
@@ -78,6 +80,12 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--cells", default=None, metavar="A,B,...",
                    help="cells to run (default: control-RR, the 9 isolation cells and native-PP)")
     _experiment_options(m)
+    rp = sub.add_parser("report", help="plots and a summary table of one or more run directories",
+                        description="consistency.png, learning.png, optimization.png, performance.png and "
+                        "metrics-summary.md/.json for the given runs (e.g. a native and a consistency run).")
+    rp.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
+    rp.add_argument("--output", default=None, help="where to write (default: RUN_DIR/report for a single run)")
+    rp.add_argument("--debug", action="store_true", help="show tracebacks")
     return p
 
 
@@ -227,6 +235,19 @@ def _cmd_matrix(a: argparse.Namespace, argv: Sequence[str]) -> int:
     return EXIT_OK if rep.exit_code == 0 else EXIT_MISMATCH
 
 
+def _cmd_report(a: argparse.Namespace) -> int:
+    from rlk_repro.report import SUMMARY_COLUMNS, write_report
+
+    summaries, written, skipped = write_report(a.run_dirs, a.output)
+    for s in summaries:
+        print("  ".join(f"{h}: {s[k]:.4g}" if isinstance(s[k], float) else f"{h}: {s[k]}" for k, h in SUMMARY_COLUMNS))
+    if skipped:
+        print(f"rlk-repro: plots skipped: {skipped}", file=sys.stderr)
+    for path in written:
+        print(f"wrote {path}")
+    return EXIT_OK
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv
@@ -235,6 +256,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if a.command is None:
             build_parser().print_help()
             return EXIT_USAGE
+        if a.command == "report":
+            return _cmd_report(a)
         return _cmd_matrix(a, argv) if a.command == "matrix" else _cmd_run(a, argv)
     except _Usage as exc:
         print(f"{exc}\n(see `rlk-repro --help`)", file=sys.stderr)
