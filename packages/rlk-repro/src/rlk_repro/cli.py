@@ -10,6 +10,7 @@ checks it with ``rlk-validate matrix``; ``--resume ROOT`` runs only the cells th
 Exit codes: 0 the matrix validates; 1 it does not (a cell failed or is incomplete); 2 and 3 as for run.
 
 ``rlk-repro report RUN_DIR [RUN_DIR ...]`` writes plots and a summary table of the runs' metrics.
+``rlk-repro doctor`` says whether this machine is ready for the requested routes (exit 1 if not).
 Errors are one line on stderr, never a traceback (``--debug`` shows it).
 """
 
@@ -65,11 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Run the experiment; a new run directory is created under --output.")
     r.add_argument("--engine", choices=("local",), default="local",
                    help="local: the embedded Qwen3 rollout engine + trainer on this machine (default)")
-    r.add_argument("--mode", choices=("native", "consistency"), default=None,
-                   help="native = all P/P, consistency = all R/R (default: consistency); per-module cases override it")
-    for module in ("attention", "ffn", "logp"):
-        r.add_argument(f"--{module}-case", type=_case, default=None, metavar="X/Y",
-                       help=f"{module} case, train/rollout, each P (production) or R (rlk); overrides --mode")
+    _plan_options(r)
     r.add_argument("--output", default="rlk-runs", help="directory under which the run directory is created (rlk-runs)")
     _experiment_options(r)
     m = sub.add_parser("matrix", help="run the operator ablation matrix and check it with rlk-validate matrix",
@@ -80,6 +77,14 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--cells", default=None, metavar="A,B,...",
                    help="cells to run (default: control-RR, the 9 isolation cells and native-PP)")
     _experiment_options(m)
+    d = sub.add_parser("doctor", help="check that this machine is ready for the requested routes",
+                       description="Device, Triton, environment variables, the backend each op would run, "
+                       "rlk-validate and plotting; --selfcheck adds the op contract checks on the device.")
+    d.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda when available)")
+    _plan_options(d)
+    d.add_argument("--selfcheck", action="store_true", help="also run rlk-selfcheck's contract checks (seconds)")
+    d.add_argument("--json", metavar="FILE", help="also write the result as JSON")
+    d.add_argument("--debug", action="store_true", help="show tracebacks")
     rp = sub.add_parser("report", help="plots and a summary table of one or more run directories",
                         description="consistency.png, learning.png, optimization.png, performance.png and "
                         "metrics-summary.md/.json for the given runs (e.g. a native and a consistency run).")
@@ -87,6 +92,14 @@ def build_parser() -> argparse.ArgumentParser:
     rp.add_argument("--output", default=None, help="where to write (default: RUN_DIR/report for a single run)")
     rp.add_argument("--debug", action="store_true", help="show tracebacks")
     return p
+
+
+def _plan_options(r: argparse.ArgumentParser) -> None:
+    r.add_argument("--mode", choices=("native", "consistency"), default=None,
+                   help="native = all P/P, consistency = all R/R (default: consistency); per-module cases override it")
+    for module in ("attention", "ffn", "logp"):
+        r.add_argument(f"--{module}-case", type=_case, default=None, metavar="X/Y",
+                       help=f"{module} case, train/rollout, each P (production) or R (rlk); overrides --mode")
 
 
 def _experiment_options(r: argparse.ArgumentParser) -> None:
@@ -235,6 +248,24 @@ def _cmd_matrix(a: argparse.Namespace, argv: Sequence[str]) -> int:
     return EXIT_OK if rep.exit_code == 0 else EXIT_MISMATCH
 
 
+def _cmd_doctor(a: argparse.Namespace) -> int:
+    import json
+
+    import torch
+
+    from rlk_repro.doctor import FAIL, as_json, diagnose, format_checks
+
+    device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    plan = _plan(a)
+    checks = diagnose(device, plan, selfcheck=a.selfcheck)
+    print(f"rlk-repro doctor: device {device}, plan {plan.as_dict()}")
+    print(format_checks(checks))
+    if a.json:
+        with open(a.json, "w", encoding="utf-8") as fh:
+            json.dump(as_json(checks, device, plan), fh, indent=1)
+    return EXIT_MISMATCH if any(c.status == FAIL for c in checks) else EXIT_OK
+
+
 def _cmd_report(a: argparse.Namespace) -> int:
     from rlk_repro.report import SUMMARY_COLUMNS, write_report
 
@@ -258,6 +289,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return EXIT_USAGE
         if a.command == "report":
             return _cmd_report(a)
+        if a.command == "doctor":
+            return _cmd_doctor(a)
         return _cmd_matrix(a, argv) if a.command == "matrix" else _cmd_run(a, argv)
     except _Usage as exc:
         print(f"{exc}\n(see `rlk-repro --help`)", file=sys.stderr)
