@@ -64,3 +64,16 @@ def test_strict_rr_mismatch_exits_1(tmp_path, monkeypatch, capsys):
     assert code == cli.EXIT_MISMATCH and "FAIL" in out
     run_dir = next(tmp_path.iterdir())
     assert (run_dir / "exit-code").read_text() == "1\n"
+
+
+def test_plan_prints_the_resolved_run_and_writes_nothing(tmp_path, capsys, monkeypatch):
+    import json
+
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["plan", "--logp-case", "R/P", "--rounds", "3"]) == cli.EXIT_OK
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["plan"] == {"attention": "R/R", "ffn": "R/R", "logp": "R/P"}
+    assert doc["env"]["RL_KERNEL_LOGP_CASE"] == "R/P" and doc["exact_required"] is False
+    assert doc["config"]["rounds"] == 3 and doc["mode"] == "mixed"
+    assert not any(tmp_path.iterdir())
+    assert cli.main(["plan", "--top-p", "2"]) == cli.EXIT_USAGE

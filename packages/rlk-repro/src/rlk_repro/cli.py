@@ -10,7 +10,8 @@ checks it with ``rlk-validate matrix``; ``--resume ROOT`` runs only the cells th
 Exit codes: 0 the matrix validates; 1 it does not (a cell failed or is incomplete); 2 and 3 as for run.
 
 ``rlk-repro report RUN_DIR [RUN_DIR ...]`` writes plots and a summary table of the runs' metrics.
-``rlk-repro doctor`` says whether this machine is ready for the requested routes (exit 1 if not).
+``rlk-repro doctor`` says whether this machine is ready for the requested routes (exit 1 if not);
+``rlk-repro plan`` prints what ``run`` would do with the same options, and runs nothing.
 Errors are one line on stderr, never a traceback (``--debug`` shows it).
 """
 
@@ -69,6 +70,11 @@ def build_parser() -> argparse.ArgumentParser:
     _plan_options(r)
     r.add_argument("--output", default="rlk-runs", help="directory under which the run directory is created (rlk-runs)")
     _experiment_options(r)
+    pl = sub.add_parser("plan", help="print the resolved plan, environment and configuration of a run; runs nothing",
+                        description="Resolve the options of `rlk-repro run` and print them as JSON (plan, the "
+                        "RL_KERNEL_* variables that select it, the full configuration); nothing is run or written.")
+    _plan_options(pl)
+    _experiment_options(pl)
     m = sub.add_parser("matrix", help="run the operator ablation matrix and check it with rlk-validate matrix",
                        description="Run every cell of the ablation matrix into one new matrix root under --output "
                        "(or finish an interrupted one with --resume), then validate it.")
@@ -248,6 +254,18 @@ def _cmd_matrix(a: argparse.Namespace, argv: Sequence[str]) -> int:
     return EXIT_OK if rep.exit_code == 0 else EXIT_MISMATCH
 
 
+def _cmd_plan(a: argparse.Namespace, argv: Sequence[str]) -> int:
+    import json
+    from dataclasses import asdict
+
+    plan = _plan(a)
+    cfg = _config(a, argv, plan)
+    config = {k: v for k, v in asdict(cfg).items() if k not in ("plan", "command")}
+    print(json.dumps({"engine": "local", "mode": cfg.mode, "plan": plan.as_dict(), "env": plan.env(),
+                      "exact_required": cfg.exact_required, "config": config}, indent=2))
+    return EXIT_OK
+
+
 def _cmd_doctor(a: argparse.Namespace) -> int:
     import json
 
@@ -291,6 +309,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _cmd_report(a)
         if a.command == "doctor":
             return _cmd_doctor(a)
+        if a.command == "plan":
+            return _cmd_plan(a, argv)
         return _cmd_matrix(a, argv) if a.command == "matrix" else _cmd_run(a, argv)
     except _Usage as exc:
         print(f"{exc}\n(see `rlk-repro --help`)", file=sys.stderr)
