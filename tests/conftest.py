@@ -50,3 +50,20 @@ def pytest_runtest_setup(item):
     for key, reason in item.user_properties:
         if key == "rlk_missing_hardware":
             pytest.fail(f"RLK_REQUIRE_GPU=1 but this test {reason}")
+
+
+@pytest.fixture
+def clean_registry():
+    """The backend registry, restored after the test (backends, plug-ins, qualification and probe caches)."""
+    from rlk_core.backends import REGISTRY
+
+    before = {op: dict(REGISTRY._backends[op]) for op in REGISTRY._backends}
+    plugins = {name for name, _ in REGISTRY.plugin_manager.list_name_plugin()}
+    yield REGISTRY
+    for name, _ in REGISTRY.plugin_manager.list_name_plugin():
+        if name not in plugins:
+            REGISTRY.plugin_manager.unregister(name=name)
+    for op, backends in before.items():
+        REGISTRY._backends[op] = backends
+    REGISTRY._qualified.clear()
+    REGISTRY._available.clear()

@@ -14,20 +14,6 @@ from rlk_core.readback import ReadbackRecorder
 from rlk_core.testing import assert_bitwise_equal
 
 
-@pytest.fixture
-def clean_registry():
-    before = {op: dict(REGISTRY._backends[op]) for op in REGISTRY._backends}
-    plugins = {name for name, _ in REGISTRY.plugin_manager.list_name_plugin()}
-    yield REGISTRY
-    for name, _ in REGISTRY.plugin_manager.list_name_plugin():
-        if name not in plugins:
-            REGISTRY.plugin_manager.unregister(name=name)
-    for op, backends in before.items():
-        REGISTRY._backends[op] = backends
-    REGISTRY._qualified.clear()
-    REGISTRY._available.clear()
-
-
 def _reference_linear(x, w, b):
     return REGISTRY.get("linear", "rlk.reference").fn(x, w, b)
 

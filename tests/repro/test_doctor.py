@@ -5,23 +5,12 @@ from __future__ import annotations
 
 import json
 
-import pytest
 import torch
 import torch.nn.functional as F
 
-from rlk_core.backends import REGISTRY, Backend
+from rlk_core.backends import Backend
 from rlk_core.contracts import OP_CONTRACTS
 from rlk_repro import cli
-
-
-@pytest.fixture
-def registry():
-    before = {op: dict(REGISTRY._backends[op]) for op in REGISTRY._backends}
-    yield REGISTRY
-    for op, backends in before.items():
-        REGISTRY._backends[op] = backends
-    REGISTRY._qualified.clear()
-    REGISTRY._available.clear()
 
 
 def test_ready_on_cpu_with_every_op_listed(tmp_path, capsys):
@@ -47,8 +36,8 @@ def test_bad_environment_variable_fails(monkeypatch, capsys):
     assert "environment" in out and "RLK_VALUE_CHECKS" in out
 
 
-def test_an_unqualified_third_party_backend_on_an_r_route_fails(registry, capsys):
-    registry.register(Backend("acme.blas", "linear", lambda x, w, b: F.linear(x, w, b), devices=("cpu",),
+def test_an_unqualified_third_party_backend_on_an_r_route_fails(clean_registry, capsys):
+    clean_registry.register(Backend("acme.blas", "linear", lambda x, w, b: F.linear(x, w, b), devices=("cpu",),
                               priority=60, origin="acme-kernels"))
     assert cli.main(["doctor", "--device", "cpu", "--mode", "consistency"]) == cli.EXIT_MISMATCH
     line = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("op linear ")][0]
