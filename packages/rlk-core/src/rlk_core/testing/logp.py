@@ -42,13 +42,24 @@ def _compare(got: Sequence[torch.Tensor], want: Sequence[torch.Tensor], what: st
     return None
 
 
+def _merge(parts: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], vocab_size: int):
+    """What a tensor-parallel caller does with the gathered per-shard ``(m, s, z_target)``: concatenate the
+    group partials in rank order, take the target's z from the shard that owns it, merge."""
+    from rlk_core.ops.token_logprobs import merge_logp_partials
+
+    m = torch.cat([p[0] for p in parts], 1)
+    s = torch.cat([p[1] for p in parts], 1)
+    z_t = torch.stack([p[2] for p in parts]).amax(0)
+    return merge_logp_partials(m, s, z_t, vocab_size)
+
+
 def check_vocab_shard_merge(logits: torch.Tensor, target: torch.Tensor, temperature: float | torch.Tensor = 1.0,
                             shard_counts: Sequence[int] = SHARD_COUNTS,
                             token_fn: LogpFn | None = None, partials: bool = True) -> tuple[bool, str]:
     """Sharded ``token_logprobs`` (list form and, with ``partials``, ``logp_partials`` + merge) ==
     unsharded, bit for bit. The partials path always runs rlk's ops: leave it out when ``token_fn`` is
     another backend's."""
-    from rlk_core.ops.token_logprobs import logp_partials, merge_logp_partials, token_logprobs
+    from rlk_core.ops.token_logprobs import logp_partials, token_logprobs
 
     fn = token_fn or token_logprobs
     vocab_size = logits.shape[1]
@@ -62,10 +73,7 @@ def check_vocab_shard_merge(logits: torch.Tensor, target: torch.Tensor, temperat
         if not partials:
             continue
         parts = [logp_partials(x, target, temperature, a, vocab_size) for x, (a, _) in zip(shards, bounds)]
-        m = torch.cat([p[0] for p in parts], 1)
-        s = torch.cat([p[1] for p in parts], 1)
-        z_t = torch.stack([p[2] for p in parts]).amax(0)
-        report = _compare(merge_logp_partials(m, s, z_t, vocab_size), full,
+        report = _compare(_merge(parts, vocab_size), full,
                           f"{n} shards (logp_partials + merge_logp_partials) vs unsharded")
         if report is not None:
             return False, report
@@ -79,7 +87,6 @@ def check_linear_vocab_shard_merge(hidden: torch.Tensor, weight: torch.Tensor, t
     """``linear_logprobs`` with LM-head shards (list form and, with ``partials``, partials + merge through
     rlk's ops) == unsharded."""
     from rlk_core.ops.linear_logprobs import linear_logp_partials, linear_logprobs
-    from rlk_core.ops.token_logprobs import merge_logp_partials
 
     fn = fused_fn or linear_logprobs
     vocab_size = weight.shape[0]
@@ -94,10 +101,7 @@ def check_linear_vocab_shard_merge(hidden: torch.Tensor, weight: torch.Tensor, t
             continue
         parts = [linear_logp_partials(hidden, w, target, temperature, a, vocab_size)
                  for w, (a, _) in zip(shards, bounds)]
-        m = torch.cat([p[0] for p in parts], 1)
-        s = torch.cat([p[1] for p in parts], 1)
-        z_t = torch.stack([p[2] for p in parts]).amax(0)
-        report = _compare(merge_logp_partials(m, s, z_t, vocab_size), full,
+        report = _compare(_merge(parts, vocab_size), full,
                           f"{n} weight shards (linear_logp_partials + merge) vs unsharded")
         if report is not None:
             return False, report
