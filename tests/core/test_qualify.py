@@ -16,6 +16,10 @@ def ref(op):
     return REGISTRY.get(op, "rlk.reference").fn
 
 
+def qualify(registry, op, backend_id):
+    return registry.qualify(registry.get(op, backend_id), "cpu")
+
+
 def add(clean_registry, op, fn, backend_id="acme.kernels"):
     return clean_registry.register(Backend(backend_id, op, fn, devices=("cpu",), priority=50, origin="acme"))
 
@@ -23,14 +27,14 @@ def add(clean_registry, op, fn, backend_id="acme.kernels"):
 def test_an_attention_family_that_keeps_the_contract_qualifies(clean_registry):
     for op in ATTENTION_FORWARD:
         add(clean_registry, op, ref(op))
-    ok, why = clean_registry.qualify(clean_registry.get("attention_decode", "acme.kernels"), "cpu")
+    ok, why = qualify(clean_registry, "attention_decode", "acme.kernels")
     assert ok, why
     assert "prefill == chunked" in why
 
 
 def test_half_a_family_is_refused(clean_registry):
     add(clean_registry, "attention_decode", ref("attention_decode"))
-    ok, why = clean_registry.qualify(clean_registry.get("attention_decode", "acme.kernels"), "cpu")
+    ok, why = qualify(clean_registry, "attention_decode", "acme.kernels")
     assert not ok and "must come from one backend" in why and "attention_varlen" in why
 
 
@@ -41,26 +45,26 @@ def test_a_decode_that_differs_from_prefill_is_refused(clean_registry):
 
     for op in ATTENTION_FORWARD:
         add(clean_registry, op, other_decode if op == "attention_decode" else ref(op))
-    ok, why = clean_registry.qualify(clean_registry.get("attention_varlen", "acme.kernels"), "cpu")
+    ok, why = qualify(clean_registry, "attention_varlen", "acme.kernels")
     assert not ok and "decode" in why
 
 
 def test_kv_cache_write_must_be_exact(clean_registry):
     add(clean_registry, "kv_cache_write", ref("kv_cache_write"))
-    ok, why = clean_registry.qualify(clean_registry.get("kv_cache_write", "acme.kernels"), "cpu")
+    ok, why = qualify(clean_registry, "kv_cache_write", "acme.kernels")
     assert ok, why
 
     def writes_padding_too(k, v, k_cache, v_cache, slots):
         ref("kv_cache_write")(k, v, k_cache, v_cache, torch.where(slots < 0, torch.zeros_like(slots), slots))
 
     add(clean_registry, "kv_cache_write", writes_padding_too, "acme.sloppy")
-    ok, why = clean_registry.qualify(clean_registry.get("kv_cache_write", "acme.sloppy"), "cpu")
+    ok, why = qualify(clean_registry, "kv_cache_write", "acme.sloppy")
     assert not ok and "exact write" in why
 
 
 def test_attention_backward_must_be_deterministic(clean_registry):
     add(clean_registry, "attention_varlen_backward", ref("attention_varlen_backward"))
-    ok, why = clean_registry.qualify(clean_registry.get("attention_varlen_backward", "acme.kernels"), "cpu")
+    ok, why = qualify(clean_registry, "attention_varlen_backward", "acme.kernels")
     assert ok, why
     calls = []
 
@@ -70,13 +74,13 @@ def test_attention_backward_must_be_deterministic(clean_registry):
         return dq + len(calls) * 1e-3, dk, dv
 
     add(clean_registry, "attention_varlen_backward", drifting, "acme.atomic")
-    ok, why = clean_registry.qualify(clean_registry.get("attention_varlen_backward", "acme.atomic"), "cpu")
+    ok, why = qualify(clean_registry, "attention_varlen_backward", "acme.atomic")
     assert not ok and "run-to-run" in why
 
 
 def test_token_logprobs_qualification(clean_registry):
     add(clean_registry, "token_logprobs", ref("token_logprobs"))
-    ok, why = clean_registry.qualify(clean_registry.get("token_logprobs", "acme.kernels"), "cpu")
+    ok, why = qualify(clean_registry, "token_logprobs", "acme.kernels")
     assert ok, why
 
     def batch_dependent(shards, target, temp):  # breaks batch invariance on purpose
@@ -84,16 +88,16 @@ def test_token_logprobs_qualification(clean_registry):
         return logp + 1e-3 * target.shape[0], lse
 
     add(clean_registry, "token_logprobs", batch_dependent, "acme.bad")
-    ok, why = clean_registry.qualify(clean_registry.get("token_logprobs", "acme.bad"), "cpu")
+    ok, why = qualify(clean_registry, "token_logprobs", "acme.bad")
     assert not ok and "row alone" in why
 
 
 def test_linear_logprobs_needs_the_same_backends_linear_and_token_logprobs(clean_registry):
     add(clean_registry, "linear_logprobs", ref("linear_logprobs"))
-    ok, why = clean_registry.qualify(clean_registry.get("linear_logprobs", "acme.kernels"), "cpu")
+    ok, why = qualify(clean_registry, "linear_logprobs", "acme.kernels")
     assert not ok and "must come from one backend" in why
     add(clean_registry, "linear", ref("linear"))
     add(clean_registry, "token_logprobs", ref("token_logprobs"))
     clean_registry._qualified.clear()
-    ok, why = clean_registry.qualify(clean_registry.get("linear_logprobs", "acme.kernels"), "cpu")
+    ok, why = qualify(clean_registry, "linear_logprobs", "acme.kernels")
     assert ok, why and "fused == unfused" in why
