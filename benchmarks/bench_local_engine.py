@@ -26,6 +26,7 @@ from harness import copy_bandwidth, default_out_dir, environment, write_results
 
 ROOT = Path(__file__).resolve().parents[1]
 SRC = [ROOT / "packages" / p / "src" for p in ("rlk-core", "rlk-repro", "rlk-validate")]
+sys.path[:0] = [str(p) for p in SRC if str(p) not in sys.path]  # rlk_repro.report, also without an install
 
 
 def _env() -> dict[str, str]:
@@ -75,10 +76,14 @@ def run_mode(mode: str, args: argparse.Namespace, out: Path) -> dict:
 
 def summarize(keep: Path) -> dict:
     """The row of one mode from its kept summary files (metrics.jsonl, bitwise-validation.json,
-    rlk-validate.json, manifest.json)."""
-    metrics = [json.loads(line) for line in (keep / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    rlk-validate.json, manifest.json); the pooled throughput is rlk-repro report's."""
+    from rlk_repro.report import load_run, pooled_rate
+    from rlk_repro.report import summarize as summarize_metrics
+
+    run = load_run(keep)
+    metrics, manifest, pooled = run.rows, run.manifest, summarize_metrics(run)
+    steady = metrics[1:] or metrics
     bitwise = json.loads((keep / "bitwise-validation.json").read_text())
-    manifest = json.loads((keep / "manifest.json").read_text())
     try:
         rep = json.loads((keep / "rlk-validate.json").read_text())
         verdict = rep["verdict"]
@@ -86,11 +91,6 @@ def summarize(keep: Path) -> dict:
                     if f.get("severity") in ("error", "incomplete", "warning")]
     except (OSError, json.JSONDecodeError, KeyError) as exc:
         verdict, findings = f"no report ({type(exc).__name__})", []
-    steady = metrics[1:] or metrics
-
-    def rate(rows: list[dict], tokens: str, seconds: str) -> float:
-        return sum(r[tokens] for r in rows) / max(sum(r[seconds] for r in rows), 1e-9)
-
     return {
         "mode": manifest["mode"], "plan": manifest["plan"], "run_id": manifest["run_id"],
         "commit": (manifest.get("repos") or [{}])[0].get("sha"), "rounds": len(metrics),
@@ -98,11 +98,11 @@ def summarize(keep: Path) -> dict:
         "max_abs_diff": bitwise.get("max_abs_diff"),
         "weights_changed_every_round": all(r["weights_changed"] for r in metrics),
         "validate_verdict": verdict, "validate_findings": findings,
-        "rollout_tok_s": rate(steady, "rollout_tokens", "rollout_seconds"),
-        "rollout_gen_tok_s": rate(steady, "response_tokens", "rollout_seconds"),
-        "train_tok_s": rate(steady, "train_tokens", "train_seconds"),
-        "rollout_tok_s_all": rate(metrics, "rollout_tokens", "rollout_seconds"),
-        "train_tok_s_all": rate(metrics, "train_tokens", "train_seconds"),
+        "rollout_tok_s": pooled["rollout_tokens_per_s"],
+        "rollout_gen_tok_s": pooled_rate(steady, "rollout", "response_tokens"),
+        "train_tok_s": pooled["train_tokens_per_s"],
+        "rollout_tok_s_all": pooled_rate(metrics, "rollout"),
+        "train_tok_s_all": pooled_rate(metrics, "train"),
         "peak_memory_gib": max(r["peak_memory_bytes"] or 0 for r in metrics) / 2**30,
         "chunked_prompts": sum(r["chunked_prompts"] for r in metrics),
         "batch_composition_changes": sum(r["batch_composition_changes"] for r in metrics),

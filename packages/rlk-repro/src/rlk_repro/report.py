@@ -81,6 +81,14 @@ def _tokens(row: dict[str, Any], phase: str) -> float:
     return float(row[f"{phase}_tokens_per_s"]) * float(row[f"{phase}_seconds"])  # older runs: rate x time
 
 
+def pooled_rate(rows: list[dict[str, Any]], phase: str, tokens_key: str | None = None) -> float:
+    """Tokens per second of ``phase`` (``rollout`` / ``train``) pooled over ``rows``: all tokens over all
+    seconds (``tokens_key`` counts other tokens, e.g. ``response_tokens``), not a mean of rates."""
+    seconds = sum(float(r[f"{phase}_seconds"]) for r in rows)
+    tokens = sum(float(r[tokens_key]) if tokens_key else _tokens(r, phase) for r in rows)
+    return tokens / seconds if seconds > 0 else float("nan")
+
+
 def summarize(run: RunMetrics) -> dict[str, Any]:
     rows = run.rows
     steady = rows[1:] or rows
@@ -88,8 +96,7 @@ def summarize(run: RunMetrics) -> dict[str, Any]:
     samples = sum(int(r.get("samples", 0)) for r in rows)
 
     def rate(phase: str) -> float:
-        seconds = sum(float(r[f"{phase}_seconds"]) for r in steady)
-        return sum(_tokens(r, phase) for r in steady) / seconds if seconds > 0 else float("nan")
+        return pooled_rate(steady, phase)
 
     return {
         "label": run.label, "run_dir": str(run.path), "run_id": run.manifest.get("run_id"),
