@@ -19,8 +19,6 @@ for s in $STAGES; do case $s in
 tests)
   log pytest; timeout ${TEST_TIMEOUT:-420} python3 -m pytest $TESTS -q -p no:cacheprovider --durations=15 \
     --junitxml="$OUT/res/pytest.xml" 2>&1 | tail -120 ;;
-tests-nox)
-  log pytest; timeout 300 python3 -m pytest tests/gpu -q -p no:cacheprovider --junitxml="$OUT/res/pytest.xml" 2>&1 | tail -80 ;;
 sanitize)
   for tool in memcheck racecheck; do
     log "compute-sanitizer $tool"
