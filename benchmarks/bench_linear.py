@@ -1,10 +1,10 @@
 """``linear`` (rlk.triton, rlk.gemm.bi.v1) vs ``F.linear`` (cuBLAS), same process, every shape and M.
 
-    python benchmarks/bench_linear.py [--quick] [--sweep]
+    python benchmarks/bench_linear.py [--quick]
 
-Ratio = native time / rlk time (throughput ratio; >= 1 means rlk is faster). ``--sweep`` also times
-candidate tile configurations on a few shapes (exploration only: the contract configuration is
-``rlk_core.ops.linear.triton.CONFIGS``).
+Ratio = native time / rlk time (throughput ratio; >= 1 means rlk is faster). Candidate tile
+configurations are explored by ``sweep_kernels.py``; the shipped table is
+``rlk_core.ops.linear.triton.CONFIGS``.
 """
 
 from __future__ import annotations
@@ -21,22 +21,6 @@ from harness import copy_bandwidth, default_out_dir, environment, time_fns, writ
 from rlk_core.ops import linear as linear_op
 from rlk_core.ops.linear import triton as lt
 
-SWEEP = {  # (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, warps, stages)
-    "128x128x64 w8 s4": (128, 128, 64, 8, 8, 4),
-    "128x256x64 w8 s3": (128, 256, 64, 8, 8, 3),
-    "128x128x64 w8 s3": (128, 128, 64, 8, 8, 3),
-    "128x128x64 w4 s4": (128, 128, 64, 8, 4, 4),
-    "128x64x64 w4 s4": (128, 64, 64, 8, 4, 4),
-    "64x128x64 w4 s4": (64, 128, 64, 8, 4, 4),
-    "64x64x64 w4 s4": (64, 64, 64, 8, 4, 4),
-}
-
-
-def _cfg(t, k):
-    bm, bn, bk, gm, w, s = t
-    return {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": gm, "num_warps": w, "num_stages": s,
-            "EVEN_K": k % bk == 0, "IEEE": False}
-
 
 def inputs(m, n, k, sets):
     return [(randn((m, k), seed=10 * i), randn((n, k), scale=k ** -0.5, seed=10 * i + 1)) for i in range(sets)]
@@ -45,7 +29,6 @@ def inputs(m, n, k, sets):
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="a few shapes and M only")
-    ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--repeats", type=int, default=20)
     args = ap.parse_args()
     env, copy = environment(), copy_bandwidth()
@@ -85,21 +68,6 @@ def main() -> None:
         torch.cuda.synchronize()
         meta.setdefault("host_per_call_M1_4096x4096", {})[key] = (time.perf_counter() - t0) / 500 * 1e6
     print("host per call at M=1, 4096x4096 (us):", meta["host_per_call_M1_4096x4096"])
-    if args.sweep:
-        sweep = []
-        for name, n, k in [s for s in linear_shapes() if s[0] in ("qwen3-8b/tp1/o", "qwen3-8b/tp1/down",
-                                                                 "qwen3-8b/tp1/gate_up")]:
-            for m in (1, 16, 128, 1024, 8192):
-                sets = inputs(m, n, k, 2)
-                row = {"shape": name, "M": m}
-                for cname, t in SWEEP.items():
-                    c = _cfg(t, k)
-                    row[cname] = time_fns([lambda x=x, w=w, c=c: lt.linear_2d(x, w, None, c) for x, w in sets],
-                                          repeats=10)["median_ms"]
-                row["native"] = time_fns([lambda x=x, w=w: F.linear(x, w) for x, w in sets], repeats=10)["median_ms"]
-                sweep.append(row)
-                print("sweep", row, flush=True)
-        meta["sweep_ms"] = sweep
     write_results(default_out_dir(), "linear", meta, rows,
                   [("shape", "shape"), ("M", "M"), ("N", "N"), ("K", "K"), ("rlk_ms", "rlk ms"),
                    ("native_ms", "F.linear ms"), ("rlk_tflops", "rlk TFLOP/s"),

@@ -27,7 +27,7 @@ sanitize)
     echo "exit $?"; tail -5 "$OUT/res/sanitize_$tool.txt"
   done ;;
 sweep)
-  log sweep; RLK_BENCH_OUT=$OUT/res/sweep timeout 90 python3 benchmarks/bench_linear.py --quick --sweep 2>&1 | tail -40 ;;
+  log sweep; RLK_BENCH_OUT=$OUT/res/sweep timeout ${SWEEP_TIMEOUT:-420} python3 benchmarks/sweep_kernels.py ${SWEEP_ARGS:-} 2>&1 | tail -150 ;;
 bench)
   for b in $BENCHES; do log bench $b; timeout ${BENCH_TIMEOUT:-150} python3 benchmarks/bench_$b.py ${BENCH_ARGS:-} 2>&1 | grep -v '^$' | tail -400; done ;;
 engine)

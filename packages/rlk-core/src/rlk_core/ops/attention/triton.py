@@ -1,9 +1,10 @@
 """Triton forward attention under contract ``rlk.attention.v1`` (backend ``rlk.triton``).
 
 One ``@triton.jit`` kernel, :func:`_attention_fwd_kernel`, runs varlen prefill, chunked prefill over a
-paged cache and paged decode. The three forms differ only in *runtime* arguments (where a position's
-K/V lives, each query's position), so all three run the same compiled binary and per row the same
-instruction sequence:
+paged cache and paged decode. The forms differ in addressing (``PAGED``: contiguous varlen K/V or a
+block table) and in tile height (``CONFIGS``: a prefill and a decode entry); per row they run the same
+arithmetic — the same MMA k-steps, the same softmax reductions, the same KV block order — which the GPU
+tests check bit for bit (prefill == chunked prefill == decode, any page size, any batch composition):
 
 - A tile is ``BLOCK_M`` rows; row ``r`` is query token ``r // G_PAD`` of the tile and group head
   ``r % G_PAD`` of one KV head (``G = Hq // Hkv`` padded to a power of two), so K/V of a block are loaded
@@ -13,17 +14,18 @@ instruction sequence:
   dot(q, k^T) * (scale * log2 e)``, positions ``> t`` selected to ``-inf`` after the dot; online softmax
   in fp32 with ``exp2``; ``p`` rounded to ``v.dtype`` before ``dot(p, v)``; ``l`` sums the fp32 ``p``;
   ``out = acc / l`` rounded once. A block past a row's limit is an exact no-op for that row
-  (``alpha = exp2(0) = 1``, ``p = 0``).
-- Addressing: position ``j`` of sequence ``b`` lives at ``base + table[b, j // P] * s_page + (j % P) *
-  s_off``. Paged: the block table, ``P`` the page size. Varlen: ``table = cu_seqlens_k`` (one column),
-  ``P = 2^30``, ``s_page = s_off`` = the token stride, i.e. token ``cu_seqlens_k[b] + j``. K/V loads past
-  the tile's largest limit are masked (``other=0``), so unused cache slots (NaN) and block-table entries
-  past a sequence's pages are never read.
+  (``alpha = exp2(0) = 1``, ``p = 0``). Blocks wholly at or below every valid row's limit skip the
+  selection and the load masks (it would keep every element); the kernel is compiled with
+  ``enable_fp_fusion=False`` so that the two loops cannot contract ``s * scale - m`` differently.
+- Addressing: position ``j`` of sequence ``b`` lives at ``base + table[b, j >> S] * s_page + (j & (2^S -
+  1)) * s_off`` with ``2^S`` the page size (a power of two). Varlen: token ``cu_seqlens_k[b] + j``. K/V
+  loads past the tile's largest limit are masked (``other=0``), so unused cache slots (NaN) and
+  block-table entries past a sequence's pages are never read.
 - Tile schedule without a host sync: per sequence ``ceil(Lq_b / TOK)`` tiles, their cumulative sum on
   the device; the grid is the upper bound ``ceil(T / TOK) + B`` and each program finds its sequence by
   binary search (programs past the end return).
 
-Configuration per (dtype, padded head size) only (``CONFIGS``); counts are ``do_not_specialize``.
+Configuration per (dtype, padded head size, form) only (``CONFIGS``); counts are ``do_not_specialize``.
 No atomics, no split-KV, no autotuning. fp32 inputs use ``input_precision="ieee"``.
 """
 
@@ -37,37 +39,79 @@ from rlk_core.ops._triton_common import next_pow2
 from rlk_core.ops.attention._core import KV_BLOCK
 
 LOG2E = 1.4426950408889634
-_VARLEN_PAGE = 1 << 30  # "page size" of contiguous varlen K/V: one page per sequence
+_VARLEN_SHIFT = 30  # "page size" 2^30 of contiguous varlen K/V: one page per sequence
 
-# (dtype, padded head size) -> (BLOCK_M, num_warps, num_stages); BLOCK_N is always KV_BLOCK = 64.
-CONFIGS: dict[tuple[torch.dtype, int], tuple[int, int, int]] = {}
+# (dtype, padded head size) -> {form: (BLOCK_M, num_warps, num_stages)}; BLOCK_N is always KV_BLOCK = 64.
+# "prefill" serves varlen and chunked paged prefill, "decode" one query token per sequence. The tile
+# height and warp count change which rows share a program, never a row's arithmetic (each row's dot
+# products, softmax reductions and P.V accumulation run the same MMA k-steps in the same order): the
+# GPU tests prove prefill == chunked prefill == decode bit for bit across the two entries.
+CONFIGS: dict[tuple[torch.dtype, int], dict[str, tuple[int, int, int]]] = {}
 for _dt in (torch.bfloat16, torch.float16):
-    CONFIGS.update({(_dt, 16): (128, 4, 3), (_dt, 32): (128, 4, 3), (_dt, 64): (128, 4, 3),
-                    (_dt, 128): (64, 4, 2), (_dt, 256): (64, 8, 2)})
-CONFIGS.update({(torch.float32, 16): (64, 4, 2), (torch.float32, 32): (64, 4, 2), (torch.float32, 64): (64, 4, 2),
-                (torch.float32, 128): (64, 8, 2)})
+    for _d in (16, 32, 64):
+        CONFIGS[(_dt, _d)] = {"prefill": (128, 4, 3), "decode": (128, 4, 3)}
+    CONFIGS[(_dt, 128)] = {"prefill": (64, 4, 2), "decode": (64, 4, 2)}
+    CONFIGS[(_dt, 256)] = {"prefill": (64, 8, 2), "decode": (64, 8, 2)}
+for _d in (16, 32, 64):
+    CONFIGS[(torch.float32, _d)] = {"prefill": (64, 4, 2), "decode": (64, 4, 2)}
+CONFIGS[(torch.float32, 128)] = {"prefill": (64, 8, 2), "decode": (64, 8, 2)}
 
 
-def config(dtype: torch.dtype, head_size: int) -> dict[str, int | bool]:
-    """The launch configuration for ``dtype`` and head size — never a function of token counts."""
+def config(dtype: torch.dtype, head_size: int, form: str = "prefill") -> dict[str, int | bool]:
+    """The launch configuration for ``dtype``, head size and form — never a function of token counts."""
     d_pad = max(16, next_pow2(head_size))
-    block_m, warps, stages = CONFIGS[(dtype, d_pad)]
+    block_m, warps, stages = CONFIGS[(dtype, d_pad)][form]
     return {"BLOCK_M": block_m, "BLOCK_N": KV_BLOCK, "HEAD_D": head_size, "D_PAD": d_pad,
             "IEEE": dtype == torch.float32, "num_warps": warps, "num_stages": stages}
 
 
-@triton.jit(do_not_specialize=["B", "G", "page_size", "stride_tb", "has_qpos", "causal"])
+@triton.jit
+def _kv_rows(table_row, seq0, kpos, page_shift, PAGED: tl.constexpr):
+    """Row offsets (in units of the token stride / page stride) of key positions ``kpos``."""
+    if PAGED:
+        page = tl.load(table_row + (kpos >> page_shift)).to(tl.int64)
+        off = (kpos & ((1 << page_shift) - 1)).to(tl.int64)
+    else:
+        page = seq0
+        off = kpos.to(tl.int64)
+    return page, off
+
+
+@triton.jit
+def _softmax_block(q, k, v, m_i, l_i, acc, kpos, limit, qk_scale, MASK: tl.constexpr, IEEE: tl.constexpr):
+    """One KV block of the online softmax. ``MASK=False`` only for blocks wholly at or below every
+    valid row's limit, where the selection would keep every element: the same arithmetic."""
+    if IEEE:
+        s = tl.dot(q, tl.trans(k), input_precision="ieee")
+    else:
+        s = tl.dot(q, tl.trans(k))
+    s = s * qk_scale
+    if MASK:
+        s = tl.where(kpos[None, :] <= limit[:, None], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    alpha = tl.math.exp2(m_i - m_new)
+    p = tl.math.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None]
+    if IEEE:
+        acc = tl.dot(p.to(v.dtype), v, acc, input_precision="ieee")
+    else:
+        acc = tl.dot(p.to(v.dtype), v, acc)
+    return m_new, l_i, acc
+
+
+@triton.jit(do_not_specialize=["B", "G", "page_shift", "stride_tb", "has_qpos", "causal"])
 def _attention_fwd_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr,
     table_ptr, cu_q_ptr, lens_ptr, tile_cum_ptr, qpos_ptr,
-    B, G, page_size, stride_tb,
+    B, G, page_shift, stride_tb,
     stride_qt, stride_qh, stride_qd,
     stride_kp, stride_ko, stride_kh, stride_kd,
     stride_vp, stride_vo, stride_vh, stride_vd,
     stride_ot, stride_oh, stride_od,
     qk_scale, has_qpos, causal,
     G_PAD: tl.constexpr, HEAD_D: tl.constexpr, D_PAD: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, PAGED: tl.constexpr,
 ):
     TOK: tl.constexpr = BLOCK_M // G_PAD
     pid = tl.program_id(0)
@@ -110,6 +154,7 @@ def _attention_fwd_kernel(
         pos = tok * 0 + (n_k - 1)
     limit = tl.where(row_ok, pos, 0)
     last = tl.max(limit, axis=0)
+    first = tl.min(tl.where(row_ok, limit, last), axis=0)
 
     q_rows = (q0 + tok).to(tl.int64) * stride_qt + head.to(tl.int64) * stride_qh
     q = tl.load(q_ptr + q_rows[:, None] + offs_d[None, :] * stride_qd,
@@ -123,32 +168,30 @@ def _attention_fwd_kernel(
     k_head = k_ptr + kvh.to(tl.int64) * stride_kh
     v_head = v_ptr + kvh.to(tl.int64) * stride_vh
     table_row = table_ptr + b.to(tl.int64) * stride_tb
-    for j in range(0, last // BLOCK_N + 1):
+    if PAGED:
+        seq0 = 0
+    else:
+        seq0 = tl.load(table_row).to(tl.int64)  # varlen: the sequence's first token (cu_seqlens_k[b])
+    # blocks 0 .. n_full-1 lie wholly at or below every valid row's limit: no selection, no load masks
+    n_full = (first + 1) // BLOCK_N
+    for j in range(0, n_full):
+        kpos = j * BLOCK_N + offs_n
+        page, off = _kv_rows(table_row, seq0, kpos, page_shift, PAGED)
+        k = tl.load(k_head + (page * stride_kp + off * stride_ko)[:, None] + offs_d[None, :] * stride_kd,
+                    mask=d_ok[None, :], other=0.0)
+        v = tl.load(v_head + (page * stride_vp + off * stride_vo)[:, None] + offs_d[None, :] * stride_vd,
+                    mask=d_ok[None, :], other=0.0)
+        m_i, l_i, acc = _softmax_block(q, k, v, m_i, l_i, acc, kpos, limit, qk_scale, False, IEEE)
+    for j in range(n_full, last // BLOCK_N + 1):
         kpos = j * BLOCK_N + offs_n
         ld = kpos <= last
-        page = tl.load(table_row + kpos // page_size, mask=ld, other=0).to(tl.int64)
-        off = (kpos % page_size).to(tl.int64)
+        page, off = _kv_rows(table_row, seq0, tl.where(ld, kpos, 0), page_shift, PAGED)
         kv_ok = ld[:, None] & d_ok[None, :]
         k = tl.load(k_head + (page * stride_kp + off * stride_ko)[:, None] + offs_d[None, :] * stride_kd,
                     mask=kv_ok, other=0.0)
         v = tl.load(v_head + (page * stride_vp + off * stride_vo)[:, None] + offs_d[None, :] * stride_vd,
                     mask=kv_ok, other=0.0)
-        if IEEE:
-            s = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k))
-        s = s * qk_scale
-        s = tl.where(kpos[None, :] <= limit[:, None], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.math.exp2(m_i - m_new)
-        p = tl.math.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None]
-        if IEEE:
-            acc = tl.dot(p.to(v.dtype), v, acc, input_precision="ieee")
-        else:
-            acc = tl.dot(p.to(v.dtype), v, acc)
-        m_i = m_new
+        m_i, l_i, acc = _softmax_block(q, k, v, m_i, l_i, acc, kpos, limit, qk_scale, True, IEEE)
 
     out = acc / l_i[:, None]
     o_rows = (q0 + tok).to(tl.int64) * stride_ot + head.to(tl.int64) * stride_oh
@@ -159,7 +202,10 @@ def _attention_fwd_kernel(
 def _launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, table: torch.Tensor, stride_tb: int,
             page_size: int, k_strides: tuple[int, int, int, int], v_strides: tuple[int, int, int, int],
             cu_q: torch.Tensor, lens: torch.Tensor, q_positions: torch.Tensor | None, causal: bool,
-            scale: float) -> torch.Tensor:
+            scale: float, form: str, cfg: dict[str, int | bool] | None = None) -> torch.Tensor:
+    """Launch the forward kernel. ``page_size = 0`` means contiguous varlen K/V (``table`` is
+    ``cu_seqlens_k``). ``cfg`` is for exploratory benchmarks only (anything but :func:`config` is
+    outside the contract)."""
     t, hq, d = q.shape
     hkv = k.shape[-2]
     out = torch.empty_like(q)
@@ -167,7 +213,7 @@ def _launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, table: torch.Tens
     if t == 0 or b == 0:
         return out
     g = hq // hkv
-    cfg = config(q.dtype, d)
+    cfg = dict(cfg or config(q.dtype, d, form))
     g_pad = next_pow2(g)
     tok = cfg["BLOCK_M"] // g_pad
     lq = cu_q[1:] - cu_q[:-1]
@@ -177,12 +223,12 @@ def _launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, table: torch.Tens
     grid = (triton.cdiv(t, tok) + b, hkv)
     _attention_fwd_kernel[grid](
         q, k, v, out, table, cu_q, lens, tile_cum, qpos,
-        b, g, page_size, stride_tb,
+        b, g, (page_size.bit_length() - 1) if page_size else _VARLEN_SHIFT, stride_tb,
         q.stride(0), q.stride(1), q.stride(2),
         *k_strides, *v_strides,
         out.stride(0), out.stride(1), out.stride(2),
         qk_scale, int(q_positions is not None), int(bool(causal)),
-        G_PAD=g_pad, **cfg,
+        G_PAD=g_pad, PAGED=page_size != 0, enable_fp_fusion=False, **cfg,
     )
     return out
 
@@ -191,19 +237,21 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, causal, q_posit
     lens = (cu_seqlens_k[1:] - cu_seqlens_k[:-1]).to(torch.int32)
     ks = (k.stride(0), k.stride(0), k.stride(1), k.stride(2))
     vs = (v.stride(0), v.stride(0), v.stride(1), v.stride(2))
-    return _launch(q, k, v, cu_seqlens_k, 1, _VARLEN_PAGE, ks, vs, cu_seqlens_q, lens,
-                   q_positions if causal else None, causal, scale)
+    return _launch(q, k, v, cu_seqlens_k, 1, 0, ks, vs, cu_seqlens_q, lens,
+                   q_positions if causal else None, causal, scale, "prefill")
 
 
 def attention_paged_prefill(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, scale):
     return _launch(q, k_cache, v_cache, block_table, block_table.stride(0), k_cache.shape[1],
-                   tuple(k_cache.stride()), tuple(v_cache.stride()), cu_seqlens_q, seq_lens, None, True, scale)
+                   tuple(k_cache.stride()), tuple(v_cache.stride()), cu_seqlens_q, seq_lens, None, True, scale,
+                   "prefill")
 
 
 def attention_decode(q, k_cache, v_cache, block_table, seq_lens, scale):
-    # decode is chunked prefill with one token per sequence: the same binary, the same arithmetic
+    # decode is chunked prefill with one token per sequence: the same kernel and per-row arithmetic
     cu_q = torch.arange(q.shape[0] + 1, dtype=torch.int32, device=q.device)
-    return attention_paged_prefill(q, k_cache, v_cache, block_table, cu_q, seq_lens, scale)
+    return _launch(q, k_cache, v_cache, block_table, block_table.stride(0), k_cache.shape[1],
+                   tuple(k_cache.stride()), tuple(v_cache.stride()), cu_q, seq_lens, None, True, scale, "decode")
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -251,7 +299,7 @@ def _supports_heads(q: torch.Tensor, k: torch.Tensor) -> tuple[bool, str]:
     if k.dtype != q.dtype:
         return False, f"K/V dtype {k.dtype} != q dtype {q.dtype}"
     g_pad = next_pow2(q.shape[-2] // k.shape[-2])
-    block_m = CONFIGS[(q.dtype, d_pad)][0]
+    block_m = min(c[0] for c in CONFIGS[(q.dtype, d_pad)].values())
     if g_pad > block_m:
         return False, f"GQA group size {q.shape[-2] // k.shape[-2]} exceeds BLOCK_M={block_m}"
     return True, ""
@@ -261,12 +309,19 @@ def supports_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, causal, q_positi
     return _supports_heads(q, k)
 
 
-def supports_paged_prefill(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, scale):
+def _supports_paged(q: torch.Tensor, k_cache: torch.Tensor) -> tuple[bool, str]:
+    page = k_cache.shape[1]
+    if page & (page - 1):
+        return False, f"page size {page} is not a power of two (the kernel splits positions with shifts)"
     return _supports_heads(q, k_cache)
+
+
+def supports_paged_prefill(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, scale):
+    return _supports_paged(q, k_cache)
 
 
 def supports_decode(q, k_cache, v_cache, block_table, seq_lens, scale):
-    return _supports_heads(q, k_cache)
+    return _supports_paged(q, k_cache)
 
 
 def supports_kv_cache_write(k, v, k_cache, v_cache, slot_mapping):

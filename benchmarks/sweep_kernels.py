@@ -1,0 +1,268 @@
+"""Configuration sweep for the rlk.triton GEMM and attention kernels: candidate tile configurations
+timed against the native op in the same process, each one's output checked bit for bit against the
+contract configuration's output for the same rows (a candidate that changes a bit is unusable).
+
+    python benchmarks/sweep_kernels.py [--sections linear,prefill,decode] [--old-attention PATH]
+
+Writes ``sweep_<section>.json`` to ``$RLK_BENCH_OUT``. Exploration
+only: the table that ships is ``CONFIGS`` in the kernel modules. ``--old-attention`` times a previous
+version of ``rlk_core/ops/attention/triton.py`` (a file path) beside the current one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import _common  # noqa: F401  (sys.path)
+import torch
+import torch.nn.functional as F
+from harness import copy_bandwidth, default_out_dir, environment, time_fns
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from rlk_core.ops.attention import triton as at
+from rlk_core.ops.attention.reference import kv_cache_write_reference
+from rlk_core.ops.linear import triton as lt
+from rlk_core.testing.attention import build_paged_kv, cu_seqlens
+
+BF16 = torch.bfloat16
+LINEAR_SHAPES = {  # name -> (N, K)
+    "8b/qkv": (6144, 4096), "8b/o": (4096, 4096), "8b/gate_up": (24576, 4096), "8b/down": (4096, 12288),
+    "8b-tp4/qkv": (1536, 4096), "8b-tp4/down": (4096, 3072), "0.6b/qkv": (4096, 1024), "0.6b/o": (1024, 2048),
+    "0.6b/gate_up": (6144, 1024), "0.6b/down": (1024, 3072), "8b/lm_head": (151936, 4096),
+}
+SMALL_MS, LARGE_MS = (1, 16, 64, 128), (1024, 8192)
+# name -> (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, warps, stages, TMA)
+SMALL_CANDIDATES = {
+    "p128x128x64w8s4": (128, 128, 64, 8, 8, 4, False),
+    "p16x64x128w4s4": (16, 64, 128, 8, 4, 4, False),
+    "p16x64x256w4s3": (16, 64, 256, 8, 4, 3, False),
+    "p16x32x256w4s4": (16, 32, 256, 8, 4, 4, False),
+    "p16x32x128w4s6": (16, 32, 128, 8, 4, 6, False),
+    "p32x64x128w4s4": (32, 64, 128, 8, 4, 4, False),
+    "p64x64x128w4s4": (64, 64, 128, 8, 4, 4, False),
+    "p64x32x128w4s5": (64, 32, 128, 8, 4, 5, False),
+    "p16x128x128w4s4": (16, 128, 128, 8, 4, 4, False),
+    "t64x64x128w4s4": (64, 64, 128, 8, 4, 4, True),
+    "t64x32x256w4s4": (64, 32, 256, 8, 4, 4, True),
+    "t64x128x64w4s5": (64, 128, 64, 8, 4, 5, True),
+}
+LARGE_CANDIDATES = {
+    "p128x128x64w8s4": (128, 128, 64, 8, 8, 4, False),
+    "p128x128x64w8s3": (128, 128, 64, 8, 8, 3, False),
+    "p128x256x64w8s3": (128, 256, 64, 8, 8, 3, False),
+    "t128x128x64w8s3": (128, 128, 64, 8, 8, 3, True),
+    "t128x128x64w8s4": (128, 128, 64, 8, 8, 4, True),
+    "t128x256x64w8s3": (128, 256, 64, 8, 8, 3, True),
+    "t128x128x128w8s3": (128, 128, 128, 8, 8, 3, True),
+    "t128x256x64w8s4": (128, 256, 64, 8, 8, 4, True),
+}
+PREFILL_CANDIDATES = {"64w4s2": (64, 4, 2), "64w4s3": (64, 4, 3), "128w8s2": (128, 8, 2), "128w8s3": (128, 8, 3)}
+DECODE_CANDIDATES = {"64w4s2": (64, 4, 2), "64w4s3": (64, 4, 3), "16w4s3": (16, 4, 3), "16w4s4": (16, 4, 4),
+                     "32w4s3": (32, 4, 3), "16w2s3": (16, 2, 3)}
+
+
+def _lin_cfg(t: tuple, k: int) -> dict[str, Any]:
+    bm, bn, bk, gm, w, s, tma = t
+    return {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": gm, "num_warps": w, "num_stages": s,
+            "EVEN_K": k % bk == 0, "IEEE": False, "TMA": tma}
+
+
+def _try(fn):
+    try:
+        return fn(), None
+    except Exception as exc:  # a candidate that does not compile is a result
+        return None, f"{type(exc).__name__}: {str(exc)[:200]}"
+
+
+def sweep_linear(repeats: int) -> list[dict[str, Any]]:
+    g = torch.Generator(device="cuda").manual_seed(0)
+    rows: list[dict[str, Any]] = []
+    for name, (n, k) in LINEAR_SHAPES.items():
+        rows += _linear_shape(name, n, k, g, repeats)
+        torch.cuda.empty_cache()
+    return rows
+
+
+def _linear_shape(name: str, n: int, k: int, g: torch.Generator, repeats: int) -> list[dict[str, Any]]:
+    rows = []
+    w = (torch.randn(n, k, device="cuda", generator=g) * k ** -0.5).to(BF16)
+    ms = SMALL_MS + ((1024,) if name.endswith("lm_head") else LARGE_MS)
+    x = torch.randn(max(ms), k, device="cuda", generator=g).to(BF16)
+    big = lt.linear_2d(x, w, None)  # the contract configuration at the largest M
+    for m in ms:
+        xs = x[:m].clone()
+        row: dict[str, Any] = {"shape": name, "M": m, "N": n, "K": k}
+        row["native_ms"] = time_fns([lambda xs=xs: F.linear(xs, w)], repeats=repeats)["median_ms"]
+        cands = SMALL_CANDIDATES if m <= 128 else LARGE_CANDIDATES
+        for cname, t in cands.items():
+            cfg = _lin_cfg(t, k)
+            y, err = _try(lambda cfg=cfg, xs=xs: lt.linear_2d(xs, w, None, cfg))
+            if err:
+                row[cname] = {"error": err}
+                continue
+            ms_ = time_fns([lambda cfg=cfg, xs=xs: lt.linear_2d(xs, w, None, cfg)], repeats=repeats)["median_ms"]
+            row[cname] = {"ms": ms_, "ratio": row["native_ms"] / ms_, "bitwise": bool(torch.equal(y, big[:m]))}
+        rows.append(row)
+        best = max((c for c in cands if "ms" in row.get(c, {})), key=lambda c: row[c]["ratio"], default=None)
+        print(f"linear {name} M={m}: native {row['native_ms']:.4f} ms; best {best} "
+              + (f"{row[best]['ratio']:.3f}" if best else "-") + "; "
+              + " ".join(f"{c}={row[c]['ratio']:.2f}{'' if row[c]['bitwise'] else '!BITS'}"
+                         if "ms" in row[c] else f"{c}=ERR" for c in cands), flush=True)
+    return rows
+
+
+def _old_module(path: str | None):
+    if not path:
+        return None
+    spec = importlib.util.spec_from_file_location("old_attention_triton", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def sweep_prefill(repeats: int, old) -> list[dict[str, Any]]:
+    g = torch.Generator(device="cuda").manual_seed(1)
+    rows = []
+    for b, n in ((1, 2048), (4, 2048), (1, 8192)):
+        rows.append(_prefill_case(b, n, g, repeats, old))
+        torch.cuda.empty_cache()
+    return rows
+
+
+def _prefill_case(b: int, n: int, g: torch.Generator, repeats: int, old) -> dict[str, Any]:
+    hq, hkv, d = 32, 8, 128
+    t = b * n
+    q, k, v = (torch.randn(t, h, d, device="cuda", generator=g).to(BF16) for h in (hq, hkv, hkv))
+    cu = cu_seqlens([n] * b, "cuda")
+    scale = d ** -0.5
+    flop = b * 4.0 * n * (n + 1) / 2 * hq * d
+    row: dict[str, Any] = {"case": f"{b}x{n}", "flop": flop}
+    q4, k4, v4 = (x.view(b, n, x.shape[1], d).transpose(1, 2) for x in (q, k, v))
+    for bname, backend in (("flash", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION)):
+        def sd(backend=backend):
+            with sdpa_kernel(backend):
+                return F.scaled_dot_product_attention(q4, k4, v4, is_causal=True, scale=scale, enable_gqa=True)
+        _, err = _try(sd)
+        row[bname] = {"error": err} if err else {"ms": time_fns([sd], repeats=repeats)["median_ms"]}
+    ref = at.attention_varlen(q, k, v, cu, cu, scale, True, None)
+    lens = (cu[1:] - cu[:-1]).to(torch.int32)
+    ks = (k.stride(0), k.stride(0), k.stride(1), k.stride(2))
+    vs = (v.stride(0), v.stride(0), v.stride(1), v.stride(2))
+    variants = {}
+    for cname, (bm, w, s) in PREFILL_CANDIDATES.items():
+        cfg = dict(at.config(BF16, d), BLOCK_M=bm, num_warps=w, num_stages=s)
+        variants[cname] = lambda cfg=cfg: at._launch(q, k, v, cu, 1, 0, ks, vs, cu, lens, None, True, scale,
+                                                     "prefill", cfg)
+    if old is not None:
+        variants["old"] = lambda: old.attention_varlen(q, k, v, cu, cu, scale, True, None)
+    for cname, fn in variants.items():
+        y, err = _try(fn)
+        if err:
+            row[cname] = {"error": err}
+            continue
+        ms_ = time_fns([fn], repeats=repeats)["median_ms"]
+        row[cname] = {"ms": ms_, "tflops": flop / ms_ / 1e9, "bitwise": bool(torch.equal(y, ref))}
+    for cname in variants:
+        for bname in ("flash", "cudnn"):
+            if "ms" in row[cname] and "ms" in row[bname]:
+                row[cname][f"vs_{bname}"] = row[bname]["ms"] / row[cname]["ms"]
+    print(f"prefill {row['case']}: " + " ".join(
+        f"{c}={row[c]['tflops']:.0f}TF{'' if row[c]['bitwise'] else '!BITS'}" if "ms" in row[c] else f"{c}=ERR"
+        for c in variants) + " | " + " ".join(
+        f"{bn}={flop / row[bn]['ms'] / 1e9:.0f}TF" if "ms" in row[bn] else f"{bn}=ERR"
+        for bn in ("flash", "cudnn")),
+        flush=True)
+    return row
+
+
+def sweep_decode(repeats: int, old, copy_tbs: float) -> list[dict[str, Any]]:
+    g = torch.Generator(device="cuda").manual_seed(2)
+    rows = []
+    for b, n, page in ((64, 4096, 16), (256, 2048, 16), (64, 4096, 64), (1, 4096, 16)):
+        rows.append(_decode_case(b, n, page, g, repeats, old, copy_tbs))
+        torch.cuda.empty_cache()
+    return rows
+
+
+def _decode_case(b: int, n: int, page: int, g: torch.Generator, repeats: int, old, copy_tbs: float
+                 ) -> dict[str, Any]:
+    hq, hkv, d = 32, 8, 128
+    scale = d ** -0.5
+    q = torch.randn(b, hq, d, device="cuda", generator=g).to(BF16)
+    kc = torch.randn(b, n, hkv, d, device="cuda", generator=g).to(BF16)
+    vc = torch.randn(b, n, hkv, d, device="cuda", generator=g).to(BF16)
+    kv_bytes = 2.0 * b * n * hkv * d * 2
+    row: dict[str, Any] = {"case": f"{b}x{n} page {page}", "kv_bytes": kv_bytes, "copy_tbs": copy_tbs}
+    q4, k4, v4 = q.view(b, hq, 1, d), kc.transpose(1, 2), vc.transpose(1, 2)
+
+    def sd():
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            return F.scaled_dot_product_attention(q4, k4, v4, scale=scale, enable_gqa=True)
+    _, err = _try(sd)
+    row["flash"] = {"error": err} if err else {"ms": time_fns([sd], repeats=repeats)["median_ms"]}
+    cache = build_paged_kv(list(kc.unbind(0)), list(vc.unbind(0)), page,
+                           generator=torch.Generator().manual_seed(3), write=kv_cache_write_reference)
+    args = (q, cache.k_cache, cache.v_cache, cache.block_table, cache.seq_lens, scale)
+    ref = at.attention_decode(*args)
+    cu_q = torch.arange(b + 1, dtype=torch.int32, device="cuda")
+    variants = {}
+    for cname, (bm, w, s) in DECODE_CANDIDATES.items():
+        cfg = dict(at.config(BF16, d, "decode"), BLOCK_M=bm, num_warps=w, num_stages=s)
+        variants[cname] = lambda cfg=cfg: at._launch(
+            q, cache.k_cache, cache.v_cache, cache.block_table, cache.block_table.stride(0), page,
+            tuple(cache.k_cache.stride()), tuple(cache.v_cache.stride()), cu_q, cache.seq_lens, None, True,
+            scale, "decode", cfg)
+    if old is not None:
+        variants["old"] = lambda: old.attention_decode(*args)
+    for cname, fn in variants.items():
+        y, err = _try(fn)
+        if err:
+            row[cname] = {"error": err}
+            continue
+        ms_ = time_fns([fn], repeats=repeats)["median_ms"]
+        row[cname] = {"ms": ms_, "tbs": kv_bytes / ms_ / 1e9, "of_copy": kv_bytes / ms_ / 1e9 / copy_tbs,
+                      "bitwise": bool(torch.equal(y, ref))}
+        if "ms" in row["flash"]:
+            row[cname]["vs_flash"] = row["flash"]["ms"] / ms_
+    print(f"decode {row['case']}: " + " ".join(
+        f"{c}={row[c]['tbs']:.2f}TB/s{'' if row[c]['bitwise'] else '!BITS'}" if "ms" in row[c] else f"{c}=ERR"
+        for c in variants) + (f" | flash={kv_bytes / row['flash']['ms'] / 1e9:.2f}TB/s" if "ms" in row["flash"]
+                              else " | flash=ERR"), flush=True)
+    return row
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--sections", default="linear,prefill,decode")
+    ap.add_argument("--repeats", type=int, default=15)
+    ap.add_argument("--old-attention", default=None)
+    args = ap.parse_args()
+    old = _old_module(args.old_attention)
+    copy_tbs = copy_bandwidth()["tb_per_s"]
+    t0 = time.time()
+    for section in args.sections.split(","):
+        if section == "linear":
+            rows = sweep_linear(args.repeats)
+        elif section == "prefill":
+            rows = sweep_prefill(args.repeats, old)
+        elif section == "decode":
+            rows = sweep_decode(args.repeats, old, copy_tbs)
+        else:
+            raise SystemExit(f"unknown section {section!r}")
+        out = Path(default_out_dir())
+        out.mkdir(parents=True, exist_ok=True)
+        meta = {"env": environment(), "copy_tbs": copy_tbs, "repeats": args.repeats,
+                "ratio": "native_ms / candidate_ms", "bitwise": "torch.equal with the contract configuration"}
+        (out / f"sweep_{section}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
+        print(f"=== {section} done at {time.time() - t0:.0f} s", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
