@@ -3,8 +3,8 @@
     python benchmarks/bench_linear.py [--quick]
 
 Ratio = native time / rlk time (throughput ratio; >= 1 means rlk is faster). Candidate tile
-configurations are explored by ``sweep_kernels.py``; the shipped table is
-``rlk_core.ops.linear.triton.CONFIGS``.
+configurations are explored by ``sweep_kernels.py``; the shipped rule is
+``rlk_core.ops.linear.triton.config`` (each row records the tile it picked).
 """
 
 from __future__ import annotations
@@ -48,11 +48,14 @@ def main() -> None:
                  "rlk_ms": t_rlk["median_ms"], "native_ms": t_nat["median_ms"],
                  "rlk_tflops": flop / t_rlk["median_ms"] / 1e9, "native_tflops": flop / t_nat["median_ms"] / 1e9,
                  "ratio": t_nat["median_ms"] / t_rlk["median_ms"]}
+            c = lt._config_for(*sets[0], torch.empty(m, n, dtype=sets[0][0].dtype, device="cuda"))
+            r["tile"] = ("tma " if c["TMA"] else "ptr ") + "x".join(str(c[key]) for key in (
+                "BLOCK_M", "BLOCK_N", "BLOCK_K")) + f" w{c['num_warps']} s{c['num_stages']}"
             rows.append(r)
             print(f"{name:28s} M={m:5d} rlk {r['rlk_ms']:.4f} ms native {r['native_ms']:.4f} ms "
                   f"ratio {r['ratio']:.2f} ({r['rlk_tflops']:.0f} vs {r['native_tflops']:.0f} TFLOP/s)", flush=True)
             del sets
-    meta = {"env": env, "copy": copy, "repeats": args.repeats, "config": {str(k): v for k, v in lt.CONFIGS.items()},
+    meta = {"env": env, "copy": copy, "repeats": args.repeats,
             "ratio": "native_ms / rlk_ms (throughput ratio)", "rlk": "rlk_core.ops.linear.triton.linear_2d",
             "native": "torch.nn.functional.linear (cuBLAS)"}
     # host-side cost of the public op path (custom op + checks + backend selection) at M=1
@@ -71,7 +74,7 @@ def main() -> None:
     write_results(default_out_dir(), "linear", meta, rows,
                   [("shape", "shape"), ("M", "M"), ("N", "N"), ("K", "K"), ("rlk_ms", "rlk ms"),
                    ("native_ms", "F.linear ms"), ("rlk_tflops", "rlk TFLOP/s"),
-                   ("native_tflops", "F.linear TFLOP/s"), ("ratio", "ratio")])
+                   ("native_tflops", "F.linear TFLOP/s"), ("ratio", "ratio"), ("tile", "rlk tile")])
 
 
 if __name__ == "__main__":

@@ -68,6 +68,27 @@ def test_linear_decode_equals_training_batch(n, k):
                                  f"rows {start}..{start + m} alone vs in the batch of 8192")
 
 
+@pytest.mark.parametrize("n,k", SHAPES)
+def test_every_shipped_tile_gives_the_same_bits(n, k):
+    """The tile rule of ``config`` is a speed choice only: every tile it can pick, through the TMA
+    kernel and the pointer kernel, gives the bits of the default choice for the same rows."""
+    from rlk_core.ops.linear import triton as lt
+
+    x, w = linear_inputs(1000, n, k)
+    b = randn((n,), seed=13)
+    tiles = {*lt._DECODE, *lt._SMALL_TMA, lt._SMALL_PTR, *(t for t, _ in lt._LARGE_TMA), lt._LARGE_PTR}
+    for m in (1, 65, 1000):
+        want = linear(x[:m], w, b)
+        for bm, bn, bk, gm, warps, stages in sorted(tiles):
+            for tma in (False, True):
+                if tma and not lt._tma_compatible(x, w, want):
+                    continue
+                cfg = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": gm, "num_warps": warps,
+                       "num_stages": stages, "EVEN_K": k % bk == 0, "IEEE": False, "TMA": tma}
+                assert_bitwise_equal(lt.linear_2d(x[:m], w, b, cfg), want,
+                                     f"M={m} {n}x{k}: tile {bm}x{bn}x{bk} w{warps} s{stages} tma={tma}")
+
+
 def test_linear_3d_and_noncontiguous_rows():
     x, w = linear_inputs(2 * 96, 256, 512)
     x3 = x.view(2, 96, 512)
