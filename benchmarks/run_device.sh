@@ -2,7 +2,9 @@
 # One device call: GPU tests, compute-sanitizer on every kernel, benchmarks. Results under $OUT
 # (log + one tarball, to stay within the few files a call brings back). Usage, from the repo root:
 #   RLK_COMMIT=<sha> STAGES="tests sanitize bench engine" BENCHES="attention logprobs" bash benchmarks/run_device.sh
-# TESTS (default tests/gpu) and TEST_TIMEOUT (420 s) narrow the pytest stage.
+# TESTS (default tests/gpu) and TEST_TIMEOUT (420 s) narrow the pytest stage; SANITIZE_TOOLS
+# (memcheck racecheck), SANITIZE_PARTS (see tests/gpu/sanitize_kernels.py) and SANITIZE_TIMEOUT the
+# sanitizer stage; SWEEP_ARGS the sweep stage (benchmarks/sweep_kernels.py).
 set -u
 OUT=${OUT:-/tmp/rlk-out}
 mkdir -p "$OUT/res"
@@ -20,10 +22,10 @@ tests)
   log pytest; timeout ${TEST_TIMEOUT:-420} python3 -m pytest $TESTS -q -p no:cacheprovider --durations=15 \
     --junitxml="$OUT/res/pytest.xml" 2>&1 | tail -120 ;;
 sanitize)
-  for tool in memcheck racecheck; do
+  for tool in ${SANITIZE_TOOLS:-memcheck racecheck}; do
     log "compute-sanitizer $tool"
     PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout ${SANITIZE_TIMEOUT:-150} compute-sanitizer --tool $tool --error-exitcode 3 \
-      python3 tests/gpu/sanitize_kernels.py > "$OUT/res/sanitize_$tool.txt" 2>&1
+      python3 tests/gpu/sanitize_kernels.py ${SANITIZE_PARTS:-} > "$OUT/res/sanitize_$tool.txt" 2>&1
     echo "exit $?"; tail -5 "$OUT/res/sanitize_$tool.txt"
   done ;;
 sweep)

@@ -2,7 +2,7 @@
 timed against the native op in the same process, each one's output checked bit for bit against the
 contract configuration's output for the same rows (a candidate that changes a bit is unusable).
 
-    python benchmarks/sweep_kernels.py [--sections linear,prefill,decode] [--old-attention PATH]
+    python benchmarks/sweep_kernels.py [--sections linear,linear_mid,prefill,decode] [--old-attention PATH]
 
 Writes ``sweep_<section>.json`` to ``$RLK_BENCH_OUT``. Exploration
 only: the table that ships is ``CONFIGS`` in the kernel modules. ``--old-attention`` times a previous
@@ -62,6 +62,18 @@ LARGE_CANDIDATES = {
     "t128x128x128w8s3": (128, 128, 128, 8, 8, 3, True),
     "t128x256x64w8s4": (128, 256, 64, 8, 8, 4, True),
 }
+MID_SHAPES = ("8b/qkv", "8b/gate_up", "8b/down", "8b-tp4/qkv", "0.6b/o", "0.6b/gate_up", "0.6b/down", "8b/lm_head")
+MID_MS = (65, 96, 128, 256, 512, 1000)
+MID_CANDIDATES = {
+    "t64x32x256w4s4": (64, 32, 256, 8, 4, 4, True),
+    "t64x64x128w4s4": (64, 64, 128, 8, 4, 4, True),
+    "t64x128x64w4s5": (64, 128, 64, 8, 4, 5, True),
+    "t64x256x64w4s3": (64, 256, 64, 8, 4, 3, True),
+    "t128x32x128w8s4": (128, 32, 128, 8, 8, 4, True),
+    "t128x64x128w8s4": (128, 64, 128, 8, 8, 4, True),
+    "t128x128x64w8s4": (128, 128, 64, 8, 8, 4, True),
+    "t128x256x64w8s3": (128, 256, 64, 8, 8, 3, True),
+}
 PREFILL_CANDIDATES = {"64w4s2": (64, 4, 2), "64w4s3": (64, 4, 3), "128w8s2": (128, 8, 2), "128w8s3": (128, 8, 3)}
 DECODE_CANDIDATES = {"64w4s2": (64, 4, 2), "64w4s3": (64, 4, 3), "16w4s3": (16, 4, 3), "16w4s4": (16, 4, 4),
                      "32w4s3": (32, 4, 3), "16w2s3": (16, 2, 3)}
@@ -80,26 +92,32 @@ def _try(fn):
         return None, f"{type(exc).__name__}: {str(exc)[:200]}"
 
 
-def sweep_linear(repeats: int) -> list[dict[str, Any]]:
+def sweep_linear(repeats: int, mid: bool = False) -> list[dict[str, Any]]:
+    """All shapes at decode-sized and training-sized M; ``mid``: the shapes and M between (65..1000)."""
     g = torch.Generator(device="cuda").manual_seed(0)
     rows: list[dict[str, Any]] = []
     for name, (n, k) in LINEAR_SHAPES.items():
-        rows += _linear_shape(name, n, k, g, repeats)
+        if mid and name not in MID_SHAPES:
+            continue
+        ms = (MID_MS if mid else SMALL_MS + LARGE_MS)
+        if name.endswith("lm_head"):
+            ms = tuple(m for m in ms if m <= 1024)
+        rows += _linear_shape(name, n, k, g, repeats, ms, MID_CANDIDATES if mid else None)
         torch.cuda.empty_cache()
     return rows
 
 
-def _linear_shape(name: str, n: int, k: int, g: torch.Generator, repeats: int) -> list[dict[str, Any]]:
+def _linear_shape(name: str, n: int, k: int, g: torch.Generator, repeats: int, ms: tuple[int, ...],
+                  candidates: dict[str, tuple] | None) -> list[dict[str, Any]]:
     rows = []
     w = (torch.randn(n, k, device="cuda", generator=g) * k ** -0.5).to(BF16)
-    ms = SMALL_MS + ((1024,) if name.endswith("lm_head") else LARGE_MS)
     x = torch.randn(max(ms), k, device="cuda", generator=g).to(BF16)
     big = lt.linear_2d(x, w, None)  # the contract configuration at the largest M
     for m in ms:
         xs = x[:m].clone()
         row: dict[str, Any] = {"shape": name, "M": m, "N": n, "K": k}
         row["native_ms"] = time_fns([lambda xs=xs: F.linear(xs, w)], repeats=repeats)["median_ms"]
-        cands = SMALL_CANDIDATES if m <= 128 else LARGE_CANDIDATES
+        cands = candidates or (SMALL_CANDIDATES if m <= 128 else LARGE_CANDIDATES)
         for cname, t in cands.items():
             cfg = _lin_cfg(t, k)
             y, err = _try(lambda cfg=cfg, xs=xs: lt.linear_2d(xs, w, None, cfg))
@@ -247,8 +265,8 @@ def main() -> int:
     copy_tbs = copy_bandwidth()["tb_per_s"]
     t0 = time.time()
     for section in args.sections.split(","):
-        if section == "linear":
-            rows = sweep_linear(args.repeats)
+        if section in ("linear", "linear_mid"):
+            rows = sweep_linear(args.repeats, mid=section == "linear_mid")
         elif section == "prefill":
             rows = sweep_prefill(args.repeats, old)
         elif section == "decode":

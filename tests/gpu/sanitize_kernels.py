@@ -1,7 +1,9 @@
 """Driver for compute-sanitizer: runs every rlk.triton kernel once at small, awkward shapes.
 
     PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck  python tests/gpu/sanitize_kernels.py
-    PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool racecheck python tests/gpu/sanitize_kernels.py
+    PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool racecheck python tests/gpu/sanitize_kernels.py [PART ...]
+
+PART: ``linear``, ``rowwise`` (rms_norm, swiglu, rope) or a module of ``SANITIZE_MODULES``; default all.
 
 Not a pytest module (no ``test_`` prefix): the sanitizer wraps the whole process. Exits non-zero if
 a result is wrong, so a run that silently computed garbage cannot look clean.
@@ -34,17 +36,47 @@ def close(a, b, dtype, what):
     torch.testing.assert_close(a.double(), b.double(), **dtype_tols(dtype), msg=lambda m: f"{what}: {m}")
 
 
-def main() -> int:
+def main(parts: list[str]) -> int:
+    unknown = set(parts) - {"linear", "rowwise", *SANITIZE_MODULES}
+    if unknown:
+        raise SystemExit(f"unknown parts {sorted(unknown)}")
+    parts = parts or ["linear", "rowwise", *SANITIZE_MODULES]
     torch.manual_seed(0)
+    if "linear" in parts:
+        _linear()
+    if "rowwise" in parts:
+        _rowwise()
+    torch.cuda.synchronize()
+    # the test modules use relative imports (._shapes): load them as a package named after this folder
+    pkg = types.ModuleType("rlk_gpu_tests")
+    pkg.__path__ = [str(Path(__file__).resolve().parent)]
+    sys.modules["rlk_gpu_tests"] = pkg
+    for name in SANITIZE_MODULES:
+        if name in parts:
+            importlib.import_module(f"rlk_gpu_tests.{name}").sanitize_cases()
+            torch.cuda.synchronize()
+            print(f"sanitize_kernels: {name}.sanitize_cases() ran and matched")
+    print(f"sanitize_kernels: {', '.join(parts)}: all kernels ran and matched the reference")
+    return 0
+
+
+def _linear() -> None:
     dev = "cuda"
+    # pointer kernel at 16/64/128-row tiles (N = 130, 257: rows not 16-byte aligned, no TMA) and the TMA
+    # kernels: 64-row tiles (M = 70) and the persistent 128-row tiles (M = 300), ragged N and K
     for dt in (torch.bfloat16, torch.float32):
-        for m, n, k in ((1, 64, 64), (65, 130, 200), (3, 257, 128)):
+        for m, n, k in ((1, 64, 64), (65, 130, 200), (3, 257, 128), (70, 96, 128), (300, 264, 136), (200, 130, 72)):
             x = torch.randn(m, k, device=dev).to(dt)
             w = (torch.randn(n, k, device=dev) * k ** -0.5).to(dt)
             b = torch.randn(n, device=dev).to(dt)
             close(linear_t.forward(x, w, b), linear_reference(x, w, b), dt, f"linear {m}x{n}x{k}")
             close(linear_t.forward(x.t().contiguous().t(), w.t().contiguous().t(), None),
                   linear_reference(x, w, None), dt, "linear strided")
+
+
+def _rowwise() -> None:
+    dev = "cuda"
+    for dt in (torch.bfloat16, torch.float32):
         for shape in ((5, 128), (3, 1000), (17, 4096)):
             x, wt = torch.randn(shape, device=dev).to(dt), torch.randn(shape[-1], device=dev).to(dt)
             close(rms_t.forward(x, wt, 1e-6), rms_norm_reference(x, wt, 1e-6), dt, f"rms_norm {shape}")
@@ -55,18 +87,7 @@ def main() -> int:
             x = torch.randn(t, h, d, device=dev).to(dt)
             pos = torch.randint(0, 5000, (t,), device=dev)
             close(rope_t.forward(x, pos, 1e6, rd), rope_reference(x, pos, 1e6, rd), dt, f"rope {t, h, d, rd}")
-    torch.cuda.synchronize()
-    # the test modules use relative imports (._shapes): load them as a package named after this folder
-    pkg = types.ModuleType("rlk_gpu_tests")
-    pkg.__path__ = [str(Path(__file__).resolve().parent)]
-    sys.modules["rlk_gpu_tests"] = pkg
-    for name in SANITIZE_MODULES:
-        importlib.import_module(f"rlk_gpu_tests.{name}").sanitize_cases()
-        torch.cuda.synchronize()
-        print(f"sanitize_kernels: {name}.sanitize_cases() ran and matched")
-    print("sanitize_kernels: all kernels ran and matched the reference")
-    return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.argv[1:]))
