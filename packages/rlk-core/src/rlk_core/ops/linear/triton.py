@@ -73,6 +73,7 @@ def _pick(m: int, n: int, sms: int, tma: bool) -> tuple[tuple[int, ...], bool]:
     return max(_LARGE_TMA, key=score)[0], True
 
 
+@functools.lru_cache(maxsize=4096)  # host time: the rule runs once per distinct shape (callers copy the dict)
 def config(dtype: torch.dtype, m: int, n: int, k: int, tma: bool = False, sms: int = 132) -> dict[str, int | bool]:
     """The launch configuration: a fixed rule of dtype, the problem shape, whether the TMA kernel
     applies and the SM count — a speed choice only (every tile gives the same bits)."""
@@ -92,7 +93,8 @@ def _num_sms(index: int) -> int:
 
 @functools.cache
 def _tma_ok(index: int) -> bool:
-    return torch.cuda.get_device_capability(index)[0] >= 9
+    # NVIDIA sm_90+ only (ROCm reports gfx9xx as capability 9.x and has no TMA)
+    return torch.version.hip is None and torch.cuda.get_device_capability(index)[0] >= 9
 
 
 def _tma_compatible(*ts: torch.Tensor) -> bool:

@@ -1,0 +1,53 @@
+"""The GEMM tile rule (``rlk_core.ops.linear.triton.config``) on the CPU: the documented choices for the
+Qwen3 shapes on a 132-SM H200, the pointer kernel wherever TMA does not apply, and a rule that is a
+pure function of its arguments. That every tile gives the same bits is a GPU fact, tested in
+tests/gpu/test_linear_gpu.py::test_every_shipped_tile_gives_the_same_bits."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
+
+
+def _tile(m, n, k, tma=True, dtype=torch.bfloat16):
+    from rlk_core.ops.linear import triton as lt
+
+    c = lt.config(dtype, m, n, k, tma, 132)
+    return ("tma" if c["TMA"] else "ptr", c["BLOCK_M"], c["BLOCK_N"], c["BLOCK_K"])
+
+
+@pytest.mark.parametrize("m,n,k,want", [
+    (1, 4096, 4096, ("ptr", 16, 32, 128)),        # decode: narrow tiles put 128 programs on the weights
+    (16, 24576, 4096, ("ptr", 16, 128, 128)),     # wide N fills the SMs with wider tiles
+    (64, 6144, 4096, ("tma", 64, 64, 128)),
+    (128, 151936, 4096, ("tma", 128, 256, 64)),   # M in 65..128 and a wide N: one 128-row tile
+    (128, 1024, 2048, ("tma", 64, 32, 256)),
+    (1000, 4096, 4096, ("tma", 128, 256, 64)),    # one full wave of 128x256 tiles
+    (1000, 6144, 4096, ("tma", 128, 128, 64)),    # 1.45 waves of 128x256: 128x128 fills better
+    (8192, 1024, 3072, ("tma", 128, 256, 64)),
+])
+def test_documented_choices(m, n, k, want):
+    assert _tile(m, n, k) == want
+
+
+def test_pointer_kernel_without_tma_and_for_fp32():
+    for m in (1, 7, 65, 128, 1000, 8192):
+        assert _tile(m, 4096, 4096, tma=False)[0] == "ptr"
+        assert _tile(m, 4096, 4096, dtype=torch.float32)[:2] == ("ptr", 64)
+
+
+def test_launch_does_not_mutate_the_cached_rule():
+    """``config`` is cached per shape; ``_launch`` pops keys from its own copy, never from the cache."""
+    from rlk_core.ops.linear import triton as lt
+
+    before = dict(lt.config(torch.float32, 5, 48, 40, False, 132))
+    x, w = torch.randn(5, 40), torch.randn(48, 40)
+    try:
+        lt._launch(x, w, None, torch.empty(5, 48), lt.config(torch.float32, 5, 48, 40, False, 132))
+    except Exception:  # no GPU / interpreter here: the launch itself may fail after the copy
+        pass
+    assert lt.config(torch.float32, 5, 48, 40, False, 132) == before
