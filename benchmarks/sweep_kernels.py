@@ -37,43 +37,32 @@ LINEAR_SHAPES = {  # name -> (N, K)
     "0.6b/gate_up": (6144, 1024), "0.6b/down": (1024, 3072), "8b/lm_head": (151936, 4096),
 }
 SMALL_MS, LARGE_MS = (1, 16, 64, 128), (1024, 8192)
-# name -> (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, warps, stages, TMA)
-SMALL_CANDIDATES = {
-    "p128x128x64w8s4": (128, 128, 64, 8, 8, 4, False),
-    "p16x64x128w4s4": (16, 64, 128, 8, 4, 4, False),
-    "p16x64x256w4s3": (16, 64, 256, 8, 4, 3, False),
-    "p16x32x256w4s4": (16, 32, 256, 8, 4, 4, False),
-    "p16x32x128w4s6": (16, 32, 128, 8, 4, 6, False),
-    "p32x64x128w4s4": (32, 64, 128, 8, 4, 4, False),
-    "p64x64x128w4s4": (64, 64, 128, 8, 4, 4, False),
-    "p64x32x128w4s5": (64, 32, 128, 8, 4, 5, False),
-    "p16x128x128w4s4": (16, 128, 128, 8, 4, 4, False),
-    "t64x64x128w4s4": (64, 64, 128, 8, 4, 4, True),
-    "t64x32x256w4s4": (64, 32, 256, 8, 4, 4, True),
-    "t64x128x64w4s5": (64, 128, 64, 8, 4, 5, True),
-}
-LARGE_CANDIDATES = {
-    "p128x128x64w8s4": (128, 128, 64, 8, 8, 4, False),
-    "p128x128x64w8s3": (128, 128, 64, 8, 8, 3, False),
-    "p128x256x64w8s3": (128, 256, 64, 8, 8, 3, False),
-    "t128x128x64w8s3": (128, 128, 64, 8, 8, 3, True),
-    "t128x128x64w8s4": (128, 128, 64, 8, 8, 4, True),
-    "t128x256x64w8s3": (128, 256, 64, 8, 8, 3, True),
-    "t128x128x128w8s3": (128, 128, 128, 8, 8, 3, True),
-    "t128x256x64w8s4": (128, 256, 64, 8, 8, 4, True),
-}
+
+
+def _named(*tiles: tuple) -> dict[str, tuple]:
+    """``(BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, warps, stages, TMA)`` tiles keyed like ``t128x256x64w8s3``
+    (``t``: TMA kernel, ``p``: pointer kernel)."""
+    return {("t" if t[6] else "p") + f"{t[0]}x{t[1]}x{t[2]}w{t[4]}s{t[5]}": t for t in tiles}
+
+
+SMALL_CANDIDATES = _named(
+    (128, 128, 64, 8, 8, 4, False), (16, 64, 128, 8, 4, 4, False), (16, 64, 256, 8, 4, 3, False),
+    (16, 32, 256, 8, 4, 4, False), (16, 32, 128, 8, 4, 6, False), (32, 64, 128, 8, 4, 4, False),
+    (64, 64, 128, 8, 4, 4, False), (64, 32, 128, 8, 4, 5, False), (16, 128, 128, 8, 4, 4, False),
+    (64, 64, 128, 8, 4, 4, True), (64, 32, 256, 8, 4, 4, True), (64, 128, 64, 8, 4, 5, True),
+)
+LARGE_CANDIDATES = _named(
+    (128, 128, 64, 8, 8, 4, False), (128, 128, 64, 8, 8, 3, False), (128, 256, 64, 8, 8, 3, False),
+    (128, 128, 64, 8, 8, 3, True), (128, 128, 64, 8, 8, 4, True), (128, 256, 64, 8, 8, 3, True),
+    (128, 128, 128, 8, 8, 3, True), (128, 256, 64, 8, 8, 4, True),
+)
 MID_SHAPES = ("8b/qkv", "8b/gate_up", "8b/down", "8b-tp4/qkv", "0.6b/o", "0.6b/gate_up", "0.6b/down", "8b/lm_head")
 MID_MS = (65, 96, 128, 256, 512, 1000)
-MID_CANDIDATES = {
-    "t64x32x256w4s4": (64, 32, 256, 8, 4, 4, True),
-    "t64x64x128w4s4": (64, 64, 128, 8, 4, 4, True),
-    "t64x128x64w4s5": (64, 128, 64, 8, 4, 5, True),
-    "t64x256x64w4s3": (64, 256, 64, 8, 4, 3, True),
-    "t128x32x128w8s4": (128, 32, 128, 8, 8, 4, True),
-    "t128x64x128w8s4": (128, 64, 128, 8, 8, 4, True),
-    "t128x128x64w8s4": (128, 128, 64, 8, 8, 4, True),
-    "t128x256x64w8s3": (128, 256, 64, 8, 8, 3, True),
-}
+MID_CANDIDATES = _named(
+    (64, 32, 256, 8, 4, 4, True), (64, 64, 128, 8, 4, 4, True), (64, 128, 64, 8, 4, 5, True),
+    (64, 256, 64, 8, 4, 3, True), (128, 32, 128, 8, 8, 4, True), (128, 64, 128, 8, 8, 4, True),
+    (128, 128, 64, 8, 8, 4, True), (128, 256, 64, 8, 8, 3, True),
+)
 PREFILL_CANDIDATES = {"64w4s2": (64, 4, 2), "64w4s3": (64, 4, 3), "128w8s2": (128, 8, 2), "128w8s3": (128, 8, 3)}
 DECODE_CANDIDATES = {"64w4s2": (64, 4, 2), "64w4s3": (64, 4, 3), "16w4s3": (16, 4, 3), "16w4s4": (16, 4, 4),
                      "32w4s3": (32, 4, 3), "16w2s3": (16, 2, 3)}
@@ -90,6 +79,17 @@ def _try(fn):
         return fn(), None
     except Exception as exc:  # a candidate that does not compile is a result
         return None, f"{type(exc).__name__}: {str(exc)[:200]}"
+
+def _run_variants(row: dict[str, Any], variants: dict[str, Any], ref: torch.Tensor, repeats: int, metrics) -> None:
+    """Time each variant and check its bits against ``ref``; ``metrics(ms)`` adds the throughput fields.
+    A variant that fails (e.g. does not compile) is recorded with its error."""
+    for cname, fn in variants.items():
+        y, err = _try(fn)
+        if err:
+            row[cname] = {"error": err}
+            continue
+        ms_ = time_fns([fn], repeats=repeats)["median_ms"]
+        row[cname] = {"ms": ms_, **metrics(ms_), "bitwise": bool(torch.equal(y, ref))}
 
 
 def sweep_linear(repeats: int, mid: bool = False) -> list[dict[str, Any]]:
@@ -118,14 +118,9 @@ def _linear_shape(name: str, n: int, k: int, g: torch.Generator, repeats: int, m
         row: dict[str, Any] = {"shape": name, "M": m, "N": n, "K": k}
         row["native_ms"] = time_fns([lambda xs=xs: F.linear(xs, w)], repeats=repeats)["median_ms"]
         cands = candidates or (SMALL_CANDIDATES if m <= 128 else LARGE_CANDIDATES)
-        for cname, t in cands.items():
-            cfg = _lin_cfg(t, k)
-            y, err = _try(lambda cfg=cfg, xs=xs: lt.linear_2d(xs, w, None, cfg))
-            if err:
-                row[cname] = {"error": err}
-                continue
-            ms_ = time_fns([lambda cfg=cfg, xs=xs: lt.linear_2d(xs, w, None, cfg)], repeats=repeats)["median_ms"]
-            row[cname] = {"ms": ms_, "ratio": row["native_ms"] / ms_, "bitwise": bool(torch.equal(y, big[:m]))}
+        cfgs = {cname: _lin_cfg(t, k) for cname, t in cands.items()}
+        variants = {cname: (lambda cfg=cfg, xs=xs: lt.linear_2d(xs, w, None, cfg)) for cname, cfg in cfgs.items()}
+        _run_variants(row, variants, big[:m], repeats, lambda ms_, row=row: {"ratio": row["native_ms"] / ms_})
         rows.append(row)
         best = max((c for c in cands if "ms" in row.get(c, {})), key=lambda c: row[c]["ratio"], default=None)
         print(f"linear {name} M={m}: native {row['native_ms']:.4f} ms; best {best} "
@@ -179,13 +174,7 @@ def _prefill_case(b: int, n: int, g: torch.Generator, repeats: int, old) -> dict
                                                      "prefill", cfg)
     if old is not None:
         variants["old"] = lambda: old.attention_varlen(q, k, v, cu, cu, scale, True, None)
-    for cname, fn in variants.items():
-        y, err = _try(fn)
-        if err:
-            row[cname] = {"error": err}
-            continue
-        ms_ = time_fns([fn], repeats=repeats)["median_ms"]
-        row[cname] = {"ms": ms_, "tflops": flop / ms_ / 1e9, "bitwise": bool(torch.equal(y, ref))}
+    _run_variants(row, variants, ref, repeats, lambda ms_: {"tflops": flop / ms_ / 1e9})
     for cname in variants:
         for bname in ("flash", "cudnn"):
             if "ms" in row[cname] and "ms" in row[bname]:
@@ -238,16 +227,10 @@ def _decode_case(b: int, n: int, page: int, g: torch.Generator, repeats: int, ol
             scale, "decode", cfg)
     if old is not None:
         variants["old"] = lambda: old.attention_decode(*args)
-    for cname, fn in variants.items():
-        y, err = _try(fn)
-        if err:
-            row[cname] = {"error": err}
-            continue
-        ms_ = time_fns([fn], repeats=repeats)["median_ms"]
-        row[cname] = {"ms": ms_, "tbs": kv_bytes / ms_ / 1e9, "of_copy": kv_bytes / ms_ / 1e9 / copy_tbs,
-                      "bitwise": bool(torch.equal(y, ref))}
-        if "ms" in row["flash"]:
-            row[cname]["vs_flash"] = row["flash"]["ms"] / ms_
+    flash_ms = row["flash"].get("ms")
+    _run_variants(row, variants, ref, repeats, lambda ms_: {
+        "tbs": kv_bytes / ms_ / 1e9, "of_copy": kv_bytes / ms_ / 1e9 / copy_tbs,
+        **({"vs_flash": flash_ms / ms_} if flash_ms else {})})
     print(f"decode {row['case']}: " + " ".join(
         f"{c}={row[c]['tbs']:.2f}TB/s{'' if row[c]['bitwise'] else '!BITS'}" if "ms" in row[c] else f"{c}=ERR"
         for c in variants) + (f" | flash={kv_bytes / row['flash']['ms'] / 1e9:.2f}TB/s" if "ms" in row["flash"]

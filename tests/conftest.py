@@ -9,8 +9,45 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import subprocess
+import sys
+import textwrap
 
 import pytest
+
+# Prelude of the scripts that run rlk.triton kernels under the Triton interpreter (CPU). The variable
+# must be set before Triton is imported, hence a subprocess. numpy >= 2.4 refuses int() of a 1-element
+# array, which the interpreter uses for loop bounds computed from loaded values: read the element.
+_INTERPRETER_PRELUDE = '''
+import os
+os.environ["TRITON_INTERPRET"] = "1"
+import torch
+import triton.runtime.interpreter as interp
+
+_orig = interp._patch_lang_tensor
+
+
+def _patched(tensor, scope):
+    _orig(tensor, scope)
+    scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+
+interp._patch_lang_tensor = _patched
+'''
+
+
+@pytest.fixture
+def run_interpreted():
+    """``run_interpreted(body, timeout=300)``: run ``body`` (after the interpreter prelude, which imports
+    ``torch``) in a fresh Python; it must exit 0 and print ``ok`` last."""
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("needs triton")
+
+    def run(body: str, timeout: int = 300) -> None:
+        script = _INTERPRETER_PRELUDE + textwrap.dedent(body)
+        proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=timeout)
+        assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stdout[-3000:] + proc.stderr[-5000:]
+    return run
 
 
 def _cuda_count() -> int:

@@ -8,31 +8,7 @@ arbitrary ``q_positions``, non-causal. fp32 and fp16 only: the interpreter's bf1
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-import textwrap
-
-import pytest
-
-pytest.importorskip("triton")
-
-_SCRIPT = textwrap.dedent('''
-    import os
-    os.environ["TRITON_INTERPRET"] = "1"
-    import torch
-    import triton.runtime.interpreter as interp
-
-    # numpy >= 2.4 refuses int() of a 1-element array, which the interpreter uses for loop bounds
-    # computed from loaded values; read the element explicitly.
-    _orig = interp._patch_lang_tensor
-
-    def _patched(tensor, scope):
-        _orig(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-    interp._patch_lang_tensor = _patched
-
+_SCRIPT = '''
     from rlk_core.ops.attention.reference import attention_varlen_backward_reference as ref
     from rlk_core.ops.attention.triton_backward import attention_varlen_backward
     from rlk_core.testing import dtype_tols
@@ -61,10 +37,8 @@ _SCRIPT = textwrap.dedent('''
     case([7, 20], [40, 150], 2, 1, 16, torch.float16, seed=4)
     case([30, 3], [140, 9], 2, 1, 16, torch.float16, causal=False, seed=5)
     print("ok")
-''')
+'''
 
 
-def test_backward_kernels_under_interpreter():
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run([sys.executable, "-c", _SCRIPT], env=env, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stdout + proc.stderr
+def test_backward_kernels_under_interpreter(run_interpreted):
+    run_interpreted(_SCRIPT, timeout=120)

@@ -8,29 +8,7 @@ only: the interpreter's ``tl.dot`` on bfloat16 is wrong (numpy has no bfloat16).
 
 from __future__ import annotations
 
-import importlib.util
-import subprocess
-import sys
-import textwrap
-
-import pytest
-
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
-
-SCRIPT = textwrap.dedent("""
-    import os
-    os.environ["TRITON_INTERPRET"] = "1"
-    import torch
-    import triton.runtime.interpreter as interp
-
-    _orig = interp._patch_lang_tensor
-
-    def _patched(tensor, scope):  # numpy >= 2.4: scalars are 1-element arrays, int() needs a 0-d one
-        _orig(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-    interp._patch_lang_tensor = _patched
-
+SCRIPT = """
     from rlk_core.ops.attention import triton as at
     from rlk_core.ops.attention import reference as R
     from rlk_core.testing.attention import build_paged_kv, cu_seqlens, vllm_kv_cache
@@ -72,9 +50,8 @@ SCRIPT = textwrap.dedent("""
     raw = lambda c: c.as_strided((4, 4, 2, 32), (256, 64, 32, 1), 0).contiguous().view(torch.int32)
     assert torch.equal(raw(kc), raw(kc2)) and torch.equal(raw(vc), raw(vc2))
     print("ok")
-""")
+"""
 
 
-def test_attention_triton_kernels_interpreted():
-    proc = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stdout[-2000:] + proc.stderr[-4000:]
+def test_attention_triton_kernels_interpreted(run_interpreted):
+    run_interpreted(SCRIPT, timeout=120)
