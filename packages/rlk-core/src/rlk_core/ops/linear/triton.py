@@ -42,8 +42,7 @@ _LARGE_TMA = (((128, 256, 64, 8, 8, 3), 0.98), ((128, 128, 64, 8, 8, 4), 0.89), 
               ((64, 32, 256, 8, 4, 4), 0.60))
 _LARGE_PTR = (128, 128, 64, 8, 8, 3)
 _FP32 = (64, 64, 32, 8, 4, 3)
-CONFIGS: dict[torch.dtype, str] = {torch.bfloat16: "tensor cores", torch.float16: "tensor cores",
-                                   torch.float32: "fp32 ieee"}
+DTYPES = frozenset({torch.bfloat16, torch.float16, torch.float32})  # fp32: pointer kernel, ieee dots
 FILL = 0.7  # a smaller tile is taken while the larger one would leave more than 30% of the SMs idle
 
 
@@ -245,7 +244,7 @@ def forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) ->
 
 
 def supports(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> tuple[bool, str]:
-    if x.dtype not in CONFIGS:
+    if x.dtype not in DTYPES:
         return False, f"dtype {x.dtype} has no rlk.triton GEMM configuration"
     return True, ""
 

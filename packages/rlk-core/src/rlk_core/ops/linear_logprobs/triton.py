@@ -109,6 +109,6 @@ def backward(hidden: torch.Tensor, weights: list[torch.Tensor], target: torch.Te
 
 
 def supports(hidden, weights, target, temperature) -> tuple[bool, str]:
-    if hidden.dtype not in LT.CONFIGS:
+    if hidden.dtype not in LT.DTYPES:
         return False, f"dtype {hidden.dtype} has no rlk.triton GEMM configuration"
     return True, ""
