@@ -68,12 +68,6 @@ DECODE_CANDIDATES = {"64w4s2": (64, 4, 2), "64w4s3": (64, 4, 3), "16w4s3": (16, 
                      "32w4s3": (32, 4, 3), "16w2s3": (16, 2, 3)}
 
 
-def _lin_cfg(t: tuple, k: int) -> dict[str, Any]:
-    bm, bn, bk, gm, w, s, tma = t
-    return {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": gm, "num_warps": w, "num_stages": s,
-            "EVEN_K": k % bk == 0, "IEEE": False, "TMA": tma}
-
-
 def _try(fn):
     try:
         return fn(), None
@@ -118,7 +112,7 @@ def _linear_shape(name: str, n: int, k: int, g: torch.Generator, repeats: int, m
         row: dict[str, Any] = {"shape": name, "M": m, "N": n, "K": k}
         row["native_ms"] = time_fns([lambda xs=xs: F.linear(xs, w)], repeats=repeats)["median_ms"]
         cands = candidates or (SMALL_CANDIDATES if m <= 128 else LARGE_CANDIDATES)
-        cfgs = {cname: _lin_cfg(t, k) for cname, t in cands.items()}
+        cfgs = {cname: lt.tile_config(t[:6], k, tma=t[6]) for cname, t in cands.items()}
         variants = {cname: (lambda cfg=cfg, xs=xs: lt.linear_2d(xs, w, None, cfg)) for cname, cfg in cfgs.items()}
         _run_variants(row, variants, big[:m], repeats, lambda ms_, row=row: {"ratio": row["native_ms"] / ms_})
         rows.append(row)

@@ -79,14 +79,12 @@ def test_every_shipped_tile_gives_the_same_bits(n, k):
     tiles = {*lt._DECODE, *lt._MID_TMA, *lt._SMALL_TMA, lt._SMALL_PTR, *(t for t, _ in lt._LARGE_TMA), lt._LARGE_PTR}
     for m in (1, 65, 1000):
         want = linear(x[:m], w, b)
-        for bm, bn, bk, gm, warps, stages in sorted(tiles):
+        for tile in sorted(tiles):
             for tma in (False, True):
                 if tma and not lt._tma_compatible(x, w, want):
                     continue
-                cfg = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": gm, "num_warps": warps,
-                       "num_stages": stages, "EVEN_K": k % bk == 0, "IEEE": False, "TMA": tma}
-                assert_bitwise_equal(lt.linear_2d(x[:m], w, b, cfg), want,
-                                     f"M={m} {n}x{k}: tile {bm}x{bn}x{bk} w{warps} s{stages} tma={tma}")
+                assert_bitwise_equal(lt.linear_2d(x[:m], w, b, lt.tile_config(tile, k, tma=tma)), want,
+                                     f"M={m} {n}x{k}: tile {tile} tma={tma}")
 
 
 def test_linear_3d_and_noncontiguous_rows():

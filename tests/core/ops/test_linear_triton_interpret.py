@@ -15,8 +15,7 @@ SCRIPT = """
             ref = x.double() @ w.double().T + b.double()
             for bm, bn, bk in ((16, 16, 16), (32, 16, 32)):
                 for tma in (False, True):
-                    cfg = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 2, "num_warps": 4,
-                           "num_stages": 2, "EVEN_K": k % bk == 0, "IEEE": dtype == torch.float32, "TMA": tma}
+                    cfg = LT.tile_config((bm, bn, bk, 2, 4, 2), k, dtype, tma)
                     err = float((LT.linear_2d(x, w, b, cfg).double() - ref).abs().max())
                     assert err <= tol, (dtype, m, n, k, bm, bn, bk, tma, err)
     print("ok")

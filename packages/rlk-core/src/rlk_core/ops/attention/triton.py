@@ -244,17 +244,19 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, causal, q_posit
                    q_positions if causal else None, causal, scale, "prefill")
 
 
-def attention_paged_prefill(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, scale):
+def _paged(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, scale, form):
     return _launch(q, k_cache, v_cache, block_table, block_table.stride(0), k_cache.shape[1],
-                   tuple(k_cache.stride()), tuple(v_cache.stride()), cu_seqlens_q, seq_lens, None, True, scale,
-                   "prefill")
+                   tuple(k_cache.stride()), tuple(v_cache.stride()), cu_seqlens_q, seq_lens, None, True, scale, form)
+
+
+def attention_paged_prefill(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, scale):
+    return _paged(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, scale, "prefill")
 
 
 def attention_decode(q, k_cache, v_cache, block_table, seq_lens, scale):
     # decode is chunked prefill with one token per sequence: the same kernel and per-row arithmetic
     cu_q = torch.arange(q.shape[0] + 1, dtype=torch.int32, device=q.device)
-    return _launch(q, k_cache, v_cache, block_table, block_table.stride(0), k_cache.shape[1],
-                   tuple(k_cache.stride()), tuple(v_cache.stride()), cu_q, seq_lens, None, True, scale, "decode")
+    return _paged(q, k_cache, v_cache, block_table, cu_q, seq_lens, scale, "decode")
 
 
 @triton.jit(do_not_specialize=["T"])

@@ -28,6 +28,7 @@ import functools
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 # Tiles: (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages). Chosen from the H200 sweep
 # (benchmarks/results/h200/sweep/). TMA = the persistent TMA-descriptor kernel (sm_90+, operands
@@ -77,12 +78,18 @@ def config(dtype: torch.dtype, m: int, n: int, k: int, tma: bool = False, sms: i
     """The launch configuration: a fixed rule of dtype, the problem shape, whether the TMA kernel
     applies and the SM count — a speed choice only (every tile gives the same bits)."""
     if dtype == torch.float32:
-        tile, use_tma = _FP32, False
-    else:
-        tile, use_tma = _pick(m, n, sms, tma)
+        return tile_config(_FP32, k, dtype, False)
+    tile, use_tma = _pick(m, n, sms, tma)
+    return tile_config(tile, k, dtype, use_tma)
+
+
+def tile_config(tile: tuple[int, ...], k: int, dtype: torch.dtype = torch.bfloat16, tma: bool = False
+                ) -> dict[str, int | bool]:
+    """Launch arguments of one tile ``(BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages)`` for
+    reduction length ``k``; ``tma`` selects the persistent TMA kernel (operands must suit it)."""
     bm, bn, bk, gm, warps, stages = tile
     return {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": gm, "num_warps": warps,
-            "num_stages": stages, "EVEN_K": k % bk == 0, "IEEE": dtype == torch.float32, "TMA": use_tma}
+            "num_stages": stages, "EVEN_K": k % bk == 0, "IEEE": dtype == torch.float32, "TMA": tma}
 
 
 @functools.cache
@@ -200,8 +207,6 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ou
     n = weight.shape[0]
     c = dict(cfg)
     if c.pop("TMA"):
-        from triton.tools.tensor_descriptor import TensorDescriptor
-
         bm, bn, bk = c["BLOCK_M"], c["BLOCK_N"], c["BLOCK_K"]
         tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
         # one program per SM (on the interpreter 3, so that programs walk several tiles)
