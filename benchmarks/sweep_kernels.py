@@ -1,8 +1,10 @@
 """Configuration sweep for the rlk.triton GEMM and attention kernels: candidate tile configurations
 timed against the native op in the same process, each one's output checked bit for bit against the
 contract configuration's output for the same rows (a candidate that changes a bit is unusable).
+``backward`` (attention dQ/dK/dV, where only run-to-run determinism and tolerance are required):
+each candidate's relative error against the shipped configuration and a repeat-equality check.
 
-    python benchmarks/sweep_kernels.py [--sections linear,linear_mid,prefill,decode] [--old-attention PATH]
+    python benchmarks/sweep_kernels.py [--sections linear,linear_mid,prefill,decode,backward] [--old-attention PATH]
 
 Writes ``sweep_<section>.json`` to ``$RLK_BENCH_OUT``. Exploration
 only: the table that ships is ``CONFIGS`` in the kernel modules. ``--old-attention`` times a previous
@@ -26,6 +28,7 @@ from harness import copy_bandwidth, default_out_dir, environment, time_fns
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from rlk_core.ops.attention import triton as at
+from rlk_core.ops.attention import triton_backward as ab
 from rlk_core.ops.attention.reference import kv_cache_write_reference
 from rlk_core.ops.linear import triton as lt
 from rlk_core.testing.attention import build_paged_kv, cu_seqlens
@@ -64,6 +67,18 @@ MID_CANDIDATES = _named(
     (128, 128, 64, 8, 8, 4, True), (128, 256, 64, 8, 8, 3, True),
 )
 PREFILL_CANDIDATES = {"64w4s2": (64, 4, 2), "64w4s3": (64, 4, 3), "128w8s2": (128, 8, 2), "128w8s3": (128, 8, 3)}
+# backward: kernel -> (BLOCK_M, BLOCK_N, warps, stages), plus SPLIT_G for dkdv; unnamed kernels keep config()
+BACKWARD_CANDIDATES = {
+    "kvhead": {"dkdv": (32, 64, 4, 3, False)},
+    "split32x64w4s3": {"dkdv": (32, 64, 4, 3, True)},
+    "split64x64w4s3": {"dkdv": (64, 64, 4, 3, True)},
+    "split64x64w8s3": {"dkdv": (64, 64, 8, 3, True)},
+    "split32x128w8s3": {"dkdv": (32, 128, 8, 3, True)},
+    "split64x128w8s2": {"dkdv": (64, 128, 8, 2, True)},
+    "dq64x64w4s3": {"dq": (64, 64, 4, 3)},
+    "dq128x32w8s3": {"dq": (128, 32, 8, 3)},
+    "stats128x64w8s2": {"stats": (128, 64, 8, 2)},
+}
 DECODE_CANDIDATES = {"64w4s2": (64, 4, 2), "64w4s3": (64, 4, 3), "16w4s3": (16, 4, 3), "16w4s4": (16, 4, 4),
                      "32w4s3": (32, 4, 3), "16w2s3": (16, 2, 3)}
 
@@ -232,6 +247,73 @@ def _decode_case(b: int, n: int, page: int, g: torch.Generator, repeats: int, ol
     return row
 
 
+def sweep_backward(repeats: int) -> list[dict[str, Any]]:
+    g = torch.Generator(device="cuda").manual_seed(4)
+    rows = []
+    for b, n in ((1, 2048), (4, 2048), (1, 8192)):
+        rows.append(_backward_case(b, n, g, repeats))
+        torch.cuda.empty_cache()
+    return rows
+
+
+def _backward_cfg(overrides: dict[str, tuple]) -> dict[str, dict[str, int | bool]]:
+    cfg = ab.config(BF16, 128)
+    for kernel, t in overrides.items():
+        cfg[kernel].update(BLOCK_M=t[0], BLOCK_N=t[1], num_warps=t[2], num_stages=t[3])
+        if len(t) > 4:
+            cfg[kernel]["SPLIT_G"] = t[4]
+    return cfg
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+def _backward_case(b: int, n: int, g: torch.Generator, repeats: int) -> dict[str, Any]:
+    hq, hkv, d = 32, 8, 128
+    t = b * n
+    q, k, v, do = (torch.randn(t, h, d, device="cuda", generator=g).to(BF16) for h in (hq, hkv, hkv, hq))
+    cu = cu_seqlens([n] * b, "cuda")
+    scale = d ** -0.5
+    flop = b * 10.0 * n * (n + 1) / 2 * hq * d
+    row: dict[str, Any] = {"case": f"{b}x{n} backward", "flop": flop}
+    q4, k4, v4, g4 = (x.view(b, n, x.shape[1], d).transpose(1, 2) for x in (q, k, v, do))
+    leaves = [x.detach().requires_grad_(True) for x in (q4, k4, v4)]
+
+    def fwd():
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            return F.scaled_dot_product_attention(*leaves, is_causal=True, scale=scale, enable_gqa=True)
+    out, err = _try(fwd)
+    if err is None:
+        row["flash"] = {"ms": time_fns([lambda: torch.autograd.grad(out, leaves, g4, retain_graph=True)],
+                                       repeats=repeats)["median_ms"]}
+    else:
+        row["flash"] = {"error": err}
+    out = leaves = None  # free SDPA's graph before the rlk variants
+    args = (do, q, k, v, cu, cu, scale, True, None)
+    ref = ab.attention_varlen_backward(*args)  # the shipped configuration
+    variants = {"shipped": None, **BACKWARD_CANDIDATES}
+    for cname, over in variants.items():
+        cfg = None if over is None else _backward_cfg(over)
+        fn = lambda cfg=cfg: ab.attention_varlen_backward(*args, cfg)  # noqa: E731
+        res, err = _try(fn)
+        if err:
+            row[cname] = {"error": err}
+            continue
+        again = fn()
+        ms_ = time_fns([fn], repeats=repeats)["median_ms"]
+        row[cname] = {"ms": ms_, "tflops": flop / ms_ / 1e9, "repeat_equal": all(map(torch.equal, res, again)),
+                      "rel_vs_shipped": [_rel(x, y) for x, y in zip(res, ref, strict=True)]}
+        if "ms" in row["flash"]:
+            row[cname]["vs_flash"] = row["flash"]["ms"] / ms_
+        del res, again
+    print(f"backward {row['case']}: " + " ".join(
+        f"{c}={row[c].get('vs_flash', 0):.2f}x{'' if row[c]['repeat_equal'] else '!NONDET'}"
+        f"(rel {max(row[c]['rel_vs_shipped']):.1e})" if "ms" in row[c] else f"{c}=ERR" for c in variants)
+        + (f" | flash={row['flash']['ms']:.3f}ms" if "ms" in row["flash"] else " | flash=ERR"), flush=True)
+    return row
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sections", default="linear,prefill,decode")
@@ -248,6 +330,8 @@ def main() -> int:
             rows = sweep_prefill(args.repeats, old)
         elif section == "decode":
             rows = sweep_decode(args.repeats, old, copy_tbs)
+        elif section == "backward":
+            rows = sweep_backward(args.repeats)
         else:
             raise SystemExit(f"unknown section {section!r}")
         out = Path(default_out_dir())

@@ -28,6 +28,10 @@ def _tile(m, n, k, tma=True, dtype=torch.bfloat16):
     (128, 1024, 2048, ("tma", 64, 32, 256)),
     (1000, 4096, 4096, ("tma", 128, 256, 64)),    # one full wave of 128x256 tiles
     (1000, 6144, 4096, ("tma", 128, 128, 64)),    # 1.45 waves of 128x256: 128x128 fills better
+    (65, 6144, 4096, ("tma", 64, 128, 64)),       # M = 65: 64-row tiles, not 128x64 (measured faster)
+    (96, 6144, 4096, ("tma", 128, 64, 128)),
+    (1000, 3072, 4096, ("tma", 128, 256, 64)),    # 12.6M-element weight: 128x64 re-reads it from HBM
+    (1000, 1024, 3072, ("tma", 128, 64, 128)),    # small weight (in L2): 128x64 fills the SMs
     (8192, 1024, 3072, ("tma", 128, 256, 64)),
 ])
 def test_documented_choices(m, n, k, want):

@@ -6,10 +6,15 @@ Flash-style recomputation in three kernels, all arithmetic in fp32 except the MM
    each row (online softmax over KV blocks in increasing order; ``p`` rounded to ``v.dtype`` before
    ``p @ v`` as the forward does), the output ``O = round_to(q.dtype)(acc / l)`` as a forward would
    have saved it, ``lse`` (base 2) and ``Delta = sum_D(dO * O)``.
-2. ``_attn_bwd_dkdv_kernel`` — one program per (KV block, KV head): loops over the G query heads of
-   the group, then over the query tiles that can see the block, in increasing order; recomputes
+2. ``_attn_bwd_dkdv_kernel`` — one program per (KV block, query head) (``SPLIT_G``, the default for
+   16-bit inputs) or per (KV block, KV head): loops over its query heads (one, or the G of the group),
+   then over the query tiles that can see the block, in increasing order; recomputes
    ``P = exp2(s * log2(e) - lse)`` and accumulates ``dV += P^T dO``, ``dK += dS^T Q`` with
-   ``dS = P * (dO V^T - Delta)`` in one fp32 register accumulator each.
+   ``dS = P * (dO V^T - Delta)`` in one fp32 register accumulator each. With ``SPLIT_G`` each program
+   writes its head's fp32 sums and ``_attn_bwd_group_sum_kernel`` adds the G heads of a group in
+   increasing head order, then rounds once: G times the programs, so the causal triangle's long
+   programs (the first KV blocks see every query tile) no longer bound the kernel, for one fp32
+   ``[Tk, Hq, D]`` buffer each for dK and dV.
 3. ``_attn_bwd_dq_kernel`` — one program per (query tile, query head): loops over the KV blocks the
    tile can see, in increasing order: ``dQ += dS K``.
 
@@ -47,6 +52,9 @@ CONFIGS: dict[torch.dtype, dict[str, tuple[int, int, int, int]]] = {
     torch.float16: {"stats": (128, 64, 8, 3), "dkdv": (32, 64, 4, 3), "dq": (128, 64, 8, 3)},
     torch.float32: {"stats": (64, 32, 4, 1), "dkdv": (32, 64, 4, 1), "dq": (64, 32, 4, 1)},
 }
+# dK/dV programs per query head (fp32 partial sums + a fixed-order group sum) instead of per KV head
+SPLIT_G: dict[torch.dtype, bool] = {torch.bfloat16: True, torch.float16: True, torch.float32: False}
+_SUM_BLOCK_T = 32
 
 # Masking mode of a call (constexpr): how a query row's limit depends on the row.
 MODE_ALIGNED, MODE_FULL, MODE_POSITIONS = 0, 1, 2
@@ -55,8 +63,10 @@ MODE_ALIGNED, MODE_FULL, MODE_POSITIONS = 0, 1, 2
 def config(dtype: torch.dtype, head_dim: int) -> dict[str, dict[str, int]]:
     """Launch configuration: a pure function of ``(dtype, head_dim)`` — never of lengths or batch."""
     block_d = max(16, next_pow2(head_dim))
-    return {name: {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_D": block_d, "num_warps": w, "num_stages": st}
-            for name, (bm, bn, w, st) in CONFIGS[dtype].items()}
+    cfg = {name: {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_D": block_d, "num_warps": w, "num_stages": st}
+           for name, (bm, bn, w, st) in CONFIGS[dtype].items()}
+    cfg["dkdv"]["SPLIT_G"] = SPLIT_G[dtype]
+    return cfg
 
 
 @triton.jit
@@ -190,11 +200,20 @@ def _attn_bwd_dkdv_kernel(
     lse_ptr, delta_ptr, dk_ptr, dv_ptr,
     T, Tk, D, qk_scale2, scale,
     s_qt, s_qh, s_kt, s_kh, s_dot, s_doh, s_dkt, s_dkh,
-    G: tl.constexpr, MODE: tl.constexpr, IEEE: tl.constexpr,
+    G: tl.constexpr, MODE: tl.constexpr, IEEE: tl.constexpr, SPLIT_G: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
+    """``SPLIT_G``: program axis 1 is the query head; ``dk_ptr``/``dv_ptr`` are the fp32 per-head sums
+    ``[Tk, Hq, D]`` (unscaled). Otherwise axis 1 is the KV head and the results are final."""
     pid = tl.program_id(0)
-    hk = tl.program_id(1)
+    if SPLIT_G:
+        hk = tl.program_id(1) // G
+        g_lo = tl.program_id(1) % G
+        g_hi = g_lo + 1
+    else:
+        hk = tl.program_id(1)
+        g_lo = 0
+        g_hi = G
     seq = tl.load(tile_ptr + 2 * pid)
     kstart = tl.load(tile_ptr + 2 * pid + 1)
     q0 = tl.load(cu_q_ptr + seq)
@@ -227,7 +246,7 @@ def _attn_bwd_dkdv_kernel(
         m_begin = 0
         m_full = lq
     m_mask_end = tl.minimum(m_full, lq)
-    for g in range(0, G):
+    for g in range(g_lo, g_hi):
         h = hk * G + g
         for m_start in range(m_begin, m_mask_end, BLOCK_M):
             dk, dv = _dkdv_step(dk, dv, k, v, q_ptr, do_ptr, pos_ptr, lse_ptr, delta_ptr, kpos, q0, lq, lk, h,
@@ -238,11 +257,38 @@ def _attn_bwd_dkdv_kernel(
                                 m_start, T, qk_scale2, s_qt, s_qh, s_dot, s_doh, offs_m, offs_d, d_ok,
                                 BLOCK_M, BLOCK_N, False, MODE, IEEE)
 
-    dk = dk * scale
-    out = ktok[:, None] * s_dkt + hk * s_dkh + offs_d[None, :]
     kv_mask = k_ok[:, None] & d_ok[None, :]
-    tl.store(dk_ptr + out, dk.to(dk_ptr.dtype.element_ty), mask=kv_mask)
-    tl.store(dv_ptr + out, dv.to(dv_ptr.dtype.element_ty), mask=kv_mask)
+    if SPLIT_G:
+        out = ktok[:, None] * s_dkt + (hk * G + g_lo) * s_dkh + offs_d[None, :]
+        tl.store(dk_ptr + out, dk, mask=kv_mask)
+        tl.store(dv_ptr + out, dv, mask=kv_mask)
+    else:
+        dk = dk * scale
+        out = ktok[:, None] * s_dkt + hk * s_dkh + offs_d[None, :]
+        tl.store(dk_ptr + out, dk.to(dk_ptr.dtype.element_ty), mask=kv_mask)
+        tl.store(dv_ptr + out, dv.to(dv_ptr.dtype.element_ty), mask=kv_mask)
+
+
+@triton.jit(do_not_specialize=["Tk"])
+def _attn_bwd_group_sum_kernel(
+    dk_part_ptr, dv_part_ptr, dk_ptr, dv_ptr, Tk, D, scale, s_pt, s_ph, s_dkt, s_dkh,
+    G: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """``dK[t, hk] = round(scale * sum_g part_k[t, hk * G + g])``, ``dV`` likewise without the scale: the
+    G per-head sums added in increasing head order (fp32), one rounding."""
+    rows = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
+    hk = tl.program_id(1)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask = (rows < Tk)[:, None] & (offs_d < D)[None, :]
+    part = rows[:, None] * s_pt + offs_d[None, :]
+    dk = tl.load(dk_part_ptr + part + (hk * G) * s_ph, mask=mask, other=0.0)
+    dv = tl.load(dv_part_ptr + part + (hk * G) * s_ph, mask=mask, other=0.0)
+    for g in tl.static_range(1, G):
+        dk += tl.load(dk_part_ptr + part + (hk * G + g) * s_ph, mask=mask, other=0.0)
+        dv += tl.load(dv_part_ptr + part + (hk * G + g) * s_ph, mask=mask, other=0.0)
+    out = rows[:, None] * s_dkt + hk * s_dkh + offs_d[None, :]
+    tl.store(dk_ptr + out, (dk * scale).to(dk_ptr.dtype.element_ty), mask=mask)
+    tl.store(dv_ptr + out, dv.to(dv_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -323,8 +369,10 @@ def _tiles(lengths: list[int], block: int, heavy_first_reversed: bool) -> list[i
 
 def attention_varlen_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                               cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, scale: float, causal: bool,
-                              q_positions: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(dq, dk, dv)`` of ``attention_varlen`` (see the module docstring); deterministic run to run."""
+                              q_positions: torch.Tensor | None, cfg: dict[str, dict[str, int | bool]] | None = None
+                              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dq, dk, dv)`` of ``attention_varlen`` (see the module docstring); deterministic run to run.
+    ``cfg`` is for exploratory benchmarks only (the backend always uses :func:`config`)."""
     t, hq, d = q.shape
     tk, hkv = k.shape[0], k.shape[1]
     q, k, v, do = (x.contiguous() for x in (q, k, v, grad_out.to(q.dtype)))
@@ -345,7 +393,7 @@ def attention_varlen_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.
         mode, pos = MODE_POSITIONS, q_positions.to(device=dev).contiguous()
     else:
         mode, pos = MODE_ALIGNED, cu_q
-    c = config(q.dtype, d)
+    c = cfg or config(q.dtype, d)
     # one host-to-device copy for the three tile lists (a function of cu_seqlens only)
     lists = [_tiles(lq, c["stats"]["BLOCK_M"], True), _tiles(lq, c["dq"]["BLOCK_M"], True),
              _tiles(lk, c["dkdv"]["BLOCK_N"], False)]
@@ -368,10 +416,22 @@ def attention_varlen_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.
             dq.stride(0), dq.stride(1), **common, **c["dq"],
         )
     if len(lists[2]):
-        _attn_bwd_dkdv_kernel[(len(lists[2]) // 2, hkv)](
-            q, k, v, do, pos, cu_q, cu_k, t_dkdv, lse, delta, dk, dv, t, tk, d, qk_scale2, scale, *strides,
-            dk.stride(0), dk.stride(1), **common, **c["dkdv"],
+        kv_cfg = dict(c["dkdv"])
+        split = bool(kv_cfg.pop("SPLIT_G", False)) and hq > hkv
+        if split:  # fp32 per-query-head sums, then the fixed-order group sum
+            dk_out = torch.empty((tk, hq, d), dtype=torch.float32, device=dev)
+            dv_out = torch.empty_like(dk_out)
+        else:
+            dk_out, dv_out = dk, dv
+        _attn_bwd_dkdv_kernel[(len(lists[2]) // 2, hq if split else hkv)](
+            q, k, v, do, pos, cu_q, cu_k, t_dkdv, lse, delta, dk_out, dv_out, t, tk, d, qk_scale2, scale,
+            *strides, dk_out.stride(0), dk_out.stride(1), **common, SPLIT_G=split, **kv_cfg,
         )
+        if split:
+            _attn_bwd_group_sum_kernel[(triton.cdiv(tk, _SUM_BLOCK_T), hkv)](
+                dk_out, dv_out, dk, dv, tk, d, scale, dk_out.stride(0), dk_out.stride(1), dk.stride(0), dk.stride(1),
+                G=hq // hkv, BLOCK_T=_SUM_BLOCK_T, BLOCK_D=kv_cfg["BLOCK_D"],
+            )
     return dq, dk, dv
 
 

@@ -34,13 +34,19 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 # (benchmarks/results/h200/sweep/). TMA = the persistent TMA-descriptor kernel (sm_90+, operands
 # with unit last stride and 16-byte aligned rows); otherwise the pointer-load kernel.
 _DECODE = ((16, 128, 128, 8, 4, 4), (16, 64, 128, 8, 4, 4), (16, 32, 128, 8, 4, 6))  # M <= 16, pointer
-_MID_TMA = ((128, 256, 64, 8, 8, 3), (128, 64, 128, 8, 8, 4))  # 64 < M <= 128, tried before _SMALL_TMA
+# 64 < M <= 128, tried before _SMALL_TMA; the 128x64 tile only for M > MID_M_128x64: at M = 65 the
+# 64-row tiles were faster on every shape measured (sweep_linear_mid), from M = 96 on 128x64 wins or ties
+_MID_TMA = ((128, 256, 64, 8, 8, 3), (128, 64, 128, 8, 8, 4))
+MID_M_128x64 = 80
 _SMALL_TMA = ((64, 128, 64, 8, 4, 5), (64, 64, 128, 8, 4, 4), (64, 32, 256, 8, 4, 4))  # 16 < M <= 128
 _SMALL_PTR = (64, 64, 128, 8, 4, 4)
-# M > 128: (tile, full-wave rate relative to cuBLAS measured in the sweep; the last two are guesses
-# between the measured points, only there to rank small-N problems)
-_LARGE_TMA = (((128, 256, 64, 8, 8, 3), 0.98), ((128, 128, 64, 8, 8, 4), 0.89), ((128, 64, 128, 8, 8, 4), 0.80),
-              ((64, 32, 256, 8, 4, 4), 0.60))
+# M > 128: (tile, full-wave rate relative to cuBLAS measured in the sweeps, rate when the weight has more
+# than SMALL_WEIGHT elements). The 128x64 tile reads the weight once per 128 rows: 0.78-0.87 of cuBLAS
+# with weights up to 6.3M elements (in L2), 0.53-0.62 with 25M and more (sweep_linear_mid, M = 1000).
+# The 64x32 rate is a guess, only there to rank small-N problems.
+_LARGE_TMA = (((128, 256, 64, 8, 8, 3), 0.98, 0.98), ((128, 128, 64, 8, 8, 4), 0.89, 0.89),
+              ((128, 64, 128, 8, 8, 4), 0.80, 0.57), ((64, 32, 256, 8, 4, 4), 0.60, 0.60))
+SMALL_WEIGHT = 8 << 20
 _LARGE_PTR = (128, 128, 64, 8, 8, 3)
 _FP32 = (64, 64, 32, 8, 4, 3)
 DTYPES = frozenset({torch.bfloat16, torch.float16, torch.float32})  # fp32: pointer kernel, ieee dots
@@ -55,21 +61,21 @@ def _first_filling(m: int, n: int, sms: int, tiles: tuple[tuple[int, ...], ...])
     return next((t for t in tiles if _tiles(m, n, t) >= FILL * sms), None)
 
 
-def _pick(m: int, n: int, sms: int, tma: bool) -> tuple[tuple[int, ...], bool]:
+def _pick(m: int, n: int, k: int, sms: int, tma: bool) -> tuple[tuple[int, ...], bool]:
     if m <= 16:
         return _first_filling(m, n, sms, _DECODE) or _DECODE[-1], False
     if m <= 128:
         if not tma:
             return _SMALL_PTR, False
-        mid = _first_filling(m, n, sms, _MID_TMA) if m > 64 else None
+        mid = _first_filling(m, n, sms, _MID_TMA if m > MID_M_128x64 else _MID_TMA[:1]) if m > 64 else None
         return mid or _first_filling(m, n, sms, _SMALL_TMA) or _SMALL_TMA[-1], True
     if not tma:
         return _LARGE_PTR, False
 
     def score(entry):  # the tile's full-wave rate times the fraction of its last wave that is busy
-        tile, rate = entry
+        tile, rate, rate_big_weight = entry
         tiles = _tiles(m, n, tile)
-        return rate * tiles / (triton.cdiv(tiles, sms) * sms)
+        return (rate if n * k <= SMALL_WEIGHT else rate_big_weight) * tiles / (triton.cdiv(tiles, sms) * sms)
     return max(_LARGE_TMA, key=score)[0], True
 
 
@@ -79,7 +85,7 @@ def config(dtype: torch.dtype, m: int, n: int, k: int, tma: bool = False, sms: i
     applies and the SM count — a speed choice only (every tile gives the same bits)."""
     if dtype == torch.float32:
         return tile_config(_FP32, k, dtype, False)
-    tile, use_tma = _pick(m, n, sms, tma)
+    tile, use_tma = _pick(m, n, k, sms, tma)
     return tile_config(tile, k, dtype, use_tma)
 
 
