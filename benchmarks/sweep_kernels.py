@@ -66,7 +66,9 @@ MID_CANDIDATES = _named(
     (64, 256, 64, 8, 4, 3, True), (128, 32, 128, 8, 8, 4, True), (128, 64, 128, 8, 8, 4, True),
     (128, 128, 64, 8, 8, 4, True), (128, 256, 64, 8, 8, 3, True),
 )
-PREFILL_CANDIDATES = {"64w4s2": (64, 4, 2), "64w4s3": (64, 4, 3), "128w8s2": (128, 8, 2), "128w8s3": (128, 8, 3)}
+# prefill: (BLOCK_M, warps, stages, KV_TMA) — KV_TMA: unmasked K/V blocks by TMA descriptor (varlen only)
+PREFILL_CANDIDATES = {"128w8s3": (128, 8, 3, False), "128w8s2": (128, 8, 2, False), "128w8s3tma": (128, 8, 3, True),
+                      "128w8s2tma": (128, 8, 2, True), "128w8s4tma": (128, 8, 4, True), "64w4s3tma": (64, 4, 3, True)}
 # backward: kernel -> (BLOCK_M, BLOCK_N, warps, stages), plus SPLIT_G for dkdv; unnamed kernels keep config()
 BACKWARD_CANDIDATES = {
     "kvhead": {"dkdv": (32, 64, 4, 3, False)},
@@ -177,8 +179,8 @@ def _prefill_case(b: int, n: int, g: torch.Generator, repeats: int, old) -> dict
     ks = (k.stride(0), k.stride(0), k.stride(1), k.stride(2))
     vs = (v.stride(0), v.stride(0), v.stride(1), v.stride(2))
     variants = {}
-    for cname, (bm, w, s) in PREFILL_CANDIDATES.items():
-        cfg = dict(at.config(BF16, d), BLOCK_M=bm, num_warps=w, num_stages=s)
+    for cname, (bm, w, s, tma) in PREFILL_CANDIDATES.items():
+        cfg = dict(at.config(BF16, d), BLOCK_M=bm, num_warps=w, num_stages=s, KV_TMA=tma)
         variants[cname] = lambda cfg=cfg: at._launch(q, k, v, cu, 1, 0, ks, vs, cu, lens, None, True, scale,
                                                      "prefill", cfg)
     if old is not None:

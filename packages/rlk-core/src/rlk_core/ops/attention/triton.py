@@ -27,6 +27,10 @@ tests check bit for bit (prefill == chunked prefill == decode, any page size, an
 
 Configuration per (dtype, padded head size, form) only (``CONFIGS``); counts are ``do_not_specialize``.
 No atomics, no split-KV, no autotuning. fp32 inputs use ``input_precision="ieee"``.
+
+``KV_TMA`` (exploratory, used by ``benchmarks/sweep_kernels.py``; off in every shipped configuration
+until a sweep shows it faster with identical bits): contiguous varlen K/V of the unmasked blocks arrive
+through TMA tensor descriptors instead of pointer loads; the masked tail and the arithmetic are unchanged.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from rlk_core.ops._triton_common import next_pow2
 from rlk_core.ops.attention._core import KV_BLOCK
@@ -46,6 +51,8 @@ _VARLEN_SHIFT = 30  # "page size" 2^30 of contiguous varlen K/V: one page per se
 # height and warp count change which rows share a program, never a row's arithmetic (each row's dot
 # products, softmax reductions and P.V accumulation run the same MMA k-steps in the same order): the
 # GPU tests prove prefill == chunked prefill == decode bit for bit across the two entries.
+# config() adds KV_TMA=False: the TMA load path of the unmasked KV blocks is an exploratory option for
+# benchmarks/sweep_kernels.py, not shipped until a sweep shows it faster with identical bits.
 CONFIGS: dict[tuple[torch.dtype, int], dict[str, tuple[int, int, int]]] = {}
 for _dt in (torch.bfloat16, torch.float16):
     for _d in (16, 32, 64):
@@ -65,7 +72,22 @@ def config(dtype: torch.dtype, head_size: int, form: str = "prefill") -> dict[st
     d_pad = max(16, next_pow2(head_size))
     block_m, warps, stages = CONFIGS[(dtype, d_pad)][form]
     return {"BLOCK_M": block_m, "BLOCK_N": KV_BLOCK, "HEAD_D": head_size, "D_PAD": d_pad,
-            "IEEE": dtype == torch.float32, "num_warps": warps, "num_stages": stages}
+            "IEEE": dtype == torch.float32, "KV_TMA": False, "num_warps": warps, "num_stages": stages}
+
+
+def _kv_tma_ok(k: torch.Tensor, v: torch.Tensor, d: int, d_pad: int) -> bool:
+    """Whether contiguous varlen K/V ``[Tk, Hkv, d]`` can be read as 2-D TMA descriptors ``[Tk, Hkv * d]``
+    with ``[BLOCK_N, d_pad]`` boxes: ``d == d_pad`` (a wider box would read the next head's columns),
+    heads contiguous (``stride(2) == 1``, ``stride(1) == d``, rows not overlapping), at least one row,
+    16-byte aligned base pointer and row stride."""
+    return d == d_pad and all(
+        t.dim() == 3 and t.shape[0] > 0 and t.stride(2) == 1 and t.stride(1) == d and t.stride(0) >= t.shape[1] * d
+        and (t.stride(0) * t.element_size()) % 16 == 0 and t.data_ptr() % 16 == 0 for t in (k, v))
+
+
+def _kv_desc(t: torch.Tensor, block_n: int, d_pad: int) -> TensorDescriptor:
+    """``t [Tk, Hkv, d]`` viewed as ``[Tk, Hkv * d]``: head ``h`` of token ``i`` is the box at ``[i, h * d]``."""
+    return TensorDescriptor(t, [t.shape[0], t.shape[1] * t.shape[2]], [t.stride(0), 1], [block_n, d_pad])
 
 
 @triton.jit
@@ -105,7 +127,7 @@ def _softmax_block(q, k, v, m_i, l_i, acc, kpos, limit, qk_scale, MASK: tl.const
 
 @triton.jit(do_not_specialize=["B", "G", "page_shift", "stride_tb", "has_qpos", "causal"])
 def _attention_fwd_kernel(
-    q_ptr, k_ptr, v_ptr, o_ptr,
+    q_ptr, k_ptr, v_ptr, o_ptr, k_desc, v_desc,
     table_ptr, cu_q_ptr, lens_ptr, tile_cum_ptr, qpos_ptr,
     B, G, page_shift, stride_tb,
     stride_qt, stride_qh, stride_qd,
@@ -115,7 +137,11 @@ def _attention_fwd_kernel(
     qk_scale, has_qpos, causal,
     G_PAD: tl.constexpr, HEAD_D: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, PAGED: tl.constexpr,
+    KV_TMA: tl.constexpr,
 ):
+    """``k_desc``/``v_desc``: ``None`` unless ``KV_TMA`` (contiguous varlen only, ``HEAD_D == D_PAD``):
+    then K/V as ``[Tk, Hkv * HEAD_D]`` descriptors with ``[BLOCK_N, D_PAD]`` boxes (:func:`_kv_desc`)."""
+    tl.static_assert(not KV_TMA or (not PAGED and HEAD_D == D_PAD))
     TOK: tl.constexpr = BLOCK_M // G_PAD
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -179,11 +205,17 @@ def _attention_fwd_kernel(
     n_full = (first + 1) // BLOCK_N
     for j in range(0, n_full):
         kpos = j * BLOCK_N + offs_n
-        page, off = _kv_rows(table_row, seq0, kpos, page_shift, PAGED)
-        k = tl.load(k_head + (page * stride_kp + off * stride_ko)[:, None] + offs_d[None, :] * stride_kd,
-                    mask=d_ok[None, :], other=0.0)
-        v = tl.load(v_head + (page * stride_vp + off * stride_vo)[:, None] + offs_d[None, :] * stride_vd,
-                    mask=d_ok[None, :], other=0.0)
+        if KV_TMA:
+            # the box's rows seq0 + j * BLOCK_N + [0, BLOCK_N) lie inside this sequence, its columns in head kvh
+            row = (seq0 + j * BLOCK_N).to(tl.int32)
+            k = k_desc.load([row, kvh * HEAD_D])
+            v = v_desc.load([row, kvh * HEAD_D])
+        else:
+            page, off = _kv_rows(table_row, seq0, kpos, page_shift, PAGED)
+            k = tl.load(k_head + (page * stride_kp + off * stride_ko)[:, None] + offs_d[None, :] * stride_kd,
+                        mask=d_ok[None, :], other=0.0)
+            v = tl.load(v_head + (page * stride_vp + off * stride_vo)[:, None] + offs_d[None, :] * stride_vd,
+                        mask=d_ok[None, :], other=0.0)
         m_i, l_i, acc = _softmax_block(q, k, v, m_i, l_i, acc, kpos, limit, qk_scale, False, IEEE)
     for j in range(n_full, last // BLOCK_N + 1):
         kpos = j * BLOCK_N + offs_n
@@ -208,7 +240,8 @@ def _launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, table: torch.Tens
             scale: float, form: str, cfg: dict[str, int | bool] | None = None) -> torch.Tensor:
     """Launch the forward kernel. ``page_size = 0`` means contiguous varlen K/V (``table`` is
     ``cu_seqlens_k``). ``cfg`` is for exploratory benchmarks only (anything but :func:`config` is
-    outside the contract)."""
+    outside the contract). ``cfg["KV_TMA"]`` is silently dropped for this call (pointer loads) when
+    the call is paged or :func:`_kv_tma_ok` fails."""
     t, hq, d = q.shape
     hkv = k.shape[-2]
     out = torch.empty_like(q)
@@ -217,6 +250,9 @@ def _launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, table: torch.Tens
         return out
     g = hq // hkv
     cfg = dict(cfg or config(q.dtype, d, form))
+    kv_tma = bool(cfg.pop("KV_TMA", False)) and page_size == 0 and _kv_tma_ok(k, v, d, cfg["D_PAD"])
+    k_desc = _kv_desc(k, cfg["BLOCK_N"], cfg["D_PAD"]) if kv_tma else None
+    v_desc = _kv_desc(v, cfg["BLOCK_N"], cfg["D_PAD"]) if kv_tma else None
     g_pad = next_pow2(g)
     tok = cfg["BLOCK_M"] // g_pad
     lq = cu_q[1:] - cu_q[:-1]
@@ -225,13 +261,13 @@ def _launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, table: torch.Tens
     qk_scale = float(torch.tensor(float(scale), dtype=torch.float32) * torch.tensor(LOG2E, dtype=torch.float32))
     grid = (triton.cdiv(t, tok) + b, hkv)
     _attention_fwd_kernel[grid](
-        q, k, v, out, table, cu_q, lens, tile_cum, qpos,
+        q, k, v, out, k_desc, v_desc, table, cu_q, lens, tile_cum, qpos,
         b, g, (page_size.bit_length() - 1) if page_size else _VARLEN_SHIFT, stride_tb,
         q.stride(0), q.stride(1), q.stride(2),
         *k_strides, *v_strides,
         out.stride(0), out.stride(1), out.stride(2),
         qk_scale, int(q_positions is not None), int(bool(causal)),
-        G_PAD=g_pad, PAGED=page_size != 0, enable_fp_fusion=False, **cfg,
+        G_PAD=g_pad, PAGED=page_size != 0, KV_TMA=kv_tma, enable_fp_fusion=False, **cfg,
     )
     return out
 
