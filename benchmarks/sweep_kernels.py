@@ -69,17 +69,20 @@ MID_CANDIDATES = _named(
 # prefill: (BLOCK_M, warps, stages, KV_TMA) — KV_TMA: unmasked K/V blocks by TMA descriptor (varlen only)
 PREFILL_CANDIDATES = {"128w8s3": (128, 8, 3, False), "128w8s2": (128, 8, 2, False), "128w8s3tma": (128, 8, 3, True),
                       "128w8s2tma": (128, 8, 2, True), "128w8s4tma": (128, 8, 4, True), "64w4s3tma": (64, 4, 3, True)}
-# backward: kernel -> (BLOCK_M, BLOCK_N, warps, stages), plus SPLIT_G for dkdv; unnamed kernels keep config()
+# backward: kernel -> launch-argument overrides of ab.config(); kernels not named keep the shipped entry
+def _bt(bm: int, bn: int, warps: int, stages: int, **extra) -> dict[str, int | bool]:
+    return {"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": warps, "num_stages": stages, **extra}
+
+
 BACKWARD_CANDIDATES = {
-    "kvhead": {"dkdv": (32, 64, 4, 3, False)},
-    "split32x64w4s3": {"dkdv": (32, 64, 4, 3, True)},
-    "split64x64w4s3": {"dkdv": (64, 64, 4, 3, True)},
-    "split64x64w8s3": {"dkdv": (64, 64, 8, 3, True)},
-    "split32x128w8s3": {"dkdv": (32, 128, 8, 3, True)},
-    "split64x128w8s2": {"dkdv": (64, 128, 8, 2, True)},
-    "dq64x64w4s3": {"dq": (64, 64, 4, 3)},
-    "dq128x32w8s3": {"dq": (128, 32, 8, 3)},
-    "stats128x64w8s2": {"stats": (128, 64, 8, 2)},
+    "pointer_loads": {"stats": {"KV_TMA": False}, "dq": {"KV_TMA": False}},
+    "kvhead": {"dkdv": {"SPLIT_G": False}},
+    "split64x64w4s3": {"dkdv": _bt(64, 64, 4, 3)},
+    "split64x128w8s2": {"dkdv": _bt(64, 128, 8, 2)},
+    "dq64x64w4s3": {"dq": _bt(64, 64, 4, 3)},
+    "dq128x64w8s2": {"dq": _bt(128, 64, 8, 2)},
+    "stats64x64w4s3": {"stats": _bt(64, 64, 4, 3)},
+    "stats128x64w8s4": {"stats": _bt(128, 64, 8, 4)},
 }
 DECODE_CANDIDATES = {"64w4s2": (64, 4, 2), "64w4s3": (64, 4, 3), "16w4s3": (16, 4, 3), "16w4s4": (16, 4, 4),
                      "32w4s3": (32, 4, 3), "16w2s3": (16, 2, 3)}
@@ -258,12 +261,10 @@ def sweep_backward(repeats: int) -> list[dict[str, Any]]:
     return rows
 
 
-def _backward_cfg(overrides: dict[str, tuple]) -> dict[str, dict[str, int | bool]]:
+def _backward_cfg(overrides: dict[str, dict[str, int | bool]]) -> dict[str, dict[str, int | bool]]:
     cfg = ab.config(BF16, 128)
-    for kernel, t in overrides.items():
-        cfg[kernel].update(BLOCK_M=t[0], BLOCK_N=t[1], num_warps=t[2], num_stages=t[3])
-        if len(t) > 4:
-            cfg[kernel]["SPLIT_G"] = t[4]
+    for kernel, over in overrides.items():
+        cfg[kernel].update(over)
     return cfg
 
 

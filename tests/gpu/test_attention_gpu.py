@@ -102,6 +102,26 @@ def test_prefill_chunked_decode_32k():
     assert ok, detail
 
 
+@pytest.mark.parametrize("hq,hkv", [(32, 8), (16, 8)])
+def test_prefill_kv_tma_is_only_a_load_path(hq, hkv):
+    """The shipped d = 128 prefill loads its unmasked K/V blocks by TMA; with pointer loads instead the
+    output is the same, bit for bit (packed sequences, causal and not)."""
+    from rlk_core.ops.attention import triton as at
+
+    lens = [1, 65, 300, 2100, 64]
+    q, k, v = qkv(sum(lens), hq, hkv, seed=9)
+    cu = cu_seqlens(lens, DEV)
+    cfg = at.config(torch.bfloat16, D)
+    assert cfg["KV_TMA"] and at.kv_tma_ok(k, v, D, cfg["D_PAD"])
+    ks = (k.stride(0), k.stride(0), k.stride(1), k.stride(2))
+    vs = (v.stride(0), v.stride(0), v.stride(1), v.stride(2))
+    lk = (cu[1:] - cu[:-1]).to(torch.int32)
+    for causal in (True, False):
+        tma = at._launch(q, k, v, cu, 1, 0, ks, vs, cu, lk, None, causal, SCALE, "prefill")
+        ptr = at._launch(q, k, v, cu, 1, 0, ks, vs, cu, lk, None, causal, SCALE, "prefill", dict(cfg, KV_TMA=False))
+        assert_bitwise_equal(tma, ptr, f"KV_TMA vs pointer loads, causal={causal}")
+
+
 @pytest.mark.parametrize("dtype,d,hq,hkv", [(torch.float16, 64, 12, 4), (torch.float32, 64, 4, 4),
                                             (torch.bfloat16, 96, 6, 2)])
 def test_prefill_chunked_decode_other_dtypes(dtype, d, hq, hkv):

@@ -28,12 +28,17 @@ tests check bit for bit (prefill == chunked prefill == decode, any page size, an
 Configuration per (dtype, padded head size, form) only (``CONFIGS``); counts are ``do_not_specialize``.
 No atomics, no split-KV, no autotuning. fp32 inputs use ``input_precision="ieee"``.
 
-``KV_TMA`` (exploratory, used by ``benchmarks/sweep_kernels.py``; off in every shipped configuration
-until a sweep shows it faster with identical bits): contiguous varlen K/V of the unmasked blocks arrive
-through TMA tensor descriptors instead of pointer loads; the masked tail and the arithmetic are unchanged.
+``KV_TMA`` (the d = 128 prefill entries): in varlen prefill the K/V blocks of the unmasked loop — wholly
+inside the sequence — arrive through TMA tensor descriptors instead of pointer loads; the masked tail and
+the arithmetic are unchanged. A load path, not arithmetic: the H200 sweep measured identical bits and
+436 -> 522 TFLOP/s at L = 8192, and the GPU tests compare this prefill with chunked prefill and decode
+(pointer loads) bit for bit. Paged calls, other layouts (:func:`kv_tma_ok`) and GPUs without TMA
+(before sm_90, ROCm) take the pointer loads.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import triton
@@ -51,9 +56,9 @@ _VARLEN_SHIFT = 30  # "page size" 2^30 of contiguous varlen K/V: one page per se
 # height and warp count change which rows share a program, never a row's arithmetic (each row's dot
 # products, softmax reductions and P.V accumulation run the same MMA k-steps in the same order): the
 # GPU tests prove prefill == chunked prefill == decode bit for bit across the two entries.
-# config() adds KV_TMA=False: the TMA load path of the unmasked KV blocks is an exploratory option for
-# benchmarks/sweep_kernels.py, not shipped until a sweep shows it faster with identical bits.
+# KV_TMA (the sweep's 128w8s3tma) only where measured: d = 128 prefill.
 CONFIGS: dict[tuple[torch.dtype, int], dict[str, tuple[int, int, int]]] = {}
+KV_TMA: set[tuple[torch.dtype, int, str]] = set()
 for _dt in (torch.bfloat16, torch.float16):
     for _d in (16, 32, 64):
         CONFIGS[(_dt, _d)] = {"prefill": (128, 4, 3), "decode": (128, 4, 3)}
@@ -61,6 +66,7 @@ for _dt in (torch.bfloat16, torch.float16):
     # (441 vs 371 TFLOP/s at L = 8192 for 64/4/2); decode keeps 64 rows — 16- and 32-row tiles (mma.sync
     # instead of wgmma) were faster there but changed bits, so they are not used
     CONFIGS[(_dt, 128)] = {"prefill": (128, 8, 3), "decode": (64, 4, 2)}
+    KV_TMA.add((_dt, 128, "prefill"))
     CONFIGS[(_dt, 256)] = {"prefill": (64, 8, 2), "decode": (64, 8, 2)}
 for _d in (16, 32, 64):
     CONFIGS[(torch.float32, _d)] = {"prefill": (64, 4, 2), "decode": (64, 4, 2)}
@@ -72,20 +78,28 @@ def config(dtype: torch.dtype, head_size: int, form: str = "prefill") -> dict[st
     d_pad = max(16, next_pow2(head_size))
     block_m, warps, stages = CONFIGS[(dtype, d_pad)][form]
     return {"BLOCK_M": block_m, "BLOCK_N": KV_BLOCK, "HEAD_D": head_size, "D_PAD": d_pad,
-            "IEEE": dtype == torch.float32, "KV_TMA": False, "num_warps": warps, "num_stages": stages}
+            "IEEE": dtype == torch.float32, "KV_TMA": (dtype, d_pad, form) in KV_TMA, "num_warps": warps,
+            "num_stages": stages}
 
 
-def _kv_tma_ok(k: torch.Tensor, v: torch.Tensor, d: int, d_pad: int) -> bool:
+@functools.cache
+def _device_has_tma(index: int) -> bool:
+    # NVIDIA sm_90+ only (ROCm reports gfx9xx as capability 9.x and has no TMA)
+    return torch.version.hip is None and torch.cuda.get_device_capability(index)[0] >= 9
+
+
+def kv_tma_ok(k: torch.Tensor, v: torch.Tensor, d: int, d_pad: int) -> bool:
     """Whether contiguous varlen K/V ``[Tk, Hkv, d]`` can be read as 2-D TMA descriptors ``[Tk, Hkv * d]``
     with ``[BLOCK_N, d_pad]`` boxes: ``d == d_pad`` (a wider box would read the next head's columns),
     heads contiguous (``stride(2) == 1``, ``stride(1) == d``, rows not overlapping), at least one row,
     16-byte aligned base pointer and row stride."""
     return d == d_pad and all(
         t.dim() == 3 and t.shape[0] > 0 and t.stride(2) == 1 and t.stride(1) == d and t.stride(0) >= t.shape[1] * d
-        and (t.stride(0) * t.element_size()) % 16 == 0 and t.data_ptr() % 16 == 0 for t in (k, v))
+        and (t.stride(0) * t.element_size()) % 16 == 0 and t.data_ptr() % 16 == 0 for t in (k, v)
+    ) and (not k.is_cuda or _device_has_tma(k.device.index))  # CPU tensors: the Triton interpreter
 
 
-def _kv_desc(t: torch.Tensor, block_n: int, d_pad: int) -> TensorDescriptor:
+def kv_descriptor(t: torch.Tensor, block_n: int, d_pad: int) -> TensorDescriptor:
     """``t [Tk, Hkv, d]`` viewed as ``[Tk, Hkv * d]``: head ``h`` of token ``i`` is the box at ``[i, h * d]``."""
     return TensorDescriptor(t, [t.shape[0], t.shape[1] * t.shape[2]], [t.stride(0), 1], [block_n, d_pad])
 
@@ -140,7 +154,7 @@ def _attention_fwd_kernel(
     KV_TMA: tl.constexpr,
 ):
     """``k_desc``/``v_desc``: ``None`` unless ``KV_TMA`` (contiguous varlen only, ``HEAD_D == D_PAD``):
-    then K/V as ``[Tk, Hkv * HEAD_D]`` descriptors with ``[BLOCK_N, D_PAD]`` boxes (:func:`_kv_desc`)."""
+    then K/V as ``[Tk, Hkv * HEAD_D]`` descriptors with ``[BLOCK_N, D_PAD]`` boxes (:func:`kv_descriptor`)."""
     tl.static_assert(not KV_TMA or (not PAGED and HEAD_D == D_PAD))
     TOK: tl.constexpr = BLOCK_M // G_PAD
     pid = tl.program_id(0)
@@ -240,8 +254,8 @@ def _launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, table: torch.Tens
             scale: float, form: str, cfg: dict[str, int | bool] | None = None) -> torch.Tensor:
     """Launch the forward kernel. ``page_size = 0`` means contiguous varlen K/V (``table`` is
     ``cu_seqlens_k``). ``cfg`` is for exploratory benchmarks only (anything but :func:`config` is
-    outside the contract). ``cfg["KV_TMA"]`` is silently dropped for this call (pointer loads) when
-    the call is paged or :func:`_kv_tma_ok` fails."""
+    outside the contract). ``KV_TMA`` is dropped for this call (pointer loads: the same bits) when the
+    call is paged or :func:`kv_tma_ok` fails."""
     t, hq, d = q.shape
     hkv = k.shape[-2]
     out = torch.empty_like(q)
@@ -250,9 +264,9 @@ def _launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, table: torch.Tens
         return out
     g = hq // hkv
     cfg = dict(cfg or config(q.dtype, d, form))
-    kv_tma = bool(cfg.pop("KV_TMA", False)) and page_size == 0 and _kv_tma_ok(k, v, d, cfg["D_PAD"])
-    k_desc = _kv_desc(k, cfg["BLOCK_N"], cfg["D_PAD"]) if kv_tma else None
-    v_desc = _kv_desc(v, cfg["BLOCK_N"], cfg["D_PAD"]) if kv_tma else None
+    kv_tma = bool(cfg.pop("KV_TMA", False)) and page_size == 0 and kv_tma_ok(k, v, d, cfg["D_PAD"])
+    k_desc = kv_descriptor(k, cfg["BLOCK_N"], cfg["D_PAD"]) if kv_tma else None
+    v_desc = kv_descriptor(v, cfg["BLOCK_N"], cfg["D_PAD"]) if kv_tma else None
     g_pad = next_pow2(g)
     tok = cfg["BLOCK_M"] // g_pad
     lq = cu_q[1:] - cu_q[:-1]

@@ -18,6 +18,10 @@ Flash-style recomputation in three kernels, all arithmetic in fp32 except the MM
 3. ``_attn_bwd_dq_kernel`` — one program per (query tile, query head): loops over the KV blocks the
    tile can see, in increasing order: ``dQ += dS K``.
 
+K/V loads: in the stats and dQ kernels the blocks of the unmasked loop (wholly inside the sequence)
+arrive by TMA descriptor for bf16/fp16 (``KV_TMA``; pointer loads where the layout or the GPU does not
+allow it, see ``triton.kv_tma_ok``) — a load path, not arithmetic.
+
 Determinism: every output element is written by exactly one program and accumulated in a fixed
 order (no atomics, no split whose count depends on the batch); the launch configuration
 (``CONFIGS``) is a function of dtype and head size only; the tile lists are a function of
@@ -42,6 +46,7 @@ import triton
 import triton.language as tl
 
 from rlk_core.ops._triton_common import next_pow2
+from rlk_core.ops.attention.triton import kv_descriptor, kv_tma_ok
 
 _LOG2E = 1.4426950408889634
 MAX_HEAD_DIM = 128
@@ -54,6 +59,8 @@ CONFIGS: dict[torch.dtype, dict[str, tuple[int, int, int, int]]] = {
 }
 # dK/dV programs per query head (fp32 partial sums + a fixed-order group sum) instead of per KV head
 SPLIT_G: dict[torch.dtype, bool] = {torch.bfloat16: True, torch.float16: True, torch.float32: False}
+# stats and dQ: K/V blocks of the unmasked loops by TMA descriptor (as the forward's d = 128 prefill)
+KV_TMA: frozenset[torch.dtype] = frozenset({torch.bfloat16, torch.float16})
 _SUM_BLOCK_T = 32
 
 # Masking mode of a call (constexpr): how a query row's limit depends on the row.
@@ -66,6 +73,8 @@ def config(dtype: torch.dtype, head_dim: int) -> dict[str, dict[str, int]]:
     cfg = {name: {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_D": block_d, "num_warps": w, "num_stages": st}
            for name, (bm, bn, w, st) in CONFIGS[dtype].items()}
     cfg["dkdv"]["SPLIT_G"] = SPLIT_G[dtype]
+    for name in ("stats", "dq"):
+        cfg[name]["KV_TMA"] = dtype in KV_TMA
     return cfg
 
 
@@ -95,13 +104,27 @@ def _row_limits(pos_ptr, q0, rows, row_ok, lq, lk, MODE: tl.constexpr):
 
 
 @triton.jit
-def _stats_step(q, m, l, acc, k_ptr, v_ptr, k0, lk, hk, j, lim, qk_scale2, s_kt, s_kh, offs_n, offs_d, d_ok,
-                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                MASK: tl.constexpr, IEEE: tl.constexpr):
+def _load_kv(k_ptr, v_ptr, k_desc, v_desc, k0, lk, hk, j, s_kt, s_kh, offs_n, offs_d, d_ok,
+             BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, TMA: tl.constexpr):
+    """K/V rows of KV block ``j``; ``TMA`` only for blocks wholly inside the sequence (no row mask)."""
     kpos = j * BLOCK_N + offs_n
-    ktok = (k0 + kpos).to(tl.int64)
-    k = _load_rows(k_ptr, ktok, kpos < lk, hk, s_kt, s_kh, offs_d, d_ok)
-    v = _load_rows(v_ptr, ktok, kpos < lk, hk, s_kt, s_kh, offs_d, d_ok)
+    if TMA:
+        row = (k0 + j * BLOCK_N).to(tl.int32)
+        k = k_desc.load([row, hk * BLOCK_D])
+        v = v_desc.load([row, hk * BLOCK_D])
+    else:
+        ktok = (k0 + kpos).to(tl.int64)
+        k = _load_rows(k_ptr, ktok, kpos < lk, hk, s_kt, s_kh, offs_d, d_ok)
+        v = _load_rows(v_ptr, ktok, kpos < lk, hk, s_kt, s_kh, offs_d, d_ok)
+    return kpos, k, v
+
+
+@triton.jit
+def _stats_step(q, m, l, acc, k_ptr, v_ptr, k_desc, v_desc, k0, lk, hk, j, lim, qk_scale2, s_kt, s_kh, offs_n,
+                offs_d, d_ok, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                MASK: tl.constexpr, IEEE: tl.constexpr, TMA: tl.constexpr):
+    kpos, k, v = _load_kv(k_ptr, v_ptr, k_desc, v_desc, k0, lk, hk, j, s_kt, s_kh, offs_n, offs_d, d_ok,
+                          BLOCK_N, BLOCK_D, TMA)
     s = _mma(q, tl.trans(k), tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), IEEE) * qk_scale2
     if MASK:
         valid = kpos[None, :] <= lim[:, None]
@@ -119,11 +142,11 @@ def _stats_step(q, m, l, acc, k_ptr, v_ptr, k0, lk, hk, j, lim, qk_scale2, s_kt,
 
 @triton.jit(do_not_specialize=["T", "Tk"])
 def _attn_bwd_stats_kernel(
-    q_ptr, k_ptr, v_ptr, do_ptr, pos_ptr, cu_q_ptr, cu_k_ptr, tile_ptr,
+    q_ptr, k_ptr, v_ptr, do_ptr, pos_ptr, cu_q_ptr, cu_k_ptr, tile_ptr, k_desc, v_desc,
     lse_ptr, delta_ptr,
     T, Tk, D, qk_scale2,
     s_qt, s_qh, s_kt, s_kh, s_dot, s_doh,
-    G: tl.constexpr, MODE: tl.constexpr, IEEE: tl.constexpr,
+    G: tl.constexpr, MODE: tl.constexpr, IEEE: tl.constexpr, KV_TMA: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -153,11 +176,11 @@ def _attn_bwd_stats_kernel(
     n_full = (tl.min(tl.where(row_ok, lim, 2147483647)) + 1) // BLOCK_N
     n_blocks = (tl.max(lim) + BLOCK_N) // BLOCK_N
     for j in range(0, n_full):
-        m, l, acc = _stats_step(q, m, l, acc, k_ptr, v_ptr, k0, lk, hk, j, lim, qk_scale2, s_kt, s_kh, offs_n,
-                                offs_d, d_ok, BLOCK_M, BLOCK_N, BLOCK_D, False, IEEE)
+        m, l, acc = _stats_step(q, m, l, acc, k_ptr, v_ptr, k_desc, v_desc, k0, lk, hk, j, lim, qk_scale2, s_kt,
+                                s_kh, offs_n, offs_d, d_ok, BLOCK_M, BLOCK_N, BLOCK_D, False, IEEE, KV_TMA)
     for j in range(n_full, n_blocks):
-        m, l, acc = _stats_step(q, m, l, acc, k_ptr, v_ptr, k0, lk, hk, j, lim, qk_scale2, s_kt, s_kh, offs_n,
-                                offs_d, d_ok, BLOCK_M, BLOCK_N, BLOCK_D, True, IEEE)
+        m, l, acc = _stats_step(q, m, l, acc, k_ptr, v_ptr, k_desc, v_desc, k0, lk, hk, j, lim, qk_scale2, s_kt,
+                                s_kh, offs_n, offs_d, d_ok, BLOCK_M, BLOCK_N, BLOCK_D, True, IEEE, False)
 
     l_safe = tl.where(l > 0.0, l, 1.0)
     o = (acc / l_safe[:, None]).to(q_ptr.dtype.element_ty).to(tl.float32)
@@ -292,12 +315,11 @@ def _attn_bwd_group_sum_kernel(
 
 
 @triton.jit
-def _dq_step(dq, q, do, lse, delta, lim, k_ptr, v_ptr, k0, lk, hk, j, qk_scale2, s_kt, s_kh, offs_n, offs_d, d_ok,
-             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr, IEEE: tl.constexpr):
-    kpos = j * BLOCK_N + offs_n
-    ktok = (k0 + kpos).to(tl.int64)
-    k = _load_rows(k_ptr, ktok, kpos < lk, hk, s_kt, s_kh, offs_d, d_ok)
-    v = _load_rows(v_ptr, ktok, kpos < lk, hk, s_kt, s_kh, offs_d, d_ok)
+def _dq_step(dq, q, do, lse, delta, lim, k_ptr, v_ptr, k_desc, v_desc, k0, lk, hk, j, qk_scale2, s_kt, s_kh, offs_n,
+             offs_d, d_ok, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, MASK: tl.constexpr,
+             IEEE: tl.constexpr, TMA: tl.constexpr):
+    kpos, k, v = _load_kv(k_ptr, v_ptr, k_desc, v_desc, k0, lk, hk, j, s_kt, s_kh, offs_n, offs_d, d_ok,
+                          BLOCK_N, BLOCK_D, TMA)
     zero = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     p = tl.exp2(_mma(q, tl.trans(k), zero, IEEE) * qk_scale2 - lse[:, None])
     if MASK:
@@ -309,11 +331,11 @@ def _dq_step(dq, q, do, lse, delta, lim, k_ptr, v_ptr, k0, lk, hk, j, qk_scale2,
 
 @triton.jit(do_not_specialize=["T", "Tk"])
 def _attn_bwd_dq_kernel(
-    q_ptr, k_ptr, v_ptr, do_ptr, pos_ptr, cu_q_ptr, cu_k_ptr, tile_ptr,
+    q_ptr, k_ptr, v_ptr, do_ptr, pos_ptr, cu_q_ptr, cu_k_ptr, tile_ptr, k_desc, v_desc,
     lse_ptr, delta_ptr, dq_ptr,
     T, Tk, D, qk_scale2, scale,
     s_qt, s_qh, s_kt, s_kh, s_dot, s_doh, s_dqt, s_dqh,
-    G: tl.constexpr, MODE: tl.constexpr, IEEE: tl.constexpr,
+    G: tl.constexpr, MODE: tl.constexpr, IEEE: tl.constexpr, KV_TMA: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -344,11 +366,11 @@ def _attn_bwd_dq_kernel(
     n_full = (tl.min(tl.where(row_ok, lim, 2147483647)) + 1) // BLOCK_N
     n_blocks = (tl.max(lim) + BLOCK_N) // BLOCK_N
     for j in range(0, n_full):
-        dq = _dq_step(dq, q, do, lse, delta, lim, k_ptr, v_ptr, k0, lk, hk, j, qk_scale2, s_kt, s_kh, offs_n,
-                      offs_d, d_ok, BLOCK_M, BLOCK_N, False, IEEE)
+        dq = _dq_step(dq, q, do, lse, delta, lim, k_ptr, v_ptr, k_desc, v_desc, k0, lk, hk, j, qk_scale2, s_kt, s_kh,
+                      offs_n, offs_d, d_ok, BLOCK_M, BLOCK_N, BLOCK_D, False, IEEE, KV_TMA)
     for j in range(n_full, n_blocks):
-        dq = _dq_step(dq, q, do, lse, delta, lim, k_ptr, v_ptr, k0, lk, hk, j, qk_scale2, s_kt, s_kh, offs_n,
-                      offs_d, d_ok, BLOCK_M, BLOCK_N, True, IEEE)
+        dq = _dq_step(dq, q, do, lse, delta, lim, k_ptr, v_ptr, k_desc, v_desc, k0, lk, hk, j, qk_scale2, s_kt, s_kh,
+                      offs_n, offs_d, d_ok, BLOCK_M, BLOCK_N, BLOCK_D, True, IEEE, False)
 
     dq = dq * scale
     tl.store(dq_ptr + tok[:, None] * s_dqt + h * s_dqh + offs_d[None, :], dq.to(dq_ptr.dtype.element_ty),
@@ -365,6 +387,17 @@ def _tiles(lengths: list[int], block: int, heavy_first_reversed: bool) -> list[i
         for o in (reversed(offs) if heavy_first_reversed else offs):
             out += (b, o)
     return out
+
+
+def _with_descriptors(cfg: dict[str, int | bool], k: torch.Tensor, v: torch.Tensor, d: int
+                      ) -> tuple[dict[str, int | bool], tuple]:
+    """``cfg`` with ``KV_TMA`` kept only where the layout and the GPU allow it (else pointer loads,
+    the same bits), and the K/V descriptors for the kernel's block (``None`` without TMA)."""
+    cfg = dict(cfg)
+    cfg["KV_TMA"] = bool(cfg.get("KV_TMA", False)) and kv_tma_ok(k, v, d, cfg["BLOCK_D"])
+    if not cfg["KV_TMA"]:
+        return cfg, (None, None)
+    return cfg, (kv_descriptor(k, cfg["BLOCK_N"], cfg["BLOCK_D"]), kv_descriptor(v, cfg["BLOCK_N"], cfg["BLOCK_D"]))
 
 
 def attention_varlen_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -407,13 +440,15 @@ def attention_varlen_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.
     lse = torch.empty((hq, max(t, 1)), dtype=torch.float32, device=dev)
     delta = torch.empty((hq, max(t, 1)), dtype=torch.float32, device=dev)
     if n0:
+        s_cfg, s_desc = _with_descriptors(c["stats"], k, v, d)
         _attn_bwd_stats_kernel[(n0 // 2, hq)](
-            q, k, v, do, pos, cu_q, cu_k, t_stats, lse, delta, t, tk, d, qk_scale2, *strides,
-            **common, **c["stats"],
+            q, k, v, do, pos, cu_q, cu_k, t_stats, *s_desc, lse, delta, t, tk, d, qk_scale2, *strides,
+            **common, **s_cfg,
         )
+        q_cfg, q_desc = _with_descriptors(c["dq"], k, v, d)
         _attn_bwd_dq_kernel[(n1 // 2, hq)](
-            q, k, v, do, pos, cu_q, cu_k, t_dq, lse, delta, dq, t, tk, d, qk_scale2, scale, *strides,
-            dq.stride(0), dq.stride(1), **common, **c["dq"],
+            q, k, v, do, pos, cu_q, cu_k, t_dq, *q_desc, lse, delta, dq, t, tk, d, qk_scale2, scale, *strides,
+            dq.stride(0), dq.stride(1), **common, **q_cfg,
         )
     if len(lists[2]):
         kv_cfg = dict(c["dkdv"])
