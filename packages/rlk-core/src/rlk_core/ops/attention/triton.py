@@ -117,6 +117,28 @@ def _kv_rows(table_row, seq0, kpos, page_shift, PAGED: tl.constexpr):
 
 
 @triton.jit
+def find_tile(pid, tile_cum_ptr, B):
+    """Program ``pid``'s tile in a launch over the tiles of B sequences, ``tile_cum`` their cumulative
+    tile counts (on the device: no host sync): ``(sequence, index of the tile in it, the sequence's tile
+    count)``; call only for ``pid < tile_cum[B - 1]`` (the programs past the end return)."""
+    lo = pid * 0
+    hi = lo + B
+    while lo < hi:
+        mid = (lo + hi) // 2
+        below = tl.load(tile_cum_ptr + mid) <= pid
+        lo = tl.where(below, mid + 1, lo)
+        hi = tl.where(below, hi, mid)
+    prev = tl.load(tile_cum_ptr + lo - 1, mask=lo > 0, other=0)
+    return lo, pid - prev, tl.load(tile_cum_ptr + lo) - prev
+
+
+def tile_counts(cu_seqlens: torch.Tensor, tile: int) -> torch.Tensor:
+    """Cumulative per-sequence tile counts ``cumsum(ceil(len_b / tile))`` (int32, on the device)."""
+    lens = cu_seqlens[1:] - cu_seqlens[:-1]
+    return torch.cumsum(torch.div(lens + (tile - 1), tile, rounding_mode="floor"), 0).to(torch.int32)
+
+
+@triton.jit
 def _softmax_block(q, k, v, m_i, l_i, acc, kpos, limit, qk_scale, MASK: tl.constexpr, IEEE: tl.constexpr):
     """One KV block of the online softmax. ``MASK=False`` only for blocks wholly at or below every
     valid row's limit, where the selection would keep every element: the same arithmetic."""
@@ -161,23 +183,13 @@ def _attention_fwd_kernel(
     kvh = tl.program_id(1)
 
     # -- which sequence and which tokens (binary search in the cumulative tile counts) ----------
-    total = tl.load(tile_cum_ptr + B - 1)
-    if pid >= total:
+    if pid >= tl.load(tile_cum_ptr + B - 1):
         return
-    lo = pid * 0
-    hi = lo + B
-    while lo < hi:
-        mid = (lo + hi) // 2
-        below = tl.load(tile_cum_ptr + mid) <= pid
-        lo = tl.where(below, mid + 1, lo)
-        hi = tl.where(below, hi, mid)
-    b = lo
-    prev = tl.load(tile_cum_ptr + b - 1, mask=b > 0, other=0)
+    b, i, n_tiles = find_tile(pid, tile_cum_ptr, B)
     q0 = tl.load(cu_q_ptr + b)
     n_q = tl.load(cu_q_ptr + b + 1) - q0
     n_k = tl.load(lens_ptr + b)
-    n_tiles = tl.load(tile_cum_ptr + b) - prev
-    tile = n_tiles - 1 - (pid - prev)  # the sequence's last (longest) tiles first
+    tile = n_tiles - 1 - i  # the sequence's last (longest) tiles first
     tok0 = tile * TOK
 
     rows = tl.arange(0, BLOCK_M)
@@ -269,8 +281,7 @@ def _launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, table: torch.Tens
     v_desc = kv_descriptor(v, cfg["BLOCK_N"], cfg["D_PAD"]) if kv_tma else None
     g_pad = next_pow2(g)
     tok = cfg["BLOCK_M"] // g_pad
-    lq = cu_q[1:] - cu_q[:-1]
-    tile_cum = torch.cumsum(torch.div(lq + (tok - 1), tok, rounding_mode="floor"), 0).to(torch.int32)
+    tile_cum = tile_counts(cu_q, tok)
     qpos = q_positions.to(torch.int32) if q_positions is not None else lens
     qk_scale = float(torch.tensor(float(scale), dtype=torch.float32) * torch.tensor(LOG2E, dtype=torch.float32))
     grid = (triton.cdiv(t, tok) + b, hkv)

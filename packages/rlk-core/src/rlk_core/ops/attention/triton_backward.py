@@ -24,7 +24,7 @@ allow it, see ``triton.kv_tma_ok``) — a load path, not arithmetic.
 
 Determinism: every output element is written by exactly one program and accumulated in a fixed
 order (no atomics, no split whose count depends on the batch); the launch configuration
-(``CONFIGS``) is a function of dtype and head size only; the tile lists are a function of
+(``CONFIGS``) is a function of dtype and head size only; the tile schedule is a function of
 ``cu_seqlens`` only. Results are therefore bitwise equal run to run; they are within tolerance of
 ``attention_varlen_backward_reference`` (not bitwise: MMA summation order, ``exp2``, and ``P``/``dS``
 rounded to the input dtype before their MMAs, as every flash backward does).
@@ -33,8 +33,12 @@ Masking: a query row sees keys ``0..limit``, computed in the kernels as in the r
 (``MODE_ALIGNED``: ``Lk_b - Lq_b + i``; ``MODE_FULL`` (``causal=False``): ``Lk_b - 1``;
 ``MODE_POSITIONS``: ``q_positions[i]``). Only blocks that straddle a limit run the masked path; masked
 scores are *selected* to zero probability (``tl.where``), K/V/Q rows past a sequence are masked loads
-(zeros) and are never stored, so garbage never leaks into a result. The host reads ``cu_seqlens``
-once (one device-to-host sync) to build the tile lists.
+(zeros) and are never stored, so garbage never leaks into a result.
+
+Schedule without a host sync (as the forward): per sequence ``ceil(L_b / BLOCK)`` tiles, their cumulative
+counts computed on the device, a grid of the upper bound ``ceil(T / BLOCK) + B`` programs, each finding
+its tile by binary search (``triton.find_tile``); programs past the end return. Query tiles run the
+sequence's last (longest) tiles first, KV tiles its first (longest) ones.
 """
 
 from __future__ import annotations
@@ -46,7 +50,7 @@ import triton
 import triton.language as tl
 
 from rlk_core.ops._triton_common import next_pow2
-from rlk_core.ops.attention.triton import kv_descriptor, kv_tma_ok
+from rlk_core.ops.attention.triton import find_tile, kv_descriptor, kv_tma_ok, tile_counts
 
 _LOG2E = 1.4426950408889634
 MAX_HEAD_DIM = 128
@@ -140,11 +144,11 @@ def _stats_step(q, m, l, acc, k_ptr, v_ptr, k_desc, v_desc, k0, lk, hk, j, lim, 
     return m_new, l, acc
 
 
-@triton.jit(do_not_specialize=["T", "Tk"])
+@triton.jit(do_not_specialize=["T", "Tk", "B"])
 def _attn_bwd_stats_kernel(
     q_ptr, k_ptr, v_ptr, do_ptr, pos_ptr, cu_q_ptr, cu_k_ptr, tile_ptr, k_desc, v_desc,
     lse_ptr, delta_ptr,
-    T, Tk, D, qk_scale2,
+    T, Tk, B, D, qk_scale2,
     s_qt, s_qh, s_kt, s_kh, s_dot, s_doh,
     G: tl.constexpr, MODE: tl.constexpr, IEEE: tl.constexpr, KV_TMA: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -152,8 +156,10 @@ def _attn_bwd_stats_kernel(
     pid = tl.program_id(0)
     h = tl.program_id(1)
     hk = h // G
-    seq = tl.load(tile_ptr + 2 * pid)
-    start = tl.load(tile_ptr + 2 * pid + 1)
+    if pid >= tl.load(tile_ptr + B - 1):
+        return
+    seq, i, n_tiles = find_tile(pid, tile_ptr, B)
+    start = (n_tiles - 1 - i) * BLOCK_M  # the sequence's last (longest) tiles first
     q0 = tl.load(cu_q_ptr + seq)
     lq = tl.load(cu_q_ptr + seq + 1) - q0
     k0 = tl.load(cu_k_ptr + seq)
@@ -217,11 +223,11 @@ def _dkdv_step(dk, dv, k, v, q_ptr, do_ptr, pos_ptr, lse_ptr, delta_ptr, kpos, q
     return dk, dv
 
 
-@triton.jit(do_not_specialize=["T", "Tk"])
+@triton.jit(do_not_specialize=["T", "Tk", "B"])
 def _attn_bwd_dkdv_kernel(
     q_ptr, k_ptr, v_ptr, do_ptr, pos_ptr, cu_q_ptr, cu_k_ptr, tile_ptr,
     lse_ptr, delta_ptr, dk_ptr, dv_ptr,
-    T, Tk, D, qk_scale2, scale,
+    T, Tk, B, D, qk_scale2, scale,
     s_qt, s_qh, s_kt, s_kh, s_dot, s_doh, s_dkt, s_dkh,
     G: tl.constexpr, MODE: tl.constexpr, IEEE: tl.constexpr, SPLIT_G: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -237,8 +243,10 @@ def _attn_bwd_dkdv_kernel(
         hk = tl.program_id(1)
         g_lo = 0
         g_hi = G
-    seq = tl.load(tile_ptr + 2 * pid)
-    kstart = tl.load(tile_ptr + 2 * pid + 1)
+    if pid >= tl.load(tile_ptr + B - 1):
+        return
+    seq, i, _ = find_tile(pid, tile_ptr, B)
+    kstart = i * BLOCK_N  # the sequence's first KV blocks (seen by the most query tiles) first
     q0 = tl.load(cu_q_ptr + seq)
     lq = tl.load(cu_q_ptr + seq + 1) - q0
     k0 = tl.load(cu_k_ptr + seq)
@@ -329,11 +337,11 @@ def _dq_step(dq, q, do, lse, delta, lim, k_ptr, v_ptr, k_desc, v_desc, k0, lk, h
     return _mma(ds.to(k.dtype), k, dq, IEEE)
 
 
-@triton.jit(do_not_specialize=["T", "Tk"])
+@triton.jit(do_not_specialize=["T", "Tk", "B"])
 def _attn_bwd_dq_kernel(
     q_ptr, k_ptr, v_ptr, do_ptr, pos_ptr, cu_q_ptr, cu_k_ptr, tile_ptr, k_desc, v_desc,
     lse_ptr, delta_ptr, dq_ptr,
-    T, Tk, D, qk_scale2, scale,
+    T, Tk, B, D, qk_scale2, scale,
     s_qt, s_qh, s_kt, s_kh, s_dot, s_doh, s_dqt, s_dqh,
     G: tl.constexpr, MODE: tl.constexpr, IEEE: tl.constexpr, KV_TMA: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -341,8 +349,10 @@ def _attn_bwd_dq_kernel(
     pid = tl.program_id(0)
     h = tl.program_id(1)
     hk = h // G
-    seq = tl.load(tile_ptr + 2 * pid)
-    start = tl.load(tile_ptr + 2 * pid + 1)
+    if pid >= tl.load(tile_ptr + B - 1):
+        return
+    seq, i, n_tiles = find_tile(pid, tile_ptr, B)
+    start = (n_tiles - 1 - i) * BLOCK_M  # the sequence's last (longest) tiles first
     q0 = tl.load(cu_q_ptr + seq)
     lq = tl.load(cu_q_ptr + seq + 1) - q0
     k0 = tl.load(cu_k_ptr + seq)
@@ -377,18 +387,6 @@ def _attn_bwd_dq_kernel(
              mask=row_ok[:, None] & d_ok[None, :])
 
 
-def _tiles(lengths: list[int], block: int, heavy_first_reversed: bool) -> list[int]:
-    """``[seq, start, seq, start, ...]`` of every ``block``-row tile of every sequence.
-
-    The order only changes when a program runs (tiles with the most work first), never what it computes."""
-    out: list[int] = []
-    for b, n in enumerate(lengths):
-        offs = range(0, n, block)
-        for o in (reversed(offs) if heavy_first_reversed else offs):
-            out += (b, o)
-    return out
-
-
 def _with_descriptors(cfg: dict[str, int | bool], k: torch.Tensor, v: torch.Tensor, d: int
                       ) -> tuple[dict[str, int | bool], tuple]:
     """``cfg`` with ``KV_TMA`` kept only where the layout and the GPU allow it (else pointer loads,
@@ -410,14 +408,10 @@ def attention_varlen_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.
     tk, hkv = k.shape[0], k.shape[1]
     q, k, v, do = (x.contiguous() for x in (q, k, v, grad_out.to(q.dtype)))
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    if tk == 0 or hq == 0 or d == 0:
+    nb = cu_seqlens_q.shape[0] - 1
+    if tk == 0 or hq == 0 or d == 0 or nb == 0:
         return dq.zero_(), dk.zero_(), dv.zero_()
     dev = q.device
-    nb = cu_seqlens_q.shape[0]
-    cu_both = torch.cat([cu_seqlens_q.reshape(-1), cu_seqlens_k.reshape(-1).to(cu_seqlens_q.device)]).tolist()
-    cq, ck = cu_both[:nb], cu_both[nb:]  # one device-to-host sync for both
-    lq = [cq[b + 1] - cq[b] for b in range(len(cq) - 1)]
-    lk = [ck[b + 1] - ck[b] for b in range(len(ck) - 1)]
     cu_q = cu_seqlens_q.to(device=dev, dtype=torch.int32).contiguous()
     cu_k = cu_seqlens_k.to(device=dev, dtype=torch.int32).contiguous()
     if not causal:
@@ -427,46 +421,42 @@ def attention_varlen_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.
     else:
         mode, pos = MODE_ALIGNED, cu_q
     c = cfg or config(q.dtype, d)
-    # one host-to-device copy for the three tile lists (a function of cu_seqlens only)
-    lists = [_tiles(lq, c["stats"]["BLOCK_M"], True), _tiles(lq, c["dq"]["BLOCK_M"], True),
-             _tiles(lk, c["dkdv"]["BLOCK_N"], False)]
-    tiles = torch.tensor(lists[0] + lists[1] + lists[2], dtype=torch.int32).to(dev, non_blocking=True)
-    n0, n1 = len(lists[0]), len(lists[1])
-    t_stats, t_dq, t_dkdv = tiles[:n0], tiles[n0:n0 + n1], tiles[n0 + n1:]
+    # cumulative tile counts per sequence, on the device (no host sync); grids are upper bounds
+    bm_s, bm_q, bn_kv = c["stats"]["BLOCK_M"], c["dq"]["BLOCK_M"], c["dkdv"]["BLOCK_N"]
+    t_stats, t_dq, t_dkdv = tile_counts(cu_q, bm_s), tile_counts(cu_q, bm_q), tile_counts(cu_k, bn_kv)
     qk_scale2 = struct.unpack("f", struct.pack("f", scale))[0] * _LOG2E
     strides = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), do.stride(0), do.stride(1))
     common = dict(G=hq // hkv, MODE=mode, IEEE=q.dtype == torch.float32)
 
     lse = torch.empty((hq, max(t, 1)), dtype=torch.float32, device=dev)
     delta = torch.empty((hq, max(t, 1)), dtype=torch.float32, device=dev)
-    if n0:
+    if t:
         s_cfg, s_desc = _with_descriptors(c["stats"], k, v, d)
-        _attn_bwd_stats_kernel[(n0 // 2, hq)](
-            q, k, v, do, pos, cu_q, cu_k, t_stats, *s_desc, lse, delta, t, tk, d, qk_scale2, *strides,
+        _attn_bwd_stats_kernel[(triton.cdiv(t, bm_s) + nb, hq)](
+            q, k, v, do, pos, cu_q, cu_k, t_stats, *s_desc, lse, delta, t, tk, nb, d, qk_scale2, *strides,
             **common, **s_cfg,
         )
         q_cfg, q_desc = _with_descriptors(c["dq"], k, v, d)
-        _attn_bwd_dq_kernel[(n1 // 2, hq)](
-            q, k, v, do, pos, cu_q, cu_k, t_dq, *q_desc, lse, delta, dq, t, tk, d, qk_scale2, scale, *strides,
+        _attn_bwd_dq_kernel[(triton.cdiv(t, bm_q) + nb, hq)](
+            q, k, v, do, pos, cu_q, cu_k, t_dq, *q_desc, lse, delta, dq, t, tk, nb, d, qk_scale2, scale, *strides,
             dq.stride(0), dq.stride(1), **common, **q_cfg,
         )
-    if len(lists[2]):
-        kv_cfg = dict(c["dkdv"])
-        split = bool(kv_cfg.pop("SPLIT_G", False)) and hq > hkv
-        if split:  # fp32 per-query-head sums, then the fixed-order group sum
-            dk_out = torch.empty((tk, hq, d), dtype=torch.float32, device=dev)
-            dv_out = torch.empty_like(dk_out)
-        else:
-            dk_out, dv_out = dk, dv
-        _attn_bwd_dkdv_kernel[(len(lists[2]) // 2, hq if split else hkv)](
-            q, k, v, do, pos, cu_q, cu_k, t_dkdv, lse, delta, dk_out, dv_out, t, tk, d, qk_scale2, scale,
-            *strides, dk_out.stride(0), dk_out.stride(1), **common, SPLIT_G=split, **kv_cfg,
+    kv_cfg = dict(c["dkdv"])
+    split = bool(kv_cfg.pop("SPLIT_G", False)) and hq > hkv
+    if split:  # fp32 per-query-head sums, then the fixed-order group sum
+        dk_out = torch.empty((tk, hq, d), dtype=torch.float32, device=dev)
+        dv_out = torch.empty_like(dk_out)
+    else:
+        dk_out, dv_out = dk, dv
+    _attn_bwd_dkdv_kernel[(triton.cdiv(tk, bn_kv) + nb, hq if split else hkv)](
+        q, k, v, do, pos, cu_q, cu_k, t_dkdv, lse, delta, dk_out, dv_out, t, tk, nb, d, qk_scale2, scale,
+        *strides, dk_out.stride(0), dk_out.stride(1), **common, SPLIT_G=split, **kv_cfg,
+    )
+    if split:
+        _attn_bwd_group_sum_kernel[(triton.cdiv(tk, _SUM_BLOCK_T), hkv)](
+            dk_out, dv_out, dk, dv, tk, d, scale, dk_out.stride(0), dk_out.stride(1), dk.stride(0), dk.stride(1),
+            G=hq // hkv, BLOCK_T=_SUM_BLOCK_T, BLOCK_D=kv_cfg["BLOCK_D"],
         )
-        if split:
-            _attn_bwd_group_sum_kernel[(triton.cdiv(tk, _SUM_BLOCK_T), hkv)](
-                dk_out, dv_out, dk, dv, tk, d, scale, dk_out.stride(0), dk_out.stride(1), dk.stride(0), dk.stride(1),
-                G=hq // hkv, BLOCK_T=_SUM_BLOCK_T, BLOCK_D=kv_cfg["BLOCK_D"],
-            )
     return dq, dk, dv
 
 
