@@ -1,9 +1,9 @@
 """The ``rlk.triton`` attention backward kernels under the Triton interpreter (CPU) at tiny shapes, against
-``attention_varlen_backward_reference``: packed lengths, GQA, chunk continuation, an empty chunk,
-arbitrary ``q_positions``, non-causal, and both dK/dV schedules (``SPLIT_G``). fp32 and fp16 only: the interpreter's bf16 ``tl.dot`` is wrong
-(numpy has no bf16), so bf16 is covered by ``tests/gpu/test_attention_backward_gpu.py``.
-
-``TRITON_INTERPRET`` must be set before Triton is imported, so the check runs in a subprocess.
+``attention_varlen_backward_reference``: packed lengths, GQA, chunk continuation, an empty chunk, arbitrary
+``q_positions``, non-causal, and both dK/dV schedules (``SPLIT_G``). fp32 and fp16 only: the interpreter's
+bf16 ``tl.dot`` is wrong (numpy has no bf16), so bf16 is covered by
+``tests/gpu/test_attention_backward_gpu.py``. ``TRITON_INTERPRET`` must be set before Triton is imported, so
+the check runs in a subprocess.
 """
 
 from __future__ import annotations
