@@ -67,8 +67,10 @@ MID_CANDIDATES = _named(
     (128, 128, 64, 8, 8, 4, True), (128, 256, 64, 8, 8, 3, True),
 )
 # prefill: (BLOCK_M, warps, stages, KV_TMA) — KV_TMA: unmasked K/V blocks by TMA descriptor (varlen only)
-PREFILL_CANDIDATES = {"128w8s3": (128, 8, 3, False), "128w8s2": (128, 8, 2, False), "128w8s3tma": (128, 8, 3, True),
-                      "128w8s2tma": (128, 8, 2, True), "128w8s4tma": (128, 8, 4, True), "64w4s3tma": (64, 4, 3, True)}
+PREFILL_CANDIDATES = {"128w8s3": (128, 8, 3, False), "128w8s3tma": (128, 8, 3, True), "128w4s3tma": (128, 4, 3, True),
+                      "64w4s2tma": (64, 4, 2, True), "64w4s3tma": (64, 4, 3, True), "64w4s4tma": (64, 4, 4, True),
+                      "256w8s2tma": (256, 8, 2, True), "256w8s3tma": (256, 8, 3, True),
+                      "256w16s2tma": (256, 16, 2, True)}
 # backward: kernel -> launch-argument overrides of ab.config(); kernels not named keep the shipped entry
 def _bt(bm: int, bn: int, warps: int, stages: int, **extra) -> dict[str, int | bool]:
     return {"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": warps, "num_stages": stages, **extra}
