@@ -63,6 +63,14 @@ def copy_bandwidth(nbytes: int = 2 << 30, repeats: int = 20) -> dict[str, float]
     return {"bytes": 2 * nbytes, "median_ms": t["median_ms"], "tb_per_s": 2 * nbytes / t["median_ms"] / 1e9}
 
 
+def same_size_copy_ms(nbytes: int, repeats: int = 20) -> float:
+    """Median ms of a device-to-device copy moving ``nbytes`` in total (``nbytes / 2`` read, ``nbytes / 2``
+    written): the copy a memory-bound op of that traffic is compared with at its own size."""
+    src = torch.empty(max(nbytes // 2, 1), dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    return time_fns([lambda: dst.copy_(src)], repeats=repeats)["median_ms"]
+
+
 def environment() -> dict[str, Any]:
     import triton
 
@@ -115,21 +123,27 @@ def default_out_dir() -> str:
 def bench_membound(name: str, cases, repeats: int = 20, quick: bool = False) -> None:
     """Memory-bound ops: ``cases`` yields ``(shape, M, bytes, rlk_fns, native_fns)``; ``bytes`` is the
     minimum traffic (each input read once, each output written once). Reports GB/s, the fraction of
-    the copy bandwidth measured in this run, and ratio = native time / rlk time."""
+    the (2 GiB) copy bandwidth measured in this run, the fraction of a copy moving the same bytes
+    (``same_size_copy_ms / rlk_ms``: launch latency and wave tails count for both), and ratio = native
+    time / rlk time."""
     env, copy = environment(), copy_bandwidth()
     rows = []
     for shape, m, nbytes, rlk_fns, native_fns in cases:
         t_r = time_fns(rlk_fns, repeats=repeats)["median_ms"]
         t_n = time_fns(native_fns, repeats=repeats)["median_ms"]
-        r = {"shape": shape, "M": m, "bytes": nbytes, "rlk_ms": t_r, "native_ms": t_n,
+        t_c = same_size_copy_ms(nbytes, repeats)
+        r = {"shape": shape, "M": m, "bytes": nbytes, "rlk_ms": t_r, "native_ms": t_n, "copy_ms": t_c,
              "rlk_tbs": nbytes / t_r / 1e9, "native_tbs": nbytes / t_n / 1e9,
-             "rlk_of_copy": nbytes / t_r / 1e9 / copy["tb_per_s"], "ratio": t_n / t_r}
+             "rlk_of_copy": nbytes / t_r / 1e9 / copy["tb_per_s"], "rlk_of_same_copy": t_c / t_r,
+             "ratio": t_n / t_r}
         rows.append(r)
         print(f"{name} {shape:24s} M={m:5d} rlk {t_r:.4f} ms ({r['rlk_tbs']:.2f} TB/s, "
-              f"{100 * r['rlk_of_copy']:.0f}% of copy) native {t_n:.4f} ms ratio {r['ratio']:.2f}", flush=True)
+              f"{100 * r['rlk_of_copy']:.0f}% of copy, {100 * r['rlk_of_same_copy']:.0f}% of same-size copy) "
+              f"native {t_n:.4f} ms ratio {r['ratio']:.2f}", flush=True)
     meta = {"env": env, "copy": copy, "repeats": repeats, "ratio": "native_ms / rlk_ms",
-            "bytes": "minimum traffic: inputs read once, outputs written once"}
+            "bytes": "minimum traffic: inputs read once, outputs written once",
+            "rlk_of_same_copy": "same_size_copy_ms / rlk_ms: a uint8 copy moving the same bytes, same harness"}
     write_results(default_out_dir(), name, meta, rows,
                   [("shape", "shape"), ("M", "M"), ("rlk_ms", "rlk ms"), ("native_ms", "native ms"),
                    ("rlk_tbs", "rlk TB/s"), ("native_tbs", "native TB/s"), ("rlk_of_copy", "rlk / copy BW"),
-                   ("ratio", "ratio")])
+                   ("copy_ms", "same-size copy ms"), ("rlk_of_same_copy", "rlk / same-size copy"), ("ratio", "ratio")])
