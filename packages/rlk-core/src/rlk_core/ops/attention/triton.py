@@ -161,11 +161,11 @@ def _softmax_block(q, k, v, m_i, l_i, acc, kpos, limit, qk_scale, MASK: tl.const
     return m_new, l_i, acc
 
 
-@triton.jit(do_not_specialize=["B", "G", "page_shift", "stride_tb", "has_qpos", "causal"])
+@triton.jit(do_not_specialize=["B", "G", "NH", "page_shift", "stride_tb", "has_qpos", "causal"])
 def _attention_fwd_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr, k_desc, v_desc,
     table_ptr, cu_q_ptr, lens_ptr, tile_cum_ptr, qpos_ptr,
-    B, G, page_shift, stride_tb,
+    B, G, NH, page_shift, stride_tb,
     stride_qt, stride_qh, stride_qd,
     stride_kp, stride_ko, stride_kh, stride_kd,
     stride_vp, stride_vo, stride_vh, stride_vd,
@@ -179,8 +179,11 @@ def _attention_fwd_kernel(
     then K/V as ``[Tk, Hkv * HEAD_D]`` descriptors with ``[BLOCK_N, D_PAD]`` boxes (:func:`kv_descriptor`)."""
     tl.static_assert(not KV_TMA or (not PAGED and HEAD_D == D_PAD))
     TOK: tl.constexpr = BLOCK_M // G_PAD
-    pid = tl.program_id(0)
-    kvh = tl.program_id(1)
+    # one grid axis, the KV head fastest: the tiles start in the schedule's order (longest first) across
+    # all heads, so the short tiles fill the last wave (a head-major order left long tiles of the last
+    # heads for the end)
+    pid = tl.program_id(0) // NH
+    kvh = tl.program_id(0) % NH
 
     # -- which sequence and which tokens (binary search in the cumulative tile counts) ----------
     if pid >= tl.load(tile_cum_ptr + B - 1):
@@ -284,10 +287,10 @@ def _launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, table: torch.Tens
     tile_cum = tile_counts(cu_q, tok)
     qpos = q_positions.to(torch.int32) if q_positions is not None else lens
     qk_scale = float(torch.tensor(float(scale), dtype=torch.float32) * torch.tensor(LOG2E, dtype=torch.float32))
-    grid = (triton.cdiv(t, tok) + b, hkv)
+    grid = ((triton.cdiv(t, tok) + b) * hkv,)
     _attention_fwd_kernel[grid](
         q, k, v, out, k_desc, v_desc, table, cu_q, lens, tile_cum, qpos,
-        b, g, (page_size.bit_length() - 1) if page_size else _VARLEN_SHIFT, stride_tb,
+        b, g, hkv, (page_size.bit_length() - 1) if page_size else _VARLEN_SHIFT, stride_tb,
         q.stride(0), q.stride(1), q.stride(2),
         *k_strides, *v_strides,
         out.stride(0), out.stride(1), out.stride(2),

@@ -144,17 +144,17 @@ def _stats_step(q, m, l, acc, k_ptr, v_ptr, k_desc, v_desc, k0, lk, hk, j, lim, 
     return m_new, l, acc
 
 
-@triton.jit(do_not_specialize=["T", "Tk", "B"])
+@triton.jit(do_not_specialize=["T", "Tk", "B", "NH"])
 def _attn_bwd_stats_kernel(
     q_ptr, k_ptr, v_ptr, do_ptr, pos_ptr, cu_q_ptr, cu_k_ptr, tile_ptr, k_desc, v_desc,
     lse_ptr, delta_ptr,
-    T, Tk, B, D, qk_scale2,
+    T, Tk, B, NH, D, qk_scale2,
     s_qt, s_qh, s_kt, s_kh, s_dot, s_doh,
     G: tl.constexpr, MODE: tl.constexpr, IEEE: tl.constexpr, KV_TMA: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    h = tl.program_id(1)
+    pid = tl.program_id(0) // NH  # one grid axis, the head fastest (see the forward kernel)
+    h = tl.program_id(0) % NH
     hk = h // G
     if pid >= tl.load(tile_ptr + B - 1):
         return
@@ -223,24 +223,25 @@ def _dkdv_step(dk, dv, k, v, q_ptr, do_ptr, pos_ptr, lse_ptr, delta_ptr, kpos, q
     return dk, dv
 
 
-@triton.jit(do_not_specialize=["T", "Tk", "B"])
+@triton.jit(do_not_specialize=["T", "Tk", "B", "NH"])
 def _attn_bwd_dkdv_kernel(
     q_ptr, k_ptr, v_ptr, do_ptr, pos_ptr, cu_q_ptr, cu_k_ptr, tile_ptr,
     lse_ptr, delta_ptr, dk_ptr, dv_ptr,
-    T, Tk, B, D, qk_scale2, scale,
+    T, Tk, B, NH, D, qk_scale2, scale,
     s_qt, s_qh, s_kt, s_kh, s_dot, s_doh, s_dkt, s_dkh,
     G: tl.constexpr, MODE: tl.constexpr, IEEE: tl.constexpr, SPLIT_G: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    """``SPLIT_G``: program axis 1 is the query head; ``dk_ptr``/``dv_ptr`` are the fp32 per-head sums
-    ``[Tk, Hq, D]`` (unscaled). Otherwise axis 1 is the KV head and the results are final."""
-    pid = tl.program_id(0)
+    """``SPLIT_G``: the program's head (``NH = Hq``) is a query head; ``dk_ptr``/``dv_ptr`` are the fp32
+    per-head sums ``[Tk, Hq, D]`` (unscaled). Otherwise it is a KV head (``NH = Hkv``), results final."""
+    pid = tl.program_id(0) // NH  # one grid axis, the head fastest (see the forward kernel)
+    head = tl.program_id(0) % NH
     if SPLIT_G:
-        hk = tl.program_id(1) // G
-        g_lo = tl.program_id(1) % G
+        hk = head // G
+        g_lo = head % G
         g_hi = g_lo + 1
     else:
-        hk = tl.program_id(1)
+        hk = head
         g_lo = 0
         g_hi = G
     if pid >= tl.load(tile_ptr + B - 1):
@@ -337,17 +338,17 @@ def _dq_step(dq, q, do, lse, delta, lim, k_ptr, v_ptr, k_desc, v_desc, k0, lk, h
     return _mma(ds.to(k.dtype), k, dq, IEEE)
 
 
-@triton.jit(do_not_specialize=["T", "Tk", "B"])
+@triton.jit(do_not_specialize=["T", "Tk", "B", "NH"])
 def _attn_bwd_dq_kernel(
     q_ptr, k_ptr, v_ptr, do_ptr, pos_ptr, cu_q_ptr, cu_k_ptr, tile_ptr, k_desc, v_desc,
     lse_ptr, delta_ptr, dq_ptr,
-    T, Tk, B, D, qk_scale2, scale,
+    T, Tk, B, NH, D, qk_scale2, scale,
     s_qt, s_qh, s_kt, s_kh, s_dot, s_doh, s_dqt, s_dqh,
     G: tl.constexpr, MODE: tl.constexpr, IEEE: tl.constexpr, KV_TMA: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    h = tl.program_id(1)
+    pid = tl.program_id(0) // NH  # one grid axis, the head fastest (see the forward kernel)
+    h = tl.program_id(0) % NH
     hk = h // G
     if pid >= tl.load(tile_ptr + B - 1):
         return
@@ -432,13 +433,14 @@ def attention_varlen_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.
     delta = torch.empty((hq, max(t, 1)), dtype=torch.float32, device=dev)
     if t:
         s_cfg, s_desc = _with_descriptors(c["stats"], k, v, d)
-        _attn_bwd_stats_kernel[(triton.cdiv(t, bm_s) + nb, hq)](
-            q, k, v, do, pos, cu_q, cu_k, t_stats, *s_desc, lse, delta, t, tk, nb, d, qk_scale2, *strides,
+        _attn_bwd_stats_kernel[((triton.cdiv(t, bm_s) + nb) * hq,)](
+            q, k, v, do, pos, cu_q, cu_k, t_stats, *s_desc, lse, delta, t, tk, nb, hq, d, qk_scale2, *strides,
             **common, **s_cfg,
         )
         q_cfg, q_desc = _with_descriptors(c["dq"], k, v, d)
-        _attn_bwd_dq_kernel[(triton.cdiv(t, bm_q) + nb, hq)](
-            q, k, v, do, pos, cu_q, cu_k, t_dq, *q_desc, lse, delta, dq, t, tk, nb, d, qk_scale2, scale, *strides,
+        _attn_bwd_dq_kernel[((triton.cdiv(t, bm_q) + nb) * hq,)](
+            q, k, v, do, pos, cu_q, cu_k, t_dq, *q_desc, lse, delta, dq, t, tk, nb, hq, d, qk_scale2, scale,
+            *strides,
             dq.stride(0), dq.stride(1), **common, **q_cfg,
         )
     kv_cfg = dict(c["dkdv"])
@@ -448,8 +450,9 @@ def attention_varlen_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.
         dv_out = torch.empty_like(dk_out)
     else:
         dk_out, dv_out = dk, dv
-    _attn_bwd_dkdv_kernel[(triton.cdiv(tk, bn_kv) + nb, hq if split else hkv)](
-        q, k, v, do, pos, cu_q, cu_k, t_dkdv, lse, delta, dk_out, dv_out, t, tk, nb, d, qk_scale2, scale,
+    nh_kv = hq if split else hkv
+    _attn_bwd_dkdv_kernel[((triton.cdiv(tk, bn_kv) + nb) * nh_kv,)](
+        q, k, v, do, pos, cu_q, cu_k, t_dkdv, lse, delta, dk_out, dv_out, t, tk, nb, nh_kv, d, qk_scale2, scale,
         *strides, dk_out.stride(0), dk_out.stride(1), **common, SPLIT_G=split, **kv_cfg,
     )
     if split:
