@@ -424,7 +424,8 @@ def attention_varlen_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.
     c = cfg or config(q.dtype, d)
     # cumulative tile counts per sequence, on the device (no host sync); grids are upper bounds
     bm_s, bm_q, bn_kv = c["stats"]["BLOCK_M"], c["dq"]["BLOCK_M"], c["dkdv"]["BLOCK_N"]
-    t_stats, t_dq, t_dkdv = tile_counts(cu_q, bm_s), tile_counts(cu_q, bm_q), tile_counts(cu_k, bn_kv)
+    t_stats, t_dkdv = tile_counts(cu_q, bm_s), tile_counts(cu_k, bn_kv)
+    t_dq = t_stats if bm_q == bm_s else tile_counts(cu_q, bm_q)
     qk_scale2 = struct.unpack("f", struct.pack("f", scale))[0] * _LOG2E
     strides = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), do.stride(0), do.stride(1))
     common = dict(G=hq // hkv, MODE=mode, IEEE=q.dtype == torch.float32)
