@@ -11,6 +11,7 @@ the row count is passed with ``do_not_specialize`` so the compiled binary is the
 
 from __future__ import annotations
 
+import functools
 import importlib
 from collections.abc import Callable
 from typing import Any
@@ -42,6 +43,15 @@ def available() -> tuple[bool, str]:
     if cap < MIN_CAPABILITY:
         return False, f"compute capability {cap} < {MIN_CAPABILITY}"
     return True, f"triton on compute capability {cap}"
+
+
+@functools.cache
+def has_tma(index: int) -> bool:
+    """Whether CUDA device ``index`` has TMA (NVIDIA sm_90+; ROCm reports gfx9xx as capability 9.x and
+    has none). The TMA load paths of the GEMM and the attention kernels are taken only where it does."""
+    import torch
+
+    return torch.version.hip is None and torch.cuda.get_device_capability(index)[0] >= 9
 
 
 def next_pow2(n: int) -> int:

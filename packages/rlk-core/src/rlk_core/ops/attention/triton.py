@@ -38,14 +38,12 @@ the arithmetic are unchanged. A load path, not arithmetic: the H200 sweep measur
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from rlk_core.ops._triton_common import next_pow2
+from rlk_core.ops._triton_common import has_tma, next_pow2
 from rlk_core.ops.attention._core import KV_BLOCK
 
 LOG2E = 1.4426950408889634
@@ -82,12 +80,6 @@ def config(dtype: torch.dtype, head_size: int, form: str = "prefill") -> dict[st
             "num_stages": stages}
 
 
-@functools.cache
-def _device_has_tma(index: int) -> bool:
-    # NVIDIA sm_90+ only (ROCm reports gfx9xx as capability 9.x and has no TMA)
-    return torch.version.hip is None and torch.cuda.get_device_capability(index)[0] >= 9
-
-
 def kv_tma_ok(k: torch.Tensor, v: torch.Tensor, d: int, d_pad: int) -> bool:
     """Whether contiguous varlen K/V ``[Tk, Hkv, d]`` can be read as 2-D TMA descriptors ``[Tk, Hkv * d]``
     with ``[BLOCK_N, d_pad]`` boxes: ``d == d_pad`` (a wider box would read the next head's columns),
@@ -96,7 +88,7 @@ def kv_tma_ok(k: torch.Tensor, v: torch.Tensor, d: int, d_pad: int) -> bool:
     return d == d_pad and all(
         t.dim() == 3 and t.shape[0] > 0 and t.stride(2) == 1 and t.stride(1) == d and t.stride(0) >= t.shape[1] * d
         and (t.stride(0) * t.element_size()) % 16 == 0 and t.data_ptr() % 16 == 0 for t in (k, v)
-    ) and (not k.is_cuda or _device_has_tma(k.device.index))  # CPU tensors: the Triton interpreter
+    ) and (not k.is_cuda or has_tma(k.device.index))  # CPU tensors: the Triton interpreter
 
 
 def kv_descriptor(t: torch.Tensor, block_n: int, d_pad: int) -> TensorDescriptor:

@@ -30,6 +30,8 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from rlk_core.ops._triton_common import has_tma
+
 # Tiles: (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages). Chosen from the H200 sweep
 # (benchmarks/results/h200/sweep/). TMA = the persistent TMA-descriptor kernel (sm_90+, operands
 # with unit last stride and 16-byte aligned rows); otherwise the pointer-load kernel.
@@ -101,12 +103,6 @@ def tile_config(tile: tuple[int, ...], k: int, dtype: torch.dtype = torch.bfloat
 @functools.cache
 def _num_sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
-
-
-@functools.cache
-def _tma_ok(index: int) -> bool:
-    # NVIDIA sm_90+ only (ROCm reports gfx9xx as capability 9.x and has no TMA)
-    return torch.version.hip is None and torch.cuda.get_device_capability(index)[0] >= 9
 
 
 def _tma_compatible(*ts: torch.Tensor) -> bool:
@@ -203,7 +199,7 @@ def _config_for(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> dic
     dev = x.device.index or 0
     # TMA only for an output in the input dtype: an fp32 output tile would not fit shared memory
     # beside the pipeline buffers of the large tile
-    tma = x.is_cuda and out.dtype == x.dtype and _tma_ok(dev) and _tma_compatible(x, weight, out)
+    tma = x.is_cuda and out.dtype == x.dtype and has_tma(dev) and _tma_compatible(x, weight, out)
     return config(x.dtype, x.shape[0], weight.shape[0], x.shape[1], tma, _num_sms(dev) if x.is_cuda else 132)
 
 
