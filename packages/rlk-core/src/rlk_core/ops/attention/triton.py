@@ -22,8 +22,8 @@ tests check bit for bit (prefill == chunked prefill == decode, any page size, an
   loads past the tile's largest limit are masked (``other=0``), so unused cache slots (NaN) and
   block-table entries past a sequence's pages are never read.
 - Tile schedule without a host sync: per sequence ``ceil(Lq_b / TOK)`` tiles, their cumulative sum on
-  the device; the grid is the upper bound ``ceil(T / TOK) + B`` and each program finds its sequence by
-  binary search (programs past the end return).
+  the device; one grid axis of the upper bound ``(ceil(T / TOK) + B) * Hkv`` programs, the KV head
+  fastest, each finding its sequence by binary search (:func:`find_tile`; programs past the end return).
 
 Configuration per (dtype, padded head size, form) only (``CONFIGS``); counts are ``do_not_specialize``.
 No atomics, no split-KV, no autotuning. fp32 inputs use ``input_precision="ieee"``.
