@@ -1,0 +1,176 @@
+"""Host time per call of rlk's public paths, beside the native alternative (H200 only).
+
+    python benchmarks/host_overhead.py [--profile]
+
+The device benches (harness.time_fns) hide up to ~0.5 ms of host time per call behind a sleep kernel;
+this script measures that host time itself. For each path the GPU is first held busy by a long
+``torch.cuda._sleep``, then the path is called ``N`` times back to back and the host wall time is
+divided by ``N`` (the calls only enqueue work). A path that synchronises with the device shows up as
+``syncs = True``: its loop cannot finish before the sleep does. ``gpu_ms`` is the same path's device
+time with the host far ahead (events around the call, after a 20 ms sleep), ``bench_ms`` the
+harness's number (0.5 ms head start, L2 flushed): ``bench_ms`` well above ``gpu_ms`` means the call is
+host-bound at that size. ``--profile`` adds a cProfile listing (top functions by own time) of the
+autograd backward to the log.
+
+Writes ``host_overhead.json`` / ``.md`` to ``$RLK_BENCH_OUT`` (default ``benchmarks/results/h200``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import pstats
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from _common import randn
+from harness import copy_bandwidth, default_out_dir, environment, time_fns, write_results
+
+from rlk_core.backends import REGISTRY
+from rlk_core.ops import attention as attn
+from rlk_core.ops import linear as rlk_linear
+
+CALLS = 20
+BLOCK_CYCLES = 400_000_000  # ~200 ms at 1.98 GHz: far longer than CALLS calls of any path here
+
+
+def host_us(fn: Callable[[], Any]) -> tuple[float, bool]:
+    """Host microseconds per call with the GPU busy, and whether the loop waited for the device."""
+    fn()
+    torch.cuda.synchronize()
+    torch.cuda._sleep(BLOCK_CYCLES)
+    t0 = time.perf_counter()
+    for _ in range(CALLS):
+        fn()
+    host = time.perf_counter() - t0
+    t1 = time.perf_counter()
+    torch.cuda.synchronize()
+    left = time.perf_counter() - t1
+    # if the loop had waited for the sleep, nothing of it would be left when the loop ends
+    return host / CALLS * 1e6, left < 0.02
+
+
+def gpu_ms(fn: Callable[[], Any], repeats: int = 10) -> float:
+    """Device time of one call with the host far ahead (no host gap can show)."""
+    fn()
+    torch.cuda.synchronize()
+    ms = []
+    for _ in range(repeats):
+        torch.cuda._sleep(40_000_000)
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        fn()
+        e.record()
+        torch.cuda.synchronize()
+        ms.append(s.elapsed_time(e))
+    return statistics.median(ms)
+
+
+def profile(fn: Callable[[], Any], top: int = 30) -> str:
+    fn()
+    torch.cuda.synchronize()
+    torch.cuda._sleep(BLOCK_CYCLES)
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(CALLS):
+        fn()
+    prof.disable()
+    torch.cuda.synchronize()
+    buf = io.StringIO()
+    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(top)
+    return buf.getvalue()
+
+
+def backend_fn(op: str, args: tuple) -> Callable[..., Any]:
+    return REGISTRY.select(op, "cuda", args, strict=True).backend.fn
+
+
+def paths(n: int) -> list[tuple[str, str, Callable[[], Any]]]:
+    """(case, path, fn) triples."""
+    hq, hkv, d = 32, 8, 128
+    scale = d ** -0.5
+    q, k, v, g = (randn(s, seed=7000 + i) for i, s in enumerate([(n, hq, d), (n, hkv, d), (n, hkv, d), (n, hq, d)]))
+    cu = torch.tensor([0, n], dtype=torch.int32, device="cuda")
+    leaves = [x.detach().requires_grad_(True) for x in (q, k, v)]
+    out = attn.attention_varlen(*leaves, cu, cu, scale)
+    fwd_args = (q, k, v, cu, cu, scale, True, None)
+    bwd_args = (g, q, k, v, cu, cu, scale, True, None)
+    fwd, bwd = backend_fn("attention_varlen", fwd_args), backend_fn("attention_varlen_backward", bwd_args)
+    q4, k4, v4, g4 = (x.view(1, n, x.shape[1], d).transpose(1, 2) for x in (q, k, v, g))
+    sl = [x.detach().requires_grad_(True) for x in (q4, k4, v4)]
+    with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.FLASH_ATTENTION):
+        sout = F.scaled_dot_product_attention(*sl, is_causal=True, scale=scale, enable_gqa=True)
+
+    def sdpa_fwd():
+        with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.FLASH_ATTENTION):
+            return F.scaled_dot_product_attention(q4, k4, v4, is_causal=True, scale=scale, enable_gqa=True)
+
+    case = f"attention 1x{n} (8b heads)"
+    out_paths = [
+        (case, "forward backend", lambda: fwd(*fwd_args)),
+        (case, "forward op", lambda: attn.attention_varlen(q, k, v, cu, cu, scale)),
+        (case, "forward op + graph", lambda: attn.attention_varlen(*leaves, cu, cu, scale)),
+        (case, "forward SDPA flash", sdpa_fwd),
+        (case, "backward backend", lambda: bwd(*bwd_args)),
+        (case, "backward op", lambda: torch.ops.rlk.attention_varlen_backward(*bwd_args)),
+        (case, "backward autograd", lambda: torch.autograd.grad(out, leaves, g, retain_graph=True)),
+        (case, "backward SDPA flash autograd", lambda: torch.autograd.grad(sout, sl, g4, retain_graph=True)),
+    ]
+    return out_paths
+
+
+def decode_paths(b: int, ctx: int) -> list[tuple[str, str, Callable[[], Any]]]:
+    hq, hkv, d, page = 32, 8, 128, 16
+    pages = b * ctx // page
+    q = randn((b, hq, d), seed=1)
+    kc = randn((pages, page, hkv, d), seed=2)
+    vc = randn((pages, page, hkv, d), seed=3)
+    table = torch.randperm(pages, device="cuda", dtype=torch.int32).view(b, ctx // page)
+    lens = torch.full((b,), ctx, dtype=torch.int32, device="cuda")
+    args = (q, kc, vc, table, lens, d ** -0.5)
+    fn = backend_fn("attention_decode", args)
+    case = f"decode {b}x{ctx} paged"
+    return [(case, "decode backend", lambda: fn(*args)), (case, "decode op", lambda: attn.attention_decode(*args))]
+
+
+def linear_paths() -> list[tuple[str, str, Callable[[], Any]]]:
+    x, w = randn((1, 4096), seed=4), randn((4096, 4096), seed=5)
+    fn = backend_fn("linear", (x, w, None))
+    case = "linear M=1 4096x4096"
+    return [(case, "linear backend", lambda: fn(x, w, None)), (case, "linear op", lambda: rlk_linear(x, w)),
+            (case, "torch F.linear", lambda: F.linear(x, w))]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--profile", action="store_true", help="cProfile the autograd backward at L = 2048")
+    ap.add_argument("--lengths", default="2048,8192")
+    args = ap.parse_args()
+    env = environment()
+    rows = []
+    all_paths = [p for n in map(int, args.lengths.split(",")) for p in paths(n)]
+    all_paths += decode_paths(64, 4096) + linear_paths()
+    for case, path, fn in all_paths:
+        us, syncs = host_us(fn)
+        row = {"case": case, "path": path, "host_us": us, "syncs": syncs, "gpu_ms": gpu_ms(fn),
+               "bench_ms": time_fns([fn], repeats=10)["median_ms"]}
+        rows.append(row)
+        print(f"{case:28s} {path:30s} host {us:8.1f} us  syncs={syncs!s:5s}  gpu {row['gpu_ms']:.4f} ms  "
+              f"bench {row['bench_ms']:.4f} ms", flush=True)
+    if args.profile:
+        backward = next(fn for case, path, fn in all_paths if path == "backward autograd")
+        print(profile(backward))
+    meta = {"env": env, "copy": copy_bandwidth(), "repeats": 10, "calls": CALLS}
+    write_results(default_out_dir(), "host_overhead", meta, rows,
+                  [("case", "case"), ("path", "path"), ("host_us", "host us / call"), ("syncs", "syncs"),
+                   ("gpu_ms", "device ms"), ("bench_ms", "bench ms (0.5 ms head start)")])
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
