@@ -1,6 +1,6 @@
 """Host time per call of rlk's public paths, beside the native alternative (H200 only).
 
-    python benchmarks/host_overhead.py [--profile]
+    python benchmarks/host_overhead.py [--profile] [--breakdown]
 
 The device benches (harness.time_fns) hide up to ~0.5 ms of host time per call behind a sleep kernel;
 this script measures that host time itself. For each path the GPU is first held busy by a long
@@ -10,7 +10,8 @@ divided by ``N`` (the calls only enqueue work). A path that synchronises with th
 time with the host far ahead (events around the call, after a 20 ms sleep), ``bench_ms`` the
 harness's number (0.5 ms head start, L2 flushed): ``bench_ms`` well above ``gpu_ms`` means the call is
 host-bound at that size. ``--profile`` adds a cProfile listing (top functions by own time) of the
-autograd backward to the log.
+autograd backward to the log; ``--breakdown`` times the pieces of each attention backend call (every
+Triton launch, the tile-count ops, the TMA descriptors) by wrapping them, the rest is "other".
 
 Writes ``host_overhead.json`` / ``.md`` to ``$RLK_BENCH_OUT`` (default ``benchmarks/results/h200``).
 """
@@ -18,6 +19,7 @@ Writes ``host_overhead.json`` / ``.md`` to ``$RLK_BENCH_OUT`` (default ``benchma
 from __future__ import annotations
 
 import argparse
+import collections
 import cProfile
 import io
 import pstats
@@ -86,6 +88,50 @@ def profile(fn: Callable[[], Any], top: int = 30) -> str:
     return buf.getvalue()
 
 
+def breakdown(fn: Callable[[], Any]) -> dict[str, float]:
+    """Host microseconds per call of each Triton launch (by kernel), of ``tile_counts`` and
+    ``kv_descriptor``, and of everything else."""
+    from triton.runtime.jit import JITFunction
+
+    from rlk_core.ops.attention import triton as at
+    from rlk_core.ops.attention import triton_backward as atb
+
+    acc: dict[str, float] = collections.defaultdict(float)
+
+    def timed(key: Callable[..., str], f: Callable[..., Any]) -> Callable[..., Any]:
+        def wrapper(*a, **kw):
+            t = time.perf_counter()
+            try:
+                return f(*a, **kw)
+            finally:
+                acc[key(*a)] += time.perf_counter() - t
+        return wrapper
+
+    patches = [(JITFunction, "run", timed(lambda self, *a: f"launch {self.fn.__name__}", JITFunction.run))]
+    patches += [(mod, name, timed(lambda *a, name=name: name, getattr(mod, name)))
+                for mod in (at, atb) for name in ("tile_counts", "kv_descriptor")]
+    saved = [(obj, name, getattr(obj, name)) for obj, name, _ in patches]
+    fn()
+    torch.cuda.synchronize()
+    try:
+        for obj, name, new in patches:
+            setattr(obj, name, new)
+        acc.clear()
+        torch.cuda._sleep(BLOCK_CYCLES)
+        t0 = time.perf_counter()
+        for _ in range(CALLS):
+            fn()
+        total = time.perf_counter() - t0
+    finally:
+        for obj, name, old in saved:
+            setattr(obj, name, old)
+    torch.cuda.synchronize()
+    out = {k: v / CALLS * 1e6 for k, v in sorted(acc.items())}
+    out["other"] = total / CALLS * 1e6 - sum(out.values())
+    out["total"] = total / CALLS * 1e6
+    return out
+
+
 def backend_fn(op: str, args: tuple) -> Callable[..., Any]:
     return REGISTRY.select(op, "cuda", args, strict=True).backend.fn
 
@@ -149,6 +195,7 @@ def linear_paths() -> list[tuple[str, str, Callable[[], Any]]]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--profile", action="store_true", help="cProfile the autograd backward at L = 2048")
+    ap.add_argument("--breakdown", action="store_true", help="host time of the pieces of each attention backend call")
     ap.add_argument("--lengths", default="2048,8192")
     args = ap.parse_args()
     env = environment()
@@ -162,6 +209,12 @@ def main() -> int:
         rows.append(row)
         print(f"{case:28s} {path:30s} host {us:8.1f} us  syncs={syncs!s:5s}  gpu {row['gpu_ms']:.4f} ms  "
               f"bench {row['bench_ms']:.4f} ms", flush=True)
+    if args.breakdown:
+        for case, path, fn in all_paths:
+            if path in ("forward backend", "backward backend", "decode backend"):
+                parts = breakdown(fn)
+                rows.append({"case": case, "path": path + " (breakdown)", "host_us": parts["total"], "parts_us": parts})
+                print(f"{case:28s} {path:30s} " + ", ".join(f"{k} {v:.1f}" for k, v in parts.items()), flush=True)
     if args.profile:
         backward = next(fn for case, path, fn in all_paths if path == "backward autograd")
         print(profile(backward))

@@ -24,18 +24,57 @@ class _Spy(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def test_direct_only_when_the_dispatcher_has_nothing_to_add():
+def test_path_direct_only_when_the_dispatcher_has_nothing_to_add():
     x = torch.randn(3, 8)
-    assert D._direct((x, [x], None, 1.0))
+    assert D._path((x, [x], None, 1.0)) == "direct"
     leaf = x.clone().requires_grad_()
-    assert not D._direct((leaf,))
+    assert D._path((leaf,)) == "function"
+    assert D._path((x, [leaf])) == "dispatcher"  # autograd.Function does not see tensors inside lists
     with torch.no_grad():
-        assert D._direct((leaf,))
-    assert D._direct((torch.nn.Parameter(x, requires_grad=False),))
+        assert D._path((leaf,)) == D._path((x, [leaf])) == "direct"
+    assert D._path((torch.nn.Parameter(x, requires_grad=False),)) == "direct"
     with _Spy():
-        assert not D._direct((x,))
+        assert D._path((x,)) == D._path((leaf,)) == "dispatcher"
     with FakeTensorMode() as mode:
-        assert not D._direct((mode.from_tensor(x),))
+        assert D._path((mode.from_tensor(x),)) == "dispatcher"
+
+
+def _grads(fn, inputs, seed=0):
+    leaves = [t.detach().clone().requires_grad_() for t in inputs]
+    out = fn(*leaves)
+    out.backward(torch.randn(out.shape, generator=torch.Generator().manual_seed(seed)).to(out.dtype))
+    return out, [t.grad for t in leaves]
+
+
+def test_eager_autograd_function_matches_the_custom_op_autograd_bit_for_bit():
+    """The eager path (an autograd.Function over the op's implementation) and the dispatcher path (the
+    custom op's autograd) give the same outputs and gradients, and the eager one is what ops use."""
+    x, w, b = torch.randn(6, 32), torch.randn(24, 32), torch.randn(24)
+    q, k, v = torch.randn(9, 4, 16), torch.randn(9, 2, 16), torch.randn(9, 2, 16)
+    cu = torch.tensor([0, 4, 9], dtype=torch.int32)
+    cases = [
+        (lambda *t: ops.linear(*t), lambda *t: torch.ops.rlk.linear(*t), (x, w, b)),
+        (lambda t: ops.swiglu(t), lambda t: torch.ops.rlk.swiglu(t), (torch.randn(5, 48),)),
+        (lambda q, k, v: ops.attention_varlen(q, k, v, cu, cu, 0.25),
+         lambda q, k, v: torch.ops.rlk.attention_varlen(q, k, v, cu, cu, 0.25, True, None), (q, k, v)),
+    ]
+    for eager, dispatched, inputs in cases:
+        out_e, grads_e = _grads(eager, inputs)
+        out_d, grads_d = _grads(dispatched, inputs)
+        assert_bitwise_equal(out_e, out_d)
+        for a, b_ in zip(grads_e, grads_d, strict=True):
+            assert_bitwise_equal(a, b_)
+        leaves = [t.detach().requires_grad_() for t in inputs]
+        assert type(eager(*leaves).grad_fn).__name__.endswith("_functionBackward")
+        assert "function" not in type(dispatched(*leaves).grad_fn).__name__
+
+
+def test_eager_autograd_function_supports_double_backward_where_the_op_did():
+    x, w = torch.randn(3, 8, requires_grad=True), torch.randn(5, 8, requires_grad=True)
+    y = ops.linear(x, w)
+    (gx,) = torch.autograd.grad(y.sum(), x, create_graph=True)
+    gx.sum().backward()  # d/dw of sum(dy W) with dy = 1: every element of w.grad is M = 3
+    assert torch.equal(w.grad, torch.full_like(w, 3.0))
 
 
 def test_direct_and_dispatched_calls_agree_and_are_recorded():

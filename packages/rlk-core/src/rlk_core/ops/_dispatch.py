@@ -3,8 +3,12 @@
 Every public op is a ``torch.library`` custom op (``torch.ops.rlk.<name>``: autograd, fake tensors,
 ``torch.compile``). :func:`call` runs the op's implementation directly when the dispatcher has nothing
 to add — plain tensors, no autograd needed, no tracing, no dispatch or function mode — which saves the
-dispatcher's ~80 us of host time per call (a decode step makes hundreds of calls); the implementation,
-and therefore the backend and the bits, are the same either way.
+dispatcher's ~80 us of host time per call (a decode step makes hundreds of calls). When autograd is
+needed but nothing else is (eager training), an op registered with :func:`register_autograd` runs as a
+``torch.autograd.Function`` built from the same implementation, ``setup_context`` and backward: the
+custom op's autograd wrapper cost ~180 us of host time per forward and ~150 us per backward on the H200
+machine (``benchmarks/host_overhead.py``). The implementation, and therefore the backend and the bits,
+are the same on every path.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from rlk_core.backends import REGISTRY
 from rlk_core.readback import note_op_call, strict_now
 
 _IMPLS: dict[str, Callable[..., Any]] = {}
+_FUNCTIONS: dict[str, type[torch.autograd.Function]] = {}
 _PACKETS: dict[str, Any] = {}
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
@@ -41,22 +46,46 @@ def custom_op(name: str, mutates_args: Iterable[str] = ()) -> Callable[[Callable
     return wrap
 
 
-def _direct(args: tuple[Any, ...]) -> bool:
+def register_autograd(op: Any, backward: Callable[..., Any], setup_context: Callable[..., None]) -> None:
+    """``op.register_autograd(backward, setup_context=...)`` for the dispatcher path, and the same pair as
+    a ``torch.autograd.Function`` for eager calls through :func:`call`. Only for ops whose tensor inputs
+    are direct arguments (``autograd.Function`` does not track tensors inside lists)."""
+    op.register_autograd(backward, setup_context=setup_context)
+    impl = _IMPLS[op._name]
+    _FUNCTIONS[op._name] = type(f"{op._name}_function", (torch.autograd.Function,), {
+        "forward": staticmethod(impl), "setup_context": staticmethod(setup_context),
+        "backward": staticmethod(backward)})
+
+
+def _path(args: tuple[Any, ...]) -> str:
+    """``"direct"`` (no autograd needed), ``"function"`` (eager autograd over plain tensors) or
+    ``"dispatcher"``."""
     if (torch.compiler.is_compiling() or torch._C._is_torch_function_mode_enabled()
             or _python_dispatch._get_current_dispatch_mode() is not None):
-        return False
+        return "dispatcher"
     grad = torch.is_grad_enabled()
+    path = "direct"
     for arg in args:
-        for t in arg if isinstance(arg, (list, tuple)) else (arg,):
-            if isinstance(t, torch.Tensor) and (type(t) not in _PLAIN or (grad and t.requires_grad)):
-                return False
-    return True
+        listed = isinstance(arg, (list, tuple))
+        for t in arg if listed else (arg,):
+            if isinstance(t, torch.Tensor):
+                if type(t) not in _PLAIN:
+                    return "dispatcher"
+                if grad and t.requires_grad:
+                    if listed:
+                        return "dispatcher"
+                    path = "function"
+    return path
 
 
 def call(name: str, *args: Any) -> Any:
-    """``torch.ops.rlk.<name>(*args)``, or its implementation directly when nothing needs the dispatcher."""
-    if _direct(args):
+    """``torch.ops.rlk.<name>(*args)``, or the same implementation without the dispatcher when nothing
+    needs it (see the module docstring)."""
+    path = _path(args)
+    if path == "direct":
         return _IMPLS[name](*args)
+    if path == "function" and name in _FUNCTIONS:
+        return _FUNCTIONS[name].apply(*args)
     packet = _PACKETS.get(name)
     if packet is None:
         packet = _PACKETS[name] = getattr(torch.ops.rlk, name)

@@ -13,6 +13,8 @@ from collections.abc import Callable
 
 import torch
 
+from rlk_core.ops._dispatch import register_autograd
+
 
 def closed_form_backward(op, backward: Callable[..., tuple[torch.Tensor | None, ...]], n_tensor_inputs: int) -> None:
     """``backward(*saved_tensor_inputs, *non_tensor_inputs, grad)`` returns one gradient per tensor input."""
@@ -25,4 +27,4 @@ def closed_form_backward(op, backward: Callable[..., tuple[torch.Tensor | None, 
         result = [g if need else None for g, need in zip(grads, ctx.needs_input_grad, strict=False)]
         return (*result, *([None] * len(ctx.rest)))
 
-    op.register_autograd(_backward, setup_context=setup_context)
+    register_autograd(op, _backward, setup_context)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from rlk_core.backends import REGISTRY, Backend
-from rlk_core.ops._dispatch import call, custom_op, run
+from rlk_core.ops._dispatch import call, custom_op, register_autograd, run
 from rlk_core.ops.attention import _validate as V
 from rlk_core.ops.attention._core import KV_BLOCK
 from rlk_core.ops.attention.reference import (
@@ -57,7 +57,7 @@ def _(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, causal, q_positions):
     return torch.empty_like(q)
 
 
-@torch.library.custom_op("rlk::attention_varlen_backward", mutates_args=())
+@custom_op("attention_varlen_backward")
 def _attention_varlen_backward_op(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
                                   cu_seqlens_k: Tensor, scale: float, causal: bool,
                                   q_positions: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
@@ -81,12 +81,12 @@ def _varlen_setup_context(ctx, inputs, output) -> None:
 
 def _varlen_backward(ctx, grad):
     q, k, v, cu_q, cu_k, q_positions = ctx.saved_tensors
-    dq, dk, dv = torch.ops.rlk.attention_varlen_backward(grad.contiguous(), q, k, v, cu_q, cu_k, ctx.scale,
-                                                         ctx.causal, q_positions)
+    dq, dk, dv = call("attention_varlen_backward", grad.contiguous(), q, k, v, cu_q, cu_k, ctx.scale, ctx.causal,
+                      q_positions)
     return dq, dk, dv, None, None, None, None, None
 
 
-_attention_varlen_op.register_autograd(_varlen_backward, setup_context=_varlen_setup_context)
+register_autograd(_attention_varlen_op, _varlen_backward, _varlen_setup_context)
 
 
 def attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, scale: float,

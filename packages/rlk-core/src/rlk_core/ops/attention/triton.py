@@ -38,6 +38,8 @@ the arithmetic are unchanged. A load path, not arithmetic: the H200 sweep measur
 
 from __future__ import annotations
 
+import struct
+
 import torch
 import triton
 import triton.language as tl
@@ -125,9 +127,19 @@ def find_tile(pid, tile_cum_ptr, B):
 
 
 def tile_counts(cu_seqlens: torch.Tensor, tile: int) -> torch.Tensor:
-    """Cumulative per-sequence tile counts ``cumsum(ceil(len_b / tile))`` (int32, on the device)."""
-    lens = cu_seqlens[1:] - cu_seqlens[:-1]
-    return torch.cumsum(torch.div(lens + (tile - 1), tile, rounding_mode="floor"), 0).to(torch.int32)
+    """Cumulative per-sequence tile counts ``cumsum(ceil(len_b / tile))`` (int32, on the device; four
+    small ops: each costs host time on every call)."""
+    return torch.cumsum(torch.diff(cu_seqlens).add_(tile - 1).div_(tile, rounding_mode="floor"), 0, dtype=torch.int32)
+
+
+def _f32(x: float) -> float:
+    return struct.unpack("f", struct.pack("f", x))[0]
+
+
+def qk_scale_f32(scale: float) -> float:
+    """``fp32(scale) * fp32(log2 e)`` rounded to fp32, on the host without torch ops: the product of two
+    floats is exact in a double, so packing it rounds once, as the fp32 multiply does."""
+    return _f32(_f32(float(scale)) * _f32(LOG2E))
 
 
 @triton.jit
@@ -278,7 +290,7 @@ def _launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, table: torch.Tens
     tok = cfg["BLOCK_M"] // g_pad
     tile_cum = tile_counts(cu_q, tok)
     qpos = q_positions.to(torch.int32) if q_positions is not None else lens
-    qk_scale = float(torch.tensor(float(scale), dtype=torch.float32) * torch.tensor(LOG2E, dtype=torch.float32))
+    qk_scale = qk_scale_f32(scale)
     grid = ((triton.cdiv(t, tok) + b) * hkv,)
     _attention_fwd_kernel[grid](
         q, k, v, out, k_desc, v_desc, table, cu_q, lens, tile_cum, qpos,
@@ -293,7 +305,7 @@ def _launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, table: torch.Tens
 
 
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, causal, q_positions):
-    lens = (cu_seqlens_k[1:] - cu_seqlens_k[:-1]).to(torch.int32)
+    lens = torch.diff(cu_seqlens_k).to(torch.int32)
     ks = (k.stride(0), k.stride(0), k.stride(1), k.stride(2))
     vs = (v.stride(0), v.stride(0), v.stride(1), v.stride(2))
     return _launch(q, k, v, cu_seqlens_k, 1, 0, ks, vs, cu_seqlens_q, lens,

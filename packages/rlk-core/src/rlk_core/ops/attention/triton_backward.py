@@ -43,16 +43,13 @@ sequence's last (longest) tiles first, KV tiles its first (longest) ones.
 
 from __future__ import annotations
 
-import struct
-
 import torch
 import triton
 import triton.language as tl
 
 from rlk_core.ops._triton_common import next_pow2
-from rlk_core.ops.attention.triton import find_tile, kv_descriptor, kv_tma_ok, tile_counts
+from rlk_core.ops.attention.triton import find_tile, kv_descriptor, kv_tma_ok, qk_scale_f32, tile_counts
 
-_LOG2E = 1.4426950408889634
 MAX_HEAD_DIM = 128
 
 # Per kernel: (BLOCK_M, BLOCK_N, num_warps, num_stages) for stats, dkdv, dq.
@@ -426,7 +423,7 @@ def attention_varlen_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.
     bm_s, bm_q, bn_kv = c["stats"]["BLOCK_M"], c["dq"]["BLOCK_M"], c["dkdv"]["BLOCK_N"]
     t_stats, t_dkdv = tile_counts(cu_q, bm_s), tile_counts(cu_k, bn_kv)
     t_dq = t_stats if bm_q == bm_s else tile_counts(cu_q, bm_q)
-    qk_scale2 = struct.unpack("f", struct.pack("f", scale))[0] * _LOG2E
+    qk_scale2 = qk_scale_f32(scale)
     strides = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), do.stride(0), do.stride(1))
     common = dict(G=hq // hkv, MODE=mode, IEEE=q.dtype == torch.float32)
 

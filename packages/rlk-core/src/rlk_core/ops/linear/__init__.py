@@ -6,7 +6,7 @@ import torch
 
 from rlk_core.backends import REGISTRY, Backend
 from rlk_core.ops import _checks as C
-from rlk_core.ops._dispatch import call, custom_op, run
+from rlk_core.ops._dispatch import call, custom_op, register_autograd, run
 from rlk_core.ops.linear.reference import linear_reference
 
 CONTRACT_ID = "rlk.gemm.bi.v1"
@@ -53,16 +53,16 @@ def _backward(ctx, grad):
     x2 = x.reshape(-1, x.shape[-1])
     dx = dw = db = None
     if ctx.needs_input_grad[0]:
-        dx = torch.ops.rlk.linear(grad.to(x.dtype), weight.t().contiguous(), None)
+        dx = call("linear", grad.to(x.dtype), weight.t().contiguous(), None)
     if ctx.needs_input_grad[1]:
-        dw = torch.ops.rlk.linear(g2.t().contiguous(), x2.t().contiguous(), None).to(weight.dtype)
+        dw = call("linear", g2.t().contiguous(), x2.t().contiguous(), None).to(weight.dtype)
     if ctx.has_bias and ctx.needs_input_grad[2]:
         ones = g2.new_ones((1, g2.shape[0]))
-        db = torch.ops.rlk.linear(ones, g2.t().contiguous(), None).reshape(-1).to(weight.dtype)
+        db = call("linear", ones, g2.t().contiguous(), None).reshape(-1).to(weight.dtype)
     return dx, dw, db
 
 
-_linear_op.register_autograd(_backward, setup_context=_setup_context)
+register_autograd(_linear_op, _backward, _setup_context)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
