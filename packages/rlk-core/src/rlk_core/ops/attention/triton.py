@@ -21,9 +21,10 @@ tests check bit for bit (prefill == chunked prefill == decode, any page size, an
   1)) * s_off`` with ``2^S`` the page size (a power of two). Varlen: token ``cu_seqlens_k[b] + j``. K/V
   loads past the tile's largest limit are masked (``other=0``), so unused cache slots (NaN) and
   block-table entries past a sequence's pages are never read.
-- Tile schedule without a host sync: per sequence ``ceil(Lq_b / TOK)`` tiles, their cumulative sum on
-  the device; one grid axis of the upper bound ``(ceil(T / TOK) + B) * Hkv`` programs, the KV head
-  fastest, each finding its sequence by binary search (:func:`find_tile`; programs past the end return).
+- Tile schedule without host work or a sync: per sequence ``ceil(Lq_b / TOK)`` tiles; one grid axis of
+  the upper bound ``(ceil(T / TOK) + B) * Hkv`` programs, the KV head fastest, each finding its
+  sequence by a scan of ``cu_seqlens_q`` on the device (:func:`find_tile`; programs past the end
+  return). (Computing the cumulative tile counts with torch ops cost ~80 us of host time per call.)
 
 Configuration per (dtype, padded head size, form) only (``CONFIGS``); counts are ``do_not_specialize``.
 No atomics, no split-KV, no autotuning. fp32 inputs use ``input_precision="ieee"``.
@@ -110,26 +111,31 @@ def _kv_rows(table_row, seq0, kpos, page_shift, PAGED: tl.constexpr):
     return page, off
 
 
+SCHED_BLOCK = 128  # sequences per step of find_tile's scan
+
+
 @triton.jit
-def find_tile(pid, tile_cum_ptr, B):
-    """Program ``pid``'s tile in a launch over the tiles of B sequences, ``tile_cum`` their cumulative
-    tile counts (on the device: no host sync): ``(sequence, index of the tile in it, the sequence's tile
-    count)``; call only for ``pid < tile_cum[B - 1]`` (the programs past the end return)."""
-    lo = pid * 0
-    hi = lo + B
-    while lo < hi:
-        mid = (lo + hi) // 2
-        below = tl.load(tile_cum_ptr + mid) <= pid
-        lo = tl.where(below, mid + 1, lo)
-        hi = tl.where(below, hi, mid)
-    prev = tl.load(tile_cum_ptr + lo - 1, mask=lo > 0, other=0)
-    return lo, pid - prev, tl.load(tile_cum_ptr + lo) - prev
-
-
-def tile_counts(cu_seqlens: torch.Tensor, tile: int) -> torch.Tensor:
-    """Cumulative per-sequence tile counts ``cumsum(ceil(len_b / tile))`` (int32, on the device; four
-    small ops: each costs host time on every call)."""
-    return torch.cumsum(torch.diff(cu_seqlens).add_(tile - 1).div_(tile, rounding_mode="floor"), 0, dtype=torch.int32)
+def find_tile(pid, cu_ptr, B, TILE: tl.constexpr):
+    """Program ``pid``'s tile in a launch over the tiles (``TILE`` rows each) of B packed sequences with
+    offsets ``cu[0..B]`` (on the device: no host work, no sync): ``(sequence, index of the tile in it,
+    the sequence's tile count, the total tile count)``; a program with ``pid >= total`` has no tile.
+    One vectorised scan over the offsets, ``SCHED_BLOCK`` sequences per step (one step up to 128
+    sequences): every program derives the same schedule from the same offsets."""
+    zero = pid * 0
+    seq, first, count, total = zero, zero, zero, zero
+    for c0 in range(0, B, SCHED_BLOCK):
+        idx = c0 + tl.arange(0, SCHED_BLOCK)
+        ok = idx < B
+        lo = tl.load(cu_ptr + idx, mask=ok, other=0).to(tl.int32)
+        hi = tl.load(cu_ptr + idx + 1, mask=ok, other=0).to(tl.int32)
+        n = (hi - lo + (TILE - 1)) // TILE  # 0 where masked
+        end = total + tl.cumsum(n, 0)
+        mine = (end - n <= pid) & (pid < end)
+        seq += tl.sum(tl.where(mine, idx, 0), 0)
+        first += tl.sum(tl.where(mine, end - n, 0), 0)
+        count += tl.sum(tl.where(mine, n, 0), 0)
+        total += tl.sum(n, 0)
+    return seq, pid - first, count, total
 
 
 def _f32(x: float) -> float:
@@ -168,7 +174,7 @@ def _softmax_block(q, k, v, m_i, l_i, acc, kpos, limit, qk_scale, MASK: tl.const
 @triton.jit(do_not_specialize=["B", "G", "NH", "page_shift", "stride_tb", "has_qpos", "causal"])
 def _attention_fwd_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr, k_desc, v_desc,
-    table_ptr, cu_q_ptr, lens_ptr, tile_cum_ptr, qpos_ptr,
+    table_ptr, cu_q_ptr, lens_ptr, qpos_ptr,
     B, G, NH, page_shift, stride_tb,
     stride_qt, stride_qh, stride_qd,
     stride_kp, stride_ko, stride_kh, stride_kd,
@@ -189,13 +195,16 @@ def _attention_fwd_kernel(
     pid = tl.program_id(0) // NH
     kvh = tl.program_id(0) % NH
 
-    # -- which sequence and which tokens (binary search in the cumulative tile counts) ----------
-    if pid >= tl.load(tile_cum_ptr + B - 1):
+    # -- which sequence and which tokens (a scan of the offsets) -------------------------------
+    b, i, n_tiles, total = find_tile(pid, cu_q_ptr, B, TOK)
+    if pid >= total:
         return
-    b, i, n_tiles = find_tile(pid, tile_cum_ptr, B)
     q0 = tl.load(cu_q_ptr + b)
     n_q = tl.load(cu_q_ptr + b + 1) - q0
-    n_k = tl.load(lens_ptr + b)
+    if PAGED:
+        n_k = tl.load(lens_ptr + b)
+    else:  # varlen: the table is cu_seqlens_k
+        n_k = tl.load(table_ptr + b + 1) - tl.load(table_ptr + b)
     tile = n_tiles - 1 - i  # the sequence's last (longest) tiles first
     tok0 = tile * TOK
 
@@ -269,10 +278,11 @@ def _attention_fwd_kernel(
 
 def _launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, table: torch.Tensor, stride_tb: int,
             page_size: int, k_strides: tuple[int, int, int, int], v_strides: tuple[int, int, int, int],
-            cu_q: torch.Tensor, lens: torch.Tensor, q_positions: torch.Tensor | None, causal: bool,
+            cu_q: torch.Tensor, lens: torch.Tensor | None, q_positions: torch.Tensor | None, causal: bool,
             scale: float, form: str, cfg: dict[str, int | bool] | None = None) -> torch.Tensor:
     """Launch the forward kernel. ``page_size = 0`` means contiguous varlen K/V (``table`` is
-    ``cu_seqlens_k``). ``cfg`` is for exploratory benchmarks only (anything but :func:`config` is
+    ``cu_seqlens_k``, from which the kernel takes the key counts: ``lens`` is not read, may be None);
+    paged: ``lens`` is ``seq_lens``. ``cfg`` is for exploratory benchmarks only (anything but :func:`config` is
     outside the contract). ``KV_TMA`` is dropped for this call (pointer loads: the same bits) when the
     call is paged or :func:`kv_tma_ok` fails."""
     t, hq, d = q.shape
@@ -288,12 +298,11 @@ def _launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, table: torch.Tens
     v_desc = kv_descriptor(v, cfg["BLOCK_N"], cfg["D_PAD"]) if kv_tma else None
     g_pad = next_pow2(g)
     tok = cfg["BLOCK_M"] // g_pad
-    tile_cum = tile_counts(cu_q, tok)
-    qpos = q_positions.to(torch.int32) if q_positions is not None else lens
+    qpos = q_positions.to(torch.int32) if q_positions is not None else cu_q  # not read without positions
     qk_scale = qk_scale_f32(scale)
     grid = ((triton.cdiv(t, tok) + b) * hkv,)
     _attention_fwd_kernel[grid](
-        q, k, v, out, k_desc, v_desc, table, cu_q, lens, tile_cum, qpos,
+        q, k, v, out, k_desc, v_desc, table, cu_q, lens, qpos,
         b, g, hkv, (page_size.bit_length() - 1) if page_size else _VARLEN_SHIFT, stride_tb,
         q.stride(0), q.stride(1), q.stride(2),
         *k_strides, *v_strides,
@@ -305,10 +314,9 @@ def _launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, table: torch.Tens
 
 
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, causal, q_positions):
-    lens = torch.diff(cu_seqlens_k).to(torch.int32)
     ks = (k.stride(0), k.stride(0), k.stride(1), k.stride(2))
     vs = (v.stride(0), v.stride(0), v.stride(1), v.stride(2))
-    return _launch(q, k, v, cu_seqlens_k, 1, 0, ks, vs, cu_seqlens_q, lens,
+    return _launch(q, k, v, cu_seqlens_k, 1, 0, ks, vs, cu_seqlens_q, None,
                    q_positions if causal else None, causal, scale, "prefill")
 
 

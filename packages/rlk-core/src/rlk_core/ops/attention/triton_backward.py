@@ -35,9 +35,9 @@ Masking: a query row sees keys ``0..limit``, computed in the kernels as in the r
 scores are *selected* to zero probability (``tl.where``), K/V/Q rows past a sequence are masked loads
 (zeros) and are never stored, so garbage never leaks into a result.
 
-Schedule without a host sync (as the forward): per sequence ``ceil(L_b / BLOCK)`` tiles, their cumulative
-counts computed on the device, a grid of the upper bound ``ceil(T / BLOCK) + B`` programs, each finding
-its tile by binary search (``triton.find_tile``); programs past the end return. Query tiles run the
+Schedule without host work or a sync (as the forward): per sequence ``ceil(L_b / BLOCK)`` tiles, a grid
+of the upper bound ``ceil(T / BLOCK) + B`` programs (times the heads), each finding its tile by a scan of
+the sequence offsets (``triton.find_tile``); programs past the end return. Query tiles run the
 sequence's last (longest) tiles first, KV tiles its first (longest) ones.
 """
 
@@ -48,7 +48,7 @@ import triton
 import triton.language as tl
 
 from rlk_core.ops._triton_common import next_pow2
-from rlk_core.ops.attention.triton import find_tile, kv_descriptor, kv_tma_ok, qk_scale_f32, tile_counts
+from rlk_core.ops.attention.triton import find_tile, kv_descriptor, kv_tma_ok, qk_scale_f32
 
 MAX_HEAD_DIM = 128
 
@@ -143,7 +143,7 @@ def _stats_step(q, m, l, acc, k_ptr, v_ptr, k_desc, v_desc, k0, lk, hk, j, lim, 
 
 @triton.jit(do_not_specialize=["T", "Tk", "B", "NH"])
 def _attn_bwd_stats_kernel(
-    q_ptr, k_ptr, v_ptr, do_ptr, pos_ptr, cu_q_ptr, cu_k_ptr, tile_ptr, k_desc, v_desc,
+    q_ptr, k_ptr, v_ptr, do_ptr, pos_ptr, cu_q_ptr, cu_k_ptr, k_desc, v_desc,
     lse_ptr, delta_ptr,
     T, Tk, B, NH, D, qk_scale2,
     s_qt, s_qh, s_kt, s_kh, s_dot, s_doh,
@@ -153,9 +153,9 @@ def _attn_bwd_stats_kernel(
     pid = tl.program_id(0) // NH  # one grid axis, the head fastest (see the forward kernel)
     h = tl.program_id(0) % NH
     hk = h // G
-    if pid >= tl.load(tile_ptr + B - 1):
+    seq, i, n_tiles, total = find_tile(pid, cu_q_ptr, B, BLOCK_M)
+    if pid >= total:
         return
-    seq, i, n_tiles = find_tile(pid, tile_ptr, B)
     start = (n_tiles - 1 - i) * BLOCK_M  # the sequence's last (longest) tiles first
     q0 = tl.load(cu_q_ptr + seq)
     lq = tl.load(cu_q_ptr + seq + 1) - q0
@@ -222,7 +222,7 @@ def _dkdv_step(dk, dv, k, v, q_ptr, do_ptr, pos_ptr, lse_ptr, delta_ptr, kpos, q
 
 @triton.jit(do_not_specialize=["T", "Tk", "B", "NH"])
 def _attn_bwd_dkdv_kernel(
-    q_ptr, k_ptr, v_ptr, do_ptr, pos_ptr, cu_q_ptr, cu_k_ptr, tile_ptr,
+    q_ptr, k_ptr, v_ptr, do_ptr, pos_ptr, cu_q_ptr, cu_k_ptr,
     lse_ptr, delta_ptr, dk_ptr, dv_ptr,
     T, Tk, B, NH, D, qk_scale2, scale,
     s_qt, s_qh, s_kt, s_kh, s_dot, s_doh, s_dkt, s_dkh,
@@ -241,9 +241,9 @@ def _attn_bwd_dkdv_kernel(
         hk = head
         g_lo = 0
         g_hi = G
-    if pid >= tl.load(tile_ptr + B - 1):
+    seq, i, _, total = find_tile(pid, cu_k_ptr, B, BLOCK_N)
+    if pid >= total:
         return
-    seq, i, _ = find_tile(pid, tile_ptr, B)
     kstart = i * BLOCK_N  # the sequence's first KV blocks (seen by the most query tiles) first
     q0 = tl.load(cu_q_ptr + seq)
     lq = tl.load(cu_q_ptr + seq + 1) - q0
@@ -337,7 +337,7 @@ def _dq_step(dq, q, do, lse, delta, lim, k_ptr, v_ptr, k_desc, v_desc, k0, lk, h
 
 @triton.jit(do_not_specialize=["T", "Tk", "B", "NH"])
 def _attn_bwd_dq_kernel(
-    q_ptr, k_ptr, v_ptr, do_ptr, pos_ptr, cu_q_ptr, cu_k_ptr, tile_ptr, k_desc, v_desc,
+    q_ptr, k_ptr, v_ptr, do_ptr, pos_ptr, cu_q_ptr, cu_k_ptr, k_desc, v_desc,
     lse_ptr, delta_ptr, dq_ptr,
     T, Tk, B, NH, D, qk_scale2, scale,
     s_qt, s_qh, s_kt, s_kh, s_dot, s_doh, s_dqt, s_dqh,
@@ -347,9 +347,9 @@ def _attn_bwd_dq_kernel(
     pid = tl.program_id(0) // NH  # one grid axis, the head fastest (see the forward kernel)
     h = tl.program_id(0) % NH
     hk = h // G
-    if pid >= tl.load(tile_ptr + B - 1):
+    seq, i, n_tiles, total = find_tile(pid, cu_q_ptr, B, BLOCK_M)
+    if pid >= total:
         return
-    seq, i, n_tiles = find_tile(pid, tile_ptr, B)
     start = (n_tiles - 1 - i) * BLOCK_M  # the sequence's last (longest) tiles first
     q0 = tl.load(cu_q_ptr + seq)
     lq = tl.load(cu_q_ptr + seq + 1) - q0
@@ -419,38 +419,34 @@ def attention_varlen_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.
     else:
         mode, pos = MODE_ALIGNED, cu_q
     c = cfg or config(q.dtype, d)
-    # cumulative tile counts per sequence, on the device (no host sync); grids are upper bounds
+    # grids are upper bounds; each program finds its tile on the device (find_tile)
     bm_s, bm_q, bn_kv = c["stats"]["BLOCK_M"], c["dq"]["BLOCK_M"], c["dkdv"]["BLOCK_N"]
-    t_stats, t_dkdv = tile_counts(cu_q, bm_s), tile_counts(cu_k, bn_kv)
-    t_dq = t_stats if bm_q == bm_s else tile_counts(cu_q, bm_q)
     qk_scale2 = qk_scale_f32(scale)
     strides = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), do.stride(0), do.stride(1))
     common = dict(G=hq // hkv, MODE=mode, IEEE=q.dtype == torch.float32)
 
-    lse = torch.empty((hq, max(t, 1)), dtype=torch.float32, device=dev)
-    delta = torch.empty((hq, max(t, 1)), dtype=torch.float32, device=dev)
+    lse, delta = torch.empty((2, hq, max(t, 1)), dtype=torch.float32, device=dev)  # one allocation (host time)
     if t:
         s_cfg, s_desc = _with_descriptors(c["stats"], k, v, d)
         _attn_bwd_stats_kernel[((triton.cdiv(t, bm_s) + nb) * hq,)](
-            q, k, v, do, pos, cu_q, cu_k, t_stats, *s_desc, lse, delta, t, tk, nb, hq, d, qk_scale2, *strides,
+            q, k, v, do, pos, cu_q, cu_k, *s_desc, lse, delta, t, tk, nb, hq, d, qk_scale2, *strides,
             **common, **s_cfg,
         )
         q_cfg, q_desc = _with_descriptors(c["dq"], k, v, d)
         _attn_bwd_dq_kernel[((triton.cdiv(t, bm_q) + nb) * hq,)](
-            q, k, v, do, pos, cu_q, cu_k, t_dq, *q_desc, lse, delta, dq, t, tk, nb, hq, d, qk_scale2, scale,
+            q, k, v, do, pos, cu_q, cu_k, *q_desc, lse, delta, dq, t, tk, nb, hq, d, qk_scale2, scale,
             *strides,
             dq.stride(0), dq.stride(1), **common, **q_cfg,
         )
     kv_cfg = dict(c["dkdv"])
     split = bool(kv_cfg.pop("SPLIT_G", False)) and hq > hkv
     if split:  # fp32 per-query-head sums, then the fixed-order group sum
-        dk_out = torch.empty((tk, hq, d), dtype=torch.float32, device=dev)
-        dv_out = torch.empty_like(dk_out)
+        dk_out, dv_out = torch.empty((2, tk, hq, d), dtype=torch.float32, device=dev)
     else:
         dk_out, dv_out = dk, dv
     nh_kv = hq if split else hkv
     _attn_bwd_dkdv_kernel[((triton.cdiv(tk, bn_kv) + nb) * nh_kv,)](
-        q, k, v, do, pos, cu_q, cu_k, t_dkdv, lse, delta, dk_out, dv_out, t, tk, nb, nh_kv, d, qk_scale2, scale,
+        q, k, v, do, pos, cu_q, cu_k, lse, delta, dk_out, dv_out, t, tk, nb, nh_kv, d, qk_scale2, scale,
         *strides, dk_out.stride(0), dk_out.stride(1), **common, SPLIT_G=split, **kv_cfg,
     )
     if split:
