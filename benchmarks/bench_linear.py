@@ -50,7 +50,8 @@ def main() -> None:
                  "ratio": t_nat["median_ms"] / t_rlk["median_ms"]}
             c = lt._config_for(*sets[0], torch.empty(m, n, dtype=sets[0][0].dtype, device="cuda"))
             r["tile"] = ("tma " if c["TMA"] else "ptr ") + "x".join(str(c[key]) for key in (
-                "BLOCK_M", "BLOCK_N", "BLOCK_K")) + f" w{c['num_warps']} s{c['num_stages']}"
+                "BLOCK_M", "BLOCK_N", "BLOCK_K")) + (f"+{c['TAIL_M']}" if c["TAIL_M"] else "") + (
+                f" w{c['num_warps']} s{c['num_stages']}")
             rows.append(r)
             print(f"{name:28s} M={m:5d} rlk {r['rlk_ms']:.4f} ms native {r['native_ms']:.4f} ms "
                   f"ratio {r['ratio']:.2f} ({r['rlk_tflops']:.0f} vs {r['native_tflops']:.0f} TFLOP/s)", flush=True)

@@ -4,7 +4,8 @@
 #   RLK_COMMIT=<sha> STAGES="tests sanitize bench engine" BENCHES="attention logprobs" bash benchmarks/run_device.sh
 # TESTS (default tests/gpu) and TEST_TIMEOUT (420 s) narrow the pytest stage; SANITIZE_TOOLS
 # (memcheck racecheck), SANITIZE_PARTS (see tests/gpu/sanitize_kernels.py) and SANITIZE_TIMEOUT the
-# sanitizer stage; SWEEP_ARGS the sweep stage (benchmarks/sweep_kernels.py).
+# sanitizer stage; SWEEP_ARGS the sweep stage (benchmarks/sweep_kernels.py); stage "host" runs
+# benchmarks/host_overhead.py --breakdown.
 set -u
 OUT=${OUT:-/tmp/rlk-out}
 mkdir -p "$OUT/res"
@@ -32,6 +33,8 @@ sweep)
   log sweep; RLK_BENCH_OUT=$OUT/res/sweep timeout ${SWEEP_TIMEOUT:-420} python3 benchmarks/sweep_kernels.py ${SWEEP_ARGS:-} 2>&1 | tail -150 ;;
 bench)
   for b in $BENCHES; do log bench $b; timeout ${BENCH_TIMEOUT:-150} python3 benchmarks/bench_$b.py ${BENCH_ARGS:-} 2>&1 | grep -v '^$' | tail -400; done ;;
+host)
+  log host overhead; timeout ${HOST_TIMEOUT:-240} python3 benchmarks/host_overhead.py --breakdown 2>&1 | tail -60 ;;
 engine)
   log local engine; timeout ${ENGINE_TIMEOUT:-540} python3 benchmarks/bench_local_engine.py ${ENGINE_ARGS:-} 2>&1 | grep -v 'it/s\]$' | tail -150 ;;
 esac; done

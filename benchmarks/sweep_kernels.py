@@ -43,9 +43,10 @@ SMALL_MS, LARGE_MS = (1, 16, 64, 128), (1024, 8192)
 
 
 def _named(*tiles: tuple) -> dict[str, tuple]:
-    """``(BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, warps, stages, TMA)`` tiles keyed like ``t128x256x64w8s3``
-    (``t``: TMA kernel, ``p``: pointer kernel)."""
-    return {("t" if t[6] else "p") + f"{t[0]}x{t[1]}x{t[2]}w{t[4]}s{t[5]}": t for t in tiles}
+    """``(BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, warps, stages, TMA[, TAIL_M])`` tiles keyed like
+    ``t128x256x64w8s3`` or ``t64+16x32x256w4s3`` (``t``: TMA kernel, ``p``: pointer kernel)."""
+    return {("t" if t[6] else "p") + f"{t[0]}{f'+{t[7]}' if len(t) > 7 else ''}x{t[1]}x{t[2]}w{t[4]}s{t[5]}": t
+            for t in tiles}
 
 
 SMALL_CANDIDATES = _named(
@@ -65,6 +66,14 @@ MID_CANDIDATES = _named(
     (64, 32, 256, 8, 4, 4, True), (64, 64, 128, 8, 4, 4, True), (64, 128, 64, 8, 4, 5, True),
     (64, 256, 64, 8, 4, 3, True), (128, 32, 128, 8, 8, 4, True), (128, 64, 128, 8, 8, 4, True),
     (128, 128, 64, 8, 8, 4, True), (128, 256, 64, 8, 8, 3, True),
+)
+# 64 < M <= 80: 64-row tiles with a 16-row tail (one row tile) against the 64- and 128-row tiles
+TAIL_MS = (65, 72, 80)
+TAIL_CANDIDATES = _named(
+    (64, 128, 64, 8, 4, 5, True, 16), (64, 64, 128, 8, 4, 4, True, 16), (64, 32, 256, 8, 4, 3, True, 16),
+    (64, 32, 128, 8, 4, 4, True, 16), (64, 64, 64, 8, 4, 5, True, 16),
+    (64, 128, 64, 8, 4, 5, True), (64, 64, 128, 8, 4, 4, True), (64, 32, 256, 8, 4, 4, True),
+    (128, 64, 128, 8, 8, 4, True), (128, 32, 128, 8, 8, 4, True),
 )
 # prefill: (BLOCK_M, warps, stages, KV_TMA) — KV_TMA: unmasked K/V blocks by TMA descriptor (varlen only)
 PREFILL_CANDIDATES = {"128w8s3": (128, 8, 3, False), "128w8s3tma": (128, 8, 3, True), "128w4s3tma": (128, 4, 3, True),
@@ -108,17 +117,19 @@ def _run_variants(row: dict[str, Any], variants: dict[str, Any], ref: torch.Tens
         row[cname] = {"ms": ms_, **metrics(ms_), "bitwise": bool(torch.equal(y, ref))}
 
 
-def sweep_linear(repeats: int, mid: bool = False) -> list[dict[str, Any]]:
-    """All shapes at decode-sized and training-sized M; ``mid``: the shapes and M between (65..1000)."""
+def sweep_linear(repeats: int, mid: bool = False, tail: bool = False) -> list[dict[str, Any]]:
+    """All shapes at decode-sized and training-sized M; ``mid``: the shapes and M between (65..1000);
+    ``tail``: every shape at 64 < M <= 80, tail tiles against the 64- and 128-row ones."""
     g = torch.Generator(device="cuda").manual_seed(0)
     rows: list[dict[str, Any]] = []
     for name, (n, k) in LINEAR_SHAPES.items():
         if mid and name not in MID_SHAPES:
             continue
-        ms = (MID_MS if mid else SMALL_MS + LARGE_MS)
+        ms = TAIL_MS if tail else (MID_MS if mid else SMALL_MS + LARGE_MS)
         if name.endswith("lm_head"):
             ms = tuple(m for m in ms if m <= 1024)
-        rows += _linear_shape(name, n, k, g, repeats, ms, MID_CANDIDATES if mid else None)
+        cands = TAIL_CANDIDATES if tail else (MID_CANDIDATES if mid else None)
+        rows += _linear_shape(name, n, k, g, repeats, ms, cands)
         torch.cuda.empty_cache()
     return rows
 
@@ -134,7 +145,7 @@ def _linear_shape(name: str, n: int, k: int, g: torch.Generator, repeats: int, m
         row: dict[str, Any] = {"shape": name, "M": m, "N": n, "K": k}
         row["native_ms"] = time_fns([lambda xs=xs: F.linear(xs, w)], repeats=repeats)["median_ms"]
         cands = candidates or (SMALL_CANDIDATES if m <= 128 else LARGE_CANDIDATES)
-        cfgs = {cname: lt.tile_config(t[:6], k, tma=t[6]) for cname, t in cands.items()}
+        cfgs = {cname: lt.tile_config(t[:6] + t[7:], k, tma=t[6]) for cname, t in cands.items()}
         variants = {cname: (lambda cfg=cfg, xs=xs: lt.linear_2d(xs, w, None, cfg)) for cname, cfg in cfgs.items()}
         _run_variants(row, variants, big[:m], repeats, lambda ms_, row=row: {"ratio": row["native_ms"] / ms_})
         rows.append(row)
@@ -329,8 +340,8 @@ def main() -> int:
     copy_tbs = copy_bandwidth()["tb_per_s"]
     t0 = time.time()
     for section in args.sections.split(","):
-        if section in ("linear", "linear_mid"):
-            rows = sweep_linear(args.repeats, mid=section == "linear_mid")
+        if section in ("linear", "linear_mid", "linear_tail"):
+            rows = sweep_linear(args.repeats, mid=section == "linear_mid", tail=section == "linear_tail")
         elif section == "prefill":
             rows = sweep_prefill(args.repeats, old)
         elif section == "decode":

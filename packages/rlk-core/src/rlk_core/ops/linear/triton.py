@@ -41,6 +41,11 @@ _DECODE = ((16, 128, 128, 8, 4, 4), (16, 64, 128, 8, 4, 4), (16, 32, 128, 8, 4, 
 _MID_TMA = ((128, 256, 64, 8, 8, 3), (128, 64, 128, 8, 8, 4))
 MID_M_128x64 = 80
 _SMALL_TMA = ((64, 128, 64, 8, 4, 5), (64, 64, 128, 8, 4, 4), (64, 32, 256, 8, 4, 4))  # 16 < M <= 128
+# 64 < M <= 80: the _SMALL_TMA tiles with a 16-row tail (7th entry): a program computes 64 + 16 rows from one
+# read of its weight block (a 64-row dot by wgmma, a 16-row dot by mma.sync), so M = 65 costs one row tile,
+# not two (two 64-row tiles read the weight twice and left half the programs computing one row). Stages
+# lowered where the tail's buffers would exceed shared memory.
+_TAIL_TMA = ((64, 128, 64, 8, 4, 5, 16), (64, 64, 128, 8, 4, 4, 16), (64, 32, 256, 8, 4, 3, 16))
 _SMALL_PTR = (64, 64, 128, 8, 4, 4)
 # M > 128: (tile, full-wave rate relative to cuBLAS measured in the sweeps, rate when the weight has more
 # than SMALL_WEIGHT elements). The 128x64 tile reads the weight once per 128 rows: 0.78-0.87 of cuBLAS
@@ -55,8 +60,13 @@ DTYPES = frozenset({torch.bfloat16, torch.float16, torch.float32})  # fp32: poin
 FILL = 0.7  # a smaller tile is taken while the larger one would leave more than 30% of the SMs idle
 
 
+def _rows(tile: tuple[int, ...]) -> int:
+    """Rows per tile: BLOCK_M plus the tail, if any."""
+    return tile[0] + (tile[6] if len(tile) > 6 else 0)
+
+
 def _tiles(m: int, n: int, tile: tuple[int, ...]) -> int:
-    return triton.cdiv(m, tile[0]) * triton.cdiv(n, tile[1])
+    return triton.cdiv(m, _rows(tile)) * triton.cdiv(n, tile[1])
 
 
 def _first_filling(m: int, n: int, sms: int, tiles: tuple[tuple[int, ...], ...]) -> tuple[int, ...] | None:
@@ -70,6 +80,8 @@ def _pick(m: int, n: int, k: int, sms: int, tma: bool) -> tuple[tuple[int, ...],
         if not tma:
             return _SMALL_PTR, False
         mid = _first_filling(m, n, sms, _MID_TMA if m > MID_M_128x64 else _MID_TMA[:1]) if m > 64 else None
+        if mid is None and m <= _rows(_TAIL_TMA[0]) and m > 64:
+            mid = _first_filling(m, n, sms, _TAIL_TMA) or _TAIL_TMA[-1]
         return mid or _first_filling(m, n, sms, _SMALL_TMA) or _SMALL_TMA[-1], True
     if not tma:
         return _LARGE_PTR, False
@@ -93,11 +105,15 @@ def config(dtype: torch.dtype, m: int, n: int, k: int, tma: bool = False, sms: i
 
 def tile_config(tile: tuple[int, ...], k: int, dtype: torch.dtype = torch.bfloat16, tma: bool = False
                 ) -> dict[str, int | bool]:
-    """Launch arguments of one tile ``(BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages)`` for
-    reduction length ``k``; ``tma`` selects the persistent TMA kernel (operands must suit it)."""
-    bm, bn, bk, gm, warps, stages = tile
+    """Launch arguments of one tile ``(BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages[, TAIL_M])``
+    for reduction length ``k``; ``tma`` selects the persistent TMA kernel (operands must suit it; a tile
+    with a tail needs it)."""
+    bm, bn, bk, gm, warps, stages, *tail = tile
+    if tail and not tma:
+        raise ValueError(f"tile {tile}: a tail tile runs only in the TMA kernel")
     return {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": gm, "num_warps": warps,
-            "num_stages": stages, "EVEN_K": k % bk == 0, "IEEE": dtype == torch.float32, "TMA": tma}
+            "num_stages": stages, "EVEN_K": k % bk == 0, "IEEE": dtype == torch.float32, "TMA": tma,
+            "TAIL_M": tail[0] if tail else 0}
 
 
 @functools.cache
@@ -125,33 +141,49 @@ def _tile_coords(tile, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP
     return pid_m, pid_n
 
 
+@triton.jit
+def _dot(a, b, acc, IEEE: tl.constexpr):
+    if IEEE:
+        return tl.dot(a, b, acc, input_precision="ieee")
+    return tl.dot(a, b, acc)
+
+
 @triton.jit(do_not_specialize=["M"])
 def _linear_tma_kernel(
-    x_desc, w_desc, y_desc, b_ptr, M, N, K,
+    x_desc, w_desc, y_desc, xt_desc, yt_desc, b_ptr, M, N, K,
     HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    TAIL_M: tl.constexpr,
 ):
     """Persistent: program ``p`` computes tiles ``p, p + NUM_PROGRAMS, ...``; each tile's K loop is the
     pointer kernel's (same k-steps, same accumulator), its operands arrive by TMA (zero-filled past
-    M, N and K) and its store is clipped to ``[M, N]``."""
-    num_tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
+    M, N and K) and its store is clipped to ``[M, N]``. ``TAIL_M > 0``: a tile is ``BLOCK_M + TAIL_M``
+    rows, the last ``TAIL_M`` through ``xt_desc``/``yt_desc`` with their own accumulator and dot — the
+    same k-steps into the same kind of fp32 accumulator, sharing the weight block just loaded."""
+    ROWS: tl.constexpr = BLOCK_M + TAIL_M
+    num_tiles = tl.cdiv(M, ROWS) * tl.cdiv(N, BLOCK_N)
     k_tiles = tl.cdiv(K, BLOCK_K)
     for tile in tl.range(tl.program_id(0), num_tiles, NUM_PROGRAMS, flatten=True):
-        pid_m, pid_n = _tile_coords(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
-        off_m = pid_m * BLOCK_M
+        pid_m, pid_n = _tile_coords(tile, M, N, ROWS, BLOCK_N, GROUP_M)
+        off_m = pid_m * ROWS
         off_n = pid_n * BLOCK_N
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        if TAIL_M > 0:
+            acc_t = tl.zeros((TAIL_M, BLOCK_N), dtype=tl.float32)
         for kb in range(k_tiles):
-            a = x_desc.load([off_m, kb * BLOCK_K])
             b = w_desc.load([off_n, kb * BLOCK_K])
-            if IEEE:
-                acc = tl.dot(a, b.T, acc, input_precision="ieee")
-            else:
-                acc = tl.dot(a, b.T, acc)
+            acc = _dot(x_desc.load([off_m, kb * BLOCK_K]), b.T, acc, IEEE)
+            if TAIL_M > 0:
+                acc_t = _dot(xt_desc.load([off_m + BLOCK_M, kb * BLOCK_K]), b.T, acc_t, IEEE)
         if HAS_BIAS:
             cols = off_n + tl.arange(0, BLOCK_N)
-            acc = acc + tl.load(b_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+            bias = tl.load(b_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+            acc = acc + bias
+            if TAIL_M > 0:
+                acc_t = acc_t + bias
         y_desc.store([off_m, off_n], acc.to(y_desc.dtype))
+        if TAIL_M > 0:
+            yt_desc.store([off_m + BLOCK_M, off_n], acc_t.to(yt_desc.dtype))
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -181,10 +213,7 @@ def _linear_fwd_kernel(
             k_left = K - kb * BLOCK_K
             a = tl.load(x_ptrs, mask=row_ok[:, None] & (offs_k[None, :] < k_left), other=0.0)
             b = tl.load(w_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
-        if IEEE:
-            acc = tl.dot(a, b, acc, input_precision="ieee")
-        else:
-            acc = tl.dot(a, b, acc)
+        acc = _dot(a, b, acc, IEEE)
         x_ptrs += BLOCK_K * stride_xk
         w_ptrs += BLOCK_K * stride_wk
 
@@ -208,16 +237,20 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ou
     m, k = x.shape
     n = weight.shape[0]
     c = dict(cfg)
+    tail = c.pop("TAIL_M")
     if c.pop("TMA"):
         bm, bn, bk = c["BLOCK_M"], c["BLOCK_N"], c["BLOCK_K"]
-        tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
+        tiles = triton.cdiv(m, bm + tail) * triton.cdiv(n, bn)
         # one program per SM (on the interpreter 3, so that programs walk several tiles)
         programs = min(tiles, _num_sms(x.device.index or 0) if x.is_cuda else 3)
+        x_desc, y_desc = TensorDescriptor.from_tensor(x, [bm, bk]), TensorDescriptor.from_tensor(out, [bm, bn])
+        xt_desc = TensorDescriptor.from_tensor(x, [tail, bk]) if tail else None
+        yt_desc = TensorDescriptor.from_tensor(out, [tail, bn]) if tail else None
         _linear_tma_kernel[(programs,)](
-            TensorDescriptor.from_tensor(x, [bm, bk]), TensorDescriptor.from_tensor(weight, [bn, bk]),
-            TensorDescriptor.from_tensor(out, [bm, bn]), bias if bias is not None else out, m, n, k,
+            x_desc, TensorDescriptor.from_tensor(weight, [bn, bk]), y_desc, xt_desc, yt_desc,
+            bias if bias is not None else out, m, n, k,
             HAS_BIAS=bias is not None, IEEE=c["IEEE"], NUM_PROGRAMS=programs, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-            GROUP_M=c["GROUP_M"], num_warps=c["num_warps"], num_stages=c["num_stages"],
+            GROUP_M=c["GROUP_M"], TAIL_M=tail, num_warps=c["num_warps"], num_stages=c["num_stages"],
         )
         return
     grid = (triton.cdiv(m, c["BLOCK_M"]) * triton.cdiv(n, c["BLOCK_N"]),)
