@@ -11,7 +11,7 @@ time with the host far ahead (events around the call, after a 20 ms sleep), ``be
 harness's number (0.5 ms head start, L2 flushed): ``bench_ms`` well above ``gpu_ms`` means the call is
 host-bound at that size. ``--profile`` adds a cProfile listing (top functions by own time) of the
 autograd backward to the log; ``--breakdown`` times the pieces of each attention backend call (every
-Triton launch, the tile-count ops, the TMA descriptors) by wrapping them, the rest is "other".
+Triton launch, the TMA descriptors) by wrapping them, the rest is "other".
 
 Writes ``host_overhead.json`` / ``.md`` to ``$RLK_BENCH_OUT`` (default ``benchmarks/results/h200``).
 """
@@ -89,8 +89,8 @@ def profile(fn: Callable[[], Any], top: int = 30) -> str:
 
 
 def breakdown(fn: Callable[[], Any]) -> dict[str, float]:
-    """Host microseconds per call of each Triton launch (by kernel), of ``tile_counts`` and
-    ``kv_descriptor``, and of everything else."""
+    """Host microseconds per call of each Triton launch (by kernel), of ``kv_descriptor`` and of
+    everything else."""
     from triton.runtime.jit import JITFunction
 
     from rlk_core.ops.attention import triton as at
@@ -109,7 +109,7 @@ def breakdown(fn: Callable[[], Any]) -> dict[str, float]:
 
     patches = [(JITFunction, "run", timed(lambda self, *a: f"launch {self.fn.__name__}", JITFunction.run))]
     patches += [(mod, name, timed(lambda *a, name=name: name, getattr(mod, name)))
-                for mod in (at, atb) for name in ("tile_counts", "kv_descriptor")]
+                for mod in (at, atb) for name in ("kv_descriptor",)]
     saved = [(obj, name, getattr(obj, name)) for obj, name, _ in patches]
     fn()
     torch.cuda.synchronize()
