@@ -72,6 +72,13 @@ def _linear() -> None:
             close(linear_t.forward(x, w, b), linear_reference(x, w, b), dt, f"linear {m}x{n}x{k}")
             close(linear_t.forward(x.t().contiguous().t(), w.t().contiguous().t(), None),
                   linear_reference(x, w, None), dt, "linear strided")
+    # the TMA kernel with a 16-row tail (64 < M <= 80 on large weights): full and ragged tails
+    for m in (80, 70, 65, 161):
+        x = torch.randn(m, 136, device=dev).to(torch.bfloat16)
+        w = (torch.randn(72, 136, device=dev) * 136 ** -0.5).to(torch.bfloat16)
+        b = torch.randn(72, device=dev).to(torch.bfloat16)
+        cfg = linear_t.tile_config((64, 32, 64, 8, 4, 3, 16), 136, torch.bfloat16, True)
+        close(linear_t.linear_2d(x, w, b, cfg), linear_reference(x, w, b), torch.bfloat16, f"linear tail M={m}")
 
 
 def _rowwise() -> None:

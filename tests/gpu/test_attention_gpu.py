@@ -185,6 +185,27 @@ def test_decode_batch_order_and_size():
         assert_bitwise_equal(one, full[i:i + 1], f"decode row {i} alone vs in a batch of 40")
 
 
+def test_many_sequences_scan_schedule():
+    """More sequences than one step of the in-kernel schedule scan (find_tile: 128 per step), empty ones
+    among them: packed varlen == each alone, decode over 300 rows == each alone."""
+    lens = [0 if i % 37 == 5 else n for i, n in enumerate(random_lengths(300, 90, seed=11))]
+    seqs = [qkv(max(n, 1), 16, 8, seed=500 + i) for i, n in enumerate(lens)]
+    q, k, v = (torch.cat([s[j][:n] for s, n in zip(seqs, lens)]) for j in range(3))
+    cu = cu_seqlens(lens, DEV)
+    full = attention_varlen(q, k, v, cu, cu, SCALE)
+    for i in (0, 5, 127, 128, 129, 200, 299):
+        one = cu_seqlens([lens[i]], DEV)
+        alone = attention_varlen(q[cu[i]:cu[i + 1]], k[cu[i]:cu[i + 1]], v[cu[i]:cu[i + 1]], one, one, SCALE)
+        assert_bitwise_equal(full[cu[i]:cu[i + 1]], alone, f"seq {i} (L={lens[i]}) of 300 packed vs alone")
+    live = [i for i, n in enumerate(lens) if n]
+    cache = build_paged_kv([seqs[i][1][:lens[i]] for i in live], [seqs[i][2][:lens[i]] for i in live], 16,
+                           generator=torch.Generator().manual_seed(5))
+    last = torch.stack([q[cu[i + 1] - 1] for i in live])
+    dec = attention_decode(last, cache.k_cache, cache.v_cache, cache.block_table, cache.seq_lens, SCALE)
+    for j, i in enumerate(live):
+        assert_bitwise_equal(dec[j], full[cu[i + 1] - 1], f"decode row {j} (seq {i}) of {len(live)} vs prefill")
+
+
 # -- context parallel ---------------------------------------------------------------------------------
 @pytest.mark.parametrize("length", [4999, 8192])
 def test_cp_zigzag_sharding(length):

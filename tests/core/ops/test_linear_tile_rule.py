@@ -17,7 +17,8 @@ def _tile(m, n, k, tma=True, dtype=torch.bfloat16):
     from rlk_core.ops.linear import triton as lt
 
     c = lt.config(dtype, m, n, k, tma, 132)
-    return ("tma" if c["TMA"] else "ptr", c["BLOCK_M"], c["BLOCK_N"], c["BLOCK_K"])
+    return ("tma" if c["TMA"] else "ptr", c["BLOCK_M"], c["BLOCK_N"], c["BLOCK_K"]) + (
+        (f"+{c['TAIL_M']}",) if c["TAIL_M"] else ())
 
 
 @pytest.mark.parametrize("m,n,k,want", [
@@ -28,7 +29,12 @@ def _tile(m, n, k, tma=True, dtype=torch.bfloat16):
     (128, 1024, 2048, ("tma", 64, 32, 256)),
     (1000, 4096, 4096, ("tma", 128, 256, 64)),    # one full wave of 128x256 tiles
     (1000, 6144, 4096, ("tma", 128, 128, 64)),    # 1.45 waves of 128x256: 128x128 fills better
-    (65, 6144, 4096, ("tma", 64, 128, 64)),       # M = 65: 64-row tiles, not 128x64 (measured faster)
+    (65, 6144, 4096, ("tma", 64, 64, 128, "+16")),  # 65 <= M <= 80, weight not in L2: one 64+16-row tile
+    (80, 4096, 12288, ("tma", 64, 32, 256, "+16")),
+    (72, 24576, 4096, ("tma", 64, 64, 128, "+16")),  # 64+16 x 128 would leave 1.45 waves
+    (65, 151936, 4096, ("tma", 64, 128, 64, "+16")),
+    (65, 1536, 4096, ("tma", 64, 32, 256)),       # small weight (in L2): two 64-row tiles
+    (81, 6144, 4096, ("tma", 128, 64, 128)),
     (96, 6144, 4096, ("tma", 128, 64, 128)),
     (1000, 3072, 4096, ("tma", 128, 256, 64)),    # 12.6M-element weight: 128x64 re-reads it from HBM
     (1000, 1024, 3072, ("tma", 128, 64, 128)),    # small weight (in L2): 128x64 fills the SMs

@@ -111,7 +111,7 @@ def _kv_rows(table_row, seq0, kpos, page_shift, PAGED: tl.constexpr):
     return page, off
 
 
-SCHED_BLOCK = 128  # sequences per step of find_tile's scan
+SCHED_BLOCK = tl.constexpr(128)  # sequences per step of find_tile's scan (a constexpr: read inside kernels)
 
 
 @triton.jit

@@ -41,11 +41,15 @@ _DECODE = ((16, 128, 128, 8, 4, 4), (16, 64, 128, 8, 4, 4), (16, 32, 128, 8, 4, 
 _MID_TMA = ((128, 256, 64, 8, 8, 3), (128, 64, 128, 8, 8, 4))
 MID_M_128x64 = 80
 _SMALL_TMA = ((64, 128, 64, 8, 4, 5), (64, 64, 128, 8, 4, 4), (64, 32, 256, 8, 4, 4))  # 16 < M <= 128
-# 64 < M <= 80: the _SMALL_TMA tiles with a 16-row tail (7th entry): a program computes 64 + 16 rows from one
-# read of its weight block (a 64-row dot by wgmma, a 16-row dot by mma.sync), so M = 65 costs one row tile,
-# not two (two 64-row tiles read the weight twice and left half the programs computing one row). Stages
-# lowered where the tail's buffers would exceed shared memory.
+# 64 < M <= 80 with a weight of more than SMALL_WEIGHT elements: the _SMALL_TMA tiles with a 16-row tail
+# (7th entry): a program computes 64 + 16 rows from one read of its weight block (a 64-row dot by wgmma, a
+# 16-row dot by mma.sync), so M = 65 costs one row tile, not two (two 64-row tiles stream the weight twice
+# from HBM). Measured (sweep_linear_tail): 8b down 0.57 -> 0.77 of cuBLAS, qkv 0.76 -> 0.84, lm_head 0.90
+# -> 0.97. Weights that fit in L2 re-read cheaply and keep the 64-row tiles (more programs: faster there).
+# Stages lowered where the tail's buffers would exceed shared memory. The first tile whose last wave is
+# full enough (WAVE_FILL) is taken.
 _TAIL_TMA = ((64, 128, 64, 8, 4, 5, 16), (64, 64, 128, 8, 4, 4, 16), (64, 32, 256, 8, 4, 3, 16))
+WAVE_FILL = 0.85
 _SMALL_PTR = (64, 64, 128, 8, 4, 4)
 # M > 128: (tile, full-wave rate relative to cuBLAS measured in the sweeps, rate when the weight has more
 # than SMALL_WEIGHT elements). The 128x64 tile reads the weight once per 128 rows: 0.78-0.87 of cuBLAS
@@ -73,15 +77,21 @@ def _first_filling(m: int, n: int, sms: int, tiles: tuple[tuple[int, ...], ...])
     return next((t for t in tiles if _tiles(m, n, t) >= FILL * sms), None)
 
 
+def _fills_waves(m: int, n: int, sms: int, tile: tuple[int, ...]) -> bool:
+    """One partial wave with at least FILL of the SMs, or several waves whose last is WAVE_FILL full."""
+    tiles = _tiles(m, n, tile)
+    return tiles >= FILL * sms if tiles <= sms else tiles / (triton.cdiv(tiles, sms) * sms) >= WAVE_FILL
+
+
 def _pick(m: int, n: int, k: int, sms: int, tma: bool) -> tuple[tuple[int, ...], bool]:
     if m <= 16:
         return _first_filling(m, n, sms, _DECODE) or _DECODE[-1], False
     if m <= 128:
         if not tma:
             return _SMALL_PTR, False
+        if 64 < m <= _rows(_TAIL_TMA[0]) and n * k > SMALL_WEIGHT:
+            return next((t for t in _TAIL_TMA if _fills_waves(m, n, sms, t)), _TAIL_TMA[-1]), True
         mid = _first_filling(m, n, sms, _MID_TMA if m > MID_M_128x64 else _MID_TMA[:1]) if m > 64 else None
-        if mid is None and m <= _rows(_TAIL_TMA[0]) and m > 64:
-            mid = _first_filling(m, n, sms, _TAIL_TMA) or _TAIL_TMA[-1]
         return mid or _first_filling(m, n, sms, _SMALL_TMA) or _SMALL_TMA[-1], True
     if not tma:
         return _LARGE_PTR, False
