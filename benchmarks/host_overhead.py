@@ -85,6 +85,7 @@ def profile(fn: Callable[[], Any], top: int = 30) -> str:
     torch.cuda.synchronize()
     buf = io.StringIO()
     pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(top)
+    pstats.Stats(prof, stream=buf).sort_stats("cumulative").print_stats(top)
     return buf.getvalue()
 
 
