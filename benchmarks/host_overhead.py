@@ -5,8 +5,9 @@
 The device benches (harness.time_fns) hide up to ~0.5 ms of host time per call behind a sleep kernel;
 this script measures that host time itself. For each path the GPU is first held busy by a long
 ``torch.cuda._sleep``, then the path is called ``N`` times back to back and the host wall time is
-divided by ``N`` (the calls only enqueue work). A path that synchronises with the device shows up as
-``syncs = True``: its loop cannot finish before the sleep does. ``gpu_ms`` is the same path's device
+divided by ``N`` (the calls only enqueue work); the median of five such loops is reported. A path
+that synchronises with the device shows up as ``syncs = True``: its loop cannot finish before the
+sleep does. ``gpu_ms`` is the same path's device
 time with the host far ahead (events around the call, after a 20 ms sleep), ``bench_ms`` the
 harness's number (0.5 ms head start, L2 flushed): ``bench_ms`` well above ``gpu_ms`` means the call is
 host-bound at that size. ``--profile`` adds a cProfile listing (top functions by own time) of the
@@ -41,20 +42,23 @@ CALLS = 20
 BLOCK_CYCLES = 400_000_000  # ~200 ms at 1.98 GHz: far longer than CALLS calls of any path here
 
 
-def host_us(fn: Callable[[], Any]) -> tuple[float, bool]:
-    """Host microseconds per call with the GPU busy, and whether the loop waited for the device."""
+def host_us(fn: Callable[[], Any], loops: int = 5) -> tuple[float, bool]:
+    """Host microseconds per call with the GPU busy (median over ``loops`` loops of ``CALLS`` calls:
+    the host side of these machines is noisy), and whether a loop waited for the device."""
     fn()
     torch.cuda.synchronize()
-    torch.cuda._sleep(BLOCK_CYCLES)
-    t0 = time.perf_counter()
-    for _ in range(CALLS):
-        fn()
-    host = time.perf_counter() - t0
-    t1 = time.perf_counter()
-    torch.cuda.synchronize()
-    left = time.perf_counter() - t1
-    # if the loop had waited for the sleep, nothing of it would be left when the loop ends
-    return host / CALLS * 1e6, left < 0.02
+    per_call, syncs = [], False
+    for _ in range(loops):
+        torch.cuda._sleep(BLOCK_CYCLES)
+        t0 = time.perf_counter()
+        for _ in range(CALLS):
+            fn()
+        per_call.append((time.perf_counter() - t0) / CALLS * 1e6)
+        t1 = time.perf_counter()
+        torch.cuda.synchronize()
+        # if the loop had waited for the sleep, nothing of it would be left when the loop ends
+        syncs |= time.perf_counter() - t1 < 0.02
+    return statistics.median(per_call), syncs
 
 
 def gpu_ms(fn: Callable[[], Any], repeats: int = 10) -> float:

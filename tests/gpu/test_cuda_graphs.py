@@ -1,0 +1,87 @@
+"""rlk ops under CUDA graph capture (vLLM captures its decode steps; Megatron can capture layers).
+
+The launch paths must not synchronise with the device, and a replay after the captured buffers changed
+in place — same shapes, new values: sequence boundaries, context lengths, block tables, activations —
+must give the bits of an eager call on the new values. For attention that holds because each program
+finds its tile on the device (``find_tile``), from the offsets of the replay, not of the capture."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rlk_core.ops import linear
+from rlk_core.ops.attention import attention_decode, attention_varlen
+from rlk_core.testing import assert_bitwise_equal
+from rlk_core.testing.attention import build_paged_kv, cu_seqlens
+
+from ._shapes import randn
+
+pytestmark = pytest.mark.gpu
+
+SCALE = 128 ** -0.5
+
+
+def capture(fn):
+    """Warm ``fn`` up on a side stream (compilation, allocator), then capture one call."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    return graph, out
+
+
+def test_decode_graph_replays_new_lengths_tables_and_queries():
+    b, ctx, page = 8, 500, 16
+    g = torch.Generator().manual_seed(3)
+    k = [randn((ctx, 8, 128), seed=10 + i) for i in range(b)]
+    v = [randn((ctx, 8, 128), seed=30 + i) for i in range(b)]
+    cache = build_paged_kv(k, v, page, generator=g)
+    q = randn((b, 32, 128), seed=1)
+    table, lens = cache.block_table.clone(), torch.randint(1, ctx + 1, (b,), generator=g).to(torch.int32).cuda()
+    def decode():
+        return attention_decode(q, cache.k_cache, cache.v_cache, table, lens, SCALE)
+
+    graph, out = capture(decode)
+    graph.replay()
+    assert_bitwise_equal(out, decode(), "replay as captured")
+    perm = torch.randperm(b, generator=g).cuda()
+    q.copy_(randn((b, 32, 128), seed=2))
+    table.copy_(cache.block_table[perm])
+    lens.copy_(torch.randint(1, ctx + 1, (b,), generator=g).to(torch.int32))
+    graph.replay()
+    assert_bitwise_equal(out, decode(), "replay after new queries, block tables and lengths")
+
+
+def test_varlen_forward_backward_graph_replays_new_sequence_boundaries():
+    t = 600
+    cu = cu_seqlens([100, 250, 250], "cuda")
+    leaves = [randn(s, seed=50 + i).requires_grad_() for i, s in enumerate([(t, 32, 128), (t, 8, 128), (t, 8, 128)])]
+    grad = randn((t, 32, 128), seed=60)
+
+    def step():
+        out = attention_varlen(*leaves, cu, cu, SCALE)
+        return (out, *torch.autograd.grad(out, leaves, grad))
+
+    graph, outs = capture(step)
+    with torch.no_grad():
+        for i, x in enumerate(leaves):
+            x.copy_(randn(x.shape, seed=70 + i))
+        grad.copy_(randn(grad.shape, seed=80))
+        cu.copy_(cu_seqlens([300, 1, 299], "cuda"))  # same B and T, other boundaries
+    graph.replay()
+    for name, got, want in zip(("out", "dq", "dk", "dv"), outs, step(), strict=True):
+        assert_bitwise_equal(got, want, f"{name}: replay with new sequence boundaries vs eager")
+
+
+def test_linear_graph_replays_new_activations():
+    x, w = randn((72, 4096), seed=90), randn((6144, 4096), scale=4096 ** -0.5, seed=91)  # a 64 + 16-row tail tile
+    graph, y = capture(lambda: linear(x, w))
+    x.copy_(randn(x.shape, seed=92))
+    graph.replay()
+    assert_bitwise_equal(y, linear(x, w), "linear replay with new activations")
