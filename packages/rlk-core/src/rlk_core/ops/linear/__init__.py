@@ -7,6 +7,7 @@ import torch
 from rlk_core.backends import REGISTRY, Backend
 from rlk_core.ops import _checks as C
 from rlk_core.ops._dispatch import call, custom_op, register_autograd, run
+from rlk_core.ops._layout import transpose_padded
 from rlk_core.ops.linear.reference import linear_reference
 
 CONTRACT_ID = "rlk.gemm.bi.v1"
@@ -48,17 +49,21 @@ def _setup_context(ctx, inputs, output) -> None:
 def _backward(ctx, grad):
     # Deterministic (not batch-invariant) backward built from the same contract:
     # dx = dy W, dW = dy^T x, db = sum_m dy — each reduction in the fixed tree order.
+    # dW and db reduce over the tokens: their operands are transposed with the token count padded (zeros)
+    # to a multiple of 64, so that the GEMM's specialisation does not change with the batch (_layout).
     x, weight = ctx.saved_tensors
     g2 = grad.reshape(-1, grad.shape[-1]).to(x.dtype)
     x2 = x.reshape(-1, x.shape[-1])
     dx = dw = db = None
     if ctx.needs_input_grad[0]:
         dx = call("linear", grad.to(x.dtype), weight.t().contiguous(), None)
+    need_db = ctx.has_bias and ctx.needs_input_grad[2]
+    g_t = transpose_padded(g2) if ctx.needs_input_grad[1] or need_db else None
     if ctx.needs_input_grad[1]:
-        dw = call("linear", g2.t().contiguous(), x2.t().contiguous(), None).to(weight.dtype)
-    if ctx.has_bias and ctx.needs_input_grad[2]:
-        ones = g2.new_ones((1, g2.shape[0]))
-        db = call("linear", ones, g2.t().contiguous(), None).reshape(-1).to(weight.dtype)
+        dw = call("linear", g_t, transpose_padded(x2), None).to(weight.dtype)
+    if need_db:
+        ones = g2.new_ones((1, g_t.shape[1]))
+        db = call("linear", ones, g_t, None).reshape(-1).to(weight.dtype)
     return dx, dw, db
 
 

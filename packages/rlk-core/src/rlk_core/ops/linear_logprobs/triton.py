@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 
 from rlk_core.ops import _logp_tree as L
+from rlk_core.ops._layout import transpose_padded
 from rlk_core.ops.linear import triton as LT
 from rlk_core.ops.token_logprobs import triton as TT
 
@@ -89,7 +90,9 @@ def backward(hidden: torch.Tensor, weights: list[torch.Tensor], target: torch.Te
     t, h = hidden.shape
     dh = torch.zeros((t, h), dtype=torch.float32, device=hidden.device)
     part = torch.empty_like(dh)
-    hidden_t = hidden.t().contiguous()  # [H, T]: K-contiguous operand of the dW products (measured faster)
+    # [H, T_pad]: K-contiguous operand of the dW products (measured faster), the token count padded with
+    # zeros to a multiple of 64 (the same GEMM specialisation for every batch: _layout.transpose_padded)
+    hidden_t = transpose_padded(hidden)
     dws, start = [], 0
     for w in weights:
         dw = torch.empty_like(w)
@@ -99,7 +102,7 @@ def backward(hidden: torch.Tensor, weights: list[torch.Tensor], target: torch.Te
             TT.grad_into(dz, dz, target, temperature, lse, g_logp, g_lse, start + c0)
             LT.linear_2d_into(dz, wc.t(), part)  # dz [T, C] @ W[chunk] [C, H], fp32 out
             dh += part
-            dz_t = dz.t().contiguous()
+            dz_t = transpose_padded(dz)
             del dz
             LT.linear_2d_into(dz_t, hidden_t, dw[c0:c1])  # dz^T [C, T] @ hidden [T, H]
             del dz_t
