@@ -1,0 +1,116 @@
+"""The GPU kernels compile for sm_90 (H100/H200) on this CPU machine, through Triton's whole pipeline down
+to a cubin (the wheel bundles ptxas), with the shipped configurations.
+
+The interpreter tests run the kernels' Python, not Triton's compiler: a kernel can pass them and still
+be rejected by the compiler (a plain module global read inside a kernel did, once, and cost a device
+call). The PTX is also checked for the MMA instructions the docs claim: wgmma for tiles of 64 rows and
+more, ``mma.sync`` for the GEMM's 16-row tail."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
+
+BF16_BOX = "tensordesc<bf16[{},{}]>"
+
+
+def compile_sm90(kernel, constexprs, pointers=None, descriptors=None, floats=(), num_warps=4, num_stages=3):
+    """Compile ``kernel`` for sm_90: arguments ending in ``_ptr`` are bf16 pointers unless ``pointers``
+    says otherwise, ``descriptors`` maps TMA descriptor arguments to their boxes, ``floats`` are fp32
+    scalars, the rest int32; returns the PTX."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    pointers, descriptors = pointers or {}, descriptors or {}
+    signature = {}
+    for name in kernel.arg_names:
+        if name in constexprs:
+            signature[name] = "constexpr"
+        elif name in descriptors:
+            signature[name] = BF16_BOX.format(*descriptors[name])
+        elif name.endswith("_ptr"):
+            signature[name] = pointers.get(name, "*bf16")
+        else:
+            signature[name] = "fp32" if name in floats else "i32"
+    src = ASTSource(fn=kernel, signature=signature, constexprs=constexprs)
+    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                              options={"num_warps": num_warps, "num_stages": num_stages})
+    return compiled.asm["ptx"]
+
+
+INT_PTRS = {n: "*i32" for n in ("table_ptr", "cu_q_ptr", "lens_ptr", "qpos_ptr", "pos_ptr", "cu_k_ptr")}
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_attention_forward_compiles(paged):
+    import torch
+
+    from rlk_core.ops.attention import triton as at
+
+    cfg = at.config(torch.bfloat16, 128, "decode" if paged else "prefill")
+    tma = cfg.pop("KV_TMA") and not paged
+    warps, stages = cfg.pop("num_warps"), cfg.pop("num_stages")
+    box = (cfg["BLOCK_N"], cfg["D_PAD"])
+    const = dict(cfg, G_PAD=4, PAGED=paged, KV_TMA=tma)
+    if not tma:
+        const.update(k_desc=None, v_desc=None)
+    ptx = compile_sm90(at._attention_fwd_kernel, const, INT_PTRS, {"k_desc": box, "v_desc": box} if tma else None,
+                       floats=("qk_scale",), num_warps=warps, num_stages=stages)
+    assert "wgmma" in ptx
+
+
+def test_attention_backward_compiles():
+    import torch
+
+    from rlk_core.ops.attention import triton_backward as ab
+
+    cfg = ab.config(torch.bfloat16, 128)
+    ptrs = {**INT_PTRS, "lse_ptr": "*fp32", "delta_ptr": "*fp32"}
+    common = dict(G=4, MODE=ab.MODE_ALIGNED, IEEE=False)
+    for kernel, part in ((ab._attn_bwd_stats_kernel, "stats"), (ab._attn_bwd_dq_kernel, "dq")):
+        c = dict(cfg[part])
+        warps, stages = c.pop("num_warps"), c.pop("num_stages")
+        box = (c["BLOCK_N"], c["BLOCK_D"])
+        assert c["KV_TMA"]
+        ptx = compile_sm90(kernel, dict(common, **c), ptrs, {"k_desc": box, "v_desc": box},
+                           floats=("qk_scale2", "scale"), num_warps=warps, num_stages=stages)
+        assert "wgmma" in ptx, part
+    c = dict(cfg["dkdv"])
+    warps, stages = c.pop("num_warps"), c.pop("num_stages")
+    compile_sm90(ab._attn_bwd_dkdv_kernel, dict(common, **c), {**ptrs, "dk_ptr": "*fp32", "dv_ptr": "*fp32"},
+                 floats=("qk_scale2", "scale"), num_warps=warps, num_stages=stages)
+    compile_sm90(ab._attn_bwd_group_sum_kernel, dict(G=4, BLOCK_T=ab._SUM_BLOCK_T, BLOCK_D=128),
+                 {"dk_part_ptr": "*fp32", "dv_part_ptr": "*fp32"}, floats=("scale",))
+
+
+@pytest.mark.parametrize("tile", [(64, 64, 128, 8, 4, 4, 16), (128, 256, 64, 8, 8, 3), (64, 32, 256, 8, 4, 4)])
+def test_gemm_tma_kernel_compiles(tile):
+    from rlk_core.ops.linear import triton as lt
+
+    c = lt.tile_config(tile, 4096, tma=True)
+    bm, bn, bk, tail = c["BLOCK_M"], c["BLOCK_N"], c["BLOCK_K"], c["TAIL_M"]
+    boxes = {"x_desc": (bm, bk), "w_desc": (bn, bk), "y_desc": (bm, bn)}
+    const = dict(HAS_BIAS=True, IEEE=False, NUM_PROGRAMS=132, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+                 GROUP_M=c["GROUP_M"], TAIL_M=tail)
+    if tail:
+        boxes.update(xt_desc=(tail, bk), yt_desc=(tail, bn))
+    else:
+        const.update(xt_desc=None, yt_desc=None)
+    ptx = compile_sm90(lt._linear_tma_kernel, const, descriptors=boxes, num_warps=c["num_warps"],
+                       num_stages=c["num_stages"])
+    assert "wgmma" in ptx
+    assert ("mma.sync" in ptx) == bool(tail)  # the 16-row tail dot: mma.sync beside the 64-row wgmma
+
+
+def test_gemm_pointer_kernel_compiles_for_decode_tiles():
+    from rlk_core.ops.linear import triton as lt
+
+    c = lt.tile_config(lt._DECODE[0], 4096)
+    ptx = compile_sm90(lt._linear_fwd_kernel, dict(HAS_BIAS=False, EVEN_K=True, IEEE=False, BLOCK_M=c["BLOCK_M"],
+                       BLOCK_N=c["BLOCK_N"], BLOCK_K=c["BLOCK_K"], GROUP_M=c["GROUP_M"], b_ptr=None),
+                       num_warps=c["num_warps"], num_stages=c["num_stages"])
+    assert "mma.sync" in ptx  # 16-row tiles: below wgmma's 64
