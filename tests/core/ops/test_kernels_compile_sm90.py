@@ -1,4 +1,4 @@
-"""The GPU kernels compile for sm_90 (H100/H200) on this CPU machine, through Triton's whole pipeline down
+"""Every GPU kernel compiles for sm_90 (H100/H200) on this CPU machine, through Triton's whole pipeline down
 to a cubin (the wheel bundles ptxas), with the shipped configurations.
 
 The interpreter tests run the kernels' Python, not Triton's compiler: a kernel can pass them and still
@@ -63,6 +63,12 @@ def test_attention_forward_compiles(paged):
     assert "wgmma" in ptx
 
 
+def test_kv_cache_write_compiles():
+    from rlk_core.ops.attention import triton as at
+
+    compile_sm90(at._kv_cache_write_kernel, dict(HEAD_D=128, D_PAD=128, H_PAD=8), {"slot_ptr": "*i64"})
+
+
 def test_attention_backward_compiles():
     import torch
 
@@ -114,3 +120,30 @@ def test_gemm_pointer_kernel_compiles_for_decode_tiles():
                        BLOCK_N=c["BLOCK_N"], BLOCK_K=c["BLOCK_K"], GROUP_M=c["GROUP_M"], b_ptr=None),
                        num_warps=c["num_warps"], num_stages=c["num_stages"])
     assert "mma.sync" in ptx  # 16-row tiles: below wgmma's 64
+
+
+def test_rowwise_kernels_compile():
+    from rlk_core.ops.rms_norm import triton as rms
+    from rlk_core.ops.rope import triton as rope
+    from rlk_core.ops.swiglu import triton as swiglu
+
+    c = rms.config(4096)
+    compile_sm90(rms._rms_norm_fwd_kernel, {"BLOCK_H": c["BLOCK_H"], "ROWS": c["ROWS"]}, floats=("eps",),
+                 num_warps=c["num_warps"])
+    c = swiglu.config(12288)
+    compile_sm90(swiglu._swiglu_fwd_kernel, {"BLOCK": c["BLOCK"]}, num_warps=c["num_warps"])
+    c = rope.config(32, 64)
+    compile_sm90(rope._rope_fwd_kernel, dict(HALF=64, D=128, R=128, BLOCK_H=c["BLOCK_H"], BLOCK_HALF=c["BLOCK_HALF"],
+                                             BLOCK_PASS=0),
+                 {"pos_ptr": "*i64", "cos_ptr": "*fp32", "sin_ptr": "*fp32"}, num_warps=c["num_warps"])
+
+
+def test_logprob_kernels_compile():
+    from rlk_core.ops.token_logprobs import triton as tt
+
+    f32 = {n: "*fp32" for n in ("temp_ptr", "m_ptr", "s_ptr", "zt_ptr", "lse_ptr", "glogp_ptr", "glse_ptr")}
+    ptrs = {**f32, "target_ptr": "*i64"}
+    compile_sm90(tt._logp_block_fwd_kernel, {"BLOCK_T": tt.BLOCK_T, "BLOCK": tt.L.BLOCK}, ptrs,
+                 num_warps=tt.NUM_WARPS)
+    compile_sm90(tt._logp_grad_kernel, {"BLOCK_T": tt.GRAD_BLOCK_T, "BLOCK_N": tt.GRAD_BLOCK_N}, ptrs,
+                 num_warps=tt.NUM_WARPS)
