@@ -42,18 +42,27 @@ CALLS = 20
 BLOCK_CYCLES = 400_000_000  # ~200 ms at 1.98 GHz: far longer than CALLS calls of any path here
 
 
+def _warm(fn: Callable[[], Any]) -> None:
+    fn()
+    torch.cuda.synchronize()
+
+
+def _calls_while_busy(fn: Callable[[], Any]) -> float:
+    """Host seconds for ``CALLS`` calls of ``fn`` while a sleep holds the GPU (the caller synchronises)."""
+    torch.cuda._sleep(BLOCK_CYCLES)
+    t0 = time.perf_counter()
+    for _ in range(CALLS):
+        fn()
+    return time.perf_counter() - t0
+
+
 def host_us(fn: Callable[[], Any], loops: int = 5) -> tuple[float, bool]:
     """Host microseconds per call with the GPU busy (median over ``loops`` loops of ``CALLS`` calls:
     the host side of these machines is noisy), and whether a loop waited for the device."""
-    fn()
-    torch.cuda.synchronize()
+    _warm(fn)
     per_call, syncs = [], False
     for _ in range(loops):
-        torch.cuda._sleep(BLOCK_CYCLES)
-        t0 = time.perf_counter()
-        for _ in range(CALLS):
-            fn()
-        per_call.append((time.perf_counter() - t0) / CALLS * 1e6)
+        per_call.append(_calls_while_busy(fn) / CALLS * 1e6)
         t1 = time.perf_counter()
         torch.cuda.synchronize()
         # if the loop had waited for the sleep, nothing of it would be left when the loop ends
@@ -63,8 +72,7 @@ def host_us(fn: Callable[[], Any], loops: int = 5) -> tuple[float, bool]:
 
 def gpu_ms(fn: Callable[[], Any], repeats: int = 10) -> float:
     """Device time of one call with the host far ahead (no host gap can show)."""
-    fn()
-    torch.cuda.synchronize()
+    _warm(fn)
     ms = []
     for _ in range(repeats):
         torch.cuda._sleep(40_000_000)
@@ -78,13 +86,10 @@ def gpu_ms(fn: Callable[[], Any], repeats: int = 10) -> float:
 
 
 def profile(fn: Callable[[], Any], top: int = 30) -> str:
-    fn()
-    torch.cuda.synchronize()
-    torch.cuda._sleep(BLOCK_CYCLES)
+    _warm(fn)
     prof = cProfile.Profile()
     prof.enable()
-    for _ in range(CALLS):
-        fn()
+    _calls_while_busy(fn)
     prof.disable()
     torch.cuda.synchronize()
     buf = io.StringIO()
@@ -116,17 +121,11 @@ def breakdown(fn: Callable[[], Any]) -> dict[str, float]:
     patches += [(mod, name, timed(lambda *a, name=name: name, getattr(mod, name)))
                 for mod in (at, atb) for name in ("kv_descriptor",)]
     saved = [(obj, name, getattr(obj, name)) for obj, name, _ in patches]
-    fn()
-    torch.cuda.synchronize()
+    _warm(fn)
     try:
         for obj, name, new in patches:
             setattr(obj, name, new)
-        acc.clear()
-        torch.cuda._sleep(BLOCK_CYCLES)
-        t0 = time.perf_counter()
-        for _ in range(CALLS):
-            fn()
-        total = time.perf_counter() - t0
+        total = _calls_while_busy(fn)
     finally:
         for obj, name, old in saved:
             setattr(obj, name, old)
