@@ -4,7 +4,8 @@ contract configuration's output for the same rows (a candidate that changes a bi
 ``backward`` (attention dQ/dK/dV, where only run-to-run determinism and tolerance are required):
 each candidate's relative error against the shipped configuration and a repeat-equality check.
 
-    python benchmarks/sweep_kernels.py [--sections linear,linear_mid,prefill,decode,backward] [--old-attention PATH]
+    python benchmarks/sweep_kernels.py [--sections linear,linear_mid,linear_tail,linear_split,prefill,decode,backward]
+                                       [--old-attention PATH]
 
 Writes ``sweep_<section>.json`` to ``$RLK_BENCH_OUT``. Exploration
 only: the table that ships is ``CONFIGS`` in the kernel modules. ``--old-attention`` times a previous
@@ -75,6 +76,13 @@ TAIL_CANDIDATES = _named(
     (64, 128, 64, 8, 4, 5, True), (64, 64, 128, 8, 4, 4, True), (64, 32, 256, 8, 4, 4, True),
     (128, 64, 128, 8, 8, 4, True), (128, 32, 128, 8, 8, 4, True),
 )
+# linear_split: (a) a mostly out-of-bounds last row tile (M = 65) against the same tile count with every row in
+# bounds (M = 127/128) and against the same input zero-padded to 128 rows — is the TMA's zero fill what costs?
+# (b) M > 128: a row split, 128x256 tiles on the first rows (whole waves) and a smaller tile on the rest
+SPLIT_OOB_MS = (64, 65, 72, 96, 127, 128)
+SPLIT_OOB_TILES = _named((64, 32, 256, 8, 4, 4, True), (64, 64, 128, 8, 4, 4, True))
+SPLIT_MS = (1000, 2048, 4096, 8192)
+SPLIT_SMALL = _named((128, 128, 64, 8, 8, 4, True), (128, 64, 128, 8, 8, 4, True))
 # prefill: (BLOCK_M, warps, stages, KV_TMA) — KV_TMA: unmasked K/V blocks by TMA descriptor (varlen only)
 PREFILL_CANDIDATES = {"128w8s3": (128, 8, 3, False), "128w8s3tma": (128, 8, 3, True), "128w4s3tma": (128, 4, 3, True),
                       "64w4s2tma": (64, 4, 2, True), "64w4s3tma": (64, 4, 3, True), "64w4s4tma": (64, 4, 4, True),
@@ -155,6 +163,59 @@ def _linear_shape(name: str, n: int, k: int, g: torch.Generator, repeats: int, m
               + " ".join(f"{c}={row[c]['ratio']:.2f}{'' if row[c]['bitwise'] else '!BITS'}"
                          if "ms" in row[c] else f"{c}=ERR" for c in cands), flush=True)
     return rows
+
+
+def sweep_linear_split(repeats: int) -> list[dict[str, Any]]:
+    g = torch.Generator(device="cuda").manual_seed(0)
+    rows: list[dict[str, Any]] = []
+    for name, (n, k) in LINEAR_SHAPES.items():
+        if not name.endswith("lm_head"):
+            rows += _split_shape(name, n, k, g, repeats)
+            torch.cuda.empty_cache()
+    return rows
+
+
+def _split_shape(name: str, n: int, k: int, g: torch.Generator, repeats: int) -> list[dict[str, Any]]:
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    w = (torch.randn(n, k, device="cuda", generator=g) * k ** -0.5).to(BF16)
+    x = torch.randn(max(SPLIT_MS), k, device="cuda", generator=g).to(BF16)
+    big = lt.linear_2d(x, w, None)
+    rows = []
+    for m in SPLIT_OOB_MS + SPLIT_MS:
+        xs = x[:m].clone()
+        row: dict[str, Any] = {"shape": name, "M": m, "N": n, "K": k, "shipped": lt._config_for(xs, w, big)}
+        row["native_ms"] = time_fns([lambda xs=xs: F.linear(xs, w)], repeats=repeats)["median_ms"]
+        variants: dict[str, Any] = {"shipped": lambda xs=xs: lt.linear_2d(xs, w, None)}
+        if m <= 128:
+            pad = torch.zeros(128, k, device="cuda", dtype=BF16)
+            pad[:m] = xs
+            for cname, t in SPLIT_OOB_TILES.items():
+                cfg = lt.tile_config(t[:6], k, tma=True)
+                variants[cname] = lambda cfg=cfg, xs=xs: lt.linear_2d(xs, w, None, cfg)
+                variants[cname + "_pad128"] = lambda cfg=cfg, pad=pad, m=m: lt.linear_2d(pad, w, None, cfg)[:m]
+        else:
+            for cname, t in SPLIT_SMALL.items():
+                variants["split_" + cname] = lambda t=t, xs=xs: _split_linear(xs, w, t, sms)
+        _run_variants(row, variants, big[:m], repeats, lambda ms_, row=row: {"ratio": row["native_ms"] / ms_})
+        rows.append(row)
+        print(f"linear_split {name} M={m}: native {row['native_ms']:.4f} ms; "
+              + " ".join(f"{c}={row[c]['ratio']:.3f}{'' if row[c]['bitwise'] else '!BITS'}"
+                         if "ms" in row[c] else f"{c}=ERR {row[c]['error'][:80]}" for c in variants), flush=True)
+    return rows
+
+
+def _split_linear(x: torch.Tensor, w: torch.Tensor, small: tuple, sms: int) -> torch.Tensor:
+    """Rows [0, r) by 128x256 tiles in whole waves, rows [r, M) by ``small``: two launches into one output."""
+    m, k = x.shape
+    n = w.shape[0]
+    per_row = -(-n // 256)
+    r = (m // 128 * per_row // sms) * sms // per_row * 128
+    y = torch.empty(m, n, device=x.device, dtype=x.dtype)
+    if r:
+        lt._launch(x[:r], w, None, y[:r], lt.tile_config((128, 256, 64, 8, 8, 3), k, tma=True))
+    if r < m:
+        lt._launch(x[r:], w, None, y[r:], lt.tile_config(small[:6], k, tma=True))
+    return y
 
 
 def _old_module(path: str | None):
@@ -342,6 +403,8 @@ def main() -> int:
     for section in args.sections.split(","):
         if section in ("linear", "linear_mid", "linear_tail"):
             rows = sweep_linear(args.repeats, mid=section == "linear_mid", tail=section == "linear_tail")
+        elif section == "linear_split":
+            rows = sweep_linear_split(args.repeats)
         elif section == "prefill":
             rows = sweep_prefill(args.repeats, old)
         elif section == "decode":
