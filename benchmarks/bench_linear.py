@@ -26,6 +26,13 @@ def inputs(m, n, k, sets):
     return [(randn((m, k), seed=10 * i), randn((n, k), scale=k ** -0.5, seed=10 * i + 1)) for i in range(sets)]
 
 
+def _tile_name(c: dict, m: int) -> str:
+    rem = lt.rem_rows(m, c["BLOCK_M"]) if c["TMA"] and not c["TAIL_M"] else 0
+    return ("tma " if c["TMA"] else "ptr ") + "x".join(str(c[key]) for key in ("BLOCK_M", "BLOCK_N", "BLOCK_K")) + (
+        f"+{c['TAIL_M']}" if c["TAIL_M"] else "") + (f" last box {rem}" if rem else "") + (
+        f" w{c['num_warps']} s{c['num_stages']}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="a few shapes and M only")
@@ -49,9 +56,9 @@ def main() -> None:
                  "rlk_tflops": flop / t_rlk["median_ms"] / 1e9, "native_tflops": flop / t_nat["median_ms"] / 1e9,
                  "ratio": t_nat["median_ms"] / t_rlk["median_ms"]}
             c = lt._config_for(*sets[0], torch.empty(m, n, dtype=sets[0][0].dtype, device="cuda"))
-            r["tile"] = ("tma " if c["TMA"] else "ptr ") + "x".join(str(c[key]) for key in (
-                "BLOCK_M", "BLOCK_N", "BLOCK_K")) + (f"+{c['TAIL_M']}" if c["TAIL_M"] else "") + (
-                f" w{c['num_warps']} s{c['num_stages']}")
+            r["tile"] = _tile_name(c, m)
+            if "SPLIT_ROWS" in c:  # a row split: the first rows by this tile, the rest by REST
+                r["tile"] += f" rows<{c['SPLIT_ROWS']}, then " + _tile_name(c["REST"], m - c["SPLIT_ROWS"])
             rows.append(r)
             print(f"{name:28s} M={m:5d} rlk {r['rlk_ms']:.4f} ms native {r['native_ms']:.4f} ms "
                   f"ratio {r['ratio']:.2f} ({r['rlk_tflops']:.0f} vs {r['native_tflops']:.0f} TFLOP/s)", flush=True)

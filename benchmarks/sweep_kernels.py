@@ -76,13 +76,16 @@ TAIL_CANDIDATES = _named(
     (64, 128, 64, 8, 4, 5, True), (64, 64, 128, 8, 4, 4, True), (64, 32, 256, 8, 4, 4, True),
     (128, 64, 128, 8, 8, 4, True), (128, 32, 128, 8, 8, 4, True),
 )
-# linear_split: (a) a mostly out-of-bounds last row tile (M = 65) against the same tile count with every row in
-# bounds (M = 127/128) and against the same input zero-padded to 128 rows — is the TMA's zero fill what costs?
-# (b) M > 128: a row split, 128x256 tiles on the first rows (whole waves) and a smaller tile on the rest
-SPLIT_OOB_MS = (64, 65, 72, 96, 127, 128)
-SPLIT_OOB_TILES = _named((64, 32, 256, 8, 4, 4, True), (64, 64, 128, 8, 4, 4, True))
-SPLIT_MS = (1000, 2048, 4096, 8192)
-SPLIT_SMALL = _named((128, 128, 64, 8, 8, 4, True), (128, 64, 128, 8, 8, 4, True))
+# linear_split: (a) M <= 128: the shipped rule with and without the last row block's smaller TMA box (a box
+# mostly past M is slow to zero-fill), and 64-row tiles with that box against the 64+16 tail tiles at 65..80;
+# (b) M > 128: the shipped rule (a row split where estimated faster) against the best single tile, and
+# with / without the smaller last box (which also turns off the persistent loop's flattening)
+SPLIT_SHAPES = {**LINEAR_SHAPES, "8b-tp2/qkv": (3072, 4096), "8b-tp2/gate_up": (12288, 4096),
+                "0.6b-tp2/qkv": (2048, 1024), "0.6b-tp2/down": (1024, 1536)}
+SPLIT_SMALL_MS = (17, 20, 33, 40, 63, 65, 72, 80, 96, 100, 127)
+SPLIT_LARGE_MS = (1000, 2048, 3000, 4000, 4096, 4136, 6000, 8192)
+SPLIT_TAIL_CANDIDATES = _named((64, 32, 256, 8, 4, 4, True), (64, 64, 128, 8, 4, 4, True),
+                               (64, 128, 64, 8, 4, 5, True), (128, 64, 128, 8, 8, 4, True))
 # prefill: (BLOCK_M, warps, stages, KV_TMA) — KV_TMA: unmasked K/V blocks by TMA descriptor (varlen only)
 PREFILL_CANDIDATES = {"128w8s3": (128, 8, 3, False), "128w8s3tma": (128, 8, 3, True), "128w4s3tma": (128, 4, 3, True),
                       "64w4s2tma": (64, 4, 2, True), "64w4s3tma": (64, 4, 3, True), "64w4s4tma": (64, 4, 4, True),
@@ -168,54 +171,44 @@ def _linear_shape(name: str, n: int, k: int, g: torch.Generator, repeats: int, m
 def sweep_linear_split(repeats: int) -> list[dict[str, Any]]:
     g = torch.Generator(device="cuda").manual_seed(0)
     rows: list[dict[str, Any]] = []
-    for name, (n, k) in LINEAR_SHAPES.items():
-        if not name.endswith("lm_head"):
-            rows += _split_shape(name, n, k, g, repeats)
-            torch.cuda.empty_cache()
+    for name, (n, k) in SPLIT_SHAPES.items():
+        rows += _split_shape(name, n, k, g, repeats)
+        torch.cuda.empty_cache()
     return rows
 
 
 def _split_shape(name: str, n: int, k: int, g: torch.Generator, repeats: int) -> list[dict[str, Any]]:
     sms = torch.cuda.get_device_properties(0).multi_processor_count
+    ms = SPLIT_SMALL_MS + (() if name.endswith("lm_head") else SPLIT_LARGE_MS)
     w = (torch.randn(n, k, device="cuda", generator=g) * k ** -0.5).to(BF16)
-    x = torch.randn(max(SPLIT_MS), k, device="cuda", generator=g).to(BF16)
+    x = torch.randn(max(ms), k, device="cuda", generator=g).to(BF16)
     big = lt.linear_2d(x, w, None)
     rows = []
-    for m in SPLIT_OOB_MS + SPLIT_MS:
+    for m in ms:
         xs = x[:m].clone()
-        row: dict[str, Any] = {"shape": name, "M": m, "N": n, "K": k, "shipped": lt._config_for(xs, w, big)}
+        shipped = lt._config_for(xs, w, big)
+        row: dict[str, Any] = {"shape": name, "M": m, "N": n, "K": k, "shipped": {
+            key: v for key, v in shipped.items() if key != "REST"}, "rest": shipped.get("REST")}
         row["native_ms"] = time_fns([lambda xs=xs: F.linear(xs, w)], repeats=repeats)["median_ms"]
-        variants: dict[str, Any] = {"shipped": lambda xs=xs: lt.linear_2d(xs, w, None)}
-        if m <= 128:
-            pad = torch.zeros(128, k, device="cuda", dtype=BF16)
-            pad[:m] = xs
-            for cname, t in SPLIT_OOB_TILES.items():
-                cfg = lt.tile_config(t[:6], k, tma=True)
-                variants[cname] = lambda cfg=cfg, xs=xs: lt.linear_2d(xs, w, None, cfg)
-                variants[cname + "_pad128"] = lambda cfg=cfg, pad=pad, m=m: lt.linear_2d(pad, w, None, cfg)[:m]
-        else:
-            for cname, t in SPLIT_SMALL.items():
-                variants["split_" + cname] = lambda t=t, xs=xs: _split_linear(xs, w, t, sms)
+        cfgs = {"shipped": shipped}
+        if shipped["TMA"] and not shipped["TAIL_M"] and lt.rem_rows(m, shipped["BLOCK_M"]):
+            cfgs["shipped_full_box"] = dict(shipped, REM_BOX=False)
+        if "SPLIT_ROWS" in shipped:
+            single = min(lt._LARGE_TMA, key=lambda e, m=m: lt._wave_time(m, n, k, sms, e))[0]
+            cfgs["single"] = lt.tile_config(single, k, tma=True)
+        if 64 < m <= 80:
+            cfgs.update({c: lt.tile_config(t[:6], k, tma=True) for c, t in SPLIT_TAIL_CANDIDATES.items()})
+            cfgs.update({c: lt.tile_config(t[:6] + t[7:], k, tma=True) for c, t in TAIL_CANDIDATES.items()
+                         if len(t) > 7})
+        variants = {c: (lambda cfg=cfg, xs=xs: lt.linear_2d(xs, w, None, cfg)) for c, cfg in cfgs.items()}
         _run_variants(row, variants, big[:m], repeats, lambda ms_, row=row: {"ratio": row["native_ms"] / ms_})
         rows.append(row)
-        print(f"linear_split {name} M={m}: native {row['native_ms']:.4f} ms; "
+        tile = "x".join(str(shipped[key]) for key in ("BLOCK_M", "BLOCK_N", "BLOCK_K")) + (
+            f"|{shipped['SPLIT_ROWS']}|{shipped['REST']['BLOCK_N']}" if "SPLIT_ROWS" in shipped else "")
+        print(f"linear_split {name} M={m} [{tile}]: native {row['native_ms']:.4f} ms; "
               + " ".join(f"{c}={row[c]['ratio']:.3f}{'' if row[c]['bitwise'] else '!BITS'}"
                          if "ms" in row[c] else f"{c}=ERR {row[c]['error'][:80]}" for c in variants), flush=True)
     return rows
-
-
-def _split_linear(x: torch.Tensor, w: torch.Tensor, small: tuple, sms: int) -> torch.Tensor:
-    """Rows [0, r) by 128x256 tiles in whole waves, rows [r, M) by ``small``: two launches into one output."""
-    m, k = x.shape
-    n = w.shape[0]
-    per_row = -(-n // 256)
-    r = (m // 128 * per_row // sms) * sms // per_row * 128
-    y = torch.empty(m, n, device=x.device, dtype=x.dtype)
-    if r:
-        lt._launch(x[:r], w, None, y[:r], lt.tile_config((128, 256, 64, 8, 8, 3), k, tma=True))
-    if r < m:
-        lt._launch(x[r:], w, None, y[r:], lt.tile_config(small[:6], k, tma=True))
-    return y
 
 
 def _old_module(path: str | None):

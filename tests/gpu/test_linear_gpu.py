@@ -17,8 +17,9 @@ from ._shapes import M_LIST, linear_inputs, randn
 
 pytestmark = pytest.mark.gpu
 
-# (N, K): down projection (the large-K shape where cuBLAS is not batch-invariant), qkv, awkward
-SHAPES = [(4096, 12288), (6144, 4096), (333, 1000)]
+# (N, K): down projection (the large-K shape where cuBLAS is not batch-invariant), qkv, awkward, and qkv at
+# TP 4 (at M = 4096 a row split: 128x256 tiles, then 128x128 tiles in a second launch)
+SHAPES = [(4096, 12288), (6144, 4096), (333, 1000), (1536, 4096)]
 
 
 def assert_close_dot(out, ref, absdot, dtype, name):
@@ -71,21 +72,23 @@ def test_linear_decode_equals_training_batch(n, k):
 @pytest.mark.parametrize("n,k", SHAPES)
 def test_every_shipped_tile_gives_the_same_bits(n, k):
     """The tile rule of ``config`` is a speed choice only: every tile it can pick, through the TMA
-    kernel and the pointer kernel, gives the bits of the default choice for the same rows."""
+    kernel (with the last row block's box shrunk to its rows or not) and the pointer kernel, gives the
+    bits of the default choice for the same rows (M = 20, 90: 32-row last boxes; 65: 16 rows)."""
     from rlk_core.ops.linear import triton as lt
 
     x, w = linear_inputs(1000, n, k)
     b = randn((n,), seed=13)
     tiles = {*lt._DECODE, *lt._MID_TMA, *lt._SMALL_TMA, *lt._TAIL_TMA, lt._SMALL_PTR, *(e[0] for e in lt._LARGE_TMA),
              lt._LARGE_PTR}
-    for m in (1, 65, 80, 1000):
+    for m in (1, 20, 65, 80, 90, 1000):
         want = linear(x[:m], w, b)
         for tile in sorted(tiles):
-            for tma in (False, True):
+            for tma, rem_box in ((False, False), (True, False), (True, True)):
                 if (tma and not lt._tma_compatible(x, w, want)) or (not tma and len(tile) > 6):
                     continue
-                assert_bitwise_equal(lt.linear_2d(x[:m], w, b, lt.tile_config(tile, k, tma=tma)), want,
-                                     f"M={m} {n}x{k}: tile {tile} tma={tma}")
+                cfg = lt.tile_config(tile, k, tma=tma, rem_box=rem_box)
+                assert_bitwise_equal(lt.linear_2d(x[:m], w, b, cfg), want,
+                                     f"M={m} {n}x{k}: tile {tile} tma={tma} rem_box={rem_box}")
 
 
 def test_linear_3d_and_noncontiguous_rows():

@@ -93,23 +93,30 @@ def test_attention_backward_compiles():
                  {"dk_part_ptr": "*fp32", "dv_part_ptr": "*fp32"}, floats=("scale",))
 
 
-@pytest.mark.parametrize("tile", [(64, 64, 128, 8, 4, 4, 16), (128, 256, 64, 8, 8, 3), (64, 32, 256, 8, 4, 4)])
-def test_gemm_tma_kernel_compiles(tile):
+@pytest.mark.parametrize("tile,m", [((64, 64, 128, 8, 4, 4, 16), 65), ((128, 256, 64, 8, 8, 3), 4096),
+                                    ((128, 256, 64, 8, 8, 3), 4136), ((128, 128, 64, 8, 8, 4), 4000),
+                                    ((64, 32, 256, 8, 4, 4), 65), ((64, 32, 256, 8, 4, 4), 90)])
+def test_gemm_tma_kernel_compiles(tile, m):
+    """The persistent TMA GEMM: plain, with the 16-row tail, and with the last row block's smaller box
+    (M = 65: a 16-row box; 90: 32 rows; 4000 = 31 x 128 + 32: 32; 4136 = 32 x 128 + 40: 64)."""
     from rlk_core.ops.linear import triton as lt
 
     c = lt.tile_config(tile, 4096, tma=True)
     bm, bn, bk, tail = c["BLOCK_M"], c["BLOCK_N"], c["BLOCK_K"], c["TAIL_M"]
+    rem = 0 if tail else lt.rem_rows(m, bm)
+    assert rem == {65: 16, 90: 32, 4000: 32, 4136: 64}.get(m, 0) or tail
     boxes = {"x_desc": (bm, bk), "w_desc": (bn, bk), "y_desc": (bm, bn)}
     const = dict(HAS_BIAS=True, IEEE=False, NUM_PROGRAMS=132, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-                 GROUP_M=c["GROUP_M"], TAIL_M=tail)
-    if tail:
-        boxes.update(xt_desc=(tail, bk), yt_desc=(tail, bn))
+                 GROUP_M=c["GROUP_M"], TAIL_M=tail, REM_M=rem)
+    if tail or rem:
+        boxes.update(xt_desc=(tail or rem, bk), yt_desc=(tail or rem, bn))
     else:
         const.update(xt_desc=None, yt_desc=None)
     ptx = compile_sm90(lt._linear_tma_kernel, const, descriptors=boxes, num_warps=c["num_warps"],
                        num_stages=c["num_stages"])
     assert "wgmma" in ptx
-    assert ("mma.sync" in ptx) == bool(tail)  # the 16-row tail dot: mma.sync beside the 64-row wgmma
+    # the tail's / last row block's dot below 64 rows: mma.sync beside the wgmma of the full rows
+    assert ("mma.sync" in ptx) == (0 < (tail or rem) < 64)
 
 
 def test_gemm_pointer_kernel_compiles_for_decode_tiles():

@@ -24,6 +24,7 @@ result is equal within ``dtype_tols``, not bitwise: the K order differs by const
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import torch
 import triton
@@ -58,6 +59,7 @@ _SMALL_PTR = (64, 64, 128, 8, 4, 4)
 _LARGE_TMA = (((128, 256, 64, 8, 8, 3), 0.98, 0.98), ((128, 128, 64, 8, 8, 4), 0.89, 0.89),
               ((128, 64, 128, 8, 8, 4), 0.80, 0.57), ((64, 32, 256, 8, 4, 4), 0.60, 0.60))
 SMALL_WEIGHT = 8 << 20
+SPLIT_GAIN = 1.03
 _LARGE_PTR = (128, 128, 64, 8, 8, 3)
 _FP32 = (64, 64, 32, 8, 4, 3)
 DTYPES = frozenset({torch.bfloat16, torch.float16, torch.float32})  # fp32: pointer kernel, ieee dots
@@ -83,6 +85,32 @@ def _fills_waves(m: int, n: int, sms: int, tile: tuple[int, ...]) -> bool:
     return tiles >= FILL * sms if tiles <= sms else tiles / (triton.cdiv(tiles, sms) * sms) >= WAVE_FILL
 
 
+def _wave_time(m: int, n: int, k: int, sms: int, entry) -> float:
+    """Estimated time of one launch in units of one 128x256 tile at cuBLAS's rate: whole waves (the last
+    one counts in full) times the tile's area over its measured full-wave rate."""
+    tile, rate, rate_big_weight = entry
+    return (triton.cdiv(_tiles(m, n, tile), sms) * tile[0] * tile[1] / (128 * 256)
+            / (rate if n * k <= SMALL_WEIGHT else rate_big_weight))
+
+
+def _pick_large(m: int, n: int, k: int, sms: int) -> tuple[tuple[int, ...], int, tuple[int, ...] | None]:
+    """M > 128: the fastest single tile by :func:`_wave_time`, or a row split — the first ``rows`` rows by
+    128x256 tiles in whole waves, the rest by a smaller tile in a second launch — where that is estimated
+    SPLIT_GAIN faster (the second launch's start costs a few us). Example: 8B qkv at TP 4 (N = 1536), M =
+    4096: 128x256 leaves 1.45 waves, 128x128 runs 2.9 waves at its lower rate; one wave of 128x256 and
+    0.9 of 128x128 measured 0.92 of cuBLAS against 0.86 (sweep_linear_split)."""
+    best = min(_LARGE_TMA, key=lambda e: _wave_time(m, n, k, sms, e))
+    big = _LARGE_TMA[0]
+    per_row = triton.cdiv(n, big[0][1])
+    rows = _tiles(m, n, big[0]) // sms * sms // per_row * big[0][0]
+    if 0 < rows < m:
+        rest = min(_LARGE_TMA[1:3], key=lambda e: _wave_time(m - rows, n, k, sms, e))  # measured rates only
+        split = _wave_time(rows, n, k, sms, big) + _wave_time(m - rows, n, k, sms, rest)
+        if split * SPLIT_GAIN < _wave_time(m, n, k, sms, best):
+            return big[0], rows, rest[0]
+    return best[0], 0, None
+
+
 def _pick(m: int, n: int, k: int, sms: int, tma: bool) -> tuple[tuple[int, ...], bool]:
     if m <= 16:
         return _first_filling(m, n, sms, _DECODE) or _DECODE[-1], False
@@ -93,37 +121,47 @@ def _pick(m: int, n: int, k: int, sms: int, tma: bool) -> tuple[tuple[int, ...],
             return next((t for t in _TAIL_TMA if _fills_waves(m, n, sms, t)), _TAIL_TMA[-1]), True
         mid = _first_filling(m, n, sms, _MID_TMA if m > MID_M_128x64 else _MID_TMA[:1]) if m > 64 else None
         return mid or _first_filling(m, n, sms, _SMALL_TMA) or _SMALL_TMA[-1], True
-    if not tma:
-        return _LARGE_PTR, False
-
-    def score(entry):  # the tile's full-wave rate times the fraction of its last wave that is busy
-        tile, rate, rate_big_weight = entry
-        tiles = _tiles(m, n, tile)
-        return (rate if n * k <= SMALL_WEIGHT else rate_big_weight) * tiles / (triton.cdiv(tiles, sms) * sms)
-    return max(_LARGE_TMA, key=score)[0], True
+    return _LARGE_PTR, False
 
 
 @functools.lru_cache(maxsize=4096)  # host time: the rule runs once per distinct shape (callers copy the dict)
-def config(dtype: torch.dtype, m: int, n: int, k: int, tma: bool = False, sms: int = 132) -> dict[str, int | bool]:
+def config(dtype: torch.dtype, m: int, n: int, k: int, tma: bool = False, sms: int = 132) -> dict[str, Any]:
     """The launch configuration: a fixed rule of dtype, the problem shape, whether the TMA kernel
-    applies and the SM count — a speed choice only (every tile gives the same bits)."""
+    applies and the SM count — a speed choice only (every tile gives the same bits). A row split
+    (M > 128) adds ``SPLIT_ROWS`` and ``REST``, the configuration of the rows after them."""
     if dtype == torch.float32:
         return tile_config(_FP32, k, dtype, False)
+    if m > 128 and tma:
+        tile, rows, rest = _pick_large(m, n, k, sms)
+        cfg = tile_config(tile, k, dtype, True)
+        if rows:
+            cfg.update(SPLIT_ROWS=rows, REST=tile_config(rest, k, dtype, True))
+        return cfg
     tile, use_tma = _pick(m, n, k, sms, tma)
     return tile_config(tile, k, dtype, use_tma)
 
 
-def tile_config(tile: tuple[int, ...], k: int, dtype: torch.dtype = torch.bfloat16, tma: bool = False
-                ) -> dict[str, int | bool]:
+def tile_config(tile: tuple[int, ...], k: int, dtype: torch.dtype = torch.bfloat16, tma: bool = False,
+                rem_box: bool = True) -> dict[str, int | bool]:
     """Launch arguments of one tile ``(BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages[, TAIL_M])``
     for reduction length ``k``; ``tma`` selects the persistent TMA kernel (operands must suit it; a tile
-    with a tail needs it)."""
+    with a tail needs it). ``rem_box``: the TMA kernel reads a partial last row block with a box of the
+    rows there are (:func:`rem_rows`); False only for benchmarks comparing the two."""
     bm, bn, bk, gm, warps, stages, *tail = tile
     if tail and not tma:
         raise ValueError(f"tile {tile}: a tail tile runs only in the TMA kernel")
     return {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": gm, "num_warps": warps,
             "num_stages": stages, "EVEN_K": k % bk == 0, "IEEE": dtype == torch.float32, "TMA": tma,
-            "TAIL_M": tail[0] if tail else 0}
+            "TAIL_M": tail[0] if tail else 0, "REM_BOX": rem_box}
+
+
+def rem_rows(m: int, block_m: int) -> int:
+    """Rows of the TMA box for the last row block when M is not a multiple of ``block_m``: the next power
+    of two (at least 16) of ``M % block_m``; 0 where that is the full block. A function of M, so the
+    kernel is compiled at most four times per tile (0, 16, 32, 64 rows)."""
+    r = m % block_m
+    box = max(16, triton.next_power_of_2(r)) if r else block_m
+    return box if box < block_m else 0
 
 
 @functools.cache
@@ -158,42 +196,63 @@ def _dot(a, b, acc, IEEE: tl.constexpr):
     return tl.dot(a, b, acc)
 
 
+@triton.jit
+def _rows_acc(x_desc, w_desc, off_m, off_n, k_tiles, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+              BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
+    """One row block's K loop: ``ROWS`` rows of x (the descriptor's box) against a weight block."""
+    acc = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
+    for kb in range(k_tiles):
+        acc = _dot(x_desc.load([off_m, kb * BLOCK_K]), w_desc.load([off_n, kb * BLOCK_K]).T, acc, IEEE)
+    return acc
+
+
+@triton.jit
+def _bias_add(acc, b_ptr, off_n, N, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr):
+    if HAS_BIAS:
+        cols = off_n + tl.arange(0, BLOCK_N)
+        acc = acc + tl.load(b_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+    return acc
+
+
 @triton.jit(do_not_specialize=["M"])
 def _linear_tma_kernel(
     x_desc, w_desc, y_desc, xt_desc, yt_desc, b_ptr, M, N, K,
     HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    TAIL_M: tl.constexpr,
+    TAIL_M: tl.constexpr, REM_M: tl.constexpr,
 ):
     """Persistent: program ``p`` computes tiles ``p, p + NUM_PROGRAMS, ...``; each tile's K loop is the
     pointer kernel's (same k-steps, same accumulator), its operands arrive by TMA (zero-filled past
     M, N and K) and its store is clipped to ``[M, N]``. ``TAIL_M > 0``: a tile is ``BLOCK_M + TAIL_M``
     rows, the last ``TAIL_M`` through ``xt_desc``/``yt_desc`` with their own accumulator and dot — the
-    same k-steps into the same kind of fp32 accumulator, sharing the weight block just loaded."""
+    same k-steps into the same kind of fp32 accumulator, sharing the weight block just loaded.
+    ``REM_M > 0`` (no tail): the last row block, which holds only ``M % BLOCK_M`` rows, is computed with
+    ``REM_M``-row boxes through ``xt_desc``/``yt_desc`` — the TMA's zero fill of rows past M is slow
+    (measured: one valid row in a 64-row box cost the tile as much as 64 rows and more), so the box
+    shrinks to the rows there are; the k-steps are the same."""
     ROWS: tl.constexpr = BLOCK_M + TAIL_M
     num_tiles = tl.cdiv(M, ROWS) * tl.cdiv(N, BLOCK_N)
     k_tiles = tl.cdiv(K, BLOCK_K)
-    for tile in tl.range(tl.program_id(0), num_tiles, NUM_PROGRAMS, flatten=True):
+    for tile in tl.range(tl.program_id(0), num_tiles, NUM_PROGRAMS, flatten=REM_M == 0):
         pid_m, pid_n = _tile_coords(tile, M, N, ROWS, BLOCK_N, GROUP_M)
         off_m = pid_m * ROWS
         off_n = pid_n * BLOCK_N
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        if TAIL_M > 0:
+        if REM_M > 0 and off_m + BLOCK_M > M:
+            acc_r = _rows_acc(xt_desc, w_desc, off_m, off_n, k_tiles, REM_M, BLOCK_N, BLOCK_K, IEEE)
+            yt_desc.store([off_m, off_n], _bias_add(acc_r, b_ptr, off_n, N, HAS_BIAS, BLOCK_N).to(yt_desc.dtype))
+        elif TAIL_M > 0:
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             acc_t = tl.zeros((TAIL_M, BLOCK_N), dtype=tl.float32)
-        for kb in range(k_tiles):
-            b = w_desc.load([off_n, kb * BLOCK_K])
-            acc = _dot(x_desc.load([off_m, kb * BLOCK_K]), b.T, acc, IEEE)
-            if TAIL_M > 0:
+            for kb in range(k_tiles):
+                b = w_desc.load([off_n, kb * BLOCK_K])
+                acc = _dot(x_desc.load([off_m, kb * BLOCK_K]), b.T, acc, IEEE)
                 acc_t = _dot(xt_desc.load([off_m + BLOCK_M, kb * BLOCK_K]), b.T, acc_t, IEEE)
-        if HAS_BIAS:
-            cols = off_n + tl.arange(0, BLOCK_N)
-            bias = tl.load(b_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
-            acc = acc + bias
-            if TAIL_M > 0:
-                acc_t = acc_t + bias
-        y_desc.store([off_m, off_n], acc.to(y_desc.dtype))
-        if TAIL_M > 0:
-            yt_desc.store([off_m + BLOCK_M, off_n], acc_t.to(yt_desc.dtype))
+            y_desc.store([off_m, off_n], _bias_add(acc, b_ptr, off_n, N, HAS_BIAS, BLOCK_N).to(y_desc.dtype))
+            yt_desc.store([off_m + BLOCK_M, off_n],
+                          _bias_add(acc_t, b_ptr, off_n, N, HAS_BIAS, BLOCK_N).to(yt_desc.dtype))
+        else:
+            acc = _rows_acc(x_desc, w_desc, off_m, off_n, k_tiles, BLOCK_M, BLOCK_N, BLOCK_K, IEEE)
+            y_desc.store([off_m, off_n], _bias_add(acc, b_ptr, off_n, N, HAS_BIAS, BLOCK_N).to(y_desc.dtype))
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -247,20 +306,28 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ou
     m, k = x.shape
     n = weight.shape[0]
     c = dict(cfg)
+    rows, rest = c.pop("SPLIT_ROWS", 0), c.pop("REST", None)
+    if rows:  # two launches on row ranges of the same operands (views; rows is a multiple of 128)
+        _launch(x[:rows], weight, bias, out[:rows], c)
+        _launch(x[rows:], weight, bias, out[rows:], rest)
+        return
     tail = c.pop("TAIL_M")
+    rem_box = c.pop("REM_BOX")
     if c.pop("TMA"):
         bm, bn, bk = c["BLOCK_M"], c["BLOCK_N"], c["BLOCK_K"]
         tiles = triton.cdiv(m, bm + tail) * triton.cdiv(n, bn)
+        rem = rem_rows(m, bm) if rem_box and not tail else 0
         # one program per SM (on the interpreter 3, so that programs walk several tiles)
         programs = min(tiles, _num_sms(x.device.index or 0) if x.is_cuda else 3)
         x_desc, y_desc = TensorDescriptor.from_tensor(x, [bm, bk]), TensorDescriptor.from_tensor(out, [bm, bn])
-        xt_desc = TensorDescriptor.from_tensor(x, [tail, bk]) if tail else None
-        yt_desc = TensorDescriptor.from_tensor(out, [tail, bn]) if tail else None
+        small = tail or rem  # the tail's or the last row block's box
+        xt_desc = TensorDescriptor.from_tensor(x, [small, bk]) if small else None
+        yt_desc = TensorDescriptor.from_tensor(out, [small, bn]) if small else None
         _linear_tma_kernel[(programs,)](
             x_desc, TensorDescriptor.from_tensor(weight, [bn, bk]), y_desc, xt_desc, yt_desc,
             bias if bias is not None else out, m, n, k,
             HAS_BIAS=bias is not None, IEEE=c["IEEE"], NUM_PROGRAMS=programs, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-            GROUP_M=c["GROUP_M"], TAIL_M=tail, num_warps=c["num_warps"], num_stages=c["num_stages"],
+            GROUP_M=c["GROUP_M"], TAIL_M=tail, REM_M=rem, num_warps=c["num_warps"], num_stages=c["num_stages"],
         )
         return
     grid = (triton.cdiv(m, c["BLOCK_M"]) * triton.cdiv(n, c["BLOCK_N"]),)
