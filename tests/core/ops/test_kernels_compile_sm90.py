@@ -17,10 +17,11 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reas
 BF16_BOX = "tensordesc<bf16[{},{}]>"
 
 
-def compile_sm90(kernel, constexprs, pointers=None, descriptors=None, floats=(), num_warps=4, num_stages=3):
+def compile_sm90(kernel, constexprs, pointers=None, descriptors=None, floats=(), num_warps=4, num_stages=3,
+                 full=False):
     """Compile ``kernel`` for sm_90: arguments ending in ``_ptr`` are bf16 pointers unless ``pointers``
     says otherwise, ``descriptors`` maps TMA descriptor arguments to their boxes, ``floats`` are fp32
-    scalars, the rest int32; returns the PTX."""
+    scalars, the rest int32; returns the PTX (``full``: the compiled kernel, with its metadata)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -39,7 +40,7 @@ def compile_sm90(kernel, constexprs, pointers=None, descriptors=None, floats=(),
     src = ASTSource(fn=kernel, signature=signature, constexprs=constexprs)
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                               options={"num_warps": num_warps, "num_stages": num_stages})
-    return compiled.asm["ptx"]
+    return compiled if full else compiled.asm["ptx"]
 
 
 INT_PTRS = {n: "*i32" for n in ("table_ptr", "cu_q_ptr", "lens_ptr", "qpos_ptr", "pos_ptr", "cu_k_ptr")}
@@ -93,18 +94,22 @@ def test_attention_backward_compiles():
                  {"dk_part_ptr": "*fp32", "dv_part_ptr": "*fp32"}, floats=("scale",))
 
 
+SMEM_LIMIT = 232448  # bytes of shared memory one block may use on sm_90 (227 KiB)
+
+
 @pytest.mark.parametrize("tile,m", [((64, 64, 128, 8, 4, 4, 16), 65), ((128, 256, 64, 8, 8, 3), 4096),
-                                    ((128, 256, 64, 8, 8, 3), 4136), ((128, 128, 64, 8, 8, 4), 4000),
-                                    ((64, 32, 256, 8, 4, 4), 65), ((64, 32, 256, 8, 4, 4), 90)])
+                                    ((128, 256, 64, 8, 8, 3), 4136), ((128, 64, 128, 8, 8, 4), 100),
+                                    ((64, 32, 256, 8, 4, 4), 65), ((64, 32, 256, 8, 4, 4), 90),
+                                    ((64, 128, 64, 8, 4, 5), 20), ((64, 64, 128, 8, 4, 4), 96)])
 def test_gemm_tma_kernel_compiles(tile, m):
     """The persistent TMA GEMM: plain, with the 16-row tail, and with the last row block's smaller box
-    (M = 65: a 16-row box; 90: 32 rows; 4000 = 31 x 128 + 32: 32; 4136 = 32 x 128 + 40: 64)."""
+    (64-row tiles only: M = 65 a 16-row box, 90 and 20 a 32-row box, 96 none), within shared memory."""
     from rlk_core.ops.linear import triton as lt
 
     c = lt.tile_config(tile, 4096, tma=True)
     bm, bn, bk, tail = c["BLOCK_M"], c["BLOCK_N"], c["BLOCK_K"], c["TAIL_M"]
     rem = 0 if tail else lt.rem_rows(m, bm)
-    assert rem == {65: 16, 90: 32, 4000: 32, 4136: 64}.get(m, 0) or tail
+    assert rem == {65: 16, 90: 32, 20: 32}.get(m, 0) or tail
     boxes = {"x_desc": (bm, bk), "w_desc": (bn, bk), "y_desc": (bm, bn)}
     const = dict(HAS_BIAS=True, IEEE=False, NUM_PROGRAMS=132, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
                  GROUP_M=c["GROUP_M"], TAIL_M=tail, REM_M=rem)
@@ -112,11 +117,36 @@ def test_gemm_tma_kernel_compiles(tile, m):
         boxes.update(xt_desc=(tail or rem, bk), yt_desc=(tail or rem, bn))
     else:
         const.update(xt_desc=None, yt_desc=None)
-    ptx = compile_sm90(lt._linear_tma_kernel, const, descriptors=boxes, num_warps=c["num_warps"],
-                       num_stages=c["num_stages"])
+    compiled = compile_sm90(lt._linear_tma_kernel, const, descriptors=boxes, num_warps=c["num_warps"],
+                            num_stages=c["num_stages"], full=True)
+    ptx = compiled.asm["ptx"]
     assert "wgmma" in ptx
     # the tail's / last row block's dot below 64 rows: mma.sync beside the wgmma of the full rows
     assert ("mma.sync" in ptx) == (0 < (tail or rem) < 64)
+    assert compiled.metadata.shared <= SMEM_LIMIT, compiled.metadata.shared
+
+
+def test_every_gemm_tile_fits_shared_memory_with_its_last_box():
+    """Every TMA tile the rule can pick, with every last-row-block box :func:`rem_rows` can give it (the
+    shared memory of both K loops adds up; a 64-row box beside 128x256 tiles was measured not to fit)."""
+    from rlk_core.ops.linear import triton as lt
+
+    tiles = {*lt._SMALL_TMA, *lt._MID_TMA, *lt._TAIL_TMA, *(e[0] for e in lt._LARGE_TMA)}
+    for tile in sorted(tiles):
+        c = lt.tile_config(tile, 4096, tma=True)
+        bm, bn, bk, tail = c["BLOCK_M"], c["BLOCK_N"], c["BLOCK_K"], c["TAIL_M"]
+        for rem in sorted({0 if tail else lt.rem_rows(m, bm) for m in range(1, 2 * bm + 1)}):
+            small = tail or rem
+            boxes = {"x_desc": (bm, bk), "w_desc": (bn, bk), "y_desc": (bm, bn)}
+            const = dict(HAS_BIAS=True, IEEE=False, NUM_PROGRAMS=132, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+                         GROUP_M=c["GROUP_M"], TAIL_M=tail, REM_M=rem)
+            if small:
+                boxes.update(xt_desc=(small, bk), yt_desc=(small, bn))
+            else:
+                const.update(xt_desc=None, yt_desc=None)
+            compiled = compile_sm90(lt._linear_tma_kernel, const, descriptors=boxes, num_warps=c["num_warps"],
+                                    num_stages=c["num_stages"], full=True)
+            assert compiled.metadata.shared <= SMEM_LIMIT, (tile, rem, compiled.metadata.shared)
 
 
 def test_gemm_pointer_kernel_compiles_for_decode_tiles():

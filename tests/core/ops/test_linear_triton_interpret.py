@@ -11,21 +11,23 @@ SCRIPT = """
 
     torch.manual_seed(0)
     for dtype, tol in ((torch.float32, 1e-5), (torch.float16, 1e-2)):
-        for m, n, k in ((5, 48, 40), (70, 40, 72), (1, 16, 8)):
+        for m, n, k in ((5, 48, 40), (70, 40, 72), (1, 16, 8), (90, 24, 40)):
             x, w, b = torch.randn(m, k).to(dtype), torch.randn(n, k).to(dtype), torch.randn(n).to(dtype)
             ref = x.double() @ w.double().T + b.double()
-            for tile in ((16, 16, 16, 2, 4, 2), (32, 16, 32, 2, 4, 2), (16, 16, 16, 2, 4, 2, 16),
+            scale = max(1.0, float(ref.abs().max()))  # the output's own rounding is relative to its size
+            # 64-row tiles read a last row block of M % 64 < 32 rows with a 16- or 32-row box (M = 5, 70, 90)
+            for tile in ((16, 16, 16, 2, 4, 2), (32, 16, 32, 2, 4, 2), (64, 16, 16, 2, 4, 2), (16, 16, 16, 2, 4, 2, 16),
                          (32, 16, 32, 2, 4, 2, 16)):
                 for tma in (False, True) if len(tile) == 6 else (True,):  # a tail tile needs the TMA kernel
                     cfg = LT.tile_config(tile, k, dtype, tma)
                     err = float((LT.linear_2d(x, w, b, cfg).double() - ref).abs().max())
-                    assert err <= tol, (dtype, m, n, k, tile, tma, err)
+                    assert err <= tol * scale, (dtype, m, n, k, tile, tma, err)
             # a row split: the first 32 rows by one tile, the rest (with a 16-row last box) by another
             cfg = dict(LT.tile_config((32, 16, 32, 2, 4, 2), k, dtype, True), SPLIT_ROWS=32,
                        REST=LT.tile_config((32, 32, 16, 2, 4, 2), k, dtype, True))
             if m > 32:
                 err = float((LT.linear_2d(x, w, b, cfg).double() - ref).abs().max())
-                assert err <= tol, (dtype, m, n, k, "split", err)
+                assert err <= tol * scale, (dtype, m, n, k, "split", err)
     print("ok")
 """
 

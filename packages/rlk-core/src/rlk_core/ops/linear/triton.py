@@ -59,7 +59,10 @@ _SMALL_PTR = (64, 64, 128, 8, 4, 4)
 _LARGE_TMA = (((128, 256, 64, 8, 8, 3), 0.98, 0.98), ((128, 128, 64, 8, 8, 4), 0.89, 0.89),
               ((128, 64, 128, 8, 8, 4), 0.80, 0.57), ((64, 32, 256, 8, 4, 4), 0.60, 0.60))
 SMALL_WEIGHT = 8 << 20
-SPLIT_GAIN = 1.03
+# the second launch of a row split costs about 4 us on the H200 (measured: splits of 0.6B shapes with
+# K <= 2048 lost 3-4 us to the single tile, sweep_linear_split) — as time units of :func:`_wave_time`, the
+# time of a 128x256 tile with K = SPLIT_GAP_K at cuBLAS's rate (~6 TFLOP/s per SM)
+SPLIT_GAP_K = 384
 _LARGE_PTR = (128, 128, 64, 8, 8, 3)
 _FP32 = (64, 64, 32, 8, 4, 3)
 DTYPES = frozenset({torch.bfloat16, torch.float16, torch.float32})  # fp32: pointer kernel, ieee dots
@@ -96,17 +99,17 @@ def _wave_time(m: int, n: int, k: int, sms: int, entry) -> float:
 def _pick_large(m: int, n: int, k: int, sms: int) -> tuple[tuple[int, ...], int, tuple[int, ...] | None]:
     """M > 128: the fastest single tile by :func:`_wave_time`, or a row split — the first ``rows`` rows by
     128x256 tiles in whole waves, the rest by a smaller tile in a second launch — where that is estimated
-    SPLIT_GAIN faster (the second launch's start costs a few us). Example: 8B qkv at TP 4 (N = 1536), M =
-    4096: 128x256 leaves 1.45 waves, 128x128 runs 2.9 waves at its lower rate; one wave of 128x256 and
-    0.9 of 128x128 measured 0.92 of cuBLAS against 0.86 (sweep_linear_split)."""
+    faster, the second launch's start included. Example: 8B qkv at TP 4 (N = 1536), M = 4096: 128x256
+    leaves 1.45 waves, 128x128 runs 2.9 waves at its lower rate; one wave of 128x256 and 0.9 of 128x128
+    measured 0.91 of cuBLAS against 0.87 (sweep_linear_split; at M = 3000 0.78 against 0.53)."""
     best = min(_LARGE_TMA, key=lambda e: _wave_time(m, n, k, sms, e))
     big = _LARGE_TMA[0]
     per_row = triton.cdiv(n, big[0][1])
     rows = _tiles(m, n, big[0]) // sms * sms // per_row * big[0][0]
     if 0 < rows < m:
         rest = min(_LARGE_TMA[1:3], key=lambda e: _wave_time(m - rows, n, k, sms, e))  # measured rates only
-        split = _wave_time(rows, n, k, sms, big) + _wave_time(m - rows, n, k, sms, rest)
-        if split * SPLIT_GAIN < _wave_time(m, n, k, sms, best):
+        split = _wave_time(rows, n, k, sms, big) + _wave_time(m - rows, n, k, sms, rest) + SPLIT_GAP_K / k
+        if split < _wave_time(m, n, k, sms, best):
             return big[0], rows, rest[0]
     return best[0], 0, None
 
@@ -156,12 +159,17 @@ def tile_config(tile: tuple[int, ...], k: int, dtype: torch.dtype = torch.bfloat
 
 
 def rem_rows(m: int, block_m: int) -> int:
-    """Rows of the TMA box for the last row block when M is not a multiple of ``block_m``: the next power
-    of two (at least 16) of ``M % block_m``; 0 where that is the full block. A function of M, so the
-    kernel is compiled at most four times per tile (0, 16, 32, 64 rows)."""
+    """Rows of the TMA box for the last row block of a 64-row tile when fewer than half its rows are
+    there (``M % 64`` in 1..31): 16 or 32; otherwise 0 (the full box). Measured (sweep_linear_split): a
+    box of 64 rows holding 1-20 valid rows took up to 1.5x the time of the 16/32-row box (8B qkv at TP 4,
+    M = 65: 0.68 -> 1.01 of cuBLAS; 8B down, M = 17: 0.63 -> 0.96); at 32 valid rows (M = 96) and on the
+    128-row tiles of M > 128 the smaller box was 0-7% slower (it also ends the persistent loop's
+    flattening), and a 64-row box beside 128x256 tiles does not fit in shared memory. A function of M:
+    the kernel is compiled at most three times per tile (0, 16, 32)."""
     r = m % block_m
-    box = max(16, triton.next_power_of_2(r)) if r else block_m
-    return box if box < block_m else 0
+    if block_m != 64 or r == 0 or r >= 32:
+        return 0
+    return 16 if r <= 16 else 32
 
 
 @functools.cache
