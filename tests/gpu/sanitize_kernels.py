@@ -80,12 +80,12 @@ def _linear() -> None:
         b = torch.randn(72, device=dev).to(torch.bfloat16)
         cfg = linear_t.tile_config((64, 32, 64, 8, 4, 3, 16), 136, torch.bfloat16, True)
         close(linear_t.linear_2d(x, w, b, cfg), linear_reference(x, w, b), torch.bfloat16, f"linear tail M={m}")
-    # a row split (128 rows in 128x256 tiles, the other 160 in 128x128 tiles, one persistent loop); the
-    # 64-row tiles' 16-row last box is in the loop above (M = 70)
+    # a row split into two launches (128 rows by 128x256 tiles, 160 by 128x64 tiles whose last row block is
+    # read with a 32-row box); the 64-row tiles' 16-row last box is in the loop above (M = 70)
     x = torch.randn(288, 136, device=dev).to(torch.bfloat16)
     w = (torch.randn(264, 136, device=dev) * 136 ** -0.5).to(torch.bfloat16)
     cfg = dict(linear_t.tile_config((128, 256, 64, 8, 8, 3), 136, torch.bfloat16, True), SPLIT_ROWS=128,
-               REST=linear_t.tile_config((128, 128, 64, 8, 8, 3), 136, torch.bfloat16, True))
+               REST=linear_t.tile_config((128, 64, 128, 8, 8, 4), 136, torch.bfloat16, True))
     close(linear_t.linear_2d(x, w, None, cfg), linear_reference(x, w, None), torch.bfloat16, "linear split")
 
 

@@ -97,28 +97,6 @@ def test_attention_backward_compiles():
 SMEM_LIMIT = 232448  # bytes of shared memory one block may use on sm_90 (227 KiB)
 
 
-def compile_gemm_tma(tile, rem=0, split_n=0):
-    """The persistent TMA GEMM for one tile, with a last-row-block box of ``rem`` rows or a row split whose
-    second tiles are ``split_n`` wide; returns the compiled kernel."""
-    from rlk_core.ops.linear import triton as lt
-
-    c = lt.tile_config(tile, 4096, tma=True)
-    bm, bn, bk, tail = c["BLOCK_M"], c["BLOCK_N"], c["BLOCK_K"], c["TAIL_M"]
-    boxes = {"x_desc": (bm, bk), "w_desc": (bn, bk), "y_desc": (bm, bn)}
-    const = dict(HAS_BIAS=True, IEEE=False, NUM_PROGRAMS=132, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-                 GROUP_M=c["GROUP_M"], TAIL_M=tail, REM_M=rem, BLOCK_N2=split_n)
-    if tail or rem:
-        boxes.update(xt_desc=(tail or rem, bk), yt_desc=(tail or rem, bn))
-    else:
-        const.update(xt_desc=None, yt_desc=None)
-    if split_n:
-        boxes.update(w2_desc=(split_n, bk))
-    else:
-        const.update(w2_desc=None)
-    return compile_sm90(lt._linear_tma_kernel, const, descriptors=boxes, num_warps=c["num_warps"],
-                        num_stages=c["num_stages"], full=True)
-
-
 @pytest.mark.parametrize("tile,m", [((64, 64, 128, 8, 4, 4, 16), 65), ((128, 256, 64, 8, 8, 3), 4096),
                                     ((128, 256, 64, 8, 8, 3), 4136), ((128, 64, 128, 8, 8, 4), 100),
                                     ((64, 32, 256, 8, 4, 4), 65), ((64, 32, 256, 8, 4, 4), 90),
@@ -128,36 +106,47 @@ def test_gemm_tma_kernel_compiles(tile, m):
     (64-row tiles only: M = 65 a 16-row box, 90 and 20 a 32-row box, 96 none), within shared memory."""
     from rlk_core.ops.linear import triton as lt
 
-    tail = len(tile) > 6
-    rem = 0 if tail else lt.rem_rows(m, tile[0])
+    c = lt.tile_config(tile, 4096, tma=True)
+    bm, bn, bk, tail = c["BLOCK_M"], c["BLOCK_N"], c["BLOCK_K"], c["TAIL_M"]
+    rem = 0 if tail else lt.rem_rows(m, bm)
     assert rem == {65: 16, 90: 32, 20: 32}.get(m, 0) or tail
-    compiled = compile_gemm_tma(tile, rem)
+    boxes = {"x_desc": (bm, bk), "w_desc": (bn, bk), "y_desc": (bm, bn)}
+    const = dict(HAS_BIAS=True, IEEE=False, NUM_PROGRAMS=132, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+                 GROUP_M=c["GROUP_M"], TAIL_M=tail, REM_M=rem)
+    if tail or rem:
+        boxes.update(xt_desc=(tail or rem, bk), yt_desc=(tail or rem, bn))
+    else:
+        const.update(xt_desc=None, yt_desc=None)
+    compiled = compile_sm90(lt._linear_tma_kernel, const, descriptors=boxes, num_warps=c["num_warps"],
+                            num_stages=c["num_stages"], full=True)
     ptx = compiled.asm["ptx"]
     assert "wgmma" in ptx
     # the tail's / last row block's dot below 64 rows: mma.sync beside the wgmma of the full rows
-    assert ("mma.sync" in ptx) == (tail or 0 < rem < 64)
+    assert ("mma.sync" in ptx) == (0 < (tail or rem) < 64)
     assert compiled.metadata.shared <= SMEM_LIMIT, compiled.metadata.shared
 
 
-def test_every_gemm_tile_fits_shared_memory_with_its_boxes():
-    """Every TMA tile the rule can pick, with every last-row-block box :func:`rem_rows` can give it, and
-    the row split's two tiles in one kernel (the shared memory of the K loops adds up in part; a 64-row
-    box beside 128x256 tiles was measured not to fit)."""
-    import torch
-
+def test_every_gemm_tile_fits_shared_memory_with_its_last_box():
+    """Every TMA tile the rule can pick, with every last-row-block box :func:`rem_rows` can give it (the
+    shared memory of both K loops adds up; a 64-row box beside 128x256 tiles was measured not to fit)."""
     from rlk_core.ops.linear import triton as lt
 
     tiles = {*lt._SMALL_TMA, *lt._MID_TMA, *lt._TAIL_TMA, *(e[0] for e in lt._LARGE_TMA)}
     for tile in sorted(tiles):
-        rems = {0} if len(tile) > 6 else {lt.rem_rows(m, tile[0]) for m in range(1, 2 * tile[0] + 1)}
-        for rem in sorted(rems):
-            shared = compile_gemm_tma(tile, rem).metadata.shared
-            assert shared <= SMEM_LIMIT, (tile, rem, shared)
-    cfg = lt.config(torch.bfloat16, 4096, 1536, 4096, True, 132)  # 8B qkv at TP 4: a row split
-    assert cfg["SPLIT_ROWS"] == 2816 and (cfg["BLOCK_N"], cfg["REST"]["BLOCK_N"]) == (256, 128)
-    split_tile = tuple(cfg[key] for key in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages"))
-    shared = compile_gemm_tma(split_tile, split_n=cfg["REST"]["BLOCK_N"]).metadata.shared
-    assert shared <= SMEM_LIMIT, ("split", shared)
+        c = lt.tile_config(tile, 4096, tma=True)
+        bm, bn, bk, tail = c["BLOCK_M"], c["BLOCK_N"], c["BLOCK_K"], c["TAIL_M"]
+        for rem in sorted({0 if tail else lt.rem_rows(m, bm) for m in range(1, 2 * bm + 1)}):
+            small = tail or rem
+            boxes = {"x_desc": (bm, bk), "w_desc": (bn, bk), "y_desc": (bm, bn)}
+            const = dict(HAS_BIAS=True, IEEE=False, NUM_PROGRAMS=132, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+                         GROUP_M=c["GROUP_M"], TAIL_M=tail, REM_M=rem)
+            if small:
+                boxes.update(xt_desc=(small, bk), yt_desc=(small, bn))
+            else:
+                const.update(xt_desc=None, yt_desc=None)
+            compiled = compile_sm90(lt._linear_tma_kernel, const, descriptors=boxes, num_warps=c["num_warps"],
+                                    num_stages=c["num_stages"], full=True)
+            assert compiled.metadata.shared <= SMEM_LIMIT, (tile, rem, compiled.metadata.shared)
 
 
 def test_gemm_pointer_kernel_compiles_for_decode_tiles():

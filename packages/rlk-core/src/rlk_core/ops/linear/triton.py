@@ -59,12 +59,9 @@ _SMALL_PTR = (64, 64, 128, 8, 4, 4)
 _LARGE_TMA = (((128, 256, 64, 8, 8, 3), 0.98, 0.98), ((128, 128, 64, 8, 8, 4), 0.89, 0.89),
               ((128, 64, 128, 8, 8, 4), 0.80, 0.57), ((64, 32, 256, 8, 4, 4), 0.60, 0.60))
 SMALL_WEIGHT = 8 << 20
-# a row split's rows after SPLIT_ROWS: 128x128 tiles in the same launch (same BLOCK_M, BLOCK_K, warps and
-# stages as the 128x256 tiles before them). Its cost beyond :func:`_wave_time` (the persistent loop is not
-# flattened; as two launches it was ~4 us, sweep_linear_split) is taken as SPLIT_GAP_K / K time units: the
+# the second launch of a row split costs about 4 us on the H200 (measured: splits of 0.6B shapes with
+# K <= 2048 lost 3-4 us to the single tile, sweep_linear_split) — as time units of :func:`_wave_time`, the
 # time of a 128x256 tile with K = SPLIT_GAP_K at cuBLAS's rate (~6 TFLOP/s per SM)
-_SPLIT_REST = ((128, 128, 64, 8, 8, 3), 0.89, 0.89)
-SPLIT_STAGES = tl.constexpr(2)  # the 128x128 loop's pipeline depth: with 3 beside 128x256's the kernel needs 240 KiB
 SPLIT_GAP_K = 384
 _LARGE_PTR = (128, 128, 64, 8, 8, 3)
 _FP32 = (64, 64, 32, 8, 4, 3)
@@ -101,8 +98,8 @@ def _wave_time(m: int, n: int, k: int, sms: int, entry) -> float:
 
 def _pick_large(m: int, n: int, k: int, sms: int) -> tuple[tuple[int, ...], int, tuple[int, ...] | None]:
     """M > 128: the fastest single tile by :func:`_wave_time`, or a row split — the first ``rows`` rows by
-    128x256 tiles in whole waves, the rest by 128x128 tiles after them in the same persistent loop — where
-    that is estimated faster. Example: 8B qkv at TP 4 (N = 1536), M = 4096: 128x256
+    128x256 tiles in whole waves, the rest by a smaller tile in a second launch — where that is estimated
+    faster, the second launch's start included. Example: 8B qkv at TP 4 (N = 1536), M = 4096: 128x256
     leaves 1.45 waves, 128x128 runs 2.9 waves at its lower rate; one wave of 128x256 and 0.9 of 128x128
     measured 0.91 of cuBLAS against 0.87 (sweep_linear_split; at M = 3000 0.78 against 0.53)."""
     best = min(_LARGE_TMA, key=lambda e: _wave_time(m, n, k, sms, e))
@@ -110,9 +107,10 @@ def _pick_large(m: int, n: int, k: int, sms: int) -> tuple[tuple[int, ...], int,
     per_row = triton.cdiv(n, big[0][1])
     rows = _tiles(m, n, big[0]) // sms * sms // per_row * big[0][0]
     if 0 < rows < m:
-        split = _wave_time(rows, n, k, sms, big) + _wave_time(m - rows, n, k, sms, _SPLIT_REST) + SPLIT_GAP_K / k
+        rest = min(_LARGE_TMA[1:3], key=lambda e: _wave_time(m - rows, n, k, sms, e))  # measured rates only
+        split = _wave_time(rows, n, k, sms, big) + _wave_time(m - rows, n, k, sms, rest) + SPLIT_GAP_K / k
         if split < _wave_time(m, n, k, sms, best):
-            return big[0], rows, _SPLIT_REST[0]
+            return big[0], rows, rest[0]
     return best[0], 0, None
 
 
@@ -208,11 +206,10 @@ def _dot(a, b, acc, IEEE: tl.constexpr):
 
 @triton.jit
 def _rows_acc(x_desc, w_desc, off_m, off_n, k_tiles, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
-              BLOCK_K: tl.constexpr, IEEE: tl.constexpr, STAGES: tl.constexpr = None):
-    """One row block's K loop: ``ROWS`` rows of x (the descriptor's box) against a weight block;
-    ``STAGES``: the loop's pipeline depth where it differs from the kernel's."""
+              BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
+    """One row block's K loop: ``ROWS`` rows of x (the descriptor's box) against a weight block."""
     acc = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
-    for kb in tl.range(k_tiles, num_stages=STAGES):
+    for kb in range(k_tiles):
         acc = _dot(x_desc.load([off_m, kb * BLOCK_K]), w_desc.load([off_n, kb * BLOCK_K]).T, acc, IEEE)
     return acc
 
@@ -225,12 +222,12 @@ def _bias_add(acc, b_ptr, off_n, N, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexp
     return acc
 
 
-@triton.jit(do_not_specialize=["M", "SPLIT_M"])
+@triton.jit(do_not_specialize=["M"])
 def _linear_tma_kernel(
-    x_desc, w_desc, y_desc, xt_desc, yt_desc, w2_desc, y_ptr, b_ptr, M, N, K, SPLIT_M, stride_ym,
+    x_desc, w_desc, y_desc, xt_desc, yt_desc, b_ptr, M, N, K,
     HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    TAIL_M: tl.constexpr, REM_M: tl.constexpr, BLOCK_N2: tl.constexpr,
+    TAIL_M: tl.constexpr, REM_M: tl.constexpr,
 ):
     """Persistent: program ``p`` computes tiles ``p, p + NUM_PROGRAMS, ...``; each tile's K loop is the
     pointer kernel's (same k-steps, same accumulator), its operands arrive by TMA (zero-filled past
@@ -240,51 +237,30 @@ def _linear_tma_kernel(
     ``REM_M > 0`` (no tail): the last row block, which holds only ``M % BLOCK_M`` rows, is computed with
     ``REM_M``-row boxes through ``xt_desc``/``yt_desc`` — the TMA's zero fill of rows past M is slow
     (measured: one valid row in a 64-row box cost the tile as much as 64 rows and more), so the box
-    shrinks to the rows there are; the k-steps are the same.
-    ``BLOCK_N2 > 0``: a row split — rows below ``SPLIT_M`` (a multiple of BLOCK_M) in ``BLOCK_M x
-    BLOCK_N`` tiles, the rows from ``SPLIT_M`` on in ``BLOCK_M x BLOCK_N2`` tiles through
-    ``w2_desc`` and stored through ``y_ptr`` (row stride ``stride_ym``), after the former in the same
-    persistent loop."""
+    shrinks to the rows there are; the k-steps are the same."""
     ROWS: tl.constexpr = BLOCK_M + TAIL_M
-    big_rows = SPLIT_M if BLOCK_N2 > 0 else M
-    big_tiles = tl.cdiv(big_rows, ROWS) * tl.cdiv(N, BLOCK_N)
-    num_tiles = big_tiles
-    if BLOCK_N2 > 0:
-        num_tiles += tl.cdiv(M - SPLIT_M, BLOCK_M) * tl.cdiv(N, BLOCK_N2)
+    num_tiles = tl.cdiv(M, ROWS) * tl.cdiv(N, BLOCK_N)
     k_tiles = tl.cdiv(K, BLOCK_K)
-    for tile in tl.range(tl.program_id(0), num_tiles, NUM_PROGRAMS, flatten=REM_M == 0 and BLOCK_N2 == 0):
-        if BLOCK_N2 > 0 and tile >= big_tiles:
-            pid_m, pid_n = _tile_coords(tile - big_tiles, M - SPLIT_M, N, BLOCK_M, BLOCK_N2, GROUP_M)
-            off_m = SPLIT_M + pid_m * BLOCK_M
-            off_n = pid_n * BLOCK_N2
-            acc2 = _rows_acc(x_desc, w2_desc, off_m, off_n, k_tiles, BLOCK_M, BLOCK_N2, BLOCK_K, IEEE, SPLIT_STAGES)
-            # a pointer store: a second TMA store would need its own 32 KiB staging buffer beside 128x256's
-            rows = off_m + tl.arange(0, BLOCK_M)
-            cols = off_n + tl.arange(0, BLOCK_N2)
-            tl.store(y_ptr + rows[:, None].to(tl.int64) * stride_ym + cols[None, :],
-                     _bias_add(acc2, b_ptr, off_n, N, HAS_BIAS, BLOCK_N2).to(y_ptr.dtype.element_ty),
-                     mask=(rows[:, None] < M) & (cols[None, :] < N))
+    for tile in tl.range(tl.program_id(0), num_tiles, NUM_PROGRAMS, flatten=REM_M == 0):
+        pid_m, pid_n = _tile_coords(tile, M, N, ROWS, BLOCK_N, GROUP_M)
+        off_m = pid_m * ROWS
+        off_n = pid_n * BLOCK_N
+        if REM_M > 0 and off_m + BLOCK_M > M:
+            acc_r = _rows_acc(xt_desc, w_desc, off_m, off_n, k_tiles, REM_M, BLOCK_N, BLOCK_K, IEEE)
+            yt_desc.store([off_m, off_n], _bias_add(acc_r, b_ptr, off_n, N, HAS_BIAS, BLOCK_N).to(yt_desc.dtype))
+        elif TAIL_M > 0:
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            acc_t = tl.zeros((TAIL_M, BLOCK_N), dtype=tl.float32)
+            for kb in range(k_tiles):
+                b = w_desc.load([off_n, kb * BLOCK_K])
+                acc = _dot(x_desc.load([off_m, kb * BLOCK_K]), b.T, acc, IEEE)
+                acc_t = _dot(xt_desc.load([off_m + BLOCK_M, kb * BLOCK_K]), b.T, acc_t, IEEE)
+            y_desc.store([off_m, off_n], _bias_add(acc, b_ptr, off_n, N, HAS_BIAS, BLOCK_N).to(y_desc.dtype))
+            yt_desc.store([off_m + BLOCK_M, off_n],
+                          _bias_add(acc_t, b_ptr, off_n, N, HAS_BIAS, BLOCK_N).to(yt_desc.dtype))
         else:
-            pid_m, pid_n = _tile_coords(tile, big_rows, N, ROWS, BLOCK_N, GROUP_M)
-            off_m = pid_m * ROWS
-            off_n = pid_n * BLOCK_N
-            if REM_M > 0 and off_m + BLOCK_M > M:
-                acc_r = _rows_acc(xt_desc, w_desc, off_m, off_n, k_tiles, REM_M, BLOCK_N, BLOCK_K, IEEE)
-                yt_desc.store([off_m, off_n],
-                              _bias_add(acc_r, b_ptr, off_n, N, HAS_BIAS, BLOCK_N).to(yt_desc.dtype))
-            elif TAIL_M > 0:
-                acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-                acc_t = tl.zeros((TAIL_M, BLOCK_N), dtype=tl.float32)
-                for kb in range(k_tiles):
-                    b = w_desc.load([off_n, kb * BLOCK_K])
-                    acc = _dot(x_desc.load([off_m, kb * BLOCK_K]), b.T, acc, IEEE)
-                    acc_t = _dot(xt_desc.load([off_m + BLOCK_M, kb * BLOCK_K]), b.T, acc_t, IEEE)
-                y_desc.store([off_m, off_n], _bias_add(acc, b_ptr, off_n, N, HAS_BIAS, BLOCK_N).to(y_desc.dtype))
-                yt_desc.store([off_m + BLOCK_M, off_n],
-                              _bias_add(acc_t, b_ptr, off_n, N, HAS_BIAS, BLOCK_N).to(yt_desc.dtype))
-            else:
-                acc = _rows_acc(x_desc, w_desc, off_m, off_n, k_tiles, BLOCK_M, BLOCK_N, BLOCK_K, IEEE)
-                y_desc.store([off_m, off_n], _bias_add(acc, b_ptr, off_n, N, HAS_BIAS, BLOCK_N).to(y_desc.dtype))
+            acc = _rows_acc(x_desc, w_desc, off_m, off_n, k_tiles, BLOCK_M, BLOCK_N, BLOCK_K, IEEE)
+            y_desc.store([off_m, off_n], _bias_add(acc, b_ptr, off_n, N, HAS_BIAS, BLOCK_N).to(y_desc.dtype))
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -338,15 +314,16 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ou
     m, k = x.shape
     n = weight.shape[0]
     c = dict(cfg)
-    split, rest = c.pop("SPLIT_ROWS", 0), c.pop("REST", None)
+    rows, rest = c.pop("SPLIT_ROWS", 0), c.pop("REST", None)
+    if rows:  # two launches on row ranges of the same operands (views; rows is a multiple of 128)
+        _launch(x[:rows], weight, bias, out[:rows], c)
+        _launch(x[rows:], weight, bias, out[rows:], rest)
+        return
     tail = c.pop("TAIL_M")
     rem_box = c.pop("REM_BOX")
     if c.pop("TMA"):
         bm, bn, bk = c["BLOCK_M"], c["BLOCK_N"], c["BLOCK_K"]
-        bn2 = rest["BLOCK_N"] if split else 0
-        assert not split or ((rest["BLOCK_M"], rest["BLOCK_K"]) == (bm, bk) and split % bm == 0 and not tail), cfg
-        tiles = triton.cdiv(split or m, bm + tail) * triton.cdiv(n, bn) + (
-            triton.cdiv(m - split, bm) * triton.cdiv(n, bn2) if split else 0)
+        tiles = triton.cdiv(m, bm + tail) * triton.cdiv(n, bn)
         rem = rem_rows(m, bm) if rem_box and not tail else 0
         # one program per SM (on the interpreter 3, so that programs walk several tiles)
         programs = min(tiles, _num_sms(x.device.index or 0) if x.is_cuda else 3)
@@ -354,13 +331,11 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ou
         small = tail or rem  # the tail's or the last row block's box
         xt_desc = TensorDescriptor.from_tensor(x, [small, bk]) if small else None
         yt_desc = TensorDescriptor.from_tensor(out, [small, bn]) if small else None
-        w2_desc = TensorDescriptor.from_tensor(weight, [bn2, bk]) if split else None
         _linear_tma_kernel[(programs,)](
-            x_desc, TensorDescriptor.from_tensor(weight, [bn, bk]), y_desc, xt_desc, yt_desc, w2_desc, out,
-            bias if bias is not None else out, m, n, k, split, out.stride(0),
+            x_desc, TensorDescriptor.from_tensor(weight, [bn, bk]), y_desc, xt_desc, yt_desc,
+            bias if bias is not None else out, m, n, k,
             HAS_BIAS=bias is not None, IEEE=c["IEEE"], NUM_PROGRAMS=programs, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-            GROUP_M=c["GROUP_M"], TAIL_M=tail, REM_M=rem, BLOCK_N2=bn2, num_warps=c["num_warps"],
-            num_stages=c["num_stages"],
+            GROUP_M=c["GROUP_M"], TAIL_M=tail, REM_M=rem, num_warps=c["num_warps"], num_stages=c["num_stages"],
         )
         return
     grid = (triton.cdiv(m, c["BLOCK_M"]) * triton.cdiv(n, c["BLOCK_N"]),)
