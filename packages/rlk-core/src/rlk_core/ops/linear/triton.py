@@ -13,8 +13,9 @@ H200: every candidate tile of ``benchmarks/sweep_kernels.py`` gave bit-identical
 Qwen3 shape and M tried, and the GPU tests check it for the shipped table (every M of the issue's list
 against a batch of 8192, row by row). So the tile is chosen per call for speed by :func:`config` — a
 fixed rule of (dtype, M, N, K, whether TMA applies, the SM count), no timing, no autotuning — and M
-itself is never specialised on (``do_not_specialize``). Rows past M and columns past N are masked
-(TMA: zero-filled and clipped), never stored.
+itself is never specialised on (``do_not_specialize``; the TMA kernel's last-row-block box, 0/16/32 rows,
+is the only compile-time value derived from it). Rows past M and columns past N are masked (TMA:
+zero-filled and clipped), never stored.
 
 bf16/fp16 use tensor cores (wgmma on sm_90); fp32 uses ``input_precision="ieee"`` (no tf32), so it
 stays within fp32 tolerance of the reference. Compared with the reference (pairwise-tree K order) the
