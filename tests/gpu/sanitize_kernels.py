@@ -63,8 +63,8 @@ def main(parts: list[str]) -> int:
 def _linear() -> None:
     dev = "cuda"
     # pointer kernel at 16/64/128-row tiles (N = 130, 257: rows not 16-byte aligned, no TMA) and the TMA
-    # kernels: 64-row tiles (M = 70, last row block by a 16-row box) and the persistent 128-row tiles (M = 300,
-    # last block by a 64-row box), ragged N and K
+    # kernels: 64-row tiles (M = 70, last row block by a 16-row box) and the persistent 128-row tiles
+    # (M = 300), ragged N and K
     for dt in (torch.bfloat16, torch.float32):
         for m, n, k in ((1, 64, 64), (65, 130, 200), (3, 257, 128), (70, 96, 128), (300, 264, 136), (200, 130, 72)):
             x = torch.randn(m, k, device=dev).to(dt)
@@ -80,8 +80,14 @@ def _linear() -> None:
         b = torch.randn(72, device=dev).to(torch.bfloat16)
         cfg = linear_t.tile_config((64, 32, 64, 8, 4, 3, 16), 136, torch.bfloat16, True)
         close(linear_t.linear_2d(x, w, b, cfg), linear_reference(x, w, b), torch.bfloat16, f"linear tail M={m}")
-    # a row split into two launches (128 rows by 128x256 tiles, 160 by 128x64 tiles whose last row block is
-    # read with a 32-row box); the 64-row tiles' 16-row last box is in the loop above (M = 70)
+    # 64-row tiles whose last row block is read with a 32-row box (M = 90, 20) and a 16-row box (M = 65)
+    for m in (90, 20, 65):
+        x = torch.randn(m, 136, device=dev).to(torch.bfloat16)
+        w = (torch.randn(72, 136, device=dev) * 136 ** -0.5).to(torch.bfloat16)
+        b = torch.randn(72, device=dev).to(torch.bfloat16)
+        cfg = linear_t.tile_config((64, 32, 64, 8, 4, 3), 136, torch.bfloat16, True)
+        close(linear_t.linear_2d(x, w, b, cfg), linear_reference(x, w, b), torch.bfloat16, f"linear box M={m}")
+    # a row split into two launches (128 rows by 128x256 tiles, 160 by 128x64 tiles)
     x = torch.randn(288, 136, device=dev).to(torch.bfloat16)
     w = (torch.randn(264, 136, device=dev) * 136 ** -0.5).to(torch.bfloat16)
     cfg = dict(linear_t.tile_config((128, 256, 64, 8, 8, 3), 136, torch.bfloat16, True), SPLIT_ROWS=128,
