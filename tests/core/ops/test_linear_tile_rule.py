@@ -61,3 +61,32 @@ def test_launch_does_not_mutate_the_cached_rule():
     except Exception:  # no GPU / interpreter here: the launch itself may fail after the copy
         pass
     assert lt.config(torch.float32, 5, 48, 40, False, 132) == before
+
+
+@pytest.mark.parametrize("m,n,k,want", [
+    (4096, 1536, 4096, (2816, 128)),  # 8B qkv at TP 4: one wave of 128x256, then 0.9 of a wave of 128x128
+    (3000, 1536, 4096, (2816, 64)),   # the rest (184 rows) fills the SMs better with 128x64
+    (2048, 3072, 4096, (1408, 128)),  # 8B qkv at TP 2
+    (8192, 1536, 4096, None),         # 2.9 waves of 128x256: no split
+    (6000, 1024, 2048, None),         # estimated faster without the second launch's ~4 us (measured so)
+    (3000, 2048, 1024, None),
+])
+def test_row_split_choices(m, n, k, want):
+    """M > 128: whole waves of 128x256 tiles and a second launch for the rest, where estimated faster."""
+    from rlk_core.ops.linear import triton as lt
+
+    c = lt.config(torch.bfloat16, m, n, k, True, 132)
+    got = (c["SPLIT_ROWS"], c["REST"]["BLOCK_N"]) if "SPLIT_ROWS" in c else None
+    assert got == want
+    if got:
+        assert (c["BLOCK_M"], c["BLOCK_N"]) == (128, 256) and got[0] % 128 == 0
+        assert lt._tiles(got[0], n, (128, 256)) % 132 == 0  # the 128x256 part is whole waves
+
+
+def test_last_box_rows():
+    """64-row tiles read a last row block of fewer than 32 rows with a 16/32-row box; nothing else does."""
+    from rlk_core.ops.linear import triton as lt
+
+    assert [lt.rem_rows(m, 64) for m in (1, 16, 17, 31, 32, 63, 64, 65, 80, 81, 95, 96, 127)] == [
+        16, 16, 32, 32, 0, 0, 0, 16, 16, 32, 32, 0, 0]
+    assert all(lt.rem_rows(m, 128) == 0 for m in range(1, 513))
