@@ -1,5 +1,6 @@
 """Every GPU kernel compiles for sm_90 (H100/H200) on this CPU machine, through Triton's whole pipeline down
-to a cubin (the wheel bundles ptxas), with the shipped configurations.
+to a cubin (the wheel bundles ptxas), with the shipped configurations and the specialisation a launch on
+real tensors gets; ptxas's report is checked for register spills and serialised wgmma.
 
 The interpreter tests run the kernels' Python, not Triton's compiler: a kernel can pass them and still
 be rejected by the compiler (a plain module global read inside a kernel did, once, and cost a device
@@ -18,29 +19,68 @@ BF16_BOX = "tensordesc<bf16[{},{}]>"
 
 
 def compile_sm90(kernel, constexprs, pointers=None, descriptors=None, floats=(), num_warps=4, num_stages=3,
-                 full=False):
+                 full=False, ones=(), plain=(), max_spill=0):
     """Compile ``kernel`` for sm_90: arguments ending in ``_ptr`` are bf16 pointers unless ``pointers``
     says otherwise, ``descriptors`` maps TMA descriptor arguments to their boxes, ``floats`` are fp32
-    scalars, the rest int32; returns the PTX (``full``: the compiled kernel, with its metadata)."""
+    scalars, the rest int32; returns the PTX (``full``: the compiled kernel, with its metadata).
+
+    Specialised as a launch on real tensors is: pointers 16-byte aligned, integer arguments (strides,
+    sizes) divisible by 16 except those in ``plain`` and the kernel's ``do_not_specialize``, and those in
+    ``ones`` equal to 1 (Triton turns such an argument into a constant: a unit stride). Without this the
+    compile would address every element separately — ptxas's register counts would not be the launch's.
+    ``max_spill``: bytes of register spill stores ptxas may report (see :func:`_check_ptxas`)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     pointers, descriptors = pointers or {}, descriptors or {}
-    signature = {}
-    for name in kernel.arg_names:
+    constexprs = {**constexprs, **{name: 1 for name in ones}}
+    loose = {*plain, *getattr(kernel, "do_not_specialize", ())}
+    signature, attrs = {}, {}
+    for i, name in enumerate(kernel.arg_names):
         if name in constexprs:
             signature[name] = "constexpr"
         elif name in descriptors:
             signature[name] = BF16_BOX.format(*descriptors[name])
-        elif name.endswith("_ptr"):
-            signature[name] = pointers.get(name, "*bf16")
         else:
-            signature[name] = "fp32" if name in floats else "i32"
-    src = ASTSource(fn=kernel, signature=signature, constexprs=constexprs)
+            if name.endswith("_ptr"):
+                signature[name] = pointers.get(name, "*bf16")
+            else:
+                signature[name] = "fp32" if name in floats else "i32"
+            if name not in floats and name not in loose:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    src = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                               options={"num_warps": num_warps, "num_stages": num_stages})
+    _check_ptxas(compiled.asm["ptx"], kernel.__name__, max_spill)
     return compiled if full else compiled.asm["ptx"]
+
+
+def _check_ptxas(ptx: str, name: str, max_spill: int = 0) -> None:
+    """ptxas's own report on the kernel (the bundled ptxas, ``-v``): at most ``max_spill`` bytes of
+    register spill stores, and no wgmma serialised by its accumulator being written between pipeline
+    stages (warning C7515: the MMAs then run one after the other; it appears, e.g., when a 64-row tail dot
+    shares the K loop with a 128-row one)."""
+    import re
+    import subprocess
+    import tempfile
+    from pathlib import Path
+
+    import triton
+
+    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+    assert ptxas.exists(), f"{ptxas}: the Triton wheel's ptxas (it also built the cubin)"
+    with tempfile.TemporaryDirectory() as tmp:
+        src = Path(tmp) / "k.ptx"
+        src.write_text(ptx)
+        proc = subprocess.run([str(ptxas), "-v", "--gpu-name=sm_90a", str(src), "-o", str(Path(tmp) / "k.cubin")],
+                              capture_output=True, text=True, timeout=300)
+    report = proc.stdout + proc.stderr
+    assert proc.returncode == 0, report[-2000:]
+    spills = re.search(r"(\d+) bytes spill stores", report)
+    assert spills is not None, report[-2000:]
+    assert int(spills.group(1)) <= max_spill, f"{name} spills registers:\n{report[-2000:]}"
+    assert "C7515" not in report, f"{name}: ptxas serialises its wgmma:\n{report[-2000:]}"
 
 
 INT_PTRS = {n: "*i32" for n in ("table_ptr", "cu_q_ptr", "lens_ptr", "qpos_ptr", "pos_ptr", "cu_k_ptr")}
@@ -60,7 +100,8 @@ def test_attention_forward_compiles(paged):
     if not tma:
         const.update(k_desc=None, v_desc=None)
     ptx = compile_sm90(at._attention_fwd_kernel, const, INT_PTRS, {"k_desc": box, "v_desc": box} if tma else None,
-                       floats=("qk_scale",), num_warps=warps, num_stages=stages)
+                       floats=("qk_scale",), num_warps=warps, num_stages=stages,
+                       ones=("stride_qd", "stride_kd", "stride_vd", "stride_od"))
     assert "wgmma" in ptx
 
 
@@ -88,13 +129,33 @@ def test_attention_backward_compiles():
         assert "wgmma" in ptx, part
     c = dict(cfg["dkdv"])
     warps, stages = c.pop("num_warps"), c.pop("num_stages")
+    # dK/dV: two 64x128 fp32 accumulators on 4 warps (128 registers a thread) beside the recomputed P and
+    # dS tiles: 255 registers and 128 bytes spilled (ptxas, this configuration; measured 1.12x flash anyway)
     compile_sm90(ab._attn_bwd_dkdv_kernel, dict(common, **c), {**ptrs, "dk_ptr": "*fp32", "dv_ptr": "*fp32"},
-                 floats=("qk_scale2", "scale"), num_warps=warps, num_stages=stages)
+                 floats=("qk_scale2", "scale"), num_warps=warps, num_stages=stages, max_spill=128)
     compile_sm90(ab._attn_bwd_group_sum_kernel, dict(G=4, BLOCK_T=ab._SUM_BLOCK_T, BLOCK_D=128),
                  {"dk_part_ptr": "*fp32", "dv_part_ptr": "*fp32"}, floats=("scale",))
 
 
 SMEM_LIMIT = 232448  # bytes of shared memory one block may use on sm_90 (227 KiB)
+
+
+def compile_gemm_tma(tile, rem=0):
+    """The persistent TMA GEMM for one tile (a 7th entry: the tail's rows), with a last-row-block box of
+    ``rem`` rows; the compiled kernel."""
+    from rlk_core.ops.linear import triton as lt
+
+    c = lt.tile_config(tile, 4096, tma=True)
+    bm, bn, bk, tail = c["BLOCK_M"], c["BLOCK_N"], c["BLOCK_K"], c["TAIL_M"]
+    boxes = {"x_desc": (bm, bk), "w_desc": (bn, bk), "y_desc": (bm, bn)}
+    const = dict(HAS_BIAS=True, IEEE=False, NUM_PROGRAMS=132, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+                 GROUP_M=c["GROUP_M"], TAIL_M=tail, REM_M=rem)
+    if tail or rem:
+        boxes.update(xt_desc=(tail or rem, bk), yt_desc=(tail or rem, bn))
+    else:
+        const.update(xt_desc=None, yt_desc=None)
+    return compile_sm90(lt._linear_tma_kernel, const, descriptors=boxes, num_warps=c["num_warps"],
+                        num_stages=c["num_stages"], full=True)
 
 
 @pytest.mark.parametrize("tile,m", [((64, 64, 128, 8, 4, 4, 16), 65), ((128, 256, 64, 8, 8, 3), 4096),
@@ -106,19 +167,10 @@ def test_gemm_tma_kernel_compiles(tile, m):
     (64-row tiles only: M = 65 a 16-row box, 90 and 20 a 32-row box, 96 none), within shared memory."""
     from rlk_core.ops.linear import triton as lt
 
-    c = lt.tile_config(tile, 4096, tma=True)
-    bm, bn, bk, tail = c["BLOCK_M"], c["BLOCK_N"], c["BLOCK_K"], c["TAIL_M"]
-    rem = 0 if tail else lt.rem_rows(m, bm)
+    tail = tile[6] if len(tile) > 6 else 0
+    rem = 0 if tail else lt.rem_rows(m, tile[0])
     assert rem == {65: 16, 90: 32, 20: 32}.get(m, 0) or tail
-    boxes = {"x_desc": (bm, bk), "w_desc": (bn, bk), "y_desc": (bm, bn)}
-    const = dict(HAS_BIAS=True, IEEE=False, NUM_PROGRAMS=132, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-                 GROUP_M=c["GROUP_M"], TAIL_M=tail, REM_M=rem)
-    if tail or rem:
-        boxes.update(xt_desc=(tail or rem, bk), yt_desc=(tail or rem, bn))
-    else:
-        const.update(xt_desc=None, yt_desc=None)
-    compiled = compile_sm90(lt._linear_tma_kernel, const, descriptors=boxes, num_warps=c["num_warps"],
-                            num_stages=c["num_stages"], full=True)
+    compiled = compile_gemm_tma(tile, rem)
     ptx = compiled.asm["ptx"]
     assert "wgmma" in ptx
     # the tail's / last row block's dot below 64 rows: mma.sync beside the wgmma of the full rows
@@ -133,20 +185,10 @@ def test_every_gemm_tile_fits_shared_memory_with_its_last_box():
 
     tiles = {*lt._SMALL_TMA, *lt._MID_TMA, *lt._TAIL_TMA, *(e[0] for e in lt._LARGE_TMA)}
     for tile in sorted(tiles):
-        c = lt.tile_config(tile, 4096, tma=True)
-        bm, bn, bk, tail = c["BLOCK_M"], c["BLOCK_N"], c["BLOCK_K"], c["TAIL_M"]
-        for rem in sorted({0 if tail else lt.rem_rows(m, bm) for m in range(1, 2 * bm + 1)}):
-            small = tail or rem
-            boxes = {"x_desc": (bm, bk), "w_desc": (bn, bk), "y_desc": (bm, bn)}
-            const = dict(HAS_BIAS=True, IEEE=False, NUM_PROGRAMS=132, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-                         GROUP_M=c["GROUP_M"], TAIL_M=tail, REM_M=rem)
-            if small:
-                boxes.update(xt_desc=(small, bk), yt_desc=(small, bn))
-            else:
-                const.update(xt_desc=None, yt_desc=None)
-            compiled = compile_sm90(lt._linear_tma_kernel, const, descriptors=boxes, num_warps=c["num_warps"],
-                                    num_stages=c["num_stages"], full=True)
-            assert compiled.metadata.shared <= SMEM_LIMIT, (tile, rem, compiled.metadata.shared)
+        rems = {0} if len(tile) > 6 else {lt.rem_rows(m, tile[0]) for m in range(1, 2 * tile[0] + 1)}
+        for rem in sorted(rems):
+            shared = compile_gemm_tma(tile, rem).metadata.shared
+            assert shared <= SMEM_LIMIT, (tile, rem, shared)
 
 
 def test_gemm_pointer_kernel_compiles_for_decode_tiles():
@@ -155,7 +197,8 @@ def test_gemm_pointer_kernel_compiles_for_decode_tiles():
     c = lt.tile_config(lt._DECODE[0], 4096)
     ptx = compile_sm90(lt._linear_fwd_kernel, dict(HAS_BIAS=False, EVEN_K=True, IEEE=False, BLOCK_M=c["BLOCK_M"],
                        BLOCK_N=c["BLOCK_N"], BLOCK_K=c["BLOCK_K"], GROUP_M=c["GROUP_M"], b_ptr=None),
-                       num_warps=c["num_warps"], num_stages=c["num_stages"])
+                       num_warps=c["num_warps"], num_stages=c["num_stages"],
+                       ones=("stride_xk", "stride_wk", "stride_yn"))
     assert "mma.sync" in ptx  # 16-row tiles: below wgmma's 64
 
 
@@ -184,3 +227,18 @@ def test_logprob_kernels_compile():
                  num_warps=tt.NUM_WARPS)
     compile_sm90(tt._logp_grad_kernel, {"BLOCK_T": tt.GRAD_BLOCK_T, "BLOCK_N": tt.GRAD_BLOCK_N}, ptrs,
                  num_warps=tt.NUM_WARPS)
+
+
+def test_ptxas_check_catches_spills_and_serialised_wgmma():
+    """The ptxas check can fail: the decode GEMM compiled without its unit strides (every element addressed
+    separately) spills, and a 64-row tail dot beside a 128-row one in the same K loop (not a shipped
+    tile) serialises the wgmma."""
+    from rlk_core.ops.linear import triton as lt
+
+    c = lt.tile_config(lt._DECODE[0], 4096)
+    with pytest.raises(AssertionError, match="spills registers"):
+        compile_sm90(lt._linear_fwd_kernel, dict(HAS_BIAS=False, EVEN_K=True, IEEE=False, BLOCK_M=c["BLOCK_M"],
+                     BLOCK_N=c["BLOCK_N"], BLOCK_K=c["BLOCK_K"], GROUP_M=c["GROUP_M"], b_ptr=None),
+                     num_warps=c["num_warps"], num_stages=c["num_stages"])
+    with pytest.raises(AssertionError, match="serialises its wgmma"):
+        compile_gemm_tma((128, 256, 64, 8, 8, 2, 64))
