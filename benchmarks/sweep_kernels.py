@@ -187,8 +187,8 @@ def _split_shape(name: str, n: int, k: int, g: torch.Generator, repeats: int) ->
     for m in ms:
         xs = x[:m].clone()
         shipped = lt._config_for(xs, w, big)
-        row: dict[str, Any] = {"shape": name, "M": m, "N": n, "K": k, "shipped": {
-            key: v for key, v in shipped.items() if key != "REST"}, "rest": shipped.get("REST")}
+        row: dict[str, Any] = {"shape": name, "M": m, "N": n, "K": k, "shipped_cfg": {
+            key: v for key, v in shipped.items() if key != "REST"}, "rest_cfg": shipped.get("REST")}
         row["native_ms"] = time_fns([lambda xs=xs: F.linear(xs, w)], repeats=repeats)["median_ms"]
         cfgs = {"shipped": shipped}
         if shipped["TMA"] and not shipped["TAIL_M"] and lt.rem_rows(m, shipped["BLOCK_M"]):
