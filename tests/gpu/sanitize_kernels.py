@@ -73,20 +73,15 @@ def _linear() -> None:
             close(linear_t.forward(x, w, b), linear_reference(x, w, b), dt, f"linear {m}x{n}x{k}")
             close(linear_t.forward(x.t().contiguous().t(), w.t().contiguous().t(), None),
                   linear_reference(x, w, None), dt, "linear strided")
-    # the TMA kernel with a 16-row tail (64 < M <= 80 on large weights): full and ragged tails
-    for m in (80, 70, 65, 161):
-        x = torch.randn(m, 136, device=dev).to(torch.bfloat16)
-        w = (torch.randn(72, 136, device=dev) * 136 ** -0.5).to(torch.bfloat16)
-        b = torch.randn(72, device=dev).to(torch.bfloat16)
-        cfg = linear_t.tile_config((64, 32, 64, 8, 4, 3, 16), 136, torch.bfloat16, True)
-        close(linear_t.linear_2d(x, w, b, cfg), linear_reference(x, w, b), torch.bfloat16, f"linear tail M={m}")
-    # 64-row tiles whose last row block is read with a 32-row box (M = 90, 20) and a 16-row box (M = 65)
-    for m in (90, 20, 65):
-        x = torch.randn(m, 136, device=dev).to(torch.bfloat16)
-        w = (torch.randn(72, 136, device=dev) * 136 ** -0.5).to(torch.bfloat16)
-        b = torch.randn(72, device=dev).to(torch.bfloat16)
-        cfg = linear_t.tile_config((64, 32, 64, 8, 4, 3), 136, torch.bfloat16, True)
-        close(linear_t.linear_2d(x, w, b, cfg), linear_reference(x, w, b), torch.bfloat16, f"linear box M={m}")
+    # the TMA kernel with a 16-row tail (64 < M <= 80 on large weights: full and ragged tails), and 64-row
+    # tiles whose last row block is read with a 32-row box (M = 90, 20) or a 16-row box (M = 65)
+    for tile, ms in (((64, 32, 64, 8, 4, 3, 16), (80, 70, 65, 161)), ((64, 32, 64, 8, 4, 3), (90, 20, 65))):
+        cfg = linear_t.tile_config(tile, 136, torch.bfloat16, True)
+        for m in ms:
+            x = torch.randn(m, 136, device=dev).to(torch.bfloat16)
+            w = (torch.randn(72, 136, device=dev) * 136 ** -0.5).to(torch.bfloat16)
+            b = torch.randn(72, device=dev).to(torch.bfloat16)
+            close(linear_t.linear_2d(x, w, b, cfg), linear_reference(x, w, b), torch.bfloat16, f"linear {tile} M={m}")
     # a row split into two launches (128 rows by 128x256 tiles, 160 by 128x64 tiles)
     x = torch.randn(288, 136, device=dev).to(torch.bfloat16)
     w = (torch.randn(264, 136, device=dev) * 136 ** -0.5).to(torch.bfloat16)
