@@ -4,7 +4,8 @@ contract configuration's output for the same rows (a candidate that changes a bi
 ``backward`` (attention dQ/dK/dV, where only run-to-run determinism and tolerance are required):
 each candidate's relative error against the shipped configuration and a repeat-equality check.
 
-    python benchmarks/sweep_kernels.py [--sections linear,linear_mid,linear_tail,linear_split,prefill,decode,backward]
+    python benchmarks/sweep_kernels.py [--sections linear,linear_mid,linear_tail,linear_split,linear_onelaunch,
+                                                  prefill,decode,backward]
                                        [--old-attention PATH]
 
 Writes ``sweep_<section>.json`` to ``$RLK_BENCH_OUT``. Exploration
@@ -86,6 +87,9 @@ SPLIT_SMALL_MS = (17, 20, 33, 40, 63, 65, 72, 80, 96, 100, 127)
 SPLIT_LARGE_MS = (1000, 2048, 3000, 4000, 4096, 4136, 6000, 8192)
 SPLIT_TAIL_CANDIDATES = _named((64, 32, 256, 8, 4, 4, True), (64, 64, 128, 8, 4, 4, True),
                                (64, 128, 64, 8, 4, 5, True), (128, 64, 128, 8, 8, 4, True))
+# linear_onelaunch: the row split in one launch (benchmarks/_split_one_launch.py) at these pipeline depths of
+# the 128x256 and 128x128 loops, against the shipped two launches, wherever the rule splits
+ONE_LAUNCH_STAGES = ((2, 3), (2, 4))
 # prefill: (BLOCK_M, warps, stages, KV_TMA) — KV_TMA: unmasked K/V blocks by TMA descriptor (varlen only)
 PREFILL_CANDIDATES = {"128w8s3": (128, 8, 3, False), "128w8s3tma": (128, 8, 3, True), "128w4s3tma": (128, 4, 3, True),
                       "64w4s2tma": (64, 4, 2, True), "64w4s3tma": (64, 4, 3, True), "64w4s4tma": (64, 4, 4, True),
@@ -168,11 +172,12 @@ def _linear_shape(name: str, n: int, k: int, g: torch.Generator, repeats: int, m
     return rows
 
 
-def sweep_linear_split(repeats: int) -> list[dict[str, Any]]:
+def sweep_linear_split(repeats: int, one_launch: bool = False) -> list[dict[str, Any]]:
+    """``linear_split`` (``one_launch``: ``linear_onelaunch``) over SPLIT_SHAPES."""
     g = torch.Generator(device="cuda").manual_seed(0)
     rows: list[dict[str, Any]] = []
     for name, (n, k) in SPLIT_SHAPES.items():
-        rows += _split_shape(name, n, k, g, repeats)
+        rows += (_one_launch_shape if one_launch else _split_shape)(name, n, k, g, repeats)
         torch.cuda.empty_cache()
     return rows
 
@@ -208,6 +213,31 @@ def _split_shape(name: str, n: int, k: int, g: torch.Generator, repeats: int) ->
         print(f"linear_split {name} M={m} [{tile}]: native {row['native_ms']:.4f} ms; "
               + " ".join(f"{c}={row[c]['ratio']:.3f}{'' if row[c]['bitwise'] else '!BITS'}"
                          if "ms" in row[c] else f"{c}=ERR {row[c]['error'][:80]}" for c in variants), flush=True)
+    return rows
+
+
+def _one_launch_shape(name: str, n: int, k: int, g: torch.Generator, repeats: int) -> list[dict[str, Any]]:
+    from _split_one_launch import linear_split_one_launch
+
+    w = (torch.randn(n, k, device="cuda", generator=g) * k ** -0.5).to(BF16)
+    rows = []
+    for m in SPLIT_LARGE_MS:
+        x = torch.randn(m, k, device="cuda", generator=g).to(BF16)
+        cfg = lt.config(BF16, m, n, k, True, torch.cuda.get_device_properties(0).multi_processor_count)
+        if "SPLIT_ROWS" not in cfg or cfg["REST"]["BLOCK_N"] != 128:
+            continue
+        row: dict[str, Any] = {"shape": name, "M": m, "N": n, "K": k, "split_rows": cfg["SPLIT_ROWS"]}
+        row["native_ms"] = time_fns([lambda x=x: F.linear(x, w)], repeats=repeats)["median_ms"]
+        variants = {"shipped": lambda x=x: lt.linear_2d(x, w, None)}
+        for s1, s2 in ONE_LAUNCH_STAGES:
+            variants[f"one_launch_s{s1}s{s2}"] = (lambda x=x, r=cfg["SPLIT_ROWS"], s1=s1, s2=s2:
+                                                  linear_split_one_launch(x, w, r, s1, s2))
+        _run_variants(row, variants, lt.linear_2d(x, w, None), repeats,
+                      lambda ms_, row=row: {"ratio": row["native_ms"] / ms_})
+        rows.append(row)
+        print(f"linear_onelaunch {name} M={m}: " + " ".join(
+            f"{c}={row[c]['ratio']:.3f}{'' if row[c]['bitwise'] else '!BITS'}" if "ms" in row[c]
+            else f"{c}=ERR {row[c]['error'][:80]}" for c in variants), flush=True)
     return rows
 
 
@@ -398,6 +428,8 @@ def main() -> int:
             rows = sweep_linear(args.repeats, mid=section == "linear_mid", tail=section == "linear_tail")
         elif section == "linear_split":
             rows = sweep_linear_split(args.repeats)
+        elif section == "linear_onelaunch":
+            rows = sweep_linear_split(args.repeats, one_launch=True)
         elif section == "prefill":
             rows = sweep_prefill(args.repeats, old)
         elif section == "decode":
