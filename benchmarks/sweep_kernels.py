@@ -4,7 +4,7 @@ contract configuration's output for the same rows (a candidate that changes a bi
 ``backward`` (attention dQ/dK/dV, where only run-to-run determinism and tolerance are required):
 each candidate's relative error against the shipped configuration and a repeat-equality check.
 
-    python benchmarks/sweep_kernels.py [--sections linear,linear_mid,linear_tail,linear_split,linear_onelaunch,
+    python benchmarks/sweep_kernels.py [--sections linear,linear_mid,linear_tail,linear_split,linear_pdl,
                                                   prefill,decode,backward]
                                        [--old-attention PATH]
 
@@ -87,9 +87,9 @@ SPLIT_SMALL_MS = (17, 20, 33, 40, 63, 65, 72, 80, 96, 100, 127)
 SPLIT_LARGE_MS = (1000, 2048, 3000, 4000, 4096, 4136, 6000, 8192)
 SPLIT_TAIL_CANDIDATES = _named((64, 32, 256, 8, 4, 4, True), (64, 64, 128, 8, 4, 4, True),
                                (64, 128, 64, 8, 4, 5, True), (128, 64, 128, 8, 8, 4, True))
-# linear_onelaunch: the row split in one launch (benchmarks/_split_one_launch.py) at these pipeline depths of
-# the 128x256 and 128x128 loops, against the shipped two launches, wherever the rule splits
-ONE_LAUNCH_STAGES = ((2, 3), (2, 4))
+# linear_pdl: wherever a row split is possible (split_candidate), whether the rule takes it or not: the split
+# with its second launch by programmatic dependent launch (as shipped), the same two launches one after the
+# other, and the best single tile — the data for SPLIT_GAP_K
 # prefill: (BLOCK_M, warps, stages, KV_TMA) — KV_TMA: unmasked K/V blocks by TMA descriptor (varlen only)
 PREFILL_CANDIDATES = {"128w8s3": (128, 8, 3, False), "128w8s3tma": (128, 8, 3, True), "128w4s3tma": (128, 4, 3, True),
                       "64w4s2tma": (64, 4, 2, True), "64w4s3tma": (64, 4, 3, True), "64w4s4tma": (64, 4, 4, True),
@@ -172,12 +172,12 @@ def _linear_shape(name: str, n: int, k: int, g: torch.Generator, repeats: int, m
     return rows
 
 
-def sweep_linear_split(repeats: int, one_launch: bool = False) -> list[dict[str, Any]]:
-    """``linear_split`` (``one_launch``: ``linear_onelaunch``) over SPLIT_SHAPES."""
+def sweep_linear_split(repeats: int, pdl: bool = False) -> list[dict[str, Any]]:
+    """``linear_split`` (``pdl``: ``linear_pdl``) over SPLIT_SHAPES."""
     g = torch.Generator(device="cuda").manual_seed(0)
     rows: list[dict[str, Any]] = []
     for name, (n, k) in SPLIT_SHAPES.items():
-        rows += (_one_launch_shape if one_launch else _split_shape)(name, n, k, g, repeats)
+        rows += (_pdl_shape if pdl else _split_shape)(name, n, k, g, repeats)
         torch.cuda.empty_cache()
     return rows
 
@@ -216,28 +216,39 @@ def _split_shape(name: str, n: int, k: int, g: torch.Generator, repeats: int) ->
     return rows
 
 
-def _one_launch_shape(name: str, n: int, k: int, g: torch.Generator, repeats: int) -> list[dict[str, Any]]:
-    from _split_one_launch import linear_split_one_launch
-
+def _pdl_shape(name: str, n: int, k: int, g: torch.Generator, repeats: int) -> list[dict[str, Any]]:
+    if name.endswith("lm_head"):
+        return []
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
     w = (torch.randn(n, k, device="cuda", generator=g) * k ** -0.5).to(BF16)
     rows = []
     for m in SPLIT_LARGE_MS:
-        x = torch.randn(m, k, device="cuda", generator=g).to(BF16)
-        cfg = lt.config(BF16, m, n, k, True, torch.cuda.get_device_properties(0).multi_processor_count)
-        if "SPLIT_ROWS" not in cfg or cfg["REST"]["BLOCK_N"] != 128:
+        split_rows, rest = lt.split_candidate(m, n, k, sms)
+        if not split_rows:
             continue
-        row: dict[str, Any] = {"shape": name, "M": m, "N": n, "K": k, "split_rows": cfg["SPLIT_ROWS"]}
+        x = torch.randn(m, k, device="cuda", generator=g).to(BF16)
+        big, rest_cfg = lt.tile_config(lt._LARGE_TMA[0][0], k, tma=True), lt.tile_config(rest[0], k, tma=True)
+        single = lt.tile_config(min(lt._LARGE_TMA, key=lambda e, m=m: lt._wave_time(m, n, k, sms, e))[0], k, tma=True)
+        splits = "SPLIT_ROWS" in lt.config(BF16, m, n, k, True, sms)
+        row: dict[str, Any] = {"shape": name, "M": m, "N": n, "K": k, "split_rows": split_rows,
+                               "rest_cfg": rest_cfg, "shipped_splits": splits}
         row["native_ms"] = time_fns([lambda x=x: F.linear(x, w)], repeats=repeats)["median_ms"]
-        variants = {"shipped": lambda x=x: lt.linear_2d(x, w, None)}
-        for s1, s2 in ONE_LAUNCH_STAGES:
-            variants[f"one_launch_s{s1}s{s2}"] = (lambda x=x, r=cfg["SPLIT_ROWS"], s1=s1, s2=s2:
-                                                  linear_split_one_launch(x, w, r, s1, s2))
+
+        def serial(x=x, r=split_rows, rest_cfg=rest_cfg, big=big):
+            y = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
+            lt._launch(x[:r], w, None, y[:r], big)
+            lt._launch(x[r:], w, None, y[r:], rest_cfg)
+            return y
+
+        split = dict(big, SPLIT_ROWS=split_rows, REST=rest_cfg)
+        variants = {"split_pdl": lambda x=x, cfg=split: lt.linear_2d(x, w, None, cfg), "split_serial": serial,
+                    "single": lambda x=x, cfg=single: lt.linear_2d(x, w, None, cfg)}
         _run_variants(row, variants, lt.linear_2d(x, w, None), repeats,
                       lambda ms_, row=row: {"ratio": row["native_ms"] / ms_})
         rows.append(row)
-        print(f"linear_onelaunch {name} M={m}: " + " ".join(
-            f"{c}={row[c]['ratio']:.3f}{'' if row[c]['bitwise'] else '!BITS'}" if "ms" in row[c]
-            else f"{c}=ERR {row[c]['error'][:80]}" for c in variants), flush=True)
+        print(f"linear_pdl {name} M={m} split {split_rows}|{rest_cfg['BLOCK_N']} shipped_splits={splits}: "
+              + " ".join(f"{c}={row[c]['ratio']:.3f}{'' if row[c]['bitwise'] else '!BITS'}" if "ms" in row[c]
+                         else f"{c}=ERR {row[c]['error'][:80]}" for c in variants), flush=True)
     return rows
 
 
@@ -428,8 +439,8 @@ def main() -> int:
             rows = sweep_linear(args.repeats, mid=section == "linear_mid", tail=section == "linear_tail")
         elif section == "linear_split":
             rows = sweep_linear_split(args.repeats)
-        elif section == "linear_onelaunch":
-            rows = sweep_linear_split(args.repeats, one_launch=True)
+        elif section == "linear_pdl":
+            rows = sweep_linear_split(args.repeats, pdl=True)
         elif section == "prefill":
             rows = sweep_prefill(args.repeats, old)
         elif section == "decode":

@@ -87,3 +87,16 @@ def test_linear_graph_replays_new_activations():
     x.copy_(randn(x.shape, seed=92))
     graph.replay()
     assert_bitwise_equal(y, linear(x, w), "linear replay with new activations")
+
+
+def test_linear_row_split_graph_replays_new_activations():
+    """A row split (8B qkv at TP 4, M = 4096: 128x256 tiles, then 128x128 tiles in a second launch made
+    by programmatic dependent launch) captured and replayed gives the eager bits."""
+    from rlk_core.ops.linear import triton as lt
+
+    x, w = randn((4096, 4096), seed=93), randn((1536, 4096), scale=4096 ** -0.5, seed=94)
+    assert lt.config(x.dtype, 4096, 1536, 4096, True, lt._num_sms(0)).get("SPLIT_ROWS")
+    graph, y = capture(lambda: linear(x, w))
+    x.copy_(randn(x.shape, seed=95))
+    graph.replay()
+    assert_bitwise_equal(y, linear(x, w), "split linear replay with new activations")

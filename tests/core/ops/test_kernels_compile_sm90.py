@@ -140,16 +140,16 @@ def test_attention_backward_compiles():
 SMEM_LIMIT = 232448  # bytes of shared memory one block may use on sm_90 (227 KiB)
 
 
-def compile_gemm_tma(tile, rem=0):
+def compile_gemm_tma(tile, rem=0, pdl=0):
     """The persistent TMA GEMM for one tile (a 7th entry: the tail's rows), with a last-row-block box of
-    ``rem`` rows; the compiled kernel."""
+    ``rem`` rows, as a row split's first (``pdl`` 1) or second (2) launch or neither; the compiled kernel."""
     from rlk_core.ops.linear import triton as lt
 
     c = lt.tile_config(tile, 4096, tma=True)
     bm, bn, bk, tail = c["BLOCK_M"], c["BLOCK_N"], c["BLOCK_K"], c["TAIL_M"]
     boxes = {"x_desc": (bm, bk), "w_desc": (bn, bk), "y_desc": (bm, bn)}
     const = dict(HAS_BIAS=True, IEEE=False, NUM_PROGRAMS=132, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-                 GROUP_M=c["GROUP_M"], TAIL_M=tail, REM_M=rem)
+                 GROUP_M=c["GROUP_M"], TAIL_M=tail, REM_M=rem, PDL=pdl)
     if tail or rem:
         boxes.update(xt_desc=(tail or rem, bk), yt_desc=(tail or rem, bn))
     else:
@@ -176,6 +176,16 @@ def test_gemm_tma_kernel_compiles(tile, m):
     # the tail's / last row block's dot below 64 rows: mma.sync beside the wgmma of the full rows
     assert ("mma.sync" in ptx) == (0 < (tail or rem) < 64)
     assert compiled.metadata.shared <= SMEM_LIMIT, compiled.metadata.shared
+
+
+@pytest.mark.parametrize("pdl,instruction", [(0, None), (1, "griddepcontrol.launch_dependents"),
+                                             (2, "griddepcontrol.wait")])
+def test_gemm_row_split_launches_carry_their_grid_dependency_control(pdl, instruction):
+    """A row split's first launch lets the second start early; the second waits for the first before its
+    programs exit (the only thing that orders the first launch before work queued after the second)."""
+    ptx = compile_gemm_tma((128, 256, 64, 8, 8, 3), pdl=pdl).asm["ptx"]
+    found = {i for i in ("griddepcontrol.launch_dependents", "griddepcontrol.wait") if i in ptx}
+    assert found == ({instruction} if instruction else set())
 
 
 def test_every_gemm_tile_fits_shared_memory_with_its_last_box():

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from rlk_core.ops._triton_common import has_tma
@@ -104,15 +105,24 @@ def _pick_large(m: int, n: int, k: int, sms: int) -> tuple[tuple[int, ...], int,
     leaves 1.45 waves, 128x128 runs 2.9 waves at its lower rate; one wave of 128x256 and 0.9 of 128x128
     measured 0.91 of cuBLAS against 0.87 (sweep_linear_split; at M = 3000 0.78 against 0.53)."""
     best = min(_LARGE_TMA, key=lambda e: _wave_time(m, n, k, sms, e))
-    big = _LARGE_TMA[0]
-    per_row = triton.cdiv(n, big[0][1])
-    rows = _tiles(m, n, big[0]) // sms * sms // per_row * big[0][0]
-    if 0 < rows < m:
-        rest = min(_LARGE_TMA[1:3], key=lambda e: _wave_time(m - rows, n, k, sms, e))  # measured rates only
-        split = _wave_time(rows, n, k, sms, big) + _wave_time(m - rows, n, k, sms, rest) + SPLIT_GAP_K / k
+    rows, rest = split_candidate(m, n, k, sms)
+    if rows:
+        split = (_wave_time(rows, n, k, sms, _LARGE_TMA[0]) + _wave_time(m - rows, n, k, sms, rest)
+                 + SPLIT_GAP_K / k)
         if split < _wave_time(m, n, k, sms, best):
-            return big[0], rows, rest[0]
+            return _LARGE_TMA[0][0], rows, rest[0]
     return best[0], 0, None
+
+
+def split_candidate(m: int, n: int, k: int, sms: int) -> tuple[int, Any]:
+    """The row split :func:`_pick_large` weighs: the rows that whole waves of 128x256 tiles cover and the
+    ``_LARGE_TMA`` entry (128x128 or 128x64, measured rates only) estimated fastest for the rest; (0, None)
+    where the 128x256 tiles make less than one wave or exactly fill their waves."""
+    big = _LARGE_TMA[0][0]
+    rows = _tiles(m, n, big) // sms * sms // triton.cdiv(n, big[1]) * big[0]
+    if not 0 < rows < m:
+        return 0, None
+    return rows, min(_LARGE_TMA[1:3], key=lambda e: _wave_time(m - rows, n, k, sms, e))
 
 
 def _pick(m: int, n: int, k: int, sms: int, tma: bool) -> tuple[tuple[int, ...], bool]:
@@ -228,7 +238,7 @@ def _linear_tma_kernel(
     x_desc, w_desc, y_desc, xt_desc, yt_desc, b_ptr, M, N, K,
     HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    TAIL_M: tl.constexpr, REM_M: tl.constexpr,
+    TAIL_M: tl.constexpr, REM_M: tl.constexpr, PDL: tl.constexpr = 0,
 ):
     """Persistent: program ``p`` computes tiles ``p, p + NUM_PROGRAMS, ...``; each tile's K loop is the
     pointer kernel's (same k-steps, same accumulator), its operands arrive by TMA (zero-filled past
@@ -238,7 +248,17 @@ def _linear_tma_kernel(
     ``REM_M > 0`` (no tail): the last row block, which holds only ``M % BLOCK_M`` rows, is computed with
     ``REM_M``-row boxes through ``xt_desc``/``yt_desc`` — the TMA's zero fill of rows past M is slow
     (measured: one valid row in a 64-row box cost the tile as much as 64 rows and more), so the box
-    shrinks to the rows there are; the k-steps are the same."""
+    shrinks to the rows there are; the k-steps are the same.
+
+    ``PDL`` (a row split's two launches, sm_90+): 1 — the first launch lets the next grid start at once
+    (``griddepcontrol.launch_dependents``); 2 — the second launch, made with programmatic dependent launch,
+    starts its programs as the first launch's leave their SMs instead of after the first grid has drained,
+    and each program waits for the first grid to complete before it exits (``griddepcontrol.wait``), so
+    work queued after the second launch finds both parts written. The two launches read the same inputs
+    and write disjoint rows, so nothing else orders them. 3: as 2 without the wait (the GPU tests'
+    negative control only)."""
+    if PDL == 1:
+        gdc_launch_dependents()
     ROWS: tl.constexpr = BLOCK_M + TAIL_M
     num_tiles = tl.cdiv(M, ROWS) * tl.cdiv(N, BLOCK_N)
     k_tiles = tl.cdiv(K, BLOCK_K)
@@ -262,6 +282,8 @@ def _linear_tma_kernel(
         else:
             acc = _rows_acc(x_desc, w_desc, off_m, off_n, k_tiles, BLOCK_M, BLOCK_N, BLOCK_K, IEEE)
             y_desc.store([off_m, off_n], _bias_add(acc, b_ptr, off_n, N, HAS_BIAS, BLOCK_N).to(y_desc.dtype))
+    if PDL == 2:
+        gdc_wait()
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -311,14 +333,15 @@ def _config_for(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> dic
 
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
-            cfg: dict[str, int | bool]) -> None:
+            cfg: dict[str, int | bool], pdl: int = 0) -> None:
     m, k = x.shape
     n = weight.shape[0]
     c = dict(cfg)
     rows, rest = c.pop("SPLIT_ROWS", 0), c.pop("REST", None)
-    if rows:  # two launches on row ranges of the same operands (views; rows is a multiple of 128)
-        _launch(x[:rows], weight, bias, out[:rows], c)
-        _launch(x[rows:], weight, bias, out[rows:], rest)
+    if rows:  # two launches on row ranges of the same operands (views; rows is a multiple of 128), the
+        # second by programmatic dependent launch on the GPU (the interpreter has no grid dependency control)
+        _launch(x[:rows], weight, bias, out[:rows], c, int(x.is_cuda))
+        _launch(x[rows:], weight, bias, out[rows:], rest, 2 * int(x.is_cuda))
         return
     tail = c.pop("TAIL_M")
     rem_box = c.pop("REM_BOX")
@@ -337,6 +360,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ou
             bias if bias is not None else out, m, n, k,
             HAS_BIAS=bias is not None, IEEE=c["IEEE"], NUM_PROGRAMS=programs, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
             GROUP_M=c["GROUP_M"], TAIL_M=tail, REM_M=rem, num_warps=c["num_warps"], num_stages=c["num_stages"],
+            **({"PDL": pdl, "launch_pdl": pdl >= 2} if pdl else {}),
         )
         return
     grid = (triton.cdiv(m, c["BLOCK_M"]) * triton.cdiv(n, c["BLOCK_N"]),)
