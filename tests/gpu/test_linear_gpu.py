@@ -91,31 +91,32 @@ def test_every_shipped_tile_gives_the_same_bits(n, k):
                                      f"M={m} {n}x{k}: tile {tile} tma={tma} rem_box={rem_box}")
 
 
-def _straggling_split(second_pdl: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+def _straggling_split(reader: torch.cuda.Stream | None = None) -> tuple[torch.Tensor, torch.Tensor, int]:
     """A row split whose first launch has one straggler (133 tiles of 128x256, K = 16384, on 132 programs:
     one program computes two tiles) and whose second launch is small (128 rows); the output starts as NaN
-    and is copied on the same stream right after the second launch. Returns (the copy, the output once
-    the device is idle, the first part's rows)."""
+    and is copied right after the second launch, on the same stream or on ``reader`` (not ordered after
+    it). Returns (the copy, the output once the device is idle, the first part's rows)."""
     from rlk_core.ops.linear import triton as lt
 
     rows = 133 * 128
     x, w = linear_inputs(rows + 128, 256, 16384)
-    big, rest = (lt.tile_config(lt._LARGE_TMA[i][0], 16384, tma=True) for i in (0, 2))
+    cfg = dict(lt.tile_config(lt._LARGE_TMA[0][0], 16384, tma=True), SPLIT_ROWS=rows,
+               REST=lt.tile_config(lt._LARGE_TMA[2][0], 16384, tma=True))
     out = torch.full((rows + 128, 256), float("nan"), dtype=x.dtype, device=x.device)
-    lt._launch(x[:rows], w, None, out[:rows], big, pdl=1)
-    lt._launch(x[rows:], w, None, out[rows:], rest, pdl=second_pdl)
-    seen = out.clone()
+    lt._launch(x, w, None, out, cfg)
+    with torch.cuda.stream(reader or torch.cuda.current_stream()):
+        seen = out.clone()
     torch.cuda.synchronize()
     return seen, out, rows
 
 
 def test_row_split_is_complete_for_the_next_kernel():
     """Work queued after a row split's second launch (started early by programmatic dependent launch)
-    finds the first launch's rows written, straggler included; both parts give ``linear``'s bits."""
+    finds the first launch's rows written, straggler included; the split gives one launch's bits."""
     from rlk_core.ops.linear import triton as lt
 
     for _ in range(5):
-        seen, out, rows = _straggling_split(2)
+        seen, out, rows = _straggling_split()
         assert_bitwise_equal(seen, out, "the output as the next kernel saw it vs once the device was idle")
     x, w = linear_inputs(rows + 128, 256, 16384)
     assert not out.isnan().any()
@@ -123,15 +124,16 @@ def test_row_split_is_complete_for_the_next_kernel():
                          "split vs one launch of 128x128 tiles")
 
 
-def test_row_split_without_the_wait_is_seen_unfinished_negative_control():
-    """The check above can fail: the same second launch without its wait for the first grid lets the
-    next kernel run while the first launch's straggler is still computing (its rows still NaN)."""
+def test_row_split_read_unordered_is_seen_unfinished_negative_control():
+    """The check above can fail: a copy on another stream, not ordered after the split, sees rows of the
+    first launch not yet written."""
+    side = torch.cuda.Stream()
     unfinished = 0
     for _ in range(5):
-        seen, out, rows = _straggling_split(3)
+        seen, out, rows = _straggling_split(side)
         assert not out.isnan().any()
         unfinished += int(seen[:rows].isnan().any())
-    assert unfinished, "the next kernel never saw the first launch unfinished: the negative control is void"
+    assert unfinished, "the unordered copy never saw the split unfinished: the negative control is void"
 
 
 def test_linear_3d_and_noncontiguous_rows():

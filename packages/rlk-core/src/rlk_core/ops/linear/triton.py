@@ -61,10 +61,12 @@ _SMALL_PTR = (64, 64, 128, 8, 4, 4)
 _LARGE_TMA = (((128, 256, 64, 8, 8, 3), 0.98, 0.98), ((128, 128, 64, 8, 8, 4), 0.89, 0.89),
               ((128, 64, 128, 8, 8, 4), 0.80, 0.57), ((64, 32, 256, 8, 4, 4), 0.60, 0.60))
 SMALL_WEIGHT = 8 << 20
-# the second launch of a row split costs about 4 us on the H200 (measured: splits of 0.6B shapes with
-# K <= 2048 lost 3-4 us to the single tile, sweep_linear_split) — as time units of :func:`_wave_time`, the
-# time of a 128x256 tile with K = SPLIT_GAP_K at cuBLAS's rate (~6 TFLOP/s per SM)
-SPLIT_GAP_K = 384
+# the second launch of a row split, started early by programmatic dependent launch, costs about 2 us on the
+# H200 — as time units of :func:`_wave_time`, the time of a 128x256 tile with K = SPLIT_GAP_K at cuBLAS's
+# rate (~6 TFLOP/s per SM). Fitted to sweep_linear_pdl (75 splittable shapes and M): every split estimated
+# to gain more than 211 such K won over the single tile, every one estimated at 158 or less lost; the same
+# two launches without PDL lost about twice as much (a gap of 384 fitted them)
+SPLIT_GAP_K = 192
 _LARGE_PTR = (128, 128, 64, 8, 8, 3)
 _FP32 = (64, 64, 32, 8, 4, 3)
 DTYPES = frozenset({torch.bfloat16, torch.float16, torch.float32})  # fp32: pointer kernel, ieee dots
@@ -103,7 +105,8 @@ def _pick_large(m: int, n: int, k: int, sms: int) -> tuple[tuple[int, ...], int,
     128x256 tiles in whole waves, the rest by a smaller tile in a second launch — where that is estimated
     faster, the second launch's start included. Example: 8B qkv at TP 4 (N = 1536), M = 4096: 128x256
     leaves 1.45 waves, 128x128 runs 2.9 waves at its lower rate; one wave of 128x256 and 0.9 of 128x128
-    measured 0.91 of cuBLAS against 0.87 (sweep_linear_split; at M = 3000 0.78 against 0.53)."""
+    measured 0.95 of cuBLAS against 0.87 (0.92 with the second launch not started early; at M = 3000 0.81
+    against 0.55: sweep_linear_pdl)."""
     best = min(_LARGE_TMA, key=lambda e: _wave_time(m, n, k, sms, e))
     rows, rest = split_candidate(m, n, k, sms)
     if rows:
@@ -255,8 +258,10 @@ def _linear_tma_kernel(
     starts its programs as the first launch's leave their SMs instead of after the first grid has drained,
     and each program waits for the first grid to complete before it exits (``griddepcontrol.wait``), so
     work queued after the second launch finds both parts written. The two launches read the same inputs
-    and write disjoint rows, so nothing else orders them. 3: as 2 without the wait (the GPU tests'
-    negative control only)."""
+    and write disjoint rows, so nothing else orders them. (Measured on the H200: without the wait the next
+    kernel also found both parts written, 5 of 5 times with a first launch outlasting the second by ~0.2 ms —
+    the stream already orders it; the wait is the ordering PTX documents, and holds only SMs that nothing
+    else in the stream may use yet.)"""
     if PDL == 1:
         gdc_launch_dependents()
     ROWS: tl.constexpr = BLOCK_M + TAIL_M
@@ -360,7 +365,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ou
             bias if bias is not None else out, m, n, k,
             HAS_BIAS=bias is not None, IEEE=c["IEEE"], NUM_PROGRAMS=programs, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
             GROUP_M=c["GROUP_M"], TAIL_M=tail, REM_M=rem, num_warps=c["num_warps"], num_stages=c["num_stages"],
-            **({"PDL": pdl, "launch_pdl": pdl >= 2} if pdl else {}),
+            **({"PDL": pdl, "launch_pdl": pdl == 2} if pdl else {}),
         )
         return
     grid = (triton.cdiv(m, c["BLOCK_M"]) * triton.cdiv(n, c["BLOCK_N"]),)
