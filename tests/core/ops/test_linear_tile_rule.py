@@ -68,8 +68,8 @@ def test_launch_does_not_mutate_the_cached_rule():
     (3000, 1536, 4096, (2816, 64)),   # the rest (184 rows) fills the SMs better with 128x64
     (2048, 3072, 4096, (1408, 128)),  # 8B qkv at TP 2
     (8192, 1536, 4096, None),         # 2.9 waves of 128x256: no split
-    (6000, 1024, 2048, (4224, 128)),  # 0.6B o: estimated 211 K-units faster split, measured 0.917 vs 0.906
-    (6000, 1024, 1536, None),         # estimated 158 faster, the second launch's ~2 us not included: lost
+    (6000, 1024, 2048, None),         # estimated 211 K-units faster split: within the gap's margin
+    (4096, 37984, 1024, None),        # 0.6B lm_head at TP 4: estimated 364 faster, measured 2% slower
     (3000, 2048, 1024, None),
 ])
 def test_row_split_choices(m, n, k, want):

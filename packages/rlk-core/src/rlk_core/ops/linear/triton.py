@@ -61,12 +61,13 @@ _SMALL_PTR = (64, 64, 128, 8, 4, 4)
 _LARGE_TMA = (((128, 256, 64, 8, 8, 3), 0.98, 0.98), ((128, 128, 64, 8, 8, 4), 0.89, 0.89),
               ((128, 64, 128, 8, 8, 4), 0.80, 0.57), ((64, 32, 256, 8, 4, 4), 0.60, 0.60))
 SMALL_WEIGHT = 8 << 20
-# the second launch of a row split, started early by programmatic dependent launch, costs about 2 us on the
-# H200 — as time units of :func:`_wave_time`, the time of a 128x256 tile with K = SPLIT_GAP_K at cuBLAS's
-# rate (~6 TFLOP/s per SM). Fitted to sweep_linear_pdl (75 splittable shapes and M): every split estimated
-# to gain more than 211 such K won over the single tile, every one estimated at 158 or less lost; the same
-# two launches without PDL lost about twice as much (a gap of 384 fitted them)
-SPLIT_GAP_K = 192
+# a margin for the second launch of a row split — as time units of :func:`_wave_time`, the time of a 128x256
+# tile with K = SPLIT_GAP_K at cuBLAS's rate (~6 TFLOP/s per SM): 384 ~ 4 us. Started early by programmatic
+# dependent launch the second launch costs about half that (sweep_linear_pdl: over 75 splittable shapes and M,
+# a gap of 192 separated wins from losses), but the estimate itself errs by more at short K: 0.6B lm_head at
+# TP 4 (K = 1024), estimated 270 / 364 such K faster split at M = 1000 / 4096, measured 6% / 2% slower
+# (linear bench at 642a3de). With 384 every split the rule takes measured faster than the single tile.
+SPLIT_GAP_K = 384
 _LARGE_PTR = (128, 128, 64, 8, 8, 3)
 _FP32 = (64, 64, 32, 8, 4, 3)
 DTYPES = frozenset({torch.bfloat16, torch.float16, torch.float32})  # fp32: pointer kernel, ieee dots
