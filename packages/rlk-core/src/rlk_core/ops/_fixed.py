@@ -19,6 +19,27 @@ import torch
 _CHUNK_ELEMENTS = 1 << 22
 
 
+def settle_cpu_vml() -> None:
+    """Make oneMKL choose its ``exp`` and ``log`` kernels now, on the calling thread.
+
+    On the CPU, ATen computes fp32/fp64 ``exp``/``log`` of more than 2048 elements with oneMKL's VML,
+    one chunk per intra-op thread. oneMKL before 2025.0 chooses the kernel on the process's first call of
+    each function, and when two threads make that first call at the same moment one of them may run a
+    low-accuracy kernel over its whole chunk (pytorch/pytorch#188792). Measured here (torch 2.13 CPU
+    wheel, 2 threads): the first ``linear_logprobs`` of a process gave rows 0..6 of 13 an ``exp`` off by
+    up to 1770 ulp in about 1 process of 20 — its bits then differed from every later call. The log-prob
+    tree and the swiglu reference use ``torch.exp``/``torch.log``; a call on one element runs on the
+    calling thread and settles the choice before any parallel call. Done when ``rlk_core.ops`` is
+    imported: a process whose first parallel ``exp``/``log`` ran before that import is not covered."""
+    for dtype in (torch.float32, torch.float64):
+        one = torch.ones(1, dtype=dtype)
+        torch.exp(one)
+        torch.log(one)
+
+
+settle_cpu_vml()
+
+
 def tree_sum(x: torch.Tensor) -> torch.Tensor:
     """Sum the last dimension of an fp32 tensor in the fixed pairwise-halves order."""
     n = x.shape[-1]
