@@ -132,6 +132,12 @@ def _run_variants(row: dict[str, Any], variants: dict[str, Any], ref: torch.Tens
         row[cname] = {"ms": ms_, **metrics(ms_), "bitwise": bool(torch.equal(y, ref))}
 
 
+def _ratios(row: dict[str, Any], names) -> str:
+    """``name=ratio`` per variant of a row (``!BITS`` where its output differed, ``ERR`` where it failed)."""
+    return " ".join(f"{c}={row[c]['ratio']:.3f}{'' if row[c]['bitwise'] else '!BITS'}" if "ms" in row[c]
+                    else f"{c}=ERR {row[c]['error'][:80]}" for c in names)
+
+
 def sweep_linear(repeats: int, mid: bool = False, tail: bool = False) -> list[dict[str, Any]]:
     """All shapes at decode-sized and training-sized M; ``mid``: the shapes and M between (65..1000);
     ``tail``: every shape at 64 < M <= 80, tail tiles against the 64- and 128-row ones."""
@@ -199,8 +205,7 @@ def _split_shape(name: str, n: int, k: int, g: torch.Generator, repeats: int) ->
         if shipped["TMA"] and not shipped["TAIL_M"] and lt.rem_rows(m, shipped["BLOCK_M"]):
             cfgs["shipped_full_box"] = dict(shipped, REM_BOX=False)
         if "SPLIT_ROWS" in shipped:
-            single = min(lt._LARGE_TMA, key=lambda e, m=m: lt._wave_time(m, n, k, sms, e))[0]
-            cfgs["single"] = lt.tile_config(single, k, tma=True)
+            cfgs["single"] = lt.tile_config(lt.single_tile(m, n, k, sms)[0], k, tma=True)
         if 64 < m <= 80:
             cfgs.update({c: lt.tile_config(t[:6], k, tma=True) for c, t in SPLIT_TAIL_CANDIDATES.items()})
             cfgs.update({c: lt.tile_config(t[:6] + t[7:], k, tma=True) for c, t in TAIL_CANDIDATES.items()
@@ -210,9 +215,8 @@ def _split_shape(name: str, n: int, k: int, g: torch.Generator, repeats: int) ->
         rows.append(row)
         tile = "x".join(str(shipped[key]) for key in ("BLOCK_M", "BLOCK_N", "BLOCK_K")) + (
             f"|{shipped['SPLIT_ROWS']}|{shipped['REST']['BLOCK_N']}" if "SPLIT_ROWS" in shipped else "")
-        print(f"linear_split {name} M={m} [{tile}]: native {row['native_ms']:.4f} ms; "
-              + " ".join(f"{c}={row[c]['ratio']:.3f}{'' if row[c]['bitwise'] else '!BITS'}"
-                         if "ms" in row[c] else f"{c}=ERR {row[c]['error'][:80]}" for c in variants), flush=True)
+        print(f"linear_split {name} M={m} [{tile}]: native {row['native_ms']:.4f} ms; {_ratios(row, variants)}",
+              flush=True)
     return rows
 
 
@@ -228,7 +232,7 @@ def _pdl_shape(name: str, n: int, k: int, g: torch.Generator, repeats: int) -> l
             continue
         x = torch.randn(m, k, device="cuda", generator=g).to(BF16)
         big, rest_cfg = lt.tile_config(lt._LARGE_TMA[0][0], k, tma=True), lt.tile_config(rest[0], k, tma=True)
-        single = lt.tile_config(min(lt._LARGE_TMA, key=lambda e, m=m: lt._wave_time(m, n, k, sms, e))[0], k, tma=True)
+        single = lt.tile_config(lt.single_tile(m, n, k, sms)[0], k, tma=True)
         splits = "SPLIT_ROWS" in lt.config(BF16, m, n, k, True, sms)
         row: dict[str, Any] = {"shape": name, "M": m, "N": n, "K": k, "split_rows": split_rows,
                                "rest_cfg": rest_cfg, "shipped_splits": splits}
@@ -247,8 +251,7 @@ def _pdl_shape(name: str, n: int, k: int, g: torch.Generator, repeats: int) -> l
                       lambda ms_, row=row: {"ratio": row["native_ms"] / ms_})
         rows.append(row)
         print(f"linear_pdl {name} M={m} split {split_rows}|{rest_cfg['BLOCK_N']} shipped_splits={splits}: "
-              + " ".join(f"{c}={row[c]['ratio']:.3f}{'' if row[c]['bitwise'] else '!BITS'}" if "ms" in row[c]
-                         else f"{c}=ERR {row[c]['error'][:80]}" for c in variants), flush=True)
+              + _ratios(row, variants), flush=True)
     return rows
 
 

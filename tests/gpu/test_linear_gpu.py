@@ -91,11 +91,11 @@ def test_every_shipped_tile_gives_the_same_bits(n, k):
                                      f"M={m} {n}x{k}: tile {tile} tma={tma} rem_box={rem_box}")
 
 
-def _straggling_split(reader: torch.cuda.Stream | None = None) -> tuple[torch.Tensor, torch.Tensor, int]:
+def _straggling_split(reader: torch.cuda.Stream | None = None):
     """A row split whose first launch has one straggler (133 tiles of 128x256, K = 16384, on 132 programs:
     one program computes two tiles) and whose second launch is small (128 rows); the output starts as NaN
     and is copied right after the second launch, on the same stream or on ``reader`` (not ordered after
-    it). Returns (the copy, the output once the device is idle, the first part's rows)."""
+    it). Returns (the copy, the output once the device is idle, the first part's rows, x, w)."""
     from rlk_core.ops.linear import triton as lt
 
     rows = 133 * 128
@@ -107,7 +107,7 @@ def _straggling_split(reader: torch.cuda.Stream | None = None) -> tuple[torch.Te
     with torch.cuda.stream(reader or torch.cuda.current_stream()):
         seen = out.clone()
     torch.cuda.synchronize()
-    return seen, out, rows
+    return seen, out, rows, x, w
 
 
 def test_row_split_is_complete_for_the_next_kernel():
@@ -116,9 +116,8 @@ def test_row_split_is_complete_for_the_next_kernel():
     from rlk_core.ops.linear import triton as lt
 
     for _ in range(5):
-        seen, out, rows = _straggling_split()
+        seen, out, rows, x, w = _straggling_split()
         assert_bitwise_equal(seen, out, "the output as the next kernel saw it vs once the device was idle")
-    x, w = linear_inputs(rows + 128, 256, 16384)
     assert not out.isnan().any()
     assert_bitwise_equal(out, lt.linear_2d(x, w, None, lt.tile_config(lt._LARGE_TMA[1][0], 16384, tma=True)),
                          "split vs one launch of 128x128 tiles")
@@ -130,7 +129,7 @@ def test_row_split_read_unordered_is_seen_unfinished_negative_control():
     side = torch.cuda.Stream()
     unfinished = 0
     for _ in range(5):
-        seen, out, rows = _straggling_split(side)
+        seen, out, rows, _, _ = _straggling_split(side)
         assert not out.isnan().any()
         unfinished += int(seen[:rows].isnan().any())
     assert unfinished, "the unordered copy never saw the split unfinished: the negative control is void"

@@ -56,7 +56,7 @@ def _backward(ctx, grad):
     x2 = x.reshape(-1, x.shape[-1])
     dx = dw = db = None
     if ctx.needs_input_grad[0]:
-        dx = call("linear", grad.to(x.dtype), weight.t().contiguous(), None)
+        dx = call("linear", g2, weight.t().contiguous(), None).reshape(x.shape)
     need_db = ctx.has_bias and ctx.needs_input_grad[2]
     g_t = transpose_padded(g2) if ctx.needs_input_grad[1] or need_db else None
     if ctx.needs_input_grad[1]:

@@ -108,7 +108,7 @@ def _pick_large(m: int, n: int, k: int, sms: int) -> tuple[tuple[int, ...], int,
     leaves 1.45 waves, 128x128 runs 2.9 waves at its lower rate; one wave of 128x256 and 0.9 of 128x128
     measured 0.95 of cuBLAS against 0.87 (0.92 with the second launch not started early; at M = 3000 0.81
     against 0.55: sweep_linear_pdl)."""
-    best = min(_LARGE_TMA, key=lambda e: _wave_time(m, n, k, sms, e))
+    best = single_tile(m, n, k, sms)
     rows, rest = split_candidate(m, n, k, sms)
     if rows:
         split = (_wave_time(rows, n, k, sms, _LARGE_TMA[0]) + _wave_time(m - rows, n, k, sms, rest)
@@ -116,6 +116,11 @@ def _pick_large(m: int, n: int, k: int, sms: int) -> tuple[tuple[int, ...], int,
         if split < _wave_time(m, n, k, sms, best):
             return _LARGE_TMA[0][0], rows, rest[0]
     return best[0], 0, None
+
+
+def single_tile(m: int, n: int, k: int, sms: int) -> tuple[tuple[int, ...], float, float]:
+    """The ``_LARGE_TMA`` entry with the least estimated time (:func:`_wave_time`) for one launch."""
+    return min(_LARGE_TMA, key=lambda e: _wave_time(m, n, k, sms, e))
 
 
 def split_candidate(m: int, n: int, k: int, sms: int) -> tuple[int, Any]:
