@@ -32,6 +32,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from rlk_core.ops.attention import triton as at
 from rlk_core.ops.attention import triton_backward as ab
 from rlk_core.ops.attention.reference import kv_cache_write_reference
+from rlk_core.ops.linear import tiles as rule
 from rlk_core.ops.linear import triton as lt
 from rlk_core.testing.attention import build_paged_kv, cu_seqlens
 
@@ -205,7 +206,7 @@ def _split_shape(name: str, n: int, k: int, g: torch.Generator, repeats: int) ->
         if shipped["TMA"] and not shipped["TAIL_M"] and lt.rem_rows(m, shipped["BLOCK_M"]):
             cfgs["shipped_full_box"] = dict(shipped, REM_BOX=False)
         if "SPLIT_ROWS" in shipped:
-            cfgs["single"] = lt.tile_config(lt.single_tile(m, n, k, sms)[0], k, tma=True)
+            cfgs["single"] = lt.tile_config(rule.single_tile(m, n, k, sms)[0], k, tma=True)
         if 64 < m <= 80:
             cfgs.update({c: lt.tile_config(t[:6], k, tma=True) for c, t in SPLIT_TAIL_CANDIDATES.items()})
             cfgs.update({c: lt.tile_config(t[:6] + t[7:], k, tma=True) for c, t in TAIL_CANDIDATES.items()
@@ -227,12 +228,12 @@ def _pdl_shape(name: str, n: int, k: int, g: torch.Generator, repeats: int) -> l
     w = (torch.randn(n, k, device="cuda", generator=g) * k ** -0.5).to(BF16)
     rows = []
     for m in SPLIT_LARGE_MS:
-        split_rows, rest = lt.split_candidate(m, n, k, sms)
+        split_rows, rest = rule.split_candidate(m, n, k, sms)
         if not split_rows:
             continue
         x = torch.randn(m, k, device="cuda", generator=g).to(BF16)
-        big, rest_cfg = lt.tile_config(lt._LARGE_TMA[0][0], k, tma=True), lt.tile_config(rest[0], k, tma=True)
-        single = lt.tile_config(lt.single_tile(m, n, k, sms)[0], k, tma=True)
+        big, rest_cfg = lt.tile_config(rule._LARGE_TMA[0][0], k, tma=True), lt.tile_config(rest[0], k, tma=True)
+        single = lt.tile_config(rule.single_tile(m, n, k, sms)[0], k, tma=True)
         splits = "SPLIT_ROWS" in lt.config(BF16, m, n, k, True, sms)
         row: dict[str, Any] = {"shape": name, "M": m, "N": n, "K": k, "split_rows": split_rows,
                                "rest_cfg": rest_cfg, "shipped_splits": splits}

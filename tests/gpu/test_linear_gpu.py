@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from rlk_core.backends import REGISTRY
 from rlk_core.ops import linear
 from rlk_core.ops.linear.reference import linear_reference
+from rlk_core.ops.linear.tiles import _LARGE_TMA, shipped_tiles
 from rlk_core.testing import assert_bitwise_equal, check_batch_invariance, check_run_to_run, dtype_tols
 
 from ._shapes import M_LIST, linear_inputs, randn
@@ -78,11 +79,9 @@ def test_every_shipped_tile_gives_the_same_bits(n, k):
 
     x, w = linear_inputs(1000, n, k)
     b = randn((n,), seed=13)
-    tiles = {*lt._DECODE, *lt._MID_TMA, *lt._SMALL_TMA, *lt._TAIL_TMA, lt._SMALL_PTR, *(e[0] for e in lt._LARGE_TMA),
-             lt._LARGE_PTR}
     for m in (1, 20, 65, 80, 90, 1000):
         want = linear(x[:m], w, b)
-        for tile in sorted(tiles):
+        for tile in shipped_tiles():
             for tma, rem_box in ((False, False), (True, False), (True, True)):
                 if (tma and not lt._tma_compatible(x, w, want)) or (not tma and len(tile) > 6):
                     continue
@@ -100,8 +99,8 @@ def _straggling_split(reader: torch.cuda.Stream | None = None):
 
     rows = 133 * 128
     x, w = linear_inputs(rows + 128, 256, 16384)
-    cfg = dict(lt.tile_config(lt._LARGE_TMA[0][0], 16384, tma=True), SPLIT_ROWS=rows,
-               REST=lt.tile_config(lt._LARGE_TMA[2][0], 16384, tma=True))
+    cfg = dict(lt.tile_config(_LARGE_TMA[0][0], 16384, tma=True), SPLIT_ROWS=rows,
+               REST=lt.tile_config(_LARGE_TMA[2][0], 16384, tma=True))
     out = torch.full((rows + 128, 256), float("nan"), dtype=x.dtype, device=x.device)
     lt._launch(x, w, None, out, cfg)
     with torch.cuda.stream(reader or torch.cuda.current_stream()):
@@ -119,7 +118,7 @@ def test_row_split_is_complete_for_the_next_kernel():
         seen, out, rows, x, w = _straggling_split()
         assert_bitwise_equal(seen, out, "the output as the next kernel saw it vs once the device was idle")
     assert not out.isnan().any()
-    assert_bitwise_equal(out, lt.linear_2d(x, w, None, lt.tile_config(lt._LARGE_TMA[1][0], 16384, tma=True)),
+    assert_bitwise_equal(out, lt.linear_2d(x, w, None, lt.tile_config(_LARGE_TMA[1][0], 16384, tma=True)),
                          "split vs one launch of 128x128 tiles")
 
 

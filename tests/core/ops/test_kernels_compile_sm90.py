@@ -191,10 +191,11 @@ def test_gemm_row_split_launches_carry_their_grid_dependency_control(pdl, instru
 def test_every_gemm_tile_fits_shared_memory_with_its_last_box():
     """Every TMA tile the rule can pick, with every last-row-block box :func:`rem_rows` can give it (the
     shared memory of both K loops adds up; a 64-row box beside 128x256 tiles was measured not to fit)."""
+    from rlk_core.ops.linear import tiles as rule
     from rlk_core.ops.linear import triton as lt
 
-    tiles = {*lt._SMALL_TMA, *lt._MID_TMA, *lt._TAIL_TMA, *(e[0] for e in lt._LARGE_TMA)}
-    for tile in sorted(tiles):
+    tma_tiles = {*rule._SMALL_TMA, *rule._MID_TMA, *rule._TAIL_TMA, *(e[0] for e in rule._LARGE_TMA)}
+    for tile in sorted(tma_tiles):
         rems = {0} if len(tile) > 6 else {lt.rem_rows(m, tile[0]) for m in range(1, 2 * tile[0] + 1)}
         for rem in sorted(rems):
             shared = compile_gemm_tma(tile, rem).metadata.shared
@@ -202,9 +203,10 @@ def test_every_gemm_tile_fits_shared_memory_with_its_last_box():
 
 
 def test_gemm_pointer_kernel_compiles_for_decode_tiles():
+    from rlk_core.ops.linear import tiles as rule
     from rlk_core.ops.linear import triton as lt
 
-    c = lt.tile_config(lt._DECODE[0], 4096)
+    c = lt.tile_config(rule._DECODE[0], 4096)
     ptx = compile_sm90(lt._linear_fwd_kernel, dict(HAS_BIAS=False, EVEN_K=True, IEEE=False, BLOCK_M=c["BLOCK_M"],
                        BLOCK_N=c["BLOCK_N"], BLOCK_K=c["BLOCK_K"], GROUP_M=c["GROUP_M"], b_ptr=None),
                        num_warps=c["num_warps"], num_stages=c["num_stages"],
@@ -243,9 +245,10 @@ def test_ptxas_check_catches_spills_and_serialised_wgmma():
     """The ptxas check can fail: the decode GEMM compiled without its unit strides (every element addressed
     separately) spills, and a 64-row tail dot beside a 128-row one in the same K loop (not a shipped
     tile) serialises the wgmma."""
+    from rlk_core.ops.linear import tiles as rule
     from rlk_core.ops.linear import triton as lt
 
-    c = lt.tile_config(lt._DECODE[0], 4096)
+    c = lt.tile_config(rule._DECODE[0], 4096)
     with pytest.raises(AssertionError, match="spills registers"):
         compile_sm90(lt._linear_fwd_kernel, dict(HAS_BIAS=False, EVEN_K=True, IEEE=False, BLOCK_M=c["BLOCK_M"],
                      BLOCK_N=c["BLOCK_N"], BLOCK_K=c["BLOCK_K"], GROUP_M=c["GROUP_M"], b_ptr=None),

@@ -1,24 +1,31 @@
-"""The GEMM tile rule (``rlk_core.ops.linear.triton.config``) on the CPU: the documented choices for the
-Qwen3 shapes on a 132-SM H200, the pointer kernel wherever TMA does not apply, and a rule that is a
-pure function of its arguments. That every tile gives the same bits is a GPU fact, tested in
-tests/gpu/test_linear_gpu.py::test_every_shipped_tile_gives_the_same_bits."""
+"""The GEMM tile rule (``rlk_core.ops.linear.tiles.config``) on the CPU, without Triton: the documented
+choices for the Qwen3 shapes on a 132-SM H200, the pointer kernel wherever TMA does not apply, and a rule
+that is a pure function of its arguments. That every tile gives the same bits is a GPU fact, checked by the
+contract suite (``rlk_core.testing.contracts``) and tests/gpu/test_linear_gpu.py."""
 
 from __future__ import annotations
 
-import importlib.util
+import subprocess
+import sys
 
 import pytest
 import torch
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
+from rlk_core.ops.linear import tiles as lt
 
 
 def _tile(m, n, k, tma=True, dtype=torch.bfloat16):
-    from rlk_core.ops.linear import triton as lt
-
     c = lt.config(dtype, m, n, k, tma, 132)
     return ("tma" if c["TMA"] else "ptr", c["BLOCK_M"], c["BLOCK_N"], c["BLOCK_K"]) + (
         (f"+{c['TAIL_M']}",) if c["TAIL_M"] else ())
+
+
+def test_the_rule_imports_no_triton():
+    code = ("import sys, torch\nfrom rlk_core.ops.linear import tiles\n"
+            "tiles.config(torch.bfloat16, 65, 6144, 4096, True)\n"
+            "print(sorted(m for m in sys.modules if m == 'triton' or m.startswith('triton.')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]", out
 
 
 @pytest.mark.parametrize("m,n,k,want", [
@@ -50,19 +57,6 @@ def test_pointer_kernel_without_tma_and_for_fp32():
         assert _tile(m, 4096, 4096, dtype=torch.float32)[:2] == ("ptr", 64)
 
 
-def test_launch_does_not_mutate_the_cached_rule():
-    """``config`` is cached per shape; ``_launch`` pops keys from its own copy, never from the cache."""
-    from rlk_core.ops.linear import triton as lt
-
-    before = dict(lt.config(torch.float32, 5, 48, 40, False, 132))
-    x, w = torch.randn(5, 40), torch.randn(48, 40)
-    try:
-        lt._launch(x, w, None, torch.empty(5, 48), lt.config(torch.float32, 5, 48, 40, False, 132))
-    except Exception:  # no GPU / interpreter here: the launch itself may fail after the copy
-        pass
-    assert lt.config(torch.float32, 5, 48, 40, False, 132) == before
-
-
 @pytest.mark.parametrize("m,n,k,want", [
     (4096, 1536, 4096, (2816, 128)),  # 8B qkv at TP 4: one wave of 128x256, then 0.9 of a wave of 128x128
     (3000, 1536, 4096, (2816, 64)),   # the rest (184 rows) fills the SMs better with 128x64
@@ -74,8 +68,6 @@ def test_launch_does_not_mutate_the_cached_rule():
 ])
 def test_row_split_choices(m, n, k, want):
     """M > 128: whole waves of 128x256 tiles and a second launch for the rest, where estimated faster."""
-    from rlk_core.ops.linear import triton as lt
-
     c = lt.config(torch.bfloat16, m, n, k, True, 132)
     got = (c["SPLIT_ROWS"], c["REST"]["BLOCK_N"]) if "SPLIT_ROWS" in c else None
     assert got == want
@@ -86,8 +78,6 @@ def test_row_split_choices(m, n, k, want):
 
 def test_last_box_rows():
     """64-row tiles read a last row block of fewer than 32 rows with a 16/32-row box; nothing else does."""
-    from rlk_core.ops.linear import triton as lt
-
     assert [lt.rem_rows(m, 64) for m in (1, 16, 17, 31, 32, 63, 64, 65, 80, 81, 95, 96, 127)] == [
         16, 16, 32, 32, 0, 0, 0, 16, 16, 32, 32, 0, 0]
     assert all(lt.rem_rows(m, 128) == 0 for m in range(1, 513))

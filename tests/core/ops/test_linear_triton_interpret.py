@@ -6,6 +6,11 @@ tests/gpu/test_linear_gpu.py. fp16/fp32 only (the interpreter's bf16 ``tl.dot`` 
 
 from __future__ import annotations
 
+import importlib.util
+
+import pytest
+import torch
+
 SCRIPT = """
     from rlk_core.ops.linear import triton as LT
 
@@ -34,3 +39,16 @@ SCRIPT = """
 
 def test_linear_triton_kernels_interpreted(run_interpreted):
     run_interpreted(SCRIPT, timeout=300)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
+def test_launch_does_not_mutate_the_cached_rule():
+    """``config`` is cached per shape; ``_launch`` pops keys from its own copy, never from the cache."""
+    from rlk_core.ops.linear import tiles
+    from rlk_core.ops.linear import triton as lt
+
+    before = dict(tiles.config(torch.float32, 5, 48, 40, False, 132))
+    x, w = torch.randn(5, 40), torch.randn(48, 40)
+    with pytest.raises(Exception):  # noqa: B017  (no GPU, no interpreter: the launch fails after the copy)
+        lt._launch(x, w, None, torch.empty(5, 48), tiles.config(torch.float32, 5, 48, 40, False, 132))
+    assert tiles.config(torch.float32, 5, 48, 40, False, 132) == before

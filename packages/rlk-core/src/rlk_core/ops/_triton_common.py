@@ -4,9 +4,15 @@ Importing this module imports neither Triton nor touches CUDA: each op's ``ops/<
 (which does import Triton at its top) is loaded on the first call that needs it, after
 :func:`available` said Triton and a suitable GPU are there.
 
-Every kernel of this backend follows one rule: its compile-time configuration (block sizes, warps,
-stages) is a pure function of the dtype and the reduction length, never of the number of rows, and
-the row count is passed with ``do_not_specialize`` so the compiled binary is the same for every M.
+The invariant every kernel of this backend keeps: each output element is reduced in one fixed order —
+a reduction dimension (K, the row, the KV positions, the vocab blocks) walked in fixed blocks in
+increasing order, accumulated in fp32, rounded once — and that order does not depend on the number of
+rows. What may vary with the rows is which program computes an element: the GEMM picks its tile over M
+and N per call for speed (:mod:`rlk_core.ops.linear.tiles`), which changes the tile shape, the MMA
+instruction family and the load path but not the K loop. That every such tile gives the same bits is a
+property of the GPU, not of the source, so the contract suite (``rlk_core.testing.contracts``, run by
+``rlk-selfcheck`` and the GPU tests) checks it on each GPU. No autotuning, no split-K, no atomics; the row
+count is passed with ``do_not_specialize``, so M does not multiply the compiled variants.
 """
 
 from __future__ import annotations

@@ -24,17 +24,17 @@ tests check bit for bit (prefill == chunked prefill == decode, any page size, an
 - Tile schedule without host work or a sync: per sequence ``ceil(Lq_b / TOK)`` tiles; one grid axis of
   the upper bound ``(ceil(T / TOK) + B) * Hkv`` programs, the KV head fastest, each finding its
   sequence by a scan of ``cu_seqlens_q`` on the device (:func:`find_tile`; programs past the end
-  return). (Computing the cumulative tile counts with torch ops cost ~80 us of host time per call.)
+  return). (Computing the cumulative tile counts with torch ops would cost ~80 us of host time per call.)
 
 Configuration per (dtype, padded head size, form) only (``CONFIGS``); counts are ``do_not_specialize``.
 No atomics, no split-KV, no autotuning. fp32 inputs use ``input_precision="ieee"``.
 
 ``KV_TMA`` (the d = 128 prefill entries): in varlen prefill the K/V blocks of the unmasked loop — wholly
 inside the sequence — arrive through TMA tensor descriptors instead of pointer loads; the masked tail and
-the arithmetic are unchanged. A load path, not arithmetic: the H200 sweep measured identical bits and
-436 -> 522 TFLOP/s at L = 8192, and the GPU tests compare this prefill with chunked prefill and decode
-(pointer loads) bit for bit. Paged calls, other layouts (:func:`kv_tma_ok`) and GPUs without TMA
-(before sm_90, ROCm) take the pointer loads.
+the arithmetic are unchanged. A load path, not arithmetic: on the H200 sweep it gives identical bits and
+522 TFLOP/s at L = 8192 against 436 with pointer loads, and the GPU tests compare this prefill with
+chunked prefill and decode (pointer loads) bit for bit. Paged calls, other layouts (:func:`kv_tma_ok`)
+and GPUs without TMA (before sm_90, ROCm) take the pointer loads.
 """
 
 from __future__ import annotations

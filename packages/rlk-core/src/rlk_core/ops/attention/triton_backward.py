@@ -13,7 +13,7 @@ Flash-style recomputation in three kernels, all arithmetic in fp32 except the MM
    ``dS = P * (dO V^T - Delta)`` in one fp32 register accumulator each. With ``SPLIT_G`` each program
    writes its head's fp32 sums and ``_attn_bwd_group_sum_kernel`` adds the G heads of a group in
    increasing head order, then rounds once: G times the programs, so the causal triangle's long
-   programs (the first KV blocks see every query tile) no longer bound the kernel, for one fp32
+   programs (the first KV blocks see every query tile) do not bound the kernel, for one fp32
    ``[Tk, Hq, D]`` buffer each for dK and dV.
 3. ``_attn_bwd_dq_kernel`` — one program per (query tile, query head): loops over the KV blocks the
    tile can see, in increasing order: ``dQ += dS K``.
