@@ -128,7 +128,7 @@ def test_seal_failure_is_reported_and_leaves_nothing(good_run: Path, cli, monkey
     def deny(path: str, data: bytes) -> None:
         raise PermissionError(13, "Permission denied")
 
-    monkeypatch.setattr(seal, "_write_new", deny)
+    monkeypatch.setattr(seal, "write_bytes_atomic", deny)
     before = tree_state(good_run)
     res = cli(good_run, "--seal")
     assert res.code == 1 and res.findings("SEAL_FAILED")

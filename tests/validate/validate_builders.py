@@ -21,7 +21,16 @@ from typing import Any
 import numpy as np
 from safetensors.numpy import load_file, save_file
 
-MODULES = ("attention", "ffn", "logp")
+from rlk_validate.evidence import (
+    BITWISE_SCHEMA,
+    MANIFEST_SCHEMA,
+    METRICS_SCHEMA,
+    MODULES,
+    READBACK_SCHEMA,
+    TRAIN_DATA_SCHEMA,
+    write_json_atomic,
+)
+
 RR = {m: "R/R" for m in MODULES}
 PP = {m: "P/P" for m in MODULES}
 SHA = "0123456789abcdef0123456789abcdef01234567"
@@ -29,11 +38,9 @@ H64 = "sha256:" + "ab" * 32
 
 
 def write_json(path: Path, obj: Any) -> None:
-    """Atomic write, as rlk_core.readback does: temp file + os.replace."""
+    """Atomic write, as producers do: through rlk_validate.evidence.write_json_atomic."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(obj, indent=2) + "\n")
-    os.replace(tmp, path)
+    write_json_atomic(path, obj)
 
 
 def read_json(path: Path) -> Any:
@@ -85,7 +92,7 @@ def readback(
     side = "train" if target == "training" else "rollout"
     idx = 0 if side == "train" else 2
     return {
-        "schema": "rlk.readback.v1",
+        "schema": READBACK_SCHEMA,
         "framework": framework,
         "target": target,
         "side": side,
@@ -129,7 +136,7 @@ def make_round(rng: np.random.Generator, samples: int, positions: int, drift: fl
 def write_round(
     path: Path, tensors: dict[str, np.ndarray], rnd: int, rank: int, metadata: dict[str, str] | None = None
 ) -> None:
-    meta = {"schema": "rlk.train-data.v1", "round": str(rnd), "rank": str(rank)}
+    meta = {"schema": TRAIN_DATA_SCHEMA, "round": str(rnd), "rank": str(rank)}
     if metadata is not None:
         meta = metadata
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -188,7 +195,7 @@ def build_run(
     write_json(
         path / "manifest.json",
         {
-            "schema": "rlk.manifest.v1",
+            "schema": MANIFEST_SCHEMA,
             "run_id": run_id,
             "created_at": "2026-11-29T12:00:00Z",
             "engine": engine,
@@ -230,7 +237,7 @@ def build_run(
         per_round.append({"round": rnd, **{k: s[k] for k in ("element_count", "mismatch_count", "max_abs_diff")}})
         metrics.append(
             {
-                "schema": "rlk.metrics.v1",
+                "schema": METRICS_SCHEMA,
                 "round": rnd,
                 "compared_tokens": s["element_count"],
                 "mismatch_count": s["mismatch_count"],
@@ -249,7 +256,7 @@ def build_run(
     write_json(
         path / "bitwise-validation.json",
         {
-            "schema": "rlk.bitwise-validation.v1",
+            "schema": BITWISE_SCHEMA,
             "require_exact": all_rr,
             "torch_equal": tot["mismatch_count"] == 0,
             "element_count": tot["element_count"],

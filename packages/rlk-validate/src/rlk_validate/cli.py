@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import argparse
 import os
-import secrets
 import sys
 from collections.abc import Sequence
 from typing import Any
 
 from . import __version__
+from .evidence import write_json_atomic
 from .findings import CODES
-from .report import EXIT_CODES, EXIT_INTERNAL, clean, dumps
+from .report import EXIT_CODES, EXIT_INTERNAL, clean, finite
 from .safeio import Caps, MiB
 
 EXIT_USAGE = EXIT_CODES["unusable"]
@@ -119,11 +119,7 @@ def _inside(path: str, directory: str) -> bool:
 
 
 def _write_json(out: str, doc: dict[str, Any]) -> None:
-    out = os.path.abspath(out)
-    tmp = f"{out}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
-    with open(tmp, "x", encoding="utf-8") as fh:
-        fh.write(dumps(doc))
-    os.replace(tmp, out)
+    write_json_atomic(os.path.abspath(out), finite(doc))
 
 
 def _check_outputs(a: argparse.Namespace, checked: str, what: str) -> None:

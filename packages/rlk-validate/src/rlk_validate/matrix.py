@@ -12,22 +12,21 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
-import secrets
 from dataclasses import dataclass, field
 from typing import Any
 
 from . import __version__
+from .evidence import MATRIX_REPORT_JSON, MATRIX_REPORT_MD, MATRIX_REPORT_SCHEMA, MODULES, write_bytes_atomic
 from .findings import ERROR, INCOMPLETE, Finding, finding, verdict_of
-from .readbacks import MODULES
 from .report import EXIT_CODES, Report, clean, dumps, now_iso
 from .safeio import InputError, Root
 from .validate import Options, unusable_reason, validate_run
 
 CHECK = "matrix"
-SCHEMA = "rlk.matrix-report.v1"
-JSON_NAME = "matrix-report.json"
-MD_NAME = "matrix-report.md"
-_CELL_RE = re.compile(r"^(attention|ffn|logp)-([PR])([PR])$")
+SCHEMA = MATRIX_REPORT_SCHEMA
+JSON_NAME = MATRIX_REPORT_JSON
+MD_NAME = MATRIX_REPORT_MD
+_CELL_RE = re.compile(rf"({'|'.join(MODULES)})-([PR])([PR])")
 ISOLATION_CELLS = tuple(f"{m}-{xy}" for m in MODULES for xy in ("PR", "RP", "PP"))
 REQUIRED_CELLS = ("control-RR", *ISOLATION_CELLS)
 
@@ -38,7 +37,7 @@ def expected_plan(name: str) -> tuple[str, dict[str, str]] | None:
         return "control", {m: "R/R" for m in MODULES}
     if name == "native-PP":
         return "native", {m: "P/P" for m in MODULES}
-    m = _CELL_RE.match(name)
+    m = _CELL_RE.fullmatch(name)
     if not m:
         return None
     plan = {mod: "R/R" for mod in MODULES}
@@ -247,22 +246,6 @@ def validate_matrix(
     return rep
 
 
-def _atomic_write(dirpath: str, name: str, data: bytes) -> str:
-    tmp = os.path.join(dirpath, f".{name}.tmp-{os.getpid()}-{secrets.token_hex(6)}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o644)
-    try:
-        os.write(fd, data)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    try:
-        os.replace(tmp, os.path.join(dirpath, name))
-    except OSError:
-        os.unlink(tmp)
-        raise
-    return os.path.join(dirpath, name)
-
-
 def _write_reports(rep: MatrixReport) -> None:
     try:
         for name in (JSON_NAME, MD_NAME):
@@ -270,8 +253,8 @@ def _write_reports(rep: MatrixReport) -> None:
             if os.path.isdir(target) and not os.path.islink(target):
                 raise IsADirectoryError(21, "is a directory", target)
         md = rep.to_markdown().encode()
-        rep.written.append(_atomic_write(rep.matrix_root, MD_NAME, md))
-        rep.written.append(_atomic_write(rep.matrix_root, JSON_NAME, dumps(rep.to_json()).encode()))
+        rep.written.append(write_bytes_atomic(os.path.join(rep.matrix_root, MD_NAME), md))
+        rep.written.append(write_bytes_atomic(os.path.join(rep.matrix_root, JSON_NAME), dumps(rep.to_json()).encode()))
     except OSError as e:
         rep.findings.append(
             finding("MATRIX_WRITE_FAILED", f"could not write the matrix report: {e.strerror or e}", check=CHECK)

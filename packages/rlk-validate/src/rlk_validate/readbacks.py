@@ -12,22 +12,28 @@ other agree within tolerance, not bit for bit).
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterator
 from typing import Any
 
+from .evidence import (
+    CASES,
+    FRAMEWORK_TARGETS,
+    MODES,
+    MODULES,
+    READBACK_SCHEMA,
+    READBACKS_DIR,
+    SIDES,
+    TARGET_SIDE,
+    is_member,
+    readback_name,
+    side_letter,
+)
 from .findings import Finding, finding
 from .safeio import InputError, Root
 
 CHECK = "readbacks"
-DIR = "readbacks"
-SCHEMA = "rlk.readback.v1"
-MODULES = ("attention", "ffn", "logp")
-SIDES = ("train", "rollout")
-TARGET_SIDE = {"training": "train", "rollout": "rollout"}
-FRAMEWORK_TARGETS = {"megatron": ("training",), "vllm": ("rollout",), "local": ("training", "rollout")}
-NAME_RE = re.compile(r"^([a-z0-9_]+)-([a-z]+)-(\d+)\.json$")
-_CASE_RE = re.compile(r"^[PR]/[PR]$")
+DIR = READBACKS_DIR
+SCHEMA = READBACK_SCHEMA
 
 
 def _f(code: str, msg: str, path: str | None = None, **kw: Any) -> Finding:
@@ -39,15 +45,15 @@ def plan_problem(plan: Any) -> str | None:
     if not isinstance(plan, dict) or not plan:
         return "the plan must be a non-empty object"
     for k, v in plan.items():
-        if k not in MODULES:
+        if not is_member(k, MODULES):
             return f"unknown module {k!r} (known: {', '.join(MODULES)})"
-        if not isinstance(v, str) or not _CASE_RE.match(v):
+        if not is_member(v, CASES):
             return f"module {k!r} has case {v!r}, expected X/Y with X, Y in {{P, R}}"
     return None
 
 
 def letter(plan: dict[str, str], module: str, side: str) -> str:
-    return plan[module][0 if side == "train" else 2]
+    return side_letter(plan[module], side)
 
 
 def _is_int(v: Any, lo: int = 0) -> bool:
@@ -88,9 +94,9 @@ def _validate_doc(doc: Any, rel: str) -> str | None:
     if not isinstance(doc, dict):
         return "the document is not a JSON object"
     fw, tg, side = doc.get("framework"), doc.get("target"), doc.get("side")
-    if fw not in FRAMEWORK_TARGETS:
+    if not is_member(fw, FRAMEWORK_TARGETS):
         return f"framework {fw!r} is not one of {', '.join(FRAMEWORK_TARGETS)}"
-    if tg not in FRAMEWORK_TARGETS[fw]:
+    if not is_member(tg, FRAMEWORK_TARGETS[fw]):
         return f"target {tg!r} is not valid for framework {fw!r}"
     if side != TARGET_SIDE[tg]:
         return f"side {side!r} does not match target {tg!r} (expected {TARGET_SIDE[tg]!r})"
@@ -99,7 +105,7 @@ def _validate_doc(doc: Any, rel: str) -> str | None:
             return f"{key} must be an integer >= {lo}, got {doc.get(key)!r}"
     if doc["rank"] >= doc["world_size"]:
         return f"rank {doc['rank']} is not below world_size {doc['world_size']}"
-    if doc.get("mode") not in ("strict", "audit"):
+    if not is_member(doc.get("mode"), MODES):
         return f"mode {doc.get('mode')!r} is not strict or audit"
     if doc.get("run_id") is not None and not isinstance(doc.get("run_id"), str):
         return "run_id must be a string or null"
@@ -210,9 +216,8 @@ def check_readbacks(
         if problem:
             findings.append(_f("READBACK_FIELD_INVALID", f"{rel}: {problem}", rel))
             continue
-        m = NAME_RE.match(name)
-        expect = f"{doc['framework']}-{doc['target']}-{doc['pid']}.json"
-        if not m or name != expect:
+        expect = readback_name(doc["framework"], doc["target"], doc["pid"])
+        if name != expect:
             findings.append(_f("READBACK_NAME_MISMATCH", f"{rel}: its content says it should be named {expect}", rel))
         key = (doc["framework"], doc["target"], doc["pid"])
         if key in keys:

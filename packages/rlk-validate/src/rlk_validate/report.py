@@ -3,15 +3,15 @@
 from __future__ import annotations
 
 import datetime as _dt
-import json
 import math
 from dataclasses import dataclass, field
 from typing import Any
 
 from . import __version__
+from .evidence import RUN_VALIDATION_SCHEMA, json_text
 from .findings import ERROR, INCOMPLETE, INFO, SEVERITIES, WARNING, Finding, verdict_of
 
-RUN_SCHEMA = "rlk.run-validation.v1"
+RUN_SCHEMA = RUN_VALIDATION_SCHEMA
 EXIT_CODES = {"passed": 0, "failed": 1, "incomplete": 2, "unusable": 3}
 EXIT_INTERNAL = 4
 
@@ -27,19 +27,20 @@ def clean(s: Any, limit: int = 400) -> str:
     return out if len(out) <= limit else out[: limit - 3] + "..."
 
 
-def _finite(obj: Any) -> Any:
+def finite(obj: Any) -> Any:
+    """``obj`` with every non-finite float (e.g. an overflowed ratio) replaced by None."""
     if isinstance(obj, float) and not math.isfinite(obj):
         return None
     if isinstance(obj, dict):
-        return {k: _finite(v) for k, v in obj.items()}
+        return {k: finite(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
-        return [_finite(v) for v in obj]
+        return [finite(v) for v in obj]
     return obj
 
 
 def dumps(doc: Any) -> str:
-    """Strict JSON (a non-finite float, e.g. an overflowed ratio, becomes null), newline-terminated."""
-    return json.dumps(_finite(doc), indent=2, allow_nan=False) + "\n"
+    """Strict JSON of a report (non-finite floats become null), newline-terminated."""
+    return json_text(finite(doc))
 
 
 @dataclass

@@ -6,17 +6,15 @@ import math
 import re
 from typing import Any
 
+from .evidence import BITWISE, BITWISE_SCHEMA, EXIT_CODE, MANIFEST, MANIFEST_SCHEMA, METRICS, METRICS_SCHEMA, RUN_LOG
 from .findings import Finding, finding
 from .readbacks import plan_problem
 from .safeio import InputError, Root
 
 CHECK = "run"
-MANIFEST_SCHEMA = "rlk.manifest.v1"
-METRICS_SCHEMA = "rlk.metrics.v1"
-BITWISE_SCHEMA = "rlk.bitwise-validation.v1"
 TRACEBACK = b"Traceback (most recent call last):"
-_SHA_RE = re.compile(r"^(?:[0-9a-f]{40}|[0-9a-f]{64})$")
-_HASH_RE = re.compile(r"^sha256:[0-9a-f]{64}$")
+_SHA_RE = re.compile(r"[0-9a-f]{40}|[0-9a-f]{64}")
+_HASH_RE = re.compile(r"sha256:[0-9a-f]{64}")
 #: relative tolerance for max/mean |diff| written by producers (they may reduce in float32)
 MAX_REL_TOL = 1e-5
 MEAN_REL_TOL = 1e-3
@@ -85,7 +83,7 @@ def _manifest_problems(m: dict[str, Any]) -> list[tuple[str, str]]:
                 what = "SHA" if sha is None else "dirty state"
                 reason = f" ({r['error']})" if isinstance(r.get("error"), str) else ""
                 out.append(("REPO_REVISION_UNKNOWN", f"manifest.json repos[{i}] ({name}) records no {what}{reason}"))
-            if sha is not None and not (isinstance(sha, str) and _SHA_RE.match(sha)):
+            if sha is not None and not (isinstance(sha, str) and _SHA_RE.fullmatch(sha)):
                 out.append(
                     ("MANIFEST_FIELD_INVALID", f"manifest.json repos[{i}] ({name}) sha {sha!r} is not a full hex SHA")
                 )
@@ -96,7 +94,7 @@ def _manifest_problems(m: dict[str, Any]) -> list[tuple[str, str]]:
     if not m["inputs"]:
         out.append(("MANIFEST_FIELD_MISSING", "manifest.json 'inputs' is empty: no input hashes recorded"))
     for k, v in m["inputs"].items():
-        if not isinstance(v, str) or not _HASH_RE.match(v):
+        if not isinstance(v, str) or not _HASH_RE.fullmatch(v):
             out.append(("MANIFEST_FIELD_INVALID", f"manifest.json inputs.{k} = {v!r} is not 'sha256:<64 hex>'"))
     if not all(isinstance(c, str) for c in m["command"]):
         out.append(("MANIFEST_FIELD_INVALID", "manifest.json 'command' must be a list of strings"))
@@ -106,7 +104,7 @@ def _manifest_problems(m: dict[str, Any]) -> list[tuple[str, str]]:
 def check_manifest(root: Root) -> tuple[list[Finding], dict[str, Any]]:
     """Returns findings and ``{"plan", "rounds", "ranks", "run_id", "mode"}`` (None where unknown)."""
     info: dict[str, Any] = {"plan": None, "rounds": None, "ranks": None, "run_id": None, "mode": None}
-    rel = "manifest.json"
+    rel = MANIFEST
     if not root.lexists(rel):
         return [_f("MANIFEST_MISSING", "manifest.json is absent: the requested plan and inputs are unknown", rel)], info
     try:
@@ -155,7 +153,7 @@ def check_manifest(root: Root) -> tuple[list[Finding], dict[str, Any]]:
 # -- exit code and log ------------------------------------------------------------------------
 def check_exit_and_log(root: Root) -> list[Finding]:
     out: list[Finding] = []
-    rel = "exit-code"
+    rel = EXIT_CODE
     if not root.lexists(rel):
         out.append(_f("EXIT_CODE_MISSING", "exit-code is absent: the run has not finished, or was killed", rel))
     else:
@@ -174,7 +172,7 @@ def check_exit_and_log(root: Root) -> list[Finding]:
                 )
         except InputError as e:
             out.append(e.finding)
-    rel = "run.log"
+    rel = RUN_LOG
     if not root.lexists(rel):
         out.append(_f("RUN_LOG_MISSING", "run.log is absent", rel))
     else:
@@ -189,7 +187,7 @@ def check_exit_and_log(root: Root) -> list[Finding]:
 
 # -- metrics.jsonl ----------------------------------------------------------------------------
 def check_metrics(root: Root, expected_rounds: int | None, bitwise: dict[str, Any] | None) -> list[Finding]:
-    rel = "metrics.jsonl"
+    rel = METRICS
     if not root.lexists(rel):
         return [_f("METRICS_MISSING", "metrics.jsonl is absent", rel)]
     from .safeio import parse_json_text
@@ -270,7 +268,7 @@ def check_metrics(root: Root, expected_rounds: int | None, bitwise: dict[str, An
 
 # -- bitwise-validation.json ------------------------------------------------------------------
 def check_bitwise_file(root: Root, plan: dict[str, str] | None, bitwise: dict[str, Any] | None) -> list[Finding]:
-    rel = "bitwise-validation.json"
+    rel = BITWISE
     if not root.lexists(rel):
         return [_f("BITWISE_FILE_MISSING", "bitwise-validation.json (the run's own comparison) is absent", rel)]
     try:

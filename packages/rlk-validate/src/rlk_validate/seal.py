@@ -3,12 +3,13 @@
 Protocol (safe against concurrent sealers and never overwriting a seal):
 
 1. If ``COMPLETE`` exists, nothing is written (``SEAL_EXISTS``).
-2. The report is written to a private temporary file in the run directory (``O_EXCL``) and fsynced.
-3. Failing run: the temporary file replaces ``run-validation.json`` (atomic rename); no ``COMPLETE``.
-4. Passing run: ``COMPLETE`` is created with ``O_CREAT | O_EXCL``. Exactly one sealer wins; a loser
-   deletes its temporary file and reports ``SEAL_EXISTS``. The winner renames its report onto
-   ``run-validation.json`` and then writes into ``COMPLETE`` the sha256 of that report. An empty
-   ``COMPLETE`` therefore means sealing is in progress (or was interrupted).
+2. Failing run: the report is written atomically (:func:`rlk_validate.evidence.write_bytes_atomic`:
+   private temp file, fsync, rename) onto ``run-validation.json``; no ``COMPLETE``.
+3. Passing run: ``COMPLETE`` is created with ``O_CREAT | O_EXCL``. Exactly one sealer wins; a loser
+   writes nothing and reports ``SEAL_EXISTS``. The winner writes its report atomically onto
+   ``run-validation.json`` and then writes into ``COMPLETE`` the sha256 of that report's bytes
+   (``rlk.complete.v1``), which validation recomputes. An empty ``COMPLETE`` therefore means sealing
+   is in progress (or was interrupted); validation reports it as a broken seal.
 
 No other file of the run directory is created, modified or removed.
 """
@@ -16,29 +17,12 @@ No other file of the run directory is created, modified or removed.
 from __future__ import annotations
 
 import hashlib
-import json
 import os
-import secrets
 
 from . import __version__
+from .evidence import COMPLETE, COMPLETE_SCHEMA, RUN_VALIDATION, json_text, write_bytes_atomic
 from .findings import finding
 from .report import Report, dumps, now_iso
-
-COMPLETE = "COMPLETE"
-RUN_VALIDATION = "run-validation.json"
-COMPLETE_SCHEMA = "rlk.complete.v1"
-
-
-def _write_new(path: str, data: bytes) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o644)
-    try:
-        view = memoryview(data)
-        while view:
-            n = os.write(fd, view)
-            view = view[n:]
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _fsync_dir(path: str) -> None:
@@ -85,19 +69,18 @@ def seal_run(report: Report) -> Report:
         ).to_json()
     )
     data = dumps(doc).encode()
-    tmp = os.path.join(d, f".{RUN_VALIDATION}.tmp-{os.getpid()}-{secrets.token_hex(6)}")
+    rv_path = os.path.join(d, RUN_VALIDATION)
     created_complete = replaced = False
     try:
-        _write_new(tmp, data)
         if not passed:
             if os.path.lexists(complete):
                 raise FileExistsError(complete)
-            os.replace(tmp, os.path.join(d, RUN_VALIDATION))
+            write_bytes_atomic(rv_path, data)
         else:
             fd = os.open(complete, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o644)
             created_complete = True
             try:
-                os.replace(tmp, os.path.join(d, RUN_VALIDATION))
+                write_bytes_atomic(rv_path, data)
                 replaced = True
                 body = {
                     "schema": COMPLETE_SCHEMA,
@@ -105,7 +88,7 @@ def seal_run(report: Report) -> Report:
                     "sealed_at": report.seal["sealed_at"],
                     "validator": {"name": "rlk-validate", "version": __version__},
                 }
-                os.write(fd, (json.dumps(body) + "\n").encode())
+                os.write(fd, json_text(body, indent=None).encode())
                 os.fsync(fd)
             finally:
                 os.close(fd)
@@ -119,7 +102,6 @@ def seal_run(report: Report) -> Report:
             )
         )
     except FileExistsError:
-        _unlink_quiet(tmp)
         report.seal = {
             "requested": True,
             "status": "exists: another sealer created COMPLETE first",
@@ -134,7 +116,6 @@ def seal_run(report: Report) -> Report:
             )
         )
     except OSError as e:
-        _unlink_quiet(tmp)
         if created_complete and not replaced:
             _unlink_quiet(complete)
         report.seal = {"requested": True, "status": f"failed: {e.strerror or e}", "complete": False}

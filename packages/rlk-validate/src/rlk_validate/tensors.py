@@ -16,12 +16,13 @@ from typing import Any
 
 import numpy as np
 
+from .evidence import TRAIN_DATA_REQUIRED, TRAIN_DATA_SCHEMA, TRAIN_DATA_TENSORS
 from .findings import finding
 from .safeio import InputError, Root, parse_json_text
 
 CHECK = "bitwise"
-SCHEMA = "rlk.train-data.v1"
-NAMES = ("token_ids", "response_mask", "rollout_logprobs", "train_logprobs")
+SCHEMA = TRAIN_DATA_SCHEMA
+NAMES = TRAIN_DATA_REQUIRED
 _ST_DTYPES = {
     "BOOL": np.dtype(bool),
     "U8": np.dtype(np.uint8),
@@ -39,12 +40,7 @@ _ST_DTYPES = {
     "F8_E4M3": None,
     "F8_E5M2": None,
 }
-_ALLOWED = {
-    "token_ids": ("I64", "I32"),
-    "response_mask": ("BOOL", "U8"),
-    "rollout_logprobs": ("F32",),
-    "train_logprobs": ("F32",),
-}
+_ALLOWED = {t.name: t.dtypes for t in TRAIN_DATA_TENSORS}
 _HEADER_CAP = 100 * (1 << 20)
 NAME_RE = re.compile(r"^round-(\d{4,})\.rank(\d+)\.safetensors$")
 LEGACY_RE = re.compile(r"^(?:round-)?(\d+)\.rank(\d+)\.pt$")
