@@ -8,6 +8,7 @@ checkpoint directory is given).
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import asdict, dataclass, replace
 from typing import Any
@@ -57,12 +58,14 @@ class Qwen3Config:
 
     @classmethod
     def from_hf(cls, data: dict[str, Any]) -> Qwen3Config:
-        """Build from a Hugging Face Qwen3 ``config.json`` mapping (dense models only)."""
+        """Build from a Hugging Face Qwen3 ``config.json`` mapping (dense models only).
+
+        Both RoPE layouts are read: ``rope_theta`` at the top level (transformers 4.x) or inside
+        ``rope_parameters`` (transformers 5.x); see :func:`rope_theta_of`.
+        """
         arch = data.get("model_type")
         if arch not in (None, "qwen3"):
             raise RlkConfigError(f"config.json model_type is {arch!r}; the local engine runs dense 'qwen3' models")
-        if data.get("rope_scaling"):
-            raise RlkConfigError(f"config.json sets rope_scaling={data['rope_scaling']!r}; not supported")
         eos = data.get("eos_token_id", 257)
         if isinstance(eos, list):
             eos = eos[0]
@@ -76,7 +79,7 @@ class Qwen3Config:
                 num_key_value_heads=int(data.get("num_key_value_heads", data["num_attention_heads"])),
                 head_dim=int(data.get("head_dim") or data["hidden_size"] // data["num_attention_heads"]),
                 rms_norm_eps=float(data.get("rms_norm_eps", 1e-6)),
-                rope_theta=float(data.get("rope_theta", 1_000_000.0)),
+                rope_theta=rope_theta_of(data),
                 max_position_embeddings=int(data.get("max_position_embeddings", 40960)),
                 tie_word_embeddings=bool(data.get("tie_word_embeddings", False)),
                 bos_token_id=data.get("bos_token_id"),
@@ -101,6 +104,75 @@ class Qwen3Config:
 
     def with_overrides(self, **kw: Any) -> Qwen3Config:
         return replace(self, **kw)
+
+
+_PLAIN_ROPE_TYPES = (None, "default")
+_ROPE_THETA_DEFAULT = 1_000_000.0
+_PLAIN_ROPE_KEYS = ("rope_type", "type", "rope_theta", "partial_rotary_factor")
+
+
+def _rope_dicts(data: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    """The RoPE parameter mappings of a ``config.json``, each with the field it came from: ``rope_scaling``
+    (transformers 4.x) and ``rope_parameters`` (5.x), the latter flat or keyed by layer type."""
+    found = []
+    for name in ("rope_scaling", "rope_parameters"):
+        value = data.get(name)
+        if value is None:
+            continue
+        if not isinstance(value, dict):
+            raise RlkConfigError(f"config.json field {name} must be a mapping or null, got {value!r}")
+        nested = [k for k, v in value.items() if isinstance(v, dict)]
+        if nested and len(nested) == len(value):  # per layer type, e.g. {"full_attention": {...}}
+            found += [(f"{name}.{k}", value[k]) for k in nested]
+        elif nested:
+            raise RlkConfigError(f"config.json field {name} mixes parameters and nested mappings ({nested})")
+        else:
+            found.append((name, value))
+    return found
+
+
+def _theta(field: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise RlkConfigError(f"config.json field {field} must be a positive number, got {value!r}")
+    return float(value)
+
+
+def rope_theta_of(data: dict[str, Any]) -> float:
+    """``rope_theta`` of a Hugging Face ``config.json`` in either layout, after refusing what the model
+    does not implement.
+
+    transformers 4.x writes ``rope_theta`` at the top level and scaling in ``rope_scaling``; 5.x writes
+    both inside ``rope_parameters`` (``{"rope_type": "default", "rope_theta": 1e6}``). The model runs
+    plain RoPE over the whole head: any ``rope_type`` (or the 4.x alias ``type``) other than
+    ``"default"`` (YaRN, linear, dynamic, llama3, ...), any other key in those mappings (``factor``,
+    ``beta_fast``, ...) and any ``partial_rotary_factor`` other than 1 is an :class:`RlkConfigError`
+    naming the field. Two thetas that disagree are refused too; none at all
+    gives the Qwen3 default 1e6.
+    """
+    thetas: dict[str, float] = {}
+    if data.get("rope_theta") is not None:
+        thetas["rope_theta"] = _theta("rope_theta", data["rope_theta"])
+    for field, params in [("", data), *_rope_dicts(data)]:
+        prefix = f"{field}." if field else ""
+        if field:
+            for key in ("rope_type", "type"):
+                kind = params.get(key)
+                if kind not in _PLAIN_ROPE_TYPES:
+                    raise RlkConfigError(f"config.json sets {prefix}{key}={kind!r}: RoPE scaling is not "
+                                         "implemented by the local engine (plain RoPE only, rope_type 'default')")
+            unknown = sorted(k for k, v in params.items() if k not in _PLAIN_ROPE_KEYS and v is not None)
+            if unknown:  # a scaling parameter (factor, beta_fast, ...) without a scaling type: fail closed
+                raise RlkConfigError(f"config.json sets {prefix}{unknown[0]}={params[unknown[0]]!r}: RoPE "
+                                     "scaling parameters are not implemented by the local engine (plain RoPE only)")
+            if params.get("rope_theta") is not None:
+                thetas[f"{prefix}rope_theta"] = _theta(f"{prefix}rope_theta", params["rope_theta"])
+        factor = params.get("partial_rotary_factor")
+        if factor is not None and factor != 1:
+            raise RlkConfigError(f"config.json sets {prefix}partial_rotary_factor={factor!r}: the local "
+                                 "engine rotates the whole head (factor 1 only)")
+    if len(set(thetas.values())) > 1:
+        raise RlkConfigError(f"config.json gives different RoPE thetas: {thetas}")
+    return next(iter(thetas.values()), _ROPE_THETA_DEFAULT)
 
 
 PRESETS: dict[str, Qwen3Config] = {
