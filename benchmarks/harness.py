@@ -93,12 +93,19 @@ def environment() -> dict[str, Any]:
     }
 
 
+def results_json(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
+    """``{"meta": ..., "rows": [...]}`` with the meta indented and one row per line (diffs stay readable,
+    files stay short)."""
+    body = ",\n".join(json.dumps(row) for row in rows)
+    return f'{{"meta": {json.dumps(meta, indent=1)},\n "rows": [\n{body}\n]}}\n'
+
+
 def write_results(out_dir: str | os.PathLike, name: str, meta: dict[str, Any], rows: list[dict[str, Any]],
                   columns: list[tuple[str, str]]) -> None:
     """``columns``: (key, header) pairs for the markdown table; floats printed with 3 significant digits."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    (out / f"{name}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
+    (out / f"{name}.json").write_text(results_json(meta, rows))
     env = meta["env"]
     lines = [f"# {name}", "",
              f"{env['gpu']}, driver {env['driver']}, torch {env['torch']} (CUDA {env['cuda']}), "

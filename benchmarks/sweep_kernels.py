@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
 import sys
 import time
 from pathlib import Path
@@ -26,7 +25,7 @@ from typing import Any
 import _common  # noqa: F401  (sys.path)
 import torch
 import torch.nn.functional as F
-from harness import copy_bandwidth, default_out_dir, environment, time_fns
+from harness import copy_bandwidth, default_out_dir, environment, results_json, time_fns
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from rlk_core.ops.attention import triton as at
@@ -457,7 +456,7 @@ def main() -> int:
         out.mkdir(parents=True, exist_ok=True)
         meta = {"env": environment(), "copy_tbs": copy_tbs, "repeats": args.repeats,
                 "ratio": "native_ms / candidate_ms", "bitwise": "torch.equal with the contract configuration"}
-        (out / f"sweep_{section}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
+        (out / f"sweep_{section}.json").write_text(results_json(meta, rows))
         print(f"=== {section} done at {time.time() - t0:.0f} s", flush=True)
     return 0
 
