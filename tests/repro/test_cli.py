@@ -77,3 +77,119 @@ def test_plan_prints_the_resolved_run_and_writes_nothing(tmp_path, capsys, monke
     assert doc["config"]["rounds"] == 3 and doc["mode"] == "mixed"
     assert not any(tmp_path.iterdir())
     assert cli.main(["plan", "--top-p", "2"]) == cli.EXIT_USAGE
+
+
+# -- route selection: flag > RL_KERNEL_<MODULE>_CASE > --mode > consistency ------------------------------------
+CASE_VARS = {"attention": "RL_KERNEL_ATTENTION_CASE", "ffn": "RL_KERNEL_FFN_CASE", "logp": "RL_KERNEL_LOGP_CASE"}
+
+
+def _plan_doc(capsys, *args):
+    import json
+
+    assert cli.main(["plan", *args]) == cli.EXIT_OK
+    return json.loads(capsys.readouterr().out)
+
+
+@pytest.mark.parametrize("module", sorted(CASE_VARS))
+def test_each_case_variable_selects_its_module_and_is_recorded_as_the_source(module, monkeypatch, capsys):
+    monkeypatch.setenv(CASE_VARS[module], "p/r")
+    doc = _plan_doc(capsys)
+    assert doc["plan"][module] == "P/R"
+    assert doc["routes"][module] == {"case": "P/R", "source": CASE_VARS[module]}
+    others = [m for m in CASE_VARS if m != module]
+    assert all(doc["routes"][m] == {"case": "R/R", "source": "default (consistency)"} for m in others)
+
+
+def test_precedence_flag_over_variable_over_mode(monkeypatch, capsys):
+    monkeypatch.setenv("RL_KERNEL_FFN_CASE", "P/R")
+    monkeypatch.setenv("RL_KERNEL_LOGP_CASE", "R/P")
+    doc = _plan_doc(capsys, "--mode", "native", "--logp-case", "R/R")
+    assert doc["routes"] == {"attention": {"case": "P/P", "source": "--mode native"},
+                             "ffn": {"case": "P/R", "source": "RL_KERNEL_FFN_CASE"},
+                             "logp": {"case": "R/R", "source": "flag --logp-case"}}
+    assert doc["env"] == {"RL_KERNEL_ATTENTION_CASE": "P/P", "RL_KERNEL_FFN_CASE": "P/R", "RL_KERNEL_LOGP_CASE": "R/R"}
+
+
+def test_mode_variable_and_audit_flag(monkeypatch, capsys):
+    assert _plan_doc(capsys)["readback_mode"] == {"mode": "strict", "source": "default"}
+    monkeypatch.setenv("RL_KERNEL_MODE", "audit")
+    assert _plan_doc(capsys)["readback_mode"] == {"mode": "audit", "source": "RL_KERNEL_MODE"}
+    monkeypatch.setenv("RL_KERNEL_MODE", "strict")
+    assert _plan_doc(capsys, "--audit")["readback_mode"] == {"mode": "audit", "source": "flag --audit"}
+
+
+BAD_CASES = ["X/Y", "RR", "R-R", "R/R/R", "R /R", "Q", "R/P,", "1/0"]
+
+
+@pytest.mark.parametrize("value", BAD_CASES)
+@pytest.mark.parametrize("command", ["run", "plan", "doctor"])
+def test_one_spelling_rule_rejects_the_same_forms_as_flag_and_as_variable(value, command, tmp_path, monkeypatch,
+                                                                          capsys):
+    monkeypatch.chdir(tmp_path)
+    out = ["--output", str(tmp_path / "runs")] if command == "run" else []
+    assert cli.main([command, "--ffn-case", value, *out]) == cli.EXIT_USAGE
+    flag_err = capsys.readouterr().err
+    monkeypatch.setenv("RL_KERNEL_FFN_CASE", value)
+    assert cli.main([command, *out]) == cli.EXIT_USAGE
+    var_err = capsys.readouterr().err
+    for err in (flag_err, var_err):
+        assert len(err.strip().splitlines()) <= 2 and "Traceback" not in err and repr(value) in err
+        assert "P/P, P/R, R/P, R/R" in err
+    assert "RL_KERNEL_FFN_CASE" in var_err
+    assert not any(tmp_path.iterdir()), "nothing may be created before the routes are valid"
+
+
+@pytest.mark.parametrize("value", ["r/p", " R/P ", "R/p"])
+def test_one_spelling_rule_accepts_the_same_forms_as_flag_and_as_variable(value, monkeypatch, capsys):
+    assert _plan_doc(capsys, "--ffn-case", value)["plan"]["ffn"] == "R/P"
+    monkeypatch.setenv("RL_KERNEL_FFN_CASE", value)
+    assert _plan_doc(capsys)["plan"]["ffn"] == "R/P"
+
+
+@pytest.mark.parametrize("var,value", [("RL_KERNEL_MODE", "foo"), ("RLK_BACKENDS", "linear"),
+                                       ("RL_KERNEL_RUN_ID", "a/b"), ("RLK_VALUE_CHECKS", "sometimes")])
+def test_bad_variable_exits_2_before_a_run_directory_exists(var, value, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv(var, value)
+    assert cli.main(["run", "--output", str(tmp_path), *SMALL]) == cli.EXIT_USAGE
+    err = capsys.readouterr().err
+    assert var in err and len(err.strip().splitlines()) <= 2
+    assert not any(tmp_path.iterdir())
+
+
+def test_run_honours_the_variables_and_records_their_sources(tmp_path, monkeypatch):
+    import json
+
+    monkeypatch.setenv("RL_KERNEL_FFN_CASE", "P/R")
+    monkeypatch.setenv("RL_KERNEL_MODE", "audit")
+    assert cli.main(["run", "--rounds", "1", "--output", str(tmp_path), *SMALL]) == cli.EXIT_OK
+    run_dir = next(tmp_path.iterdir())
+    m = json.loads((run_dir / "manifest.json").read_text())
+    assert m["plan"] == {"attention": "R/R", "ffn": "P/R", "logp": "R/R"} and m["mode"] == "mixed"
+    assert m["plan_sources"]["ffn"] == "RL_KERNEL_FFN_CASE"
+    assert m["plan_sources"]["attention"] == "default (consistency)"
+    assert m["readback_mode"] == {"mode": "audit", "source": "RL_KERNEL_MODE"}
+    for rb in (run_dir / "readbacks").iterdir():
+        doc = json.loads(rb.read_text())
+        assert doc["plan"]["ffn"] == "P/R" and doc["mode"] == "audit"
+        ffn = doc["modules"]["ffn"]
+        assert ffn["implementation"] == ("production" if doc["side"] == "train" else "rlk")
+
+
+@pytest.mark.parametrize("exc,code", [(KeyboardInterrupt(), cli.EXIT_INTERRUPTED),
+                                      (RuntimeError("boom"), cli.EXIT_FAILED)])
+def test_exit_code_file_equals_the_exit_status(exc, code, tmp_path, monkeypatch, capsys):
+    def broken(self, samples):
+        raise exc
+
+    monkeypatch.setattr(Trainer, "step", broken)
+    assert cli.main(["run", "--rounds", "1", "--output", str(tmp_path), *SMALL]) == code
+    run_dir = next(tmp_path.iterdir())
+    assert (run_dir / "exit-code").read_text() == f"{code}\n"
+    assert "Traceback" not in capsys.readouterr().err
+
+
+def test_doctor_reports_each_case_and_its_source(monkeypatch, capsys):
+    monkeypatch.setenv("RL_KERNEL_LOGP_CASE", "R/P")
+    cli.main(["doctor", "--device", "cpu", "--mode", "native"])
+    first = capsys.readouterr().out.splitlines()[0]
+    assert "logp R/P (RL_KERNEL_LOGP_CASE)" in first and "ffn P/P (--mode native)" in first

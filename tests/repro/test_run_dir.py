@@ -89,7 +89,12 @@ def test_train_data_metrics_and_bitwise_file_agree(rr_run):
         assert meta == {"schema": "rlk.train-data.v1", "round": str(r), "rank": "0"}
         assert t["token_ids"].dtype == torch.int64 and t["response_mask"].dtype == torch.bool
         assert t["rollout_logprobs"].dtype == t["train_logprobs"].dtype == torch.float32
-        assert len({v.shape for v in t.values()}) == 1
+        per_token = {k: v.shape for k, v in t.items() if k not in ("rewards", "advantages")}
+        assert len(set(per_token.values())) == 1 and len(per_token) == 4
+        s = t["token_ids"].shape[0]
+        assert t["rewards"].shape == t["advantages"].shape == (s,)
+        assert t["rewards"].dtype == t["advantages"].dtype == torch.float32
+        assert row["reward_mean"] == pytest.approx(float(t["rewards"].double().mean()), rel=1e-6)
         m = t["response_mask"]
         a, b = t["rollout_logprobs"][m], t["train_logprobs"][m]
         assert (a <= 0).all() and torch.isfinite(a).all()

@@ -48,6 +48,21 @@ def _choice(raw: str, var: EnvVar) -> str:
     raise var.error(raw)
 
 
+def parse_case(raw: str, origin: str) -> str:
+    """The one spelling rule of a route case, for variables and command-line flags alike: ``X/Y`` with X
+    and Y each ``P`` or ``R``, either letter case, surrounding blanks ignored; anything else (``RR``,
+    ``R-R``, ``R/X``, ``R/R/R``) raises :class:`RlkConfigError` naming ``origin`` and the allowed values."""
+    value = raw.strip().upper() if isinstance(raw, str) else raw
+    if not isinstance(value, str) or value not in CASES:
+        raise RlkConfigError(f"{origin}={raw!r} is not a case; allowed: {', '.join(CASES)} "
+                             "(X = train side, Y = rollout side; P = production, R = rlk)")
+    return value
+
+
+def _case(raw: str, var: EnvVar) -> str:
+    return parse_case(raw, var.name)
+
+
 def _bool(raw: str, var: EnvVar) -> bool:
     value = raw.strip().lower()
     if value in ("1", "true", "yes", "on"):
@@ -82,12 +97,12 @@ def _backend_overrides(raw: str, var: EnvVar) -> dict[str, str]:
 
 
 ENV_VARS: tuple[EnvVar, ...] = (
-    EnvVar("RL_KERNEL_ATTENTION_CASE", _choice, "P/P",
+    EnvVar("RL_KERNEL_ATTENTION_CASE", _case, "P/P",
            "Route of the attention module, train side / rollout side (P = framework production, R = rlk).",
            CASES),
-    EnvVar("RL_KERNEL_FFN_CASE", _choice, "P/P",
+    EnvVar("RL_KERNEL_FFN_CASE", _case, "P/P",
            "Route of the FFN module (post-attention RMSNorm, gate/up, SwiGLU, down projection).", CASES),
-    EnvVar("RL_KERNEL_LOGP_CASE", _choice, "P/P",
+    EnvVar("RL_KERNEL_LOGP_CASE", _case, "P/P",
            "Route of the log-prob module (final RMSNorm, LM head, temperature, log-softmax, selection).",
            CASES),
     EnvVar("RL_KERNEL_MODE", _choice, "strict",
@@ -126,15 +141,19 @@ def var(name: str) -> EnvVar:
         raise KeyError(f"{name} is not an rlk environment variable; see rlk_core.envs.ENV_VARS") from None
 
 
-def get(name: str, environ: Mapping[str, str] | None = None) -> Any:
-    """Parse one variable from ``environ`` (default ``os.environ``)."""
-    env = os.environ if environ is None else environ
-    return var(name).parse(env.get(name))
+def environ(env: Mapping[str, str] | None = None) -> Mapping[str, str]:
+    """``env``, or the process environment when None."""
+    return os.environ if env is None else env
 
 
-def snapshot(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
+def get(name: str, env: Mapping[str, str] | None = None) -> Any:
+    """Parse one variable from ``env`` (default ``os.environ``)."""
+    return var(name).parse(environ(env).get(name))
+
+
+def snapshot(env: Mapping[str, str] | None = None) -> dict[str, Any]:
     """Parse every variable; the first bad value raises."""
-    return {v.name: get(v.name, environ) for v in ENV_VARS}
+    return {v.name: get(v.name, env) for v in ENV_VARS}
 
 
 def markdown() -> str:

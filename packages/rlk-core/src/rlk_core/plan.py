@@ -16,7 +16,8 @@ from rlk_core.errors import RlkConfigError
 MODULES = ("attention", "ffn", "logp")
 SIDES = ("train", "rollout")
 CASES = envs.CASES
-_CASE_VARS = {
+parse_case = envs.parse_case
+CASE_VARS = {
     "attention": "RL_KERNEL_ATTENTION_CASE",
     "ffn": "RL_KERNEL_FFN_CASE",
     "logp": "RL_KERNEL_LOGP_CASE",
@@ -57,7 +58,7 @@ class RoutePlan:
 
     def env(self) -> dict[str, str]:
         """The environment variables that select this plan in another process."""
-        return {_CASE_VARS[m]: self.case(m) for m in MODULES}
+        return {CASE_VARS[m]: self.case(m) for m in MODULES}
 
     @property
     def name(self) -> str:
@@ -68,14 +69,14 @@ class RoutePlan:
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> RoutePlan:
-        return cls(**{m: envs.get(_CASE_VARS[m], environ) for m in MODULES})
+        return cls(**{m: envs.get(CASE_VARS[m], environ) for m in MODULES})
 
     @classmethod
     def from_dict(cls, data: Mapping[str, str]) -> RoutePlan:
         unknown = set(data) - set(MODULES)
         if unknown:
             raise RlkConfigError(f"unknown module(s) {sorted(unknown)}; allowed: {', '.join(MODULES)}")
-        return cls(**{m: str(data.get(m, "P/P")).upper() for m in MODULES})
+        return cls(**{m: parse_case(data.get(m, "P/P"), f"plan[{m!r}]") for m in MODULES})
 
     @classmethod
     def preset(cls, name: str) -> RoutePlan:

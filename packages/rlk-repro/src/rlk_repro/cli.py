@@ -23,8 +23,7 @@ from collections.abc import Sequence
 
 from rlk_core.errors import RlkConfigError, RlkError
 
-EXIT_OK, EXIT_MISMATCH, EXIT_USAGE, EXIT_FAILED = 0, 1, 2, 3
-CASES = ("P/P", "P/R", "R/P", "R/R")
+EXIT_OK, EXIT_MISMATCH, EXIT_USAGE, EXIT_FAILED, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
 
 
 class _Parser(argparse.ArgumentParser):
@@ -37,14 +36,13 @@ class _Usage(Exception):
 
 
 def _case(value: str) -> str:
-    v = value.strip().upper().replace("-", "/")
-    if len(v) == 2 and "/" not in v:
-        v = f"{v[0]}/{v[1]}"
-    if v not in CASES:
-        raise argparse.ArgumentTypeError(
-            f"{value!r} is not a case; allowed: {', '.join(CASES)} (X = train, Y = rollout)"
-        )
-    return v
+    """The spelling rule of ``RL_KERNEL_<MODULE>_CASE`` (:func:`rlk_core.envs.parse_case`), for the flags."""
+    from rlk_core.envs import parse_case
+
+    try:
+        return parse_case(value, "case")
+    except RlkConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc).removeprefix("case=")) from None
 
 
 def _positive(value: str) -> int:
@@ -102,10 +100,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _plan_options(r: argparse.ArgumentParser) -> None:
     r.add_argument("--mode", choices=("native", "consistency"), default=None,
-                   help="native = all P/P, consistency = all R/R (default: consistency); per-module cases override it")
-    for module in ("attention", "ffn", "logp"):
+                   help="native = all P/P, consistency = all R/R (default: consistency); RL_KERNEL_<MODULE>_CASE "
+                   "and the per-module flags override it")
+    for module, var in (("attention", "RL_KERNEL_ATTENTION_CASE"), ("ffn", "RL_KERNEL_FFN_CASE"),
+                        ("logp", "RL_KERNEL_LOGP_CASE")):
         r.add_argument(f"--{module}-case", type=_case, default=None, metavar="X/Y",
-                       help=f"{module} case, train/rollout, each P (production) or R (rlk); overrides --mode")
+                       help=f"{module} case, train/rollout, each P (production) or R (rlk); overrides {var}, "
+                       "which overrides --mode")
 
 
 def _experiment_options(r: argparse.ArgumentParser) -> None:
@@ -136,35 +137,50 @@ def _experiment_options(r: argparse.ArgumentParser) -> None:
                    help="torch CPU threads (default 1 on cpu: the small ops of a tiny model lose more to OpenMP "
                    "spinning than they gain, badly so on a shared machine; raise it for larger models)")
     r.add_argument("--audit", action="store_true",
-                   help="record fallbacks and route violations instead of failing (default: strict)")
+                   help="record fallbacks and route violations instead of failing (default: RL_KERNEL_MODE, "
+                   "else strict)")
     r.add_argument("--debug", action="store_true", help="show tracebacks")
 
 
-def _plan(a: argparse.Namespace):
-    from rlk_core.plan import PRESETS, RoutePlan
+def _resolve(a: argparse.Namespace, all_variables: bool = True):
+    """The plan and where each case came from: flag > RL_KERNEL_<MODULE>_CASE > --mode > consistency.
+    With ``all_variables`` every rlk variable is parsed here, so a bad one stops the command before
+    anything is created (``doctor`` reports the others as a check instead)."""
+    from rlk_core import envs, routes
 
-    cases = {m: getattr(a, f"{m}_case") for m in ("attention", "ffn", "logp")}
-    if a.mode is not None and any(cases.values()):
-        base = PRESETS[a.mode]
-    elif any(cases.values()):
-        base = PRESETS["consistency"]
-    else:
-        base = PRESETS[a.mode or "consistency"]
-    return RoutePlan(**{m: cases[m] or base.case(m) for m in cases})
+    if all_variables:
+        envs.snapshot()
+    flags = {m: getattr(a, f"{m}_case") for m in ("attention", "ffn", "logp")}
+    return routes.resolve(flags, a.mode, default="consistency")
 
 
-def _config(a: argparse.Namespace, argv: Sequence[str], plan):
+def _readback_mode(a: argparse.Namespace) -> tuple[str, str]:
+    """strict or audit, and its origin: --audit > RL_KERNEL_MODE > strict."""
+    import os
+
+    from rlk_core import envs
+
+    if getattr(a, "audit", False):
+        return "audit", "flag --audit"
+    if os.environ.get("RL_KERNEL_MODE", "") != "":
+        return envs.get("RL_KERNEL_MODE"), "RL_KERNEL_MODE"
+    return "strict", "default"
+
+
+def _config(a: argparse.Namespace, argv: Sequence[str], resolved):
     from rlk_repro.engine.local import LocalRunConfig
     from rlk_repro.engine.sampling import SamplingParams
 
     device = a.device
     dtype = a.dtype or ("bfloat16" if device.startswith("cuda") else "float32")
+    mode, mode_source = _readback_mode(a)
     cfg = LocalRunConfig(
-        plan=plan, rounds=a.rounds, seed=a.seed, device=device, dtype=dtype, model=a.model, checkpoint=a.checkpoint,
+        plan=resolved.plan, plan_sources=dict(resolved.sources), readback_mode_source=mode_source,
+        rounds=a.rounds, seed=a.seed, device=device, dtype=dtype, model=a.model, checkpoint=a.checkpoint,
         prompts_per_round=a.prompts_per_round, samples_per_prompt=a.samples_per_prompt,
         max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_p=a.top_p, top_k=a.top_k,
         chunk_size=a.chunk_size, page_size=a.page_size, max_num_seqs=a.max_num_seqs, optimizer=a.optimizer,
-        lr=a.lr, readback_mode="audit" if a.audit else "strict", command=["rlk-repro", *argv],
+        lr=a.lr, readback_mode=mode, command=["rlk-repro", *argv],
         threads=a.threads or (1 if device == "cpu" else None),
     )
     SamplingParams(a.temperature, a.top_p, a.top_k, a.max_new_tokens)  # argument errors before any work
@@ -175,8 +191,9 @@ def _config(a: argparse.Namespace, argv: Sequence[str], plan):
 def _cmd_run(a: argparse.Namespace, argv: Sequence[str]) -> int:
     from rlk_repro.engine.local import run_local
 
-    plan = _plan(a)
-    cfg = _config(a, argv, plan)
+    resolved = _resolve(a)
+    cfg = _config(a, argv, resolved)
+    plan = resolved.plan
     print(f"rlk-repro: engine local, mode {cfg.mode}, plan {plan.as_dict()}, {a.rounds} rounds, model "
           f"{a.checkpoint or a.model}, {cfg.device}/{cfg.dtype}", file=sys.stderr)
     result = run_local(cfg, a.output)
@@ -210,14 +227,24 @@ def _cell_finished(path) -> bool:
 def _cmd_matrix(a: argparse.Namespace, argv: Sequence[str]) -> int:
     from pathlib import Path
 
-    from rlk_core.plan import RoutePlan
+    import os
+
+    from rlk_core import envs, routes
+    from rlk_core.plan import MODULES, RoutePlan
     from rlk_repro.engine.local import run_local
     from rlk_repro.runs import new_run_id
     from rlk_validate.matrix import expected_plan, validate_matrix
     from rlk_validate.validate import Options
 
     cells = _matrix_cells(a.cells)
-    configs = {c: _config(a, argv, RoutePlan(**expected_plan(c)[1])) for c in cells}  # all errors before any run
+    envs.snapshot()  # a bad RL_KERNEL_* / RLK_* variable stops the matrix before any cell
+    ignored = [v for v in routes.CASE_VARS.values() if os.environ.get(v, "") != ""]
+    if ignored:
+        print(f"rlk-repro: note: each matrix cell sets its own routes; {', '.join(ignored)} not used",
+              file=sys.stderr)
+    configs = {c: _config(a, argv, routes.Resolved(RoutePlan(**expected_plan(c)[1]),
+                                                   dict.fromkeys(MODULES, f"matrix cell {c}")))
+               for c in cells}  # all errors before any run
     if a.resume:
         root = Path(a.resume)
         if not root.is_dir():
@@ -258,11 +285,13 @@ def _cmd_plan(a: argparse.Namespace, argv: Sequence[str]) -> int:
     import json
     from dataclasses import asdict
 
-    plan = _plan(a)
-    cfg = _config(a, argv, plan)
-    config = {k: v for k, v in asdict(cfg).items() if k not in ("plan", "command")}
-    print(json.dumps({"engine": "local", "mode": cfg.mode, "plan": plan.as_dict(), "env": plan.env(),
-                      "exact_required": cfg.exact_required, "config": config}, indent=2))
+    resolved = _resolve(a)
+    cfg = _config(a, argv, resolved)
+    plan = resolved.plan
+    config = {k: v for k, v in asdict(cfg).items() if k not in ("plan", "command", "plan_sources")}
+    print(json.dumps({"engine": "local", "mode": cfg.mode, "plan": plan.as_dict(), "routes": resolved.as_dict(),
+                      "readback_mode": {"mode": cfg.readback_mode, "source": cfg.readback_mode_source},
+                      "env": plan.env(), "exact_required": cfg.exact_required, "config": config}, indent=2))
     return EXIT_OK
 
 
@@ -274,9 +303,11 @@ def _cmd_doctor(a: argparse.Namespace) -> int:
     from rlk_repro.doctor import FAIL, as_json, diagnose, format_checks
 
     device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    plan = _plan(a)
+    resolved = _resolve(a, all_variables=False)
+    plan = resolved.plan
     checks = diagnose(device, plan, selfcheck=a.selfcheck)
-    print(f"rlk-repro doctor: device {device}, plan {plan.as_dict()}")
+    print(f"rlk-repro doctor: device {device}, plan "
+          + ", ".join(f"{m} {c['case']} ({c['source']})" for m, c in resolved.as_dict().items()))
     print(format_checks(checks))
     if a.json:
         with open(a.json, "w", encoding="utf-8") as fh:

@@ -36,7 +36,7 @@ def _version(module: str) -> str | None:
 def diagnose(device: str, plan, selfcheck: bool = False) -> list[Check]:
     import torch
 
-    from rlk_core import envs
+    from rlk_core import envs, routes
     from rlk_core.backends import REGISTRY
     from rlk_core.contracts import OP_CONTRACTS
     from rlk_core.errors import RlkConfigError
@@ -66,9 +66,7 @@ def diagnose(device: str, plan, selfcheck: bool = False) -> list[Check]:
 
     import rlk_core.ops  # noqa: F401  (registers every op's backends)
 
-    r_ops = {op for (module, side), ops in _needs().items() if plan.uses_rlk(module, side) for op in ops}
-    if "attention_varlen" in r_ops:  # the train side's attention also runs its backward
-        r_ops.add("attention_varlen_backward")
+    r_ops = routes.rlk_ops(plan, "train", backward=True) | routes.rlk_ops(plan, "rollout")
     for op in sorted(OP_CONTRACTS):
         candidates = REGISTRY.candidates(op, dev.type)
         registered = [b.id for b in REGISTRY.backends(op)]
@@ -102,12 +100,6 @@ def diagnose(device: str, plan, selfcheck: bool = False) -> list[Check]:
         detail = f"{total - len(failed)}/{total} contract checks passed on {dev.type}"
         out.append(Check("selfcheck", FAIL if failed else OK, detail + (f"; failed: {failed}" if failed else "")))
     return out
-
-
-def _needs() -> dict[tuple[str, str], tuple[str, ...]]:
-    from rlk_repro.model.ops import _NEEDS
-
-    return _NEEDS
 
 
 def format_checks(checks: list[Check]) -> str:

@@ -31,6 +31,17 @@ METRICS_SCHEMA = "rlk.metrics.v1"
 BITWISE_SCHEMA = "rlk.bitwise-validation.v1"
 TRAIN_DATA_SCHEMA = "rlk.train-data.v1"
 PACKAGES = ("torch", "numpy", "safetensors", "rlk-core", "rlk-repro", "rlk-validate")
+# Exit statuses of rlk-repro; a run directory's exit-code file holds the one its process exits with.
+EXIT_OK, EXIT_MISMATCH, EXIT_USAGE, EXIT_FAILED, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
+
+
+def exit_code_for(exc: BaseException) -> int:
+    """The exit status for a run ended by ``exc``: 130 for Ctrl-C, 2 for a configuration error, else 3."""
+    if isinstance(exc, KeyboardInterrupt):
+        return EXIT_INTERRUPTED
+    if isinstance(exc, RlkConfigError):
+        return EXIT_USAGE
+    return EXIT_FAILED
 
 
 def utc_now() -> str:
@@ -168,7 +179,10 @@ def file_sha256(path: Path) -> str:
 
 # -- train-data --------------------------------------------------------------------------------
 def write_train_data(run_dir: Path, rnd: int, rank: int, prompts: list[list[int]], responses: list[list[int]],
-                     rollout_logps: list[torch.Tensor], train_logps: list[torch.Tensor]) -> Path:
+                     rollout_logps: list[torch.Tensor], train_logps: list[torch.Tensor], rewards: list[float],
+                     advantages: list[float]) -> Path:
+    """One round's train data of one rank: token ids, response mask, both sides' log-probs and the
+    per-sequence rewards and advantages the update used."""
     s = len(prompts)
     t = max(len(p) + len(r) for p, r in zip(prompts, responses, strict=True))
     ids = torch.zeros((s, t), dtype=torch.int64)
@@ -183,7 +197,10 @@ def write_train_data(run_dir: Path, rnd: int, rank: int, prompts: list[list[int]
         tl[i, lp : lp + n] = train_logps[i].cpu()
     path = run_dir / "train-data" / f"round-{rnd:04d}.rank{rank}.safetensors"
     tmp = path.with_name(f".{path.name}.tmp")
-    save_file({"token_ids": ids, "response_mask": mask, "rollout_logprobs": rl, "train_logprobs": tl}, str(tmp),
+    tensors = {"token_ids": ids, "response_mask": mask, "rollout_logprobs": rl, "train_logprobs": tl,
+               "rewards": torch.tensor(rewards, dtype=torch.float32),
+               "advantages": torch.tensor(advantages, dtype=torch.float32)}
+    save_file(tensors, str(tmp),
               metadata={"schema": TRAIN_DATA_SCHEMA, "round": str(rnd), "rank": str(rank)})
     os.replace(tmp, path)
     return path

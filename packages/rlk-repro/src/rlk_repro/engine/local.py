@@ -35,6 +35,8 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 @dataclass
 class LocalRunConfig:
     plan: RoutePlan = field(default_factory=lambda: RoutePlan("R/R", "R/R", "R/R"))
+    plan_sources: dict[str, str] = field(default_factory=dict)  # module -> where its case came from
+    readback_mode_source: str = "default"
     rounds: int = 5
     seed: int = 1234
     device: str = "cpu"
@@ -136,7 +138,7 @@ def run_local(cfg: LocalRunConfig, output: str | os.PathLike[str], run_name: str
     dtype = DTYPES[cfg.dtype]
     run_id, run_dir = runs.create_run_dir(output, run_name)
     handler = runs.open_run_log(run_dir)
-    code = 3
+    code = runs.EXIT_FAILED
     threads_before = torch.get_num_threads()
     if cfg.threads is not None:
         torch.set_num_threads(cfg.threads)
@@ -144,8 +146,10 @@ def run_local(cfg: LocalRunConfig, output: str | os.PathLike[str], run_name: str
         result = _run(cfg, run_id, run_dir, device, dtype)
         code = result.exit_code
         return result
-    except Exception as exc:
-        log.error("run failed: %s: %s", type(exc).__name__, exc)
+    except BaseException as exc:  # the exit-code file says what the process will exit with, Ctrl-C included
+        code = runs.exit_code_for(exc)
+        log.error("run %s: %s: %s", "interrupted" if code == runs.EXIT_INTERRUPTED else "failed",
+                  type(exc).__name__, exc)
         raise
     finally:
         torch.set_num_threads(threads_before)
@@ -153,16 +157,44 @@ def run_local(cfg: LocalRunConfig, output: str | os.PathLike[str], run_name: str
         runs.close_run_log(handler)
 
 
+@dataclass
+class _Session:
+    """What one run holds while it goes: the two sides, their recorders and the prompts."""
+
+    model_cfg: Qwen3Config
+    engine: RolloutEngine
+    trainer: Trainer
+    recorders: tuple[ReadbackRecorder, ReadbackRecorder]
+    prompts: list[Any]
+    encoded: list[list[int]]
+    checkpoint_hash: str
+    max_len: int
+
+
 def _run(cfg: LocalRunConfig, run_id: str, run_dir: Path, device: torch.device, dtype: torch.dtype) -> LocalRunResult:
-    plan = cfg.plan
-    log.info("run %s: engine local, mode %s, plan %s, device %s, dtype %s", run_id, cfg.mode, plan.as_dict(),
+    log.info("run %s: engine local, mode %s, plan %s, device %s, dtype %s", run_id, cfg.mode, cfg.plan.as_dict(),
              device, cfg.dtype)
     torch.manual_seed(cfg.seed)
+    ses = _start(cfg, run_id, run_dir, device, dtype)
+    runs.write_json_atomic(run_dir / "manifest.json", _manifest(cfg, run_id, ses, device))
+    rounds: list[dict[str, Any]] = []
+    all_changed = True
+    for rnd in range(cfg.rounds):
+        row = _round(cfg, ses, run_dir, rnd)
+        all_changed &= row["weights_changed"]
+        rounds.append(row)
+        for rec in ses.recorders:
+            rec.flush()
+    return _finish(cfg, ses, run_id, run_dir, rounds, all_changed)
+
+
+def _start(cfg: LocalRunConfig, run_id: str, run_dir: Path, device: torch.device, dtype: torch.dtype) -> _Session:
+    """The model, the prompts, one recorder per side and the two sides built on them."""
+    plan = cfg.plan
     model_cfg, weights, ckpt_hash = load_model(cfg)
     prompts = load_prompts()
     encoded = [encode(p.text, model_cfg.bos_token_id) for p in prompts]
     max_len = max(len(e) for e in encoded) + cfg.max_new_tokens
-
     readbacks = run_dir / "readbacks"
     rec_train = ReadbackRecorder("local", "train", plan, mode=cfg.readback_mode, directory=readbacks, run_id=run_id)
     rec_roll = ReadbackRecorder("local", "rollout", plan, mode=cfg.readback_mode, directory=readbacks, run_id=run_id)
@@ -175,83 +207,98 @@ def _run(cfg: LocalRunConfig, run_id: str, run_dir: Path, device: torch.device, 
                            max_model_len=max_len, seed=cfg.seed)
     trainer = Trainer(model_cfg, weights, Ops(plan, "train", rec_train), device=device, dtype=dtype,
                       temperature=cfg.temperature, optimizer=cfg.optimizer, lr=cfg.lr)
+    return _Session(model_cfg, engine, trainer, (rec_train, rec_roll), prompts, encoded, ckpt_hash, max_len)
 
-    manifest = {
+
+def _manifest(cfg: LocalRunConfig, run_id: str, ses: _Session, device: torch.device) -> dict[str, Any]:
+    plan = cfg.plan
+    sources = {m: cfg.plan_sources.get(m, "config") for m in plan.as_dict()}
+    return {
         "schema": runs.MANIFEST_SCHEMA, "run_id": run_id, "created_at": runs.utc_now(), "engine": "local",
-        "mode": cfg.mode, "command": [str(c) for c in cfg.command], "plan": plan.as_dict(), "rounds": cfg.rounds,
-        "ranks": 1, "repos": [runs.repo_state(Path(__file__).resolve().parent)],
+        "mode": cfg.mode, "command": [str(c) for c in cfg.command], "plan": plan.as_dict(),
+        "plan_sources": sources, "readback_mode": {"mode": cfg.readback_mode, "source": cfg.readback_mode_source},
+        "rounds": cfg.rounds, "ranks": 1, "repos": [runs.repo_state(Path(__file__).resolve().parent)],
         "packages": runs.package_versions(), "hardware": runs.hardware(device),
-        "inputs": {"prompts": prompts_sha256(), "checkpoint": ckpt_hash},
+        "inputs": {"prompts": prompts_sha256(), "checkpoint": ses.checkpoint_hash},
         "seeds": {"train": cfg.seed, "rollout": cfg.seed},
-        "config": {**{k: v for k, v in asdict(cfg).items() if k not in ("plan", "command")},
-                   "env": plan.env(), "model_config": model_cfg.as_dict(), "require_exact": cfg.exact_required,
-                   "max_model_len": max_len, "max_batched_tokens": engine.max_batched_tokens,
+        "config": {**{k: v for k, v in asdict(cfg).items() if k not in ("plan", "command", "plan_sources")},
+                   "env": plan.env(), "model_config": ses.model_cfg.as_dict(), "require_exact": cfg.exact_required,
+                   "max_model_len": ses.max_len, "max_batched_tokens": ses.engine.max_batched_tokens,
                    "torch_threads": torch.get_num_threads()},
     }
-    runs.write_json_atomic(run_dir / "manifest.json", manifest)
 
-    params = SamplingParams(cfg.temperature, cfg.top_p, cfg.top_k, cfg.max_new_tokens, cfg.seed)
-    rounds: list[dict[str, Any]] = []
-    all_changed = True
+
+def _requests(cfg: LocalRunConfig, ses: _Session, rnd: int) -> tuple[list[int], list[Request]]:
+    """The round's prompts (indices) and one request per sample, with per-request token limits that vary
+    (in [max/2, max]) so responses end at different steps."""
     n = cfg.samples_per_prompt
-    for rnd in range(cfg.rounds):
-        chosen = [(rnd * cfg.prompts_per_round + j) % len(prompts) for j in range(cfg.prompts_per_round)]
-        requests = []
-        for j, pi in enumerate(chosen):
-            for s in range(n):
-                k = j * n + s
-                # per-request token limits vary (in [max/2, max]) so responses end at different steps
-                limit = cfg.max_new_tokens - (k * 7 + rnd) % (cfg.max_new_tokens // 2 + 1)
-                requests.append(Request(rid=rnd * 100_000 + k, prompt=list(encoded[pi]),
-                                        params=SamplingParams(params.temperature, params.top_p, params.top_k,
-                                                              max(1, limit), params.seed),
-                                        arrival_step=k // cfg.arrivals_per_step))
-        bar = _progress(sum(r.params.max_new_tokens for r in requests), f"round {rnd} rollout")
-        stats = engine.generate(requests, on_token=bar.update)
-        bar.close()
+    chosen = [(rnd * cfg.prompts_per_round + j) % len(ses.prompts) for j in range(cfg.prompts_per_round)]
+    requests = []
+    for j, pi in enumerate(chosen):
+        for s in range(n):
+            k = j * n + s
+            limit = cfg.max_new_tokens - (k * 7 + rnd) % (cfg.max_new_tokens // 2 + 1)
+            requests.append(Request(rid=rnd * 100_000 + k, prompt=list(ses.encoded[pi]),
+                                    params=SamplingParams(cfg.temperature, cfg.top_p, cfg.top_k, max(1, limit),
+                                                          cfg.seed),
+                                    arrival_step=k // cfg.arrivals_per_step))
+    return chosen, requests
 
-        rewards = [reward(r.output, prompts[chosen[i // n]].answer) for i, r in enumerate(requests)]
-        adv = group_advantages(rewards, n)
-        samples = [Sample(r.prompt, r.output, r.logprobs, a) for r, a in zip(requests, adv, strict=True)]
-        bar = _progress(sum(len(r.prompt) + len(r.output) - 1 for r in requests), f"round {rnd} train")
-        res = trainer.step(samples)
-        bar.update(res.tokens)
-        bar.close()
 
-        roll = [torch.tensor(r.logprobs, dtype=torch.float32) for r in requests]
-        cmp = runs.compare(torch.cat(roll), torch.cat([t.cpu() for t in res.train_logprobs]))
-        runs.write_train_data(run_dir, rnd, 0, [r.prompt for r in requests], [r.output for r in requests], roll,
-                              res.train_logprobs)
-        changed = engine.load_weights(trainer.export_weights())
-        all_changed &= changed
-        row = {
-            "schema": runs.METRICS_SCHEMA, "round": rnd, "compared_tokens": cmp["element_count"],
-            "mismatch_count": cmp["mismatch_count"], "max_abs_diff": cmp["max_abs_diff"],
-            "mean_abs_diff": cmp["mean_abs_diff"], "reward_mean": sum(rewards) / len(rewards),
-            "reward_std": float(torch.tensor(rewards, dtype=torch.float64).std(unbiased=False)),
-            "loss": res.loss, "grad_norm": res.grad_norm,
-            "rollout_tokens_per_s": stats.tokens / max(stats.seconds, 1e-9),
-            "rollout_generated_tokens_per_s": stats.generated / max(stats.seconds, 1e-9),
-            "train_tokens_per_s": res.tokens / max(res.seconds, 1e-9),
-            "rollout_seconds": stats.seconds, "train_seconds": res.seconds,
-            "rollout_tokens": stats.tokens, "train_tokens": res.tokens,
-            "peak_memory_bytes": runs.peak_memory_bytes(device), "weights_changed": changed,
-            "samples": len(requests), "response_tokens": stats.generated,
-            "rollout_steps": stats.steps, "batch_composition_changes": stats.composition_changes,
-            "max_batch": stats.max_batch, "chunked_prompts": stats.chunked_prompts,
-            "decode_steps": stats.decode_calls, "prefill_steps": stats.prefill_calls,
-            "eos_finished": sum(r.finish_reason == "eos" for r in requests),
-        }
-        runs.append_jsonl(run_dir / "metrics.jsonl", row)
-        rounds.append({"round": rnd, **cmp, **{k: row[k] for k in row if k not in cmp and k != "schema"}})
-        log.info("round %d: %d tokens compared, %d mismatches (max |diff| %.3g), reward %.3f, loss %.4g, "
-                 "weights changed: %s, %d steps / %d composition changes, %d chunked prompts", rnd,
-                 cmp["element_count"], cmp["mismatch_count"], cmp["max_abs_diff"], row["reward_mean"], res.loss,
-                 changed, stats.steps, stats.composition_changes, stats.chunked_prompts)
-        rec_train.flush()
-        rec_roll.flush()
+def _round(cfg: LocalRunConfig, ses: _Session, run_dir: Path, rnd: int) -> dict[str, Any]:
+    """One round: rollout, rewards, the train recompute + update, the comparison, the weight sync; writes the
+    round's train-data and metrics line and returns its summary row."""
+    n = cfg.samples_per_prompt
+    chosen, requests = _requests(cfg, ses, rnd)
+    bar = _progress(sum(r.params.max_new_tokens for r in requests), f"round {rnd} rollout")
+    stats = ses.engine.generate(requests, on_token=bar.update)
+    bar.close()
 
-    fallbacks = sum(1 for rec in (rec_train, rec_roll) for m in rec.to_dict()["modules"].values() if m["fallback"])
+    rewards = [reward(r.output, ses.prompts[chosen[i // n]].answer) for i, r in enumerate(requests)]
+    adv = group_advantages(rewards, n)
+    samples = [Sample(r.prompt, r.output, r.logprobs, a) for r, a in zip(requests, adv, strict=True)]
+    bar = _progress(sum(len(r.prompt) + len(r.output) - 1 for r in requests), f"round {rnd} train")
+    res = ses.trainer.step(samples)
+    bar.update(res.tokens)
+    bar.close()
+
+    roll = [torch.tensor(r.logprobs, dtype=torch.float32) for r in requests]
+    cmp = runs.compare(torch.cat(roll), torch.cat([t.cpu() for t in res.train_logprobs]))
+    runs.write_train_data(run_dir, rnd, 0, [r.prompt for r in requests], [r.output for r in requests], roll,
+                          res.train_logprobs, rewards, adv)
+    changed = ses.engine.load_weights(ses.trainer.export_weights())
+    device = ses.trainer.device
+    row = {
+        "schema": runs.METRICS_SCHEMA, "round": rnd, "compared_tokens": cmp["element_count"],
+        "mismatch_count": cmp["mismatch_count"], "max_abs_diff": cmp["max_abs_diff"],
+        "mean_abs_diff": cmp["mean_abs_diff"], "reward_mean": sum(rewards) / len(rewards),
+        "reward_std": float(torch.tensor(rewards, dtype=torch.float64).std(unbiased=False)),
+        "loss": res.loss, "grad_norm": res.grad_norm,
+        "rollout_tokens_per_s": stats.tokens / max(stats.seconds, 1e-9),
+        "rollout_generated_tokens_per_s": stats.generated / max(stats.seconds, 1e-9),
+        "train_tokens_per_s": res.tokens / max(res.seconds, 1e-9),
+        "rollout_seconds": stats.seconds, "train_seconds": res.seconds,
+        "rollout_tokens": stats.tokens, "train_tokens": res.tokens,
+        "peak_memory_bytes": runs.peak_memory_bytes(device), "weights_changed": changed,
+        "samples": len(requests), "response_tokens": stats.generated,
+        "rollout_steps": stats.steps, "batch_composition_changes": stats.composition_changes,
+        "max_batch": stats.max_batch, "chunked_prompts": stats.chunked_prompts,
+        "decode_steps": stats.decode_calls, "prefill_steps": stats.prefill_calls,
+        "eos_finished": sum(r.finish_reason == "eos" for r in requests),
+    }
+    runs.append_jsonl(run_dir / "metrics.jsonl", row)
+    log.info("round %d: %d tokens compared, %d mismatches (max |diff| %.3g), reward %.3f, loss %.4g, "
+             "weights changed: %s, %d steps / %d composition changes, %d chunked prompts", rnd,
+             cmp["element_count"], cmp["mismatch_count"], cmp["max_abs_diff"], row["reward_mean"], res.loss,
+             changed, stats.steps, stats.composition_changes, stats.chunked_prompts)
+    return {"round": rnd, **cmp, **{k: row[k] for k in row if k not in cmp and k != "schema"}}
+
+
+def _finish(cfg: LocalRunConfig, ses: _Session, run_id: str, run_dir: Path, rounds: list[dict[str, Any]],
+            all_changed: bool) -> LocalRunResult:
+    """The bitwise document, the summary and the verdict."""
+    plan = cfg.plan
+    fallbacks = sum(1 for rec in ses.recorders for m in rec.to_dict()["modules"].values() if m["fallback"])
     bitwise = runs.bitwise_document(rounds, cfg.exact_required, fallbacks)
     runs.write_json_atomic(run_dir / "bitwise-validation.json", bitwise)
     (run_dir / "report" / "summary.md").write_text(
@@ -264,4 +311,5 @@ def _run(cfg: LocalRunConfig, run_id: str, run_dir: Path, device: torch.device, 
     else:
         log.info("bitwise: %d of %d compared tokens differ (exact equality %s)", bitwise["mismatch_count"],
                  bitwise["element_count"], "required" if cfg.exact_required else "not required")
-    return LocalRunResult(run_id, run_dir, rounds, bitwise, 1 if failed else 0, all_changed)
+    return LocalRunResult(run_id, run_dir, rounds, bitwise, runs.EXIT_MISMATCH if failed else runs.EXIT_OK,
+                          all_changed)

@@ -1,10 +1,11 @@
-"""``Ops``: one side's operator table, built from the route plan.
+"""``Ops``: the local engine's operator table for one side, a client of :mod:`rlk_core.routes`.
 
 Every floating-point operation of the model goes through an :class:`Ops` method that names its module
-(``attention``, ``ffn``, ``logp``). For a module whose letter on this side is ``R`` the method calls
-``rlk_core.ops`` inside the recorder's scope, so each rlk op reports its backend and contract itself;
-for ``P`` it runs the production stand-in (``F.linear`` / SDPA / ``torch.log_softmax`` and the usual
-PyTorch RMSNorm, SiLU and RoPE formulas) and reports ``production.torch*`` to the recorder.
+(``attention``, ``ffn``, ``logp``). Where the route layer says the module is ``R`` on this side, the
+method runs ``routes.call(module, op, ...)`` (the rlk op, inside the recorder's scope, reporting its
+backend and contract itself); for ``P`` it runs the production stand-in (``F.linear`` / SDPA /
+``torch.log_softmax`` and the usual PyTorch RMSNorm, SiLU and RoPE formulas) and records
+``production.torch*`` under the same op name.
 
 The train side (Megatron stand-in) and the rollout side (vLLM stand-in) each get their own ``Ops``;
 their attention cores and log-prob paths are different code: the train side runs packed varlen
@@ -14,93 +15,39 @@ prefill / decode attention and computes log-probs from materialised logits after
 
 from __future__ import annotations
 
-import importlib
-
 import torch
 import torch.nn.functional as F
 
-from rlk_core.errors import RlkConfigError
 from rlk_core.plan import RoutePlan
 from rlk_core.readback import ReadbackRecorder
+from rlk_core.routes import SideRoutes
 
-# rlk ops each side's R modules need; checked when the table is built so a missing op fails early.
-_NEEDS = {
-    ("attention", "train"): ("linear", "rms_norm", "rope", "attention_varlen"),
-    ("attention", "rollout"): ("linear", "rms_norm", "rope", "kv_cache_write", "attention_paged_prefill",
-                               "attention_decode"),
-    ("ffn", "train"): ("linear", "rms_norm", "swiglu"),
-    ("ffn", "rollout"): ("linear", "rms_norm", "swiglu"),
-    ("logp", "train"): ("rms_norm", "linear_logprobs"),
-    ("logp", "rollout"): ("rms_norm", "linear", "token_logprobs"),
-}
 PRODUCTION = "production.torch"
 PRODUCTION_SDPA = "production.torch.sdpa"
-
-
-# the rlk_core.ops subpackage that defines each op
-_FAMILY = {"attention_varlen": "attention", "attention_paged_prefill": "attention", "attention_decode": "attention",
-           "kv_cache_write": "attention"}
-
-
-def rlk_op(name: str):
-    """The public function ``rlk_core.ops.<name>`` (looked up in its op subpackage), or None."""
-    try:
-        module = importlib.import_module(f"rlk_core.ops.{_FAMILY.get(name, name)}")
-    except ImportError:
-        return None
-    fn = getattr(module, name, None)
-    return fn if callable(fn) else None
-
-
-def missing_rlk_ops(plan: RoutePlan, side: str) -> list[str]:
-    """rlk ops the plan needs on ``side`` that this rlk-core does not provide."""
-    out = []
-    for (module, s), names in _NEEDS.items():
-        if s == side and plan.uses_rlk(module, side):
-            out += [f"rlk_core.ops.{n} (for {module} R on the {side} side)" for n in names if rlk_op(n) is None]
-    return sorted(set(out))
-
-
-class _RlkOps:
-    """Attribute access to the rlk ops, resolved once."""
-
-    def __init__(self, names: set[str]) -> None:
-        for n in names:
-            fn = rlk_op(n)
-            if fn is not None:
-                setattr(self, n, fn)
 
 
 class Ops:
     """The operator table of one side (``train`` or ``rollout``) under one plan."""
 
     def __init__(self, plan: RoutePlan, side: str, recorder: ReadbackRecorder) -> None:
-        if recorder.side != side or recorder.plan != plan:
-            raise RlkConfigError(f"recorder is for side {recorder.side!r} / plan {recorder.plan.name}, "
-                                 f"ops asked for side {side!r} / plan {plan.name}")
-        missing = missing_rlk_ops(plan, side)
-        if missing:
-            raise RlkConfigError("this rlk-core lacks " + ", ".join(missing))
+        self.routes = SideRoutes(plan, side, recorder)
         self.plan, self.side, self.rec = plan, side, recorder
-        self.r = {m: plan.uses_rlk(m, side) for m in ("attention", "ffn", "logp")}
-        self.rk = _RlkOps({n for (m, sd), names in _NEEDS.items() if sd == side and self.r[m] for n in names})
+        self.r = {m: self.routes.rlk(m) for m in ("attention", "ffn", "logp")}
         self._rope_cache: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def _p(self, module: str, op: str, backend: str = PRODUCTION) -> None:
-        self.rec.production(module, op, backend)
+        self.routes.production(module, op, backend)
 
     # -- shared elementwise / GEMM ops ------------------------------------------------------------
     def linear(self, module: str, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         if self.r[module]:
-            with self.rec.scope(module):
-                return self.rk.linear(x, w)
+            return self.routes.call(module, "linear", x, w)
         self._p(module, "linear")
         return F.linear(x, w)
 
     def rms_norm(self, module: str, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
         if self.r[module]:
-            with self.rec.scope(module):
-                return self.rk.rms_norm(x, w, eps)
+            return self.routes.call(module, "rms_norm", x, w, eps)
         self._p(module, "rms_norm")
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
@@ -108,8 +55,7 @@ class Ops:
 
     def swiglu(self, x: torch.Tensor) -> torch.Tensor:
         if self.r["ffn"]:
-            with self.rec.scope("ffn"):
-                return self.rk.swiglu(x)
+            return self.routes.call("ffn", "swiglu", x)
         self._p("ffn", "swiglu")
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up
@@ -117,8 +63,7 @@ class Ops:
     def rope(self, x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
         """x ``[T, H, D]`` rotated (rotate-half layout) at absolute ``positions`` ``[T]``."""
         if self.r["attention"]:
-            with self.rec.scope("attention"):
-                return self.rk.rope(x, positions, theta)
+            return self.routes.call("attention", "rope", x, positions, theta)
         self._p("attention", "rope")
         d = x.shape[-1]
         inv_freq = 1.0 / (theta ** (torch.arange(0, d, 2, device=x.device, dtype=torch.int64).float() / d))
@@ -133,16 +78,15 @@ class Ops:
                          seq_lens: list[int], scale: float) -> torch.Tensor:
         """Train side: causal attention over packed sequences (q/k/v ``[T, H, D]``)."""
         if self.r["attention"]:
-            with self.rec.scope("attention"):
-                return self.rk.attention_varlen(q, k, v, cu_seqlens, cu_seqlens, scale, causal=True)
-        self._p("attention", "attention.varlen", PRODUCTION_SDPA)
+            return self.routes.call("attention", "attention_varlen", q, k, v, cu_seqlens, cu_seqlens, scale,
+                                    causal=True)
+        self._p("attention", "attention_varlen", PRODUCTION_SDPA)
         return _sdpa_packed_causal(q, k, v, seq_lens, scale)
 
     def kv_cache_write(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                        slot_mapping: torch.Tensor) -> None:
         if self.r["attention"]:
-            with self.rec.scope("attention"):
-                self.rk.kv_cache_write(k, v, k_cache, v_cache, slot_mapping)
+            self.routes.call("attention", "kv_cache_write", k, v, k_cache, v_cache, slot_mapping)
             return
         self._p("attention", "kv_cache_write")
         hkv, d = k_cache.shape[-2:]
@@ -154,9 +98,9 @@ class Ops:
                          scale: float) -> torch.Tensor:
         """Rollout side: one new token per sequence (q ``[B, H, D]``) over its paged KV."""
         if self.r["attention"]:
-            with self.rec.scope("attention"):
-                return self.rk.attention_decode(q, k_cache, v_cache, block_table, seq_lens, scale)
-        self._p("attention", "attention.decode", PRODUCTION_SDPA)
+            return self.routes.call("attention", "attention_decode", q, k_cache, v_cache, block_table, seq_lens,
+                                    scale)
+        self._p("attention", "attention_decode", PRODUCTION_SDPA)
         return _sdpa_paged_decode(q, k_cache, v_cache, block_table, seq_lens, max(seq_lens_host), scale)
 
     def attention_paged_prefill(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -164,9 +108,9 @@ class Ops:
                                 q_lens_host: list[int], seq_lens_host: list[int], scale: float) -> torch.Tensor:
         """Rollout side: a (chunk of a) prompt per sequence; the new tokens are the last ``Lq`` positions."""
         if self.r["attention"]:
-            with self.rec.scope("attention"):
-                return self.rk.attention_paged_prefill(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, scale)
-        self._p("attention", "attention.paged_prefill", PRODUCTION_SDPA)
+            return self.routes.call("attention", "attention_paged_prefill", q, k_cache, v_cache, block_table,
+                                    cu_seqlens_q, seq_lens, scale)
+        self._p("attention", "attention_paged_prefill", PRODUCTION_SDPA)
         outs, start = [], 0
         for b, (lq, n) in enumerate(zip(q_lens_host, seq_lens_host, strict=True)):
             k, v = _gather(k_cache, v_cache, block_table[b], n)
@@ -178,8 +122,7 @@ class Ops:
     def token_logprobs(self, logits: torch.Tensor, target: torch.Tensor, temperature: float) -> torch.Tensor:
         """Rollout side: log-prob of ``target`` under softmax(logits / T), from materialised logits."""
         if self.r["logp"]:
-            with self.rec.scope("logp"):
-                return self.rk.token_logprobs(logits, target, temperature)[0]
+            return self.routes.call("logp", "token_logprobs", logits, target, temperature)[0]
         self._p("logp", "token_logprobs")
         logp = torch.log_softmax(logits.float() / temperature, dim=-1)
         return logp.gather(-1, target[:, None]).squeeze(-1)
@@ -188,8 +131,7 @@ class Ops:
                         temperature: float) -> torch.Tensor:
         """Train side: LM head + log-softmax + selection (fused for R; full logits for P)."""
         if self.r["logp"]:
-            with self.rec.scope("logp"):
-                return self.rk.linear_logprobs(hidden, weight, target, temperature)[0]
+            return self.routes.call("logp", "linear_logprobs", hidden, weight, target, temperature)[0]
         self._p("logp", "linear")
         logits = F.linear(hidden, weight)
         self._p("logp", "token_logprobs")
