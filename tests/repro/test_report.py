@@ -1,5 +1,7 @@
 """``rlk-repro report``: the summary agrees with the runs' own bitwise documents; plots are written for
-several runs; a single run reports into its own report/ folder; bad inputs are one-line errors."""
+several runs and for a matrix root's cells; a single run reports into its own report/ folder; bad inputs
+are one-line errors; runs are named by their routes and drawn each in their own style; plots say where
+curves coincide, where there are no differences and (only there) where round 0 compiled kernels."""
 
 from __future__ import annotations
 
@@ -8,8 +10,10 @@ import shutil
 
 import pytest
 
-from rlk_repro import cli
-from rlk_repro.report import load_run, summarize
+from rlk_core.plan import RoutePlan
+from rlk_repro import cli, report
+from rlk_repro.engine.local import run_local
+from rlk_repro.report import load_run, route_label, summarize, write_report
 
 
 def test_summary_and_plots_for_two_runs(rr_run, pp_run, tmp_path, capsys):
@@ -64,3 +68,166 @@ def test_bad_inputs_are_one_line_errors(case, rr_run, tmp_path, capsys):
     assert cli.main(["report", *args]) == cli.EXIT_USAGE
     err = capsys.readouterr().err
     assert err.strip() and "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+# -- matrix roots ------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def matrix_root(rr_run, pp_run, small_config, tmp_path_factory):
+    """A matrix root of three cells (two copied from the session runs, one run here) plus the things a
+    real root also holds: its matrix report, an interrupted cell's leftovers."""
+    root = tmp_path_factory.mktemp("matrix")
+    shutil.copytree(rr_run.run_dir, root / "control-RR")
+    shutil.copytree(pp_run.run_dir, root / "native-PP")
+    run_local(small_config(RoutePlan("R/R", "P/R", "R/R"), rounds=2), root, run_name="ffn-PR")
+    (root / "matrix-report.json").write_text("{}")
+    (root / "ffn-RP.interrupted-x").mkdir()
+    return root
+
+
+def test_a_matrix_root_is_reported_as_its_cells(matrix_root, tmp_path, capsys):
+    root = tmp_path / "m"
+    shutil.copytree(matrix_root, root)
+    assert cli.main(["report", str(root)]) == cli.EXIT_OK  # default output: the root's report/ folder
+    out = root / "report"
+    doc = json.loads((out / "metrics-summary.json").read_text())
+    assert [(r["cell"], r["label"]) for r in doc["runs"]] == [
+        ("control-RR", "consistency R/R"), ("ffn-PR", "ffn P/R"), ("native-PP", "native P/P")]
+    assert doc["matrix_roots"] == [str(root)] and doc["skipped"] == []
+    for name in ("consistency.png", "learning.png", "optimization.png", "performance.png", "matrix.png"):
+        assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name
+    table = (out / "metrics-summary.md").read_text()
+    assert "| ffn P/R | ffn-PR |" in table and "{" not in table
+    printed = capsys.readouterr().out
+    assert "run: ffn P/R" in printed and "{" not in printed
+
+
+def test_an_unreadable_cell_is_named_and_the_others_reported(matrix_root, tmp_path, capsys):
+    root = tmp_path / "m"
+    shutil.copytree(matrix_root, root)
+    (root / "logp-RP").mkdir()  # a cell that failed before writing anything
+    assert cli.main(["report", str(root), "--output", str(tmp_path / "out")]) == cli.EXIT_OK
+    doc = json.loads((tmp_path / "out" / "metrics-summary.json").read_text())
+    assert len(doc["runs"]) == 3 and len(doc["skipped"]) == 1 and "logp-RP" in doc["skipped"][0]
+    assert "logp-RP" in (tmp_path / "out" / "metrics-summary.md").read_text().split("Not reported")[1]
+    # a root none of whose cells can be read is a one-line error
+    empty = tmp_path / "broken"
+    (empty / "control-RR").mkdir(parents=True)
+    assert cli.main(["report", str(empty), "--output", str(tmp_path / "out2")]) == cli.EXIT_USAGE
+    err = capsys.readouterr().err.strip()
+    assert "matrix root" in err and len(err.splitlines()) == 1
+
+
+@pytest.mark.parametrize(("plan", "label"), [
+    ({"attention": "R/R", "ffn": "R/R", "logp": "R/R"}, "consistency R/R"),
+    ({"attention": "P/P", "ffn": "P/P", "logp": "P/P"}, "native P/P"),
+    ({"attention": "R/R", "ffn": "P/R", "logp": "R/R"}, "ffn P/R"),
+    ({"attention": "R/P", "ffn": "R/R", "logp": "R/R"}, "attention R/P"),
+    ({"logp": "P/R", "attention": "R/P", "ffn": "R/R"}, "attention R/P, logp P/R"),
+    ({"attention": "P/R", "ffn": "P/R", "logp": "P/R"}, "all P/R"),
+])
+def test_runs_are_named_by_their_routes(plan, label):
+    assert route_label(plan) == label
+
+
+# -- what the plots say ------------------------------------------------------------------------------
+def _fake_run(path, plan, device="cpu", **series):
+    """A run directory with a hand-written manifest and 4 rounds of metrics; ``series`` overrides a metric
+    per round (e.g. ``loss=[...]``)."""
+    path.mkdir(parents=True)
+    (path / "manifest.json").write_text(json.dumps({
+        "schema": "rlk.manifest.v1", "run_id": path.name, "mode": "consistency", "plan": plan,
+        "hardware": {"device": device}, "config": {"device": device}}))
+    rows = []
+    for i in range(4):
+        row = {"schema": "rlk.metrics.v1", "round": i, "compared_tokens": 100, "mismatch_count": 0,
+               "max_abs_diff": 0.0, "mean_abs_diff": 0.0, "reward_mean": 0.1 * i, "reward_std": 0.05,
+               "loss": -0.1 - i, "grad_norm": 3.0 - i / 10, "rollout_seconds": 1.0 + i, "train_seconds": 0.5,
+               "rollout_tokens_per_s": 100.0, "train_tokens_per_s": 200.0, "rollout_tokens": 100,
+               "train_tokens": 100, "samples": 8, "eos_finished": 4}
+        row.update({k: v[i] for k, v in series.items()})
+        rows.append(json.dumps(row))
+    (path / "metrics.jsonl").write_text("\n".join(rows) + "\n")
+    return path
+
+
+RR = {"attention": "R/R", "ffn": "R/R", "logp": "R/R"}
+PP = {"attention": "P/P", "ffn": "P/P", "logp": "P/P"}
+
+
+@pytest.fixture(name="figures")
+def _figures(monkeypatch):
+    """Report the given runs; returns ``{png name: matplotlib figure}`` instead of reading PNGs back."""
+    def make(paths, out):
+        shown = {}
+        monkeypatch.setattr(report, "save_png", lambda fig, path: shown.setdefault(path.name, fig))
+        write_report([str(p) for p in paths], str(out))
+        return shown
+    return make
+
+
+def _titles(fig):
+    return {ax.get_title(loc="left").strip().splitlines()[0]: ax for ax in fig.axes if ax.get_title(loc="left")}
+
+
+def _texts(ax):
+    return " ".join([ax.get_title(loc="left"), *(t.get_text() for t in ax.texts)])
+
+
+def test_every_run_has_its_own_colour_and_line_style_or_marker(figures, tmp_path):
+    plans = [RR, PP] + [{**RR, m: c} for m in ("attention", "ffn", "logp") for c in ("P/R", "R/P", "P/P")]
+    paths = [_fake_run(tmp_path / f"r{i}", plan, loss=[-float(i)] * 4) for i, plan in enumerate(plans)]
+    paths.append(_fake_run(tmp_path / "again", RR))  # a second consistency run: same route, its own look
+    fig = figures(paths, tmp_path / "out")["optimization.png"]
+    lines = _titles(fig)["GRPO loss"].get_lines()
+    assert len(lines) == 12
+    assert len({line.get_color() for line in lines}) == 12
+    assert len({(line.get_linestyle(), line.get_marker()) for line in lines}) == 12
+    legend = [t.get_text() for t in fig.legends[0].get_texts()]
+    assert "consistency R/R (again)" in legend and "ffn P/R" in legend and not any("{" in t for t in legend)
+
+
+def test_coinciding_curves_are_named(figures, tmp_path):
+    a = _fake_run(tmp_path / "a", RR, loss=[-1.0, -2.0, -3.0, -4.0])
+    b = _fake_run(tmp_path / "b", PP, mismatch_count=[5, 6, 7, 8], max_abs_diff=[1e-7] * 4,
+                  mean_abs_diff=[1e-8] * 4, loss=[-1.0, -2.0, -3.0, -4.5])
+    shown = figures([a, b], tmp_path / "out")
+    learning, optimization = _titles(shown["learning.png"]), _titles(shown["optimization.png"])
+    assert "coincide exactly (consistency R/R = native P/P)" in _texts(learning["reward (mean, band: ± std)"])
+    assert "coincide" not in _texts(optimization["GRPO loss"])  # differs in the last round
+    assert "coincide" in _texts(optimization["gradient norm"])
+    consistency = _titles(shown["consistency.png"])
+    assert "coincide" not in _texts(consistency["mismatched tokens"])
+    # the all-zero run cannot be drawn on the log axis: the panel says so rather than lose it silently
+    assert "not drawn on the log axis): consistency R/R" in _texts(consistency["max abs(train - rollout)"])
+
+
+def test_a_drift_plot_without_differences_says_so(figures, tmp_path):
+    a, b = _fake_run(tmp_path / "a", RR), _fake_run(tmp_path / "b", RR, reward_mean=[0.5] * 4)
+    panels = _titles(figures([a, b], tmp_path / "out")["consistency.png"])
+    assert len(panels) == 4
+    for ax in panels.values():
+        assert "no differences" in _texts(ax)
+        assert ax.get_ylim()[0] > -0.05 and list(ax.get_yticks()) == [0]
+    c = _fake_run(tmp_path / "c", PP, mismatch_count=[5, 6, 7, 8], max_abs_diff=[1e-7] * 4,
+                  mean_abs_diff=[1e-8] * 4)
+    panels = _titles(figures([a, c], tmp_path / "out2")["consistency.png"])
+    assert not any("no differences" in _texts(ax) for ax in panels.values())
+    assert all(ax.get_ylim()[0] >= 0 for ax in panels.values())
+
+
+@pytest.mark.parametrize(("device", "plan", "compiled"), [
+    ("cpu", RR, False), ("cuda", RR, True), ("cuda:1", {**RR, "ffn": "P/R"}, True), ("cuda", PP, False)])
+def test_round_0_compiles_kernels_only_where_it_did(device, plan, compiled, figures, tmp_path):
+    run = _fake_run(tmp_path / "run", plan, device=device)
+    shown = figures([run], tmp_path / "out")
+    table = (tmp_path / "out" / "metrics-summary.md").read_text()
+    assert ("compiles the Triton kernels" in table) is compiled and "warm-up" in table
+    assert ("compiles" in shown["performance.png"].get_suptitle()) is compiled
+    summary = json.loads((tmp_path / "out" / "metrics-summary.json").read_text())["runs"][0]
+    assert summary["kernels_compiled"] is compiled
+
+
+def test_pngs_are_small(rr_run, pp_run, tmp_path):
+    write_report([str(rr_run.run_dir), str(pp_run.run_dir)], str(tmp_path))
+    sizes = {p.name: p.stat().st_size for p in tmp_path.glob("*.png")}
+    assert len(sizes) == 4 and all(5_000 < s < 100_000 for s in sizes.values()), sizes
