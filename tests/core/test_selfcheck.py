@@ -1,4 +1,6 @@
 import json
+import subprocess
+import sys
 
 import torch.nn.functional as F
 
@@ -29,3 +31,29 @@ def test_selfcheck_fails_when_a_forced_backend_breaks_the_contract(monkeypatch, 
         REGISTRY.unregister("linear", "acme.blas")
     out = capsys.readouterr().out
     assert "FAIL" in out and "acme.blas" in out and "FAILED" in out
+
+
+def test_selfcheck_shows_each_check_on_stderr_as_it_goes(capsys):
+    assert selfcheck.main(["--device", "cpu"]) == 0
+    captured = capsys.readouterr()
+    done = [line for line in captured.err.splitlines() if line.endswith("s)")]
+    total = sum(1 for line in captured.out.splitlines() if line.endswith(("pass", "pass  ", "FAIL")))
+    assert done and len(done) == total, captured.err
+    assert done[0].startswith(f"[1/{total}] linear ") and done[-1].startswith(f"[{total}/{total}] ")
+    assert "op  " not in captured.err  # the table goes to stdout
+
+
+def test_help_answers_without_importing_torch():
+    code = ("import sys\nfrom rlk_core import selfcheck\ntry:\n    selfcheck.main(['--help'])\n"
+            "except SystemExit as e:\n    assert e.code == 0, e.code\n"
+            "print('TORCH' if 'torch' in sys.modules else 'NO TORCH')")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "usage: rlk-selfcheck" in proc.stdout and proc.stdout.strip().endswith("NO TORCH"), proc.stdout
+
+
+def test_a_bad_device_is_refused_before_torch_is_imported():
+    code = ("import sys\nfrom rlk_core import selfcheck\ntry:\n    selfcheck.main(['--device', 'tpu'])\n"
+            "except SystemExit as e:\n    print(e.code, 'torch' in sys.modules)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.stdout.strip() == "2 False" and "allowed cpu, cuda" in proc.stderr, (proc.stdout, proc.stderr)

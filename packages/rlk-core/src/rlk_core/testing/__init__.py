@@ -1,6 +1,7 @@
 """Shared test helpers: invariance checks, bitwise comparison with diff reports, tolerances.
 
-Users can call these on their own hardware; :mod:`rlk_core.selfcheck` runs them for every op.
+Users can call these on their own hardware. :mod:`rlk_core.testing.contracts` assembles them into each
+op's contract suite, which ``rlk-selfcheck``, backend qualification and the tests run.
 """
 
 from rlk_core.testing.compare import (
