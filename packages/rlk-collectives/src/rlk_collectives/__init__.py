@@ -10,14 +10,16 @@ Transport: ``torch.distributed`` (NCCL on GPUs, gloo on CPUs), moving bytes only
 - :func:`all_reduce`, :func:`reduce_scatter`, :func:`all_gather` (tensor and sequence parallelism);
 - :class:`ZigzagLayout`, :func:`cp_all_gather`, :func:`cp_all_gather_kv`, :func:`cp_reduce_scatter`
   (context parallelism in Megatron's zigzag layout);
-- :func:`tree_sum_fp32`: the single-process specification of the reduction.
+- :func:`tree_sum_fp32`, :func:`round_to_dtype`, :func:`reduce_reference`: the single-process
+  specification (``reduce_reference(xs) == round_to_dtype(tree_sum_fp32(xs), dtype)`` is what every
+  rank receives).
 
 Each call reports ``(op, BACKEND_ID, CONTRACT_ID)`` to the active readback scope
 (``rlk_core.readback.note_op_call``). Importing this package has no side effects.
 """
 
 from rlk_collectives._ops import BACKEND_ID, CONTRACT_ID, all_gather, all_reduce, reduce_scatter
-from rlk_collectives._tree import DTYPES, tree_sum_fp32
+from rlk_collectives._tree import CANONICAL_NAN, DTYPES, reduce_reference, round_to_dtype, tree_sum_fp32
 from rlk_collectives.cp import ZigzagLayout, cp_all_gather, cp_all_gather_kv, cp_reduce_scatter
 
 __version__ = "0.1.0"
@@ -28,6 +30,7 @@ AVAILABLE: tuple[str, ...] = ("all_reduce", "reduce_scatter", "all_gather", "cp_
 __all__ = [
     "AVAILABLE",
     "BACKEND_ID",
+    "CANONICAL_NAN",
     "CONTRACT_ID",
     "DTYPES",
     "ZigzagLayout",
@@ -36,6 +39,8 @@ __all__ = [
     "cp_all_gather",
     "cp_all_gather_kv",
     "cp_reduce_scatter",
+    "reduce_reference",
     "reduce_scatter",
+    "round_to_dtype",
     "tree_sum_fp32",
 ]

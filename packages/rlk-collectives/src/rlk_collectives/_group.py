@@ -126,7 +126,8 @@ def check_agreement(op: str, x: torch.Tensor, g: Group, dim: int = 0, digest: in
     """Exchange metadata with every rank of ``g``; raise the same error on every rank on any problem."""
     vec = torch.tensor(encode(op, x, dim, digest), dtype=torch.int64, device=exchange_device(g))
     table = torch.empty(g.size * META_LEN, dtype=torch.int64, device=vec.device)
-    dist.all_gather_into_tensor(table, vec, group=g.pg)
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # torch >= 2.13 / older
+    gather(table, vec, group=g.pg)
     rows = table.view(g.size, META_LEN).tolist()
     found = problems(rows, op, g, reduces, dim_rule)
     if found:

@@ -29,10 +29,16 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8)
 
 
+def _gather_into(out: torch.Tensor, inp: torch.Tensor, g: Group, async_op: bool = False):
+    # torch >= 2.13 names it all_gather_single (all_gather_into_tensor warns there); older torch has only the latter
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return fn(_bytes(out), _bytes(inp), group=g.pg, async_op=async_op)
+
+
 def all_gather_flat(flat: torch.Tensor, g: Group) -> torch.Tensor:
     """``[W * n]``: every rank's flat contiguous ``flat`` in rank order."""
     out = torch.empty(g.size * flat.numel(), dtype=flat.dtype, device=flat.device)
-    dist.all_gather_into_tensor(_bytes(out), _bytes(flat), group=g.pg)
+    _gather_into(out, flat, g)
     return out
 
 
@@ -74,8 +80,7 @@ def _all_reduce_pipelined(flat: torch.Tensor, g: Group) -> torch.Tensor:
     bounds = [n * i // PIPELINE_PIECES for i in range(PIPELINE_PIECES + 1)]
     pieces = [flat[a:b] for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
     bufs = [torch.empty(w * p.numel(), dtype=flat.dtype, device=flat.device) for p in pieces]
-    works = [dist.all_gather_into_tensor(_bytes(b), _bytes(p), group=g.pg, async_op=True)
-             for b, p in zip(bufs, pieces)]
+    works = [_gather_into(b, p, g, async_op=True) for b, p in zip(bufs, pieces)]
     out = torch.empty_like(flat)
     start = 0
     for p, b, work in zip(pieces, bufs, works):

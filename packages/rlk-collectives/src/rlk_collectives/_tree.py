@@ -4,7 +4,9 @@ The tree: contributions ``x_0 .. x_{W-1}`` in rank order are widened to fp32; ea
 neighbours ``(x_0 + x_1), (x_2 + x_3), ...`` in fp32 and carries an odd last term up unchanged, until
 one term is left. So ``W = 4`` is ``(x_0 + x_1) + (x_2 + x_3)`` and ``W = 3`` is ``(x_0 + x_1) + x_2``.
 Every ``W >= 1`` has exactly one such tree. The reduced value is that fp32 sum rounded once to the
-inputs' dtype (round to nearest even; a no-op for fp32 inputs).
+inputs' dtype (:func:`round_to_dtype`: round to nearest even, overflow to inf; a NaN becomes the
+canonical quiet NaN of the dtype, so NaN bits do not depend on which NaN operand a CPU's vector unit
+happened to propagate, nor on the device).
 
 :func:`tree_sum_fp32` is the single-process specification, written plainly. :func:`reduce_rows` is what
 the collectives run on each rank: the same tree over the rows of a ``[W, ...]`` stack, with fewer
@@ -20,6 +22,8 @@ import torch
 from rlk_core.errors import RlkInputError
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+# The NaN every reduction returns: sign +, quiet bit set, payload 0 (bf16 0x7FC0, fp16 0x7E00, fp32 0x7FC00000).
+CANONICAL_NAN = float("nan")
 
 
 def tree_sum_fp32(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -53,19 +57,35 @@ def tree_sum_fp32(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     return level[0].clone() if level[0] is tensors[0] else level[0]
 
 
+def round_to_dtype(s: torch.Tensor, dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The contract's one rounding: fp32 ``s`` to ``dtype`` (nearest even), NaNs made canonical."""
+    r = s.to(dtype, copy=True) if out is None else out.copy_(s)
+    return canonical_nan_(r)
+
+
+def canonical_nan_(r: torch.Tensor) -> torch.Tensor:
+    """Replace every NaN of ``r`` in place by :data:`CANONICAL_NAN`; returns ``r``."""
+    return r.masked_fill_(r.isnan(), CANONICAL_NAN)
+
+
+def reduce_reference(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """What every rank receives: ``round_to_dtype(tree_sum_fp32(tensors), dtype)`` (single process)."""
+    return round_to_dtype(tree_sum_fp32(tensors), tensors[0].dtype)
+
+
 def reduce_rows(stack: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """``tree_sum_fp32(list(stack)).to(stack.dtype)`` for a ``[W, ...]`` stack, in few memory passes;
+    """``reduce_reference(list(stack))`` for a ``[W, ...]`` stack, in few memory passes;
     written into ``out`` (shape ``stack.shape[1:]``, ``stack.dtype``) when given.
 
     ``W = 2`` is one ``torch.add``: PyTorch adds bf16/fp16 tensors in fp32 and rounds the sum once to
     the dtype, which is exactly ``round(fp32(a) + fp32(b))`` (tests check this bitwise against
-    :func:`tree_sum_fp32` on the CPU and the GPU, NaN patterns included). Larger ``W`` widens the even
-    rows and adds the odd rows into them in fp32 (the first level), adds level by level in fp32 and
-    rounds once.
+    :func:`reduce_reference` on the CPU and the GPU). Larger ``W`` widens the even rows and adds the
+    odd rows into them in fp32 (the first level), adds level by level in fp32 and rounds once. NaNs
+    are made canonical last.
     """
     w = stack.shape[0]
     if w == 2:
-        return torch.add(stack[0], stack[1], out=out)
+        return canonical_nan_(torch.add(stack[0], stack[1], out=out))
     if w == 1:
         level = stack.to(torch.float32)
     else:
@@ -79,6 +99,4 @@ def reduce_rows(stack: torch.Tensor, out: torch.Tensor | None = None) -> torch.T
         pairs = n // 2
         nxt = level[0:2 * pairs:2] + level[1:2 * pairs:2]
         level = torch.cat([nxt, level[n - 1:]]) if n % 2 else nxt
-    if out is None:
-        return level[0].to(stack.dtype, copy=True)
-    return out.copy_(level[0])
+    return round_to_dtype(level[0], stack.dtype, out)
