@@ -14,7 +14,7 @@ if [ ! -x "$venv/bin/python" ]; then
   python3 -m venv "$venv"
 fi
 pip=("$venv/bin/python" -m pip install --disable-pip-version-check -q)
-"${pip[@]}" --upgrade "pip>=24" "setuptools>=68" wheel
+"${pip[@]}" --upgrade "pip>=24" "setuptools>=77" wheel
 if [ "$torch_req" != "skip" ]; then
   "${pip[@]}" "$torch_req"
 fi

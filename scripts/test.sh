@@ -11,7 +11,7 @@ bash scripts/dev-install.sh
 
 venv=.venv-validate
 [ -x "$venv/bin/python" ] || python3 -m venv "$venv"
-"$venv/bin/python" -m pip install --disable-pip-version-check -q --upgrade "pip>=24" "setuptools>=68"
+"$venv/bin/python" -m pip install --disable-pip-version-check -q --upgrade "pip>=24" "setuptools>=77"
 "$venv/bin/python" -m pip install --disable-pip-version-check -q -e "packages/rlk-validate[test,plot]"
 if "$venv/bin/python" -c "import torch" 2>/dev/null; then
   echo "rlk: $venv must not contain torch" >&2

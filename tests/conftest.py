@@ -94,13 +94,14 @@ def clean_registry():
     """The backend registry, restored after the test (backends, plug-ins, qualification and probe caches)."""
     from rlk_core.backends import REGISTRY
 
+    REGISTRY.backends("linear")  # the entry-point plug-ins (rlk's qualification suite among them) are loaded
     before = {op: dict(REGISTRY._backends[op]) for op in REGISTRY._backends}
     plugins = {name for name, _ in REGISTRY.plugin_manager.list_name_plugin()}
+    REGISTRY.refresh()
     yield REGISTRY
     for name, _ in REGISTRY.plugin_manager.list_name_plugin():
         if name not in plugins:
             REGISTRY.plugin_manager.unregister(name=name)
     for op, backends in before.items():
         REGISTRY._backends[op] = backends
-    REGISTRY._qualified.clear()
-    REGISTRY._available.clear()
+    REGISTRY.refresh()

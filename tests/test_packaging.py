@@ -56,7 +56,11 @@ def test_dependencies_point_one_way(wheels):
 
     validate = requires("rlk-validate")
     assert not any(r.startswith(("torch", "rlk-")) for r in validate), validate
-    assert not any(r.startswith("rlk-") for r in requires("rlk-core"))
+    # rlk-core writes its evidence through rlk-validate's formats and never asks for torch (a peer dependency)
+    core = requires("rlk-core")
+    assert [r for r in core if r.startswith("rlk-")] == ["rlk-validate==0.1.0"], core
+    for name in PACKAGES:
+        assert not any(r.startswith("torch") for r in requires(name)), (name, requires(name))
     assert any(r.startswith("rlk-core") for r in requires("rlk-collectives"))
     for adapter in ("rlk-vllm-plugin", "rlk-megatron-provider"):
         assert {"rlk-core", "rlk-collectives"} <= {r.split("=")[0].split(">")[0] for r in requires(adapter)}
@@ -67,8 +71,31 @@ def test_entry_points(wheels):
     assert "[vllm.general_plugins]" in _metadata(wheels["rlk-vllm-plugin"])[1]
     assert "rlk-validate" in _metadata(wheels["rlk-validate"])[1]
     assert "rlk-repro" in _metadata(wheels["rlk-repro"])[1]
-    _, _, names = _metadata(wheels["rlk-core"])
-    assert "rlk_core/schemas/readback.v1.json" in names
+    assert "rlk-qualification = rlk_core.qualification" in _metadata(wheels["rlk-core"])[1]
+    _, _, names = _metadata(wheels["rlk-validate"])
+    assert "rlk_validate/schemas/readback.v1.json" in names
+
+
+def test_wheel_metadata_uses_spdx_license(wheels):
+    for name, wheel in wheels.items():
+        meta, _, _ = _metadata(wheel)
+        assert meta["License-Expression"] == "Apache-2.0", name
+
+
+@pytest.mark.slow
+def test_wheels_install_into_an_environment_with_torch_and_leave_it_alone(tmp_path):
+    """scripts/build-wheels.sh, then scripts/check-wheel-install.sh: a fresh venv with a CPU torch gets
+    each adapter from the wheel folder; torch is the same before and after, imports are silent."""
+    env = {**os.environ, "RLK_BUILD_EXT": "0", "PYTHON": sys.executable}
+    build = subprocess.run(["bash", str(ROOT / "scripts" / "build-wheels.sh"), str(tmp_path / "wheels")],
+                           capture_output=True, text=True, env=env, timeout=600)
+    assert build.returncode == 0, build.stderr
+    assert "warning" not in (build.stdout + build.stderr).lower(), build.stdout + build.stderr
+    check = subprocess.run(["bash", str(ROOT / "scripts" / "check-wheel-install.sh"), str(tmp_path / "wheels")],
+                           capture_output=True, text=True, timeout=900)
+    assert check.returncode == 0, check.stdout + check.stderr
+    for pkg in ("rlk-vllm-plugin", "rlk-megatron-provider"):
+        assert f"rlk: {pkg} installed; torch unchanged" in check.stdout
 
 
 def test_adapters_fail_closed_for_r_routes_they_cannot_install(monkeypatch):

@@ -3,6 +3,7 @@ same readback either way."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -105,3 +106,81 @@ def test_helper_ops_use_gpu_kernels_only_where_the_forward_selects_them():
 
     logits, target, temp = torch.randn(2, 16), torch.tensor([1, 3]), torch.ones(2)
     assert kernels_if_selected("token_logprobs", logits.device, ([logits], target, temp)) is None
+
+
+# -- one selection path: every public op, forward and backward, reports to the recorder -------------------------
+def _recorded(rec, module="logp"):
+    return rec.to_dict()["modules"][module]["ops"]
+
+
+def test_logp_backwards_partials_and_merge_report_like_forward_ops():
+    plan = RoutePlan("R/R", "R/R", "R/R")
+    rec = ReadbackRecorder("local", "train", plan)
+    g = torch.Generator().manual_seed(0)
+    t, h, v = 5, 16, 64
+    hidden = torch.randn(t, h, generator=g, requires_grad=True)
+    weight = torch.randn(v, h, generator=g, requires_grad=True)
+    logits = torch.randn(t, v, generator=g, requires_grad=True)
+    target = torch.randint(0, v, (t,), generator=g)
+    with rec.scope("logp"):
+        ops.linear_logprobs(hidden, weight, target, 1.0)[0].sum().backward()
+        ops.token_logprobs(logits, target, 0.7)[0].sum().backward()
+        with torch.no_grad():
+            m, s, zt = ops.logp_partials(logits, target, 0.7, 0, v)
+            ops.merge_logp_partials(m, s, zt, v)
+            ops.linear_logp_partials(hidden, weight, target, 1.0, 0, v)
+    seen = _recorded(rec)
+    for op in ("linear_logprobs", "linear_logprobs_backward", "token_logprobs", "token_logprobs_backward",
+               "logp_partials", "merge_logp_partials", "linear_logp_partials"):
+        assert seen[op]["backend_id"] == "rlk.reference" and seen[op]["contract_id"] == "rlk.logp.v1", op
+        assert seen[op]["call_count"] >= 1 and seen[op]["fallback"] is False, op
+
+
+def test_a_registered_preferred_backend_that_is_unavailable_is_a_fallback_strict_refuses(clean_registry):
+    """What a CUDA machine without Triton looks like: rlk.triton registered, its probe says no."""
+    from rlk_core.backends import Backend
+    from rlk_core.errors import RlkPolicyError
+
+    reference = clean_registry.get("swiglu", "rlk.reference").fn
+    clean_registry.register(Backend("rlk.fast", "swiglu", reference, devices=("cpu",), priority=20, builtin=True,
+                                    available=lambda: (False, "triton is not importable")))
+    plan = RoutePlan("R/R", "R/R", "R/R")
+    strict = ReadbackRecorder("local", "rollout", plan, mode="strict")
+    with strict.scope("ffn"), pytest.raises(RlkPolicyError, match="rlk.fast unavailable: triton is not importable"):
+        ops.swiglu(torch.randn(2, 8))
+    audit = ReadbackRecorder("local", "rollout", plan, mode="audit")
+    with audit.scope("ffn"):
+        ops.swiglu(torch.randn(2, 8))
+    rec = _recorded(audit, "ffn")["swiglu"]
+    assert rec["backend_id"] == "rlk.reference" and rec["fallback"] is True
+    assert "rlk.fast unavailable" in rec["fallback_reason"]
+
+
+def test_selection_reads_the_environment_and_orders_backends_once_per_process(clean_registry, monkeypatch):
+    from rlk_core import backends as B
+
+    reads = []
+    real_get = B.envs.get
+    monkeypatch.setattr(B.envs, "get", lambda name, env=None: reads.append(name) or real_get(name, env))
+    sorts = []
+    real_backends = clean_registry.backends
+    monkeypatch.setattr(clean_registry, "backends", lambda op: sorts.append(op) or real_backends(op))
+    clean_registry.refresh()
+    x = torch.randn(2, 8)
+    for _ in range(5):
+        ops.swiglu(x)
+        ops.rms_norm(x, torch.ones(8))
+    assert reads.count("RLK_BACKENDS") == 1
+    assert sorts.count("swiglu") == 1 and sorts.count("rms_norm") == 1
+
+
+def test_forcing_a_backend_also_forces_its_companions(clean_registry, monkeypatch):
+    from rlk_core.backends import Backend
+
+    for op in ("token_logprobs", "token_logprobs_backward"):
+        ref = clean_registry.get(op, "rlk.reference").fn
+        clean_registry.register(Backend("acme.twin", op, ref, devices=("cpu",), priority=-5, builtin=True))
+    monkeypatch.setenv("RLK_BACKENDS", "token_logprobs=acme.twin")
+    clean_registry.refresh()
+    assert clean_registry.select("token_logprobs_backward", "cpu", (), strict=True).backend.id == "acme.twin"
+    assert clean_registry.select("linear", "cpu", (), strict=True).backend.id == "rlk.reference"

@@ -4,8 +4,20 @@ Built-in backends register themselves when their op module is imported. Other pa
 backends without editing rlk-core through the ``rlk.backends`` entry-point group: the entry point
 names a module (or object) that implements the pluggy hook :func:`RlkBackendSpec.rlk_register_backends`
 and calls ``registry.register(Backend(...))``. A backend that is not built in must pass its
-contract's invariance checks (:mod:`rlk_core.testing.qualify`) on the device before strict mode
-accepts it; ``RLK_BACKENDS=op=backend_id`` forces one backend for A/B tests.
+contract's invariance checks on the device before strict mode accepts it. The registry does not know
+those checks: it asks the ``rlk_qualify_backend`` hook, which rlk-core's own entry point
+``rlk-qualification`` (:mod:`rlk_core.qualification`, running :mod:`rlk_core.testing.qualify`)
+implements. ``RLK_BACKENDS=op=backend_id`` forces one backend for A/B tests (and the op's companions:
+a forced ``token_logprobs`` backend also runs ``token_logprobs_backward`` and the partials).
+
+Selection is cheap per call: the ordered candidates of each (op, device type) and the
+``RLK_BACKENDS`` overrides are computed once per process (:meth:`BackendRegistry.refresh` recomputes
+them); what remains per call is each candidate's ``supports(*args)``.
+
+Strict mode never lets a lower-priority backend stand in silently: where the preferred backend for a
+device (``rlk.triton`` on CUDA) is registered but unavailable — Triton missing, say — running the next
+one is a *fallback*, which an ``R`` side refuses in strict mode and records in audit mode. Otherwise
+one side could run ``rlk.reference`` and the other ``rlk.triton``.
 """
 
 from __future__ import annotations
@@ -18,7 +30,7 @@ from typing import Any
 import pluggy
 
 from rlk_core import envs
-from rlk_core.contracts import OP_CONTRACTS
+from rlk_core.contracts import COMPANION_OF, OP_CONTRACTS
 from rlk_core.errors import RlkBackendError
 
 hookspec = pluggy.HookspecMarker("rlk")
@@ -30,6 +42,10 @@ class RlkBackendSpec:
     @hookspec
     def rlk_register_backends(self, registry: BackendRegistry) -> None:
         """Register :class:`Backend` objects with ``registry.register``."""
+
+    @hookspec(firstresult=True)
+    def rlk_qualify_backend(self, backend: Backend, device_type: str) -> tuple[bool, str] | None:
+        """Run ``backend.op``'s contract checks with ``backend.fn`` on ``device_type``: ``(ok, reason)``."""
 
 
 def _always(*args: Any) -> tuple[bool, str]:
@@ -73,6 +89,8 @@ class BackendRegistry:
         self._backends: dict[str, dict[str, Backend]] = {op: {} for op in OP_CONTRACTS}
         self._available: dict[tuple[str, str], tuple[bool, str]] = {}
         self._qualified: dict[tuple[str, str, str], tuple[bool, str]] = {}
+        self._candidates: dict[tuple[str, str], tuple[list[Backend], str | None]] = {}
+        self._forced: dict[str, str] | None = None
         self._plugins_loaded = False
         self._lock = threading.Lock()
         self.plugin_manager = pluggy.PluginManager("rlk")
@@ -84,11 +102,20 @@ class BackendRegistry:
         if existing is not None and not replace:
             raise RlkBackendError(f"backend {backend.id!r} is already registered for op {backend.op!r}")
         self._backends[backend.op][backend.id] = backend
+        self._candidates.clear()
         return backend
 
     def unregister(self, op: str, backend_id: str) -> None:
         self._backends[op].pop(backend_id, None)
         self._qualified = {k: v for k, v in self._qualified.items() if k[1] != backend_id}
+        self._candidates.clear()
+
+    def refresh(self) -> None:
+        """Forget what was computed once per process: candidates, probes, qualifications, ``RLK_BACKENDS``."""
+        self._candidates.clear()
+        self._available.clear()
+        self._qualified.clear()
+        self._forced = None
 
     def load_plugins(self, force: bool = False) -> list[str]:
         """Load entry-point plug-ins once; returns the names of plug-ins loaded by this call."""
@@ -100,13 +127,20 @@ class BackendRegistry:
         self.plugin_manager.load_setuptools_entrypoints(ENTRY_POINT_GROUP)
         new = [n for n, _ in self.plugin_manager.list_name_plugin() if n not in before]
         for name in new:
-            self.plugin_manager.get_plugin(name).rlk_register_backends(registry=self)
+            self._register_from(self.plugin_manager.get_plugin(name))
+        self._candidates.clear()
         return new
 
     def add_plugin(self, plugin: object, name: str | None = None) -> None:
         """Register an in-process plug-in object (tests, notebooks) and run its hook."""
+        self._ensure_plugins()
         self.plugin_manager.register(plugin, name=name)
-        plugin.rlk_register_backends(registry=self)  # type: ignore[attr-defined]
+        self._register_from(plugin)
+
+    def _register_from(self, plugin: object) -> None:
+        register = getattr(plugin, "rlk_register_backends", None)
+        if register is not None:  # a plug-in may only implement rlk_qualify_backend
+            register(registry=self)
 
     # -- queries ----------------------------------------------------------------------------------
     def backends(self, op: str) -> list[Backend]:
@@ -135,14 +169,34 @@ class BackendRegistry:
         return self._available[key]
 
     def candidates(self, op: str, device_type: str) -> list[Backend]:
-        forced = envs.get("RLK_BACKENDS").get(op)
+        return list(self._ordered(op, device_type)[0])
+
+    def _ordered(self, op: str, device_type: str) -> tuple[list[Backend], str | None]:
+        """The available backends of ``op`` on ``device_type`` in preference order, and why the preferred
+        one is missing from them (None when it is there or forced away) — computed once per process."""
+        key = (op, device_type)
+        hit = self._candidates.get(key)
+        if hit is not None:
+            return hit
+        if self._forced is None:
+            self._forced = envs.get("RLK_BACKENDS")
+        forced = self._forced.get(op) or self._forced.get(COMPANION_OF.get(op, ""))
         if forced is not None:
             backend = self.get(op, forced)
             ok, why = self.is_available(backend, device_type)
             if not ok:
                 raise RlkBackendError(f"RLK_BACKENDS forces {forced!r} for {op!r} but it is unavailable: {why}")
-            return [backend]
-        return [b for b in self.backends(op) if self.is_available(b, device_type)[0]]
+            hit = ([backend], None)
+        else:
+            registered = [b for b in self.backends(op) if device_type in b.devices]
+            available = [b for b in registered if self.is_available(b, device_type)[0]]
+            missing = None
+            if registered and available and available[0] is not registered[0]:
+                first = registered[0]
+                missing = f"{first.id} unavailable: {self.is_available(first, device_type)[1]}"
+            hit = (available, missing)
+        self._candidates[key] = hit
+        return hit
 
     # -- qualification (third-party backends) -----------------------------------------------------
     def qualify(self, backend: Backend, device_type: str) -> tuple[bool, str]:
@@ -150,14 +204,17 @@ class BackendRegistry:
         if backend.builtin:
             return True, "built-in (checked by rlk's own test suite)"
         if key not in self._qualified:
-            from rlk_core.testing.qualify import qualify_backend
-
-            self._qualified[key] = qualify_backend(backend, device_type)
+            self._ensure_plugins()
+            result = self.plugin_manager.hook.rlk_qualify_backend(backend=backend, device_type=device_type)
+            self._qualified[key] = result if result is not None else (
+                False, "no qualification suite is loaded (rlk-core's 'rlk-qualification' entry point; "
+                "RLK_LOAD_PLUGINS=0 turns it off with the plug-ins)")
         return self._qualified[key]
 
     def select(self, op: str, device_type: str, args: Sequence[Any], strict: bool) -> Selection:
-        reasons: list[str] = []
-        for backend in self.candidates(op, device_type):
+        candidates, missing = self._ordered(op, device_type)
+        reasons: list[str] = [missing] if missing else []
+        for backend in candidates:
             ok, why = backend.supports(*args)
             if ok:
                 qualified, qwhy = self.qualify(backend, device_type)

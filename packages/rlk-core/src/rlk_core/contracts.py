@@ -10,43 +10,7 @@ both ids and ``rlk-validate`` requires an R/R module to run the same backends on
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-
-@dataclass(frozen=True)
-class Contract:
-    id: str
-    module: str  # attention | ffn | logp (the route module whose R side runs it)
-    depends_on: str
-    invariances: tuple[str, ...]
-
-
-CONTRACTS: dict[str, Contract] = {
-    c.id: c
-    for c in (
-        Contract("rlk.gemm.bi.v1", "ffn",
-                 "that row of x and W (and bias): one K reduction order for every M, one rounding",
-                 ("batch", "run_to_run")),
-        Contract("rlk.rms_norm.v1", "ffn",
-                 "that row and the weight: fixed-order fp32 sum of squares, one rounding",
-                 ("batch", "run_to_run")),
-        Contract("rlk.swiglu.v1", "ffn", "that element: silu(gate) * up in fp32, one rounding",
-                 ("batch", "run_to_run")),
-        Contract("rlk.rope.v1", "attention",
-                 "that element and its absolute position: fp32 cos/sin tables built from rope_theta",
-                 ("batch", "offset", "run_to_run")),
-        Contract("rlk.attention.v1", "attention",
-                 "q of that token and K/V of positions 0..t of its own sequence: KV in fixed blocks "
-                 "anchored at position 0, increasing order, online softmax in fp32",
-                 ("batch", "prefill_chunked_decode", "page_size", "run_to_run")),
-        Contract("rlk.logp.v1", "logp",
-                 "that token's logits (or hidden state and LM-head weight), the temperature and the "
-                 "target id: fp32 log-sum-exp over fixed vocab blocks merged in a fixed tree",
-                 ("batch", "vocab_shards", "fused_equals_unfused", "run_to_run")),
-    )
-}
-
-# op name (as in rlk_core.ops and torch.ops.rlk) -> contract id
+# op name (as in rlk_core.ops and torch.ops.rlk, and the registry's ops) -> contract id
 OP_CONTRACTS: dict[str, str] = {
     "linear": "rlk.gemm.bi.v1",
     "rms_norm": "rlk.rms_norm.v1",
@@ -58,12 +22,21 @@ OP_CONTRACTS: dict[str, str] = {
     "attention_decode": "rlk.attention.v1",
     "kv_cache_write": "rlk.attention.v1",
     "token_logprobs": "rlk.logp.v1",
+    "token_logprobs_backward": "rlk.logp.v1",
+    "logp_partials": "rlk.logp.v1",
+    "merge_logp_partials": "rlk.logp.v1",
     "linear_logprobs": "rlk.logp.v1",
+    "linear_logprobs_backward": "rlk.logp.v1",
+    "linear_logp_partials": "rlk.logp.v1",
 }
 
-
-def contract_of(op: str) -> Contract:
-    try:
-        return CONTRACTS[OP_CONTRACTS[op]]
-    except KeyError:
-        raise KeyError(f"op {op!r} has no contract; known ops: {', '.join(OP_CONTRACTS)}") from None
+# ops that belong to another op's arithmetic (its backward, its vocab-parallel halves): a backend forced
+# for the main op with RLK_BACKENDS runs them too, so the pieces of one computation never mix backends
+COMPANION_OF: dict[str, str] = {
+    "attention_varlen_backward": "attention_varlen",
+    "token_logprobs_backward": "token_logprobs",
+    "logp_partials": "token_logprobs",
+    "merge_logp_partials": "token_logprobs",
+    "linear_logprobs_backward": "linear_logprobs",
+    "linear_logp_partials": "linear_logprobs",
+}

@@ -16,9 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rlk_core.errors import RlkConfigError
-
-CASES = ("P/P", "P/R", "R/P", "R/R")
-MODES = ("strict", "audit")
+from rlk_validate.evidence import CASES, MODES
 
 
 @dataclass(frozen=True)

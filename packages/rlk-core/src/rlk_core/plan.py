@@ -12,9 +12,8 @@ from dataclasses import dataclass
 
 from rlk_core import envs
 from rlk_core.errors import RlkConfigError
+from rlk_validate.evidence import MODULES, SIDES
 
-MODULES = ("attention", "ffn", "logp")
-SIDES = ("train", "rollout")
 CASES = envs.CASES
 parse_case = envs.parse_case
 CASE_VARS = {

@@ -4,8 +4,10 @@ A :class:`ReadbackRecorder` belongs to one (framework, target, process). Code th
 opens a scope (``with recorder.scope("ffn"):``); every rlk op called inside reports its backend to
 that scope, and production code reports itself with :meth:`ReadbackRecorder.production`. Counting is
 an in-memory dict update — nothing touches the filesystem per call. :meth:`ReadbackRecorder.flush`
-writes ``rlk.readback.v1`` JSON atomically (temp file + ``os.replace``) as
-``<framework>-<target>-<pid>.json``. The route line is logged once per (module, op, backend).
+writes ``rlk.readback.v1`` JSON atomically through the evidence formats' one writer
+(:func:`rlk_validate.evidence.write_json_atomic`) as ``<framework>-<target>-<pid>.json``; the schema id,
+vocabularies and file name come from :mod:`rlk_validate.evidence`, which the validator checks against.
+The route line is logged once per (module, op, backend).
 
 Policy: on an ``R`` side any fallback raises :class:`~rlk_core.errors.RlkPolicyError` in strict mode
 and is recorded in audit mode; an rlk backend reported on a ``P`` side is an error in strict mode.
@@ -14,11 +16,9 @@ and is recorded in audit mode; an rlk backend reported on a ``P`` side is an err
 from __future__ import annotations
 
 import contextvars
-import json
 import logging
 import os
 import socket
-import tempfile
 import threading
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -29,10 +29,10 @@ from typing import Any
 from rlk_core import envs
 from rlk_core.errors import RlkConfigError, RlkPolicyError
 from rlk_core.plan import MODULES, SIDES, RoutePlan
+from rlk_validate import evidence
+from rlk_validate.evidence import FRAMEWORKS, TARGETS
 
-SCHEMA = "rlk.readback.v1"
-FRAMEWORKS = ("megatron", "vllm", "local")
-TARGETS = {"train": "training", "rollout": "rollout"}
+SCHEMA = evidence.READBACK_SCHEMA
 log = logging.getLogger("rlk")
 
 
@@ -215,7 +215,7 @@ class ReadbackRecorder:
 
     @property
     def filename(self) -> str:
-        return f"{self.framework}-{self.target}-{self.pid}.json"
+        return evidence.readback_name(self.framework, self.target, self.pid)
 
     def flush(self, directory: str | os.PathLike[str] | None = None) -> Path | None:
         """Write the readback atomically; returns its path (None when no directory is configured)."""
@@ -224,18 +224,7 @@ class ReadbackRecorder:
             return None
         target_dir.mkdir(parents=True, exist_ok=True)
         path = target_dir / self.filename
-        data = json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n"
-        fd, tmp = tempfile.mkstemp(prefix=f".{self.filename}.", suffix=".tmp", dir=target_dir)
-        try:
-            with os.fdopen(fd, "w", encoding="utf-8") as fh:
-                fh.write(data)
-                fh.flush()
-                os.fsync(fh.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-            raise
+        evidence.write_json_atomic(path, self.to_dict(), sort_keys=True)
         return path
 
 
@@ -261,5 +250,5 @@ def strict_now() -> bool:
 
 
 def schema() -> dict[str, Any]:
-    """The JSON Schema of ``rlk.readback.v1`` (shipped as ``rlk_core/schemas/readback.v1.json``)."""
-    return json.loads((Path(__file__).parent / "schemas" / "readback.v1.json").read_text(encoding="utf-8"))
+    """The JSON Schema of ``rlk.readback.v1`` (:func:`rlk_validate.evidence.readback_json_schema`)."""
+    return evidence.readback_json_schema()

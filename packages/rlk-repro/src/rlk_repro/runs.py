@@ -15,7 +15,6 @@ import platform
 import secrets
 import subprocess
 import sys
-import tempfile
 from datetime import datetime, timezone
 from importlib import metadata
 from pathlib import Path
@@ -25,11 +24,9 @@ import torch
 from safetensors.torch import save_file
 
 from rlk_core.errors import RlkConfigError
+from rlk_validate import evidence
+from rlk_validate.evidence import BITWISE_SCHEMA, TRAIN_DATA_SCHEMA
 
-MANIFEST_SCHEMA = "rlk.manifest.v1"
-METRICS_SCHEMA = "rlk.metrics.v1"
-BITWISE_SCHEMA = "rlk.bitwise-validation.v1"
-TRAIN_DATA_SCHEMA = "rlk.train-data.v1"
 PACKAGES = ("torch", "numpy", "safetensors", "rlk-core", "rlk-repro", "rlk-validate")
 # Exit statuses of rlk-repro; a run directory's exit-code file holds the one its process exits with.
 EXIT_OK, EXIT_MISMATCH, EXIT_USAGE, EXIT_FAILED, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
@@ -68,23 +65,14 @@ def create_run_dir(output: str | os.PathLike[str], name: str | None = None) -> t
             if name is not None:
                 raise RlkConfigError(f"{path} already exists; a run never writes into an existing directory") from None
             continue
-        for sub in ("readbacks", "train-data", "report"):
+        for sub in (evidence.READBACKS_DIR, evidence.TRAIN_DATA_DIR, evidence.REPORT_DIR):
             (path / sub).mkdir()
         return run_id, path
     raise RlkConfigError(f"could not create a new run directory under {root}")
 
 
 def write_json_atomic(path: Path, doc: Any) -> None:
-    data = json.dumps(doc, indent=2, sort_keys=False, allow_nan=False) + "\n"
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            fh.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    evidence.write_json_atomic(path, doc)
 
 
 def append_jsonl(path: Path, doc: dict[str, Any]) -> None:
@@ -115,7 +103,7 @@ class _NoTracebackFormatter(logging.Formatter):
 
 
 def write_exit_code(run_dir: Path, code: int) -> None:
-    (run_dir / "exit-code").write_text(f"{int(code)}\n", encoding="utf-8")
+    evidence.write_bytes_atomic(run_dir / evidence.EXIT_CODE, f"{int(code)}\n".encode())
 
 
 # -- manifest ----------------------------------------------------------------------------------
@@ -195,7 +183,7 @@ def write_train_data(run_dir: Path, rnd: int, rank: int, prompts: list[list[int]
         mask[i, lp : lp + n] = True
         rl[i, lp : lp + n] = rollout_logps[i].cpu()
         tl[i, lp : lp + n] = train_logps[i].cpu()
-    path = run_dir / "train-data" / f"round-{rnd:04d}.rank{rank}.safetensors"
+    path = run_dir / evidence.TRAIN_DATA_DIR / evidence.train_data_name(rnd, rank)
     tmp = path.with_name(f".{path.name}.tmp")
     tensors = {"token_ids": ids, "response_mask": mask, "rollout_logprobs": rl, "train_logprobs": tl,
                "rewards": torch.tensor(rewards, dtype=torch.float32),

@@ -90,3 +90,15 @@ def call(name: str, *args: Any) -> Any:
     if packet is None:
         packet = _PACKETS[name] = getattr(torch.ops.rlk, name)
     return packet(*args)
+
+
+def companion(make_backend: Callable[..., Any], op: str, fn: str, forward_args: Callable[..., tuple]) -> Any:
+    """The backend of a companion op (a backward, a vocab-parallel half) from the forward's kernel module:
+    ``make_backend(op, module=<forward's module>, fn=fn)``, accepting exactly what the forward's backend
+    accepts — ``forward_args(*args)`` maps the companion's arguments to the forward's for ``supports``."""
+    from rlk_core.contracts import COMPANION_OF
+
+    backend = make_backend(op, module=f"rlk_core.ops.{COMPANION_OF[op]}.triton", fn=fn)
+    forward_supports = backend.supports
+    backend.supports = lambda *args: forward_supports(*forward_args(*args))
+    return backend

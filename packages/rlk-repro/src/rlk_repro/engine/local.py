@@ -27,6 +27,7 @@ from rlk_repro.engine.trainer import Sample, Trainer, group_advantages
 from rlk_repro.model.config import PRESETS, Qwen3Config
 from rlk_repro.model.ops import Ops
 from rlk_repro.model.weights import load_checkpoint, random_weights, weights_sha256
+from rlk_validate import evidence
 
 log = logging.getLogger("rlk_repro")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -214,7 +215,7 @@ def _manifest(cfg: LocalRunConfig, run_id: str, ses: _Session, device: torch.dev
     plan = cfg.plan
     sources = {m: cfg.plan_sources.get(m, "config") for m in plan.as_dict()}
     return {
-        "schema": runs.MANIFEST_SCHEMA, "run_id": run_id, "created_at": runs.utc_now(), "engine": "local",
+        "schema": evidence.MANIFEST_SCHEMA, "run_id": run_id, "created_at": runs.utc_now(), "engine": "local",
         "mode": cfg.mode, "command": [str(c) for c in cfg.command], "plan": plan.as_dict(),
         "plan_sources": sources, "readback_mode": {"mode": cfg.readback_mode, "source": cfg.readback_mode_source},
         "rounds": cfg.rounds, "ranks": 1, "repos": [runs.repo_state(Path(__file__).resolve().parent)],
@@ -269,7 +270,7 @@ def _round(cfg: LocalRunConfig, ses: _Session, run_dir: Path, rnd: int) -> dict[
     changed = ses.engine.load_weights(ses.trainer.export_weights())
     device = ses.trainer.device
     row = {
-        "schema": runs.METRICS_SCHEMA, "round": rnd, "compared_tokens": cmp["element_count"],
+        "schema": evidence.METRICS_SCHEMA, "round": rnd, "compared_tokens": cmp["element_count"],
         "mismatch_count": cmp["mismatch_count"], "max_abs_diff": cmp["max_abs_diff"],
         "mean_abs_diff": cmp["mean_abs_diff"], "reward_mean": sum(rewards) / len(rewards),
         "reward_std": float(torch.tensor(rewards, dtype=torch.float64).std(unbiased=False)),

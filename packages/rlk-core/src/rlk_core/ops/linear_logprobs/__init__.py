@@ -14,15 +14,14 @@ import torch
 from rlk_core.backends import REGISTRY, Backend
 from rlk_core.ops import _checks as C
 from rlk_core.ops import _logp_tree as L
-from rlk_core.ops._dispatch import call, custom_op, run
-from rlk_core.ops._triton_common import kernels_if_selected, triton_backend
+from rlk_core.ops._dispatch import call, companion, custom_op, run
+from rlk_core.ops._triton_common import triton_backend
 from rlk_core.ops.linear_logprobs.reference import (
     linear_logp_partials_reference,
     linear_logprobs_backward_reference,
     linear_logprobs_reference,
 )
 
-CONTRACT_ID = "rlk.logp.v1"
 OP = "linear_logprobs"
 
 
@@ -68,11 +67,8 @@ def _(hidden, weight, target, temperature):
 def _linear_logprobs_backward_op(hidden: torch.Tensor, weight: list[torch.Tensor], target: torch.Tensor,
                                  temperature: torch.Tensor, lse: torch.Tensor, grad_logp: torch.Tensor,
                                  grad_lse: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    kernels = kernels_if_selected(OP, hidden.device, (hidden, list(weight), target, temperature))
-    if kernels is not None:
-        return kernels.backward(hidden, list(weight), target, temperature, lse, grad_logp, grad_lse)
-    return linear_logprobs_backward_reference(hidden, list(weight), target, temperature, lse, grad_logp,
-                                              grad_lse)
+    return run("linear_logprobs_backward", hidden.device, hidden, list(weight), target, temperature, lse,
+               grad_logp, grad_lse)
 
 
 @_linear_logprobs_backward_op.register_fake
@@ -149,10 +145,8 @@ def _linear_logp_partials_op(hidden: torch.Tensor, weight: torch.Tensor, target:
                              temperature: torch.Tensor, vocab_start: int, vocab_size: int
                              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     _check_partials(hidden, weight, target, temperature, vocab_start, vocab_size)
-    kernels = kernels_if_selected(OP, hidden.device, (hidden, [weight], target, temperature))
-    if kernels is not None:
-        return kernels.linear_logp_partials(hidden, weight, target, temperature, vocab_start, vocab_size)
-    return linear_logp_partials_reference(hidden, weight, target, temperature, vocab_start, vocab_size)
+    return run("linear_logp_partials", hidden.device, hidden, weight, target, temperature, vocab_start,
+               vocab_size)
 
 
 @_linear_logp_partials_op.register_fake
@@ -179,6 +173,14 @@ def linear_logp_partials(hidden: torch.Tensor, weight_shard: torch.Tensor, targe
                                               int(vocab_size))
 
 
-REGISTRY.register(Backend("rlk.reference", OP, linear_logprobs_reference, devices=("cpu", "cuda"),
-                          builtin=True))
-REGISTRY.register(triton_backend(OP))  # imports no Triton until used on CUDA
+REGISTRY.register(Backend("rlk.reference", OP, linear_logprobs_reference, devices=("cpu", "cuda"), builtin=True))
+REGISTRY.register(Backend("rlk.reference", "linear_logprobs_backward", linear_logprobs_backward_reference,
+                          devices=("cpu", "cuda"), builtin=True))
+REGISTRY.register(Backend("rlk.reference", "linear_logp_partials", linear_logp_partials_reference,
+                          devices=("cpu", "cuda"), builtin=True))
+# imports no Triton until used on CUDA
+REGISTRY.register(triton_backend(OP))
+REGISTRY.register(companion(triton_backend, "linear_logprobs_backward", "backward",
+                            lambda h, ws, t, temp, *_: (h, ws, t, temp)))
+REGISTRY.register(companion(triton_backend, "linear_logp_partials", "linear_logp_partials",
+                            lambda h, w, t, temp, *_: (h, [w], t, temp)))

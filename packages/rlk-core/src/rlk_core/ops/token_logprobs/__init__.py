@@ -13,8 +13,8 @@ import torch
 from rlk_core.backends import REGISTRY, Backend
 from rlk_core.ops import _checks as C
 from rlk_core.ops import _logp_tree as L
-from rlk_core.ops._dispatch import call, custom_op, run
-from rlk_core.ops._triton_common import kernels_if_selected, triton_backend
+from rlk_core.ops._dispatch import call, companion, custom_op, run
+from rlk_core.ops._triton_common import triton_backend
 from rlk_core.ops.token_logprobs.reference import (
     logp_partials_reference,
     merge_logp_partials_reference,
@@ -22,7 +22,6 @@ from rlk_core.ops.token_logprobs.reference import (
     token_logprobs_reference,
 )
 
-CONTRACT_ID = "rlk.logp.v1"
 OP = "token_logprobs"
 
 
@@ -64,10 +63,8 @@ def _(logits, target, temperature):
 def _token_logprobs_backward_op(logits: list[torch.Tensor], target: torch.Tensor, temperature: torch.Tensor,
                                 lse: torch.Tensor, grad_logp: torch.Tensor, grad_lse: torch.Tensor
                                 ) -> list[torch.Tensor]:
-    kernels = kernels_if_selected(OP, logits[0].device, (list(logits), target, temperature))
-    if kernels is not None:
-        return kernels.backward(list(logits), target, temperature, lse, grad_logp, grad_lse)
-    return token_logprobs_backward_reference(list(logits), target, temperature, lse, grad_logp, grad_lse)
+    return run("token_logprobs_backward", logits[0].device, list(logits), target, temperature, lse, grad_logp,
+               grad_lse)
 
 
 @_token_logprobs_backward_op.register_fake
@@ -133,11 +130,8 @@ def token_logprobs(logits: torch.Tensor | Sequence[torch.Tensor], target: torch.
 def _logp_partials_op(logits_shard: torch.Tensor, target: torch.Tensor, temperature: torch.Tensor,
                       vocab_start: int, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     _check_partials(logits_shard, target, temperature, vocab_start, vocab_size)
-    kernels = kernels_if_selected(OP, logits_shard.device, ([logits_shard], target, temperature))
-    if kernels is not None:
-        return kernels.logp_partials(logits_shard, target.contiguous(), temperature.contiguous(), vocab_start,
-                                     vocab_size)
-    return logp_partials_reference(logits_shard, target, temperature, vocab_start, vocab_size)
+    return run("logp_partials", logits_shard.device, logits_shard, target.contiguous(), temperature.contiguous(),
+               vocab_start, vocab_size)
 
 
 def _check_partials(x, target, temperature, vocab_start, vocab_size) -> tuple[int, int]:
@@ -204,7 +198,7 @@ def _check_merge(m, s, z_target, vocab_size) -> None:
 def _merge_op(m: torch.Tensor, s: torch.Tensor, z_target: torch.Tensor, vocab_size: int
               ) -> tuple[torch.Tensor, torch.Tensor]:
     _check_merge(m, s, z_target, vocab_size)
-    return merge_logp_partials_reference(m, s, z_target, vocab_size)
+    return run("merge_logp_partials", m.device, m, s, z_target, vocab_size)
 
 
 @_merge_op.register_fake
@@ -233,6 +227,17 @@ def merge_logp_partials(m: torch.Tensor, s: torch.Tensor, z_target: torch.Tensor
     return torch.ops.rlk.merge_logp_partials(m, s, z_target, int(vocab_size))
 
 
-REGISTRY.register(Backend("rlk.reference", OP, token_logprobs_reference, devices=("cpu", "cuda"),
+REGISTRY.register(Backend("rlk.reference", OP, token_logprobs_reference, devices=("cpu", "cuda"), builtin=True))
+REGISTRY.register(Backend("rlk.reference", "token_logprobs_backward", token_logprobs_backward_reference,
+                          devices=("cpu", "cuda"), builtin=True))
+REGISTRY.register(Backend("rlk.reference", "logp_partials", logp_partials_reference, devices=("cpu", "cuda"),
                           builtin=True))
-REGISTRY.register(triton_backend(OP))  # imports no Triton until used on CUDA
+REGISTRY.register(Backend("rlk.reference", "merge_logp_partials", merge_logp_partials_reference,
+                          devices=("cpu", "cuda"), builtin=True))
+# imports no Triton until used on CUDA
+REGISTRY.register(triton_backend(OP))
+REGISTRY.register(companion(triton_backend, "token_logprobs_backward", "backward",
+                            lambda shards, t, temp, *_: (shards, t, temp)))
+REGISTRY.register(companion(triton_backend, "logp_partials", "logp_partials", lambda x, t, temp, *_: ([x], t, temp)))
+REGISTRY.register(companion(triton_backend, "merge_logp_partials", "merge_logp_partials",
+                            lambda m, *_: ([m], None, None)))
