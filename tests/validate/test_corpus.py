@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from validate_builders import build_run, mutate_json, read_json, tree_state, write_json
+from validate_builders import mutate_json, read_json, write_json
 from validate_mutations import (
     PR_ATTN,
     Case,
@@ -22,6 +22,7 @@ from validate_mutations import (
     _metrics_drop,
     _metrics_lie,
     _metrics_line,
+    _module_and_ops,
     _nested_fallback,
     _plan_mismatch,
     _poke,
@@ -35,12 +36,10 @@ from validate_mutations import (
     _truncate,
     _ulp_flip,
     _write,
+    run_case,
 )
 
 from rlk_validate.tensors import torch_importable
-
-EXIT = {"passed": 0, "failed": 1, "incomplete": 2, "unusable": 3}
-
 
 C = Case
 CASES = [
@@ -192,7 +191,7 @@ CASES = [
     ),
     C(
         "backend-diverges",
-        _set(_rb, lambda d: d["modules"]["ffn"]["ops"]["ffn.main"].update(backend_id="rlk.triton")),
+        _set(_rb, _module_and_ops("ffn", backend_id="rlk.triton")),
         "failed",
         "BACKEND_DIVERGES",
         "'ffn.main' ran ['rlk.triton'] on the train side",
@@ -206,7 +205,7 @@ CASES = [
     ),
     C(
         "p-side-claims-rlk-backend",
-        _set(_rb, lambda d: d["modules"]["attention"].update(backend_id="rlk.triton")),
+        _set(_rb, _module_and_ops("attention", backend_id="rlk.triton")),
         "failed",
         "P_REPORTS_RLK",
         "rlk.triton",
@@ -233,10 +232,7 @@ CASES = [
     ),
     C(
         "r-side-production",
-        _set(
-            _rb,
-            lambda d: d["modules"]["ffn"].update(implementation="production", backend_id="production.torch"),
-        ),
+        _set(_rb, _module_and_ops("ffn", implementation="production", backend_id="production.torch")),
         "failed",
         "R_NOT_RLK",
         "production",
@@ -250,7 +246,7 @@ CASES = [
     ),
     C(
         "module-never-called",
-        _set(_rb, lambda d: d["modules"]["logp"].update(call_count=0)),
+        _set(_rb, _module_and_ops("logp", call_count=0)),
         "failed",
         "MODULE_NOT_EXECUTED",
         "logp",
@@ -458,21 +454,7 @@ def test_corpus_is_large_enough():
 
 @pytest.mark.parametrize("case", [pytest.param(c, id=c.id, marks=c.marks) for c in CASES])
 def test_broken_run(case: Case, tmp_path: Path, cli) -> None:
-    run = build_run(tmp_path / "run", case.plan)
-    case.mutate(run, tmp_path)
-    before = tree_state(run)
-    res = cli(run, *case.args)
-    after = tree_state(run)
-    assert before == after, "the validator changed the input tree"
-    assert "Traceback" not in res.out + res.err
-    assert res.doc is not None, res.err
-    assert res.doc["verdict"] == case.verdict, res.out
-    assert res.code == EXIT[case.verdict]
-    hits = res.findings(case.code)
-    assert hits, f"expected {case.code}; got {res.codes}\n{res.out}"
-    assert any(case.needle in f["message"] for f in hits), [f["message"] for f in hits]
-    assert case.code in res.out  # the human summary names the problem too
-    assert res.doc["schema"] == "rlk.run-validation.v1"
+    run_case(case, tmp_path, cli)
 
 
 def test_unreadable_file_in_process(good_run: Path, cli, monkeypatch) -> None:

@@ -40,7 +40,7 @@ def _only_reports_written(before: dict, after: dict) -> None:
 
 def test_full_matrix_passes(matrix: Path, cli) -> None:
     before = tree_state(matrix)
-    res = cli("matrix", matrix)
+    res = cli("matrix", matrix, "--write")
     _only_reports_written(before, tree_state(matrix))
     assert res.code == 0, res.out
     doc = json.loads((matrix / "matrix-report.json").read_text())
@@ -64,7 +64,7 @@ def test_control_with_mismatch_fails(matrix: Path, cli) -> None:
     s, q = np.nonzero(t["response_mask"])
     t["train_logprobs"][s[0], q[0]] = np.nextafter(t["train_logprobs"][s[0], q[0]], np.float32(0), dtype=np.float32)
     write_round(p, t, 1, 0)
-    res = cli("matrix", matrix)
+    res = cli("matrix", matrix, "--write")
     assert res.code == 1
     [f] = res.findings("MATRIX_CELL_FAILED")
     assert f["path"] == "control-RR" and "BITWISE_MISMATCH" in f["details"]["codes"]

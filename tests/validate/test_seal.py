@@ -59,7 +59,8 @@ def test_seal_never_overwrites_complete(good_run: Path, cli) -> None:
     before = tree_state(good_run)
     res = cli(good_run, "--seal")
     assert tree_state(good_run) == before
-    assert res.code == 0 and res.findings("SEAL_EXISTS")
+    # a hand-written seal is not a seal: reported, and still never overwritten
+    assert res.code == 1 and res.findings("SEAL_EXISTS") and res.findings("SEAL_INVALID")
     assert "Traceback" not in res.out + res.err
     # also when the run fails: COMPLETE stays, the problem is reported
     (good_run / "run.log").write_text("Traceback (most recent call last):\n")

@@ -110,7 +110,9 @@ def readback(
     }
 
 
-def make_round(rng: np.random.Generator, samples: int, positions: int, drift: float) -> dict[str, np.ndarray]:
+def make_round(
+    rng: np.random.Generator, samples: int, positions: int, drift: float, rewards: bool = True
+) -> dict[str, np.ndarray]:
     token_ids = rng.integers(0, 32000, size=(samples, positions), dtype=np.int64)
     mask = np.zeros((samples, positions), dtype=bool)
     prompt = positions // 3
@@ -125,12 +127,17 @@ def make_round(rng: np.random.Generator, samples: int, positions: int, drift: fl
         train = np.where(hit, np.minimum(train + noise, np.float32(0.0)), train).astype(np.float32)
     rollout[~mask] = 0.0
     train[~mask] = 0.0
-    return {
+    out = {
         "token_ids": token_ids,
         "response_mask": mask.astype(np.uint8),
         "rollout_logprobs": rollout,
         "train_logprobs": train,
     }
+    if rewards:
+        r = rng.integers(0, 3, size=samples).astype(np.float32) / np.float32(2)
+        out["rewards"] = r
+        out["advantages"] = (r - r.mean()).astype(np.float32)
+    return out
 
 
 def write_round(
@@ -169,6 +176,12 @@ def stats_of(tensors_list: list[dict[str, np.ndarray]]) -> dict[str, Any]:
     }
 
 
+def reward_mean(tensors_list: list[dict[str, np.ndarray]]) -> float:
+    """What a producer writes as reward_mean: the mean of the round's rewards (0.5 when it records none)."""
+    rs = [float(x) for t in tensors_list if "rewards" in t for x in t["rewards"]]
+    return sum(rs) / len(rs) if rs else 0.5
+
+
 def build_run(
     path: Path,
     plan: dict[str, str] | None = None,
@@ -182,6 +195,7 @@ def build_run(
     drift: float | None = None,
     seed: int = 0,
     run_id: str | None = None,
+    rewards: bool = True,
 ) -> Path:
     """A complete, valid run directory; drift defaults to 0 for all-R/R plans and 1e-3 otherwise."""
     plan = dict(plan or RR)
@@ -229,7 +243,7 @@ def build_run(
     for rnd in range(rounds):
         this = []
         for rank in range(ranks):
-            t = make_round(rng, samples, positions, drift)
+            t = make_round(rng, samples, positions, drift, rewards)
             write_round(train_data_path(path, rnd, rank), t, rnd, rank)
             this.append(t)
         everything += this
@@ -243,7 +257,7 @@ def build_run(
                 "mismatch_count": s["mismatch_count"],
                 "max_abs_diff": s["max_abs_diff"],
                 "mean_abs_diff": s["mean_abs_diff"],
-                "reward_mean": 0.5,
+                "reward_mean": reward_mean(this),
                 "loss": 0.1,
                 "rollout_tokens_per_s": 100.0,
                 "train_tokens_per_s": 200.0,

@@ -2,15 +2,21 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-from validate_builders import load_round, mutate_json, train_data_path, write_round
+from validate_builders import build_run, load_round, mutate_json, train_data_path, tree_state, write_round
+
+EXIT = {"passed": 0, "failed": 1, "incomplete": 2, "unusable": 3}
+#: every case finishes within this many seconds (the slowest, an empty COMPLETE, waits ~3 s for a sealer)
+CASE_SECONDS = 20.0
 
 PR_ATTN = {"attention": "P/R", "ffn": "R/R", "logp": "R/R"}
 
@@ -25,6 +31,7 @@ class Case:
     plan: dict[str, str] | None = None
     args: tuple[str, ...] = ()
     marks: list = field(default_factory=list)
+    build: dict = field(default_factory=dict)  # extra keyword arguments of build_run
 
 
 def _rb(run: Path, side: str = "training") -> Path:
@@ -174,3 +181,130 @@ def _complete_on_failure(run: Path, tmp: Path) -> None:
 
 def _plan_mismatch(doc):
     doc["plan"]["ffn"] = "P/R"
+
+
+def _module_and_ops(module: str, **fields):
+    """Set ``fields`` on a module record and on each of its ops, keeping the record self-consistent."""
+
+    def fn(doc):
+        rec = doc["modules"][module]
+        rec.update(fields)
+        for op in rec["ops"].values():
+            op.update({k: v for k, v in fields.items() if k in op})
+
+    return fn
+
+
+def run_case(case: Case, tmp_path: Path, cli) -> None:
+    """Build a valid run, break it, validate it: the expected verdict and finding, calmly (no traceback,
+    no exit 4), quickly, and with the input tree unchanged."""
+    run = build_run(tmp_path / "run", case.plan, **case.build)
+    case.mutate(run, tmp_path)
+    before = tree_state(run)
+    t0 = time.monotonic()
+    res = cli(run, *case.args)
+    took = time.monotonic() - t0
+    after = tree_state(run)
+    assert before == after, "the validator changed the input tree"
+    assert res.code != 4 and "internal error" not in res.err, res.err
+    assert "Traceback" not in res.out + res.err
+    assert took < CASE_SECONDS, f"took {took:.1f} s"
+    assert res.doc is not None, res.err
+    assert res.doc["verdict"] == case.verdict, res.out
+    assert res.code == EXIT[case.verdict]
+    hits = res.findings(case.code)
+    assert hits, f"expected {case.code}; got {res.codes}\n{res.out}"
+    assert any(case.needle in f["message"] for f in hits), [f["message"] for f in hits]
+    assert case.code in res.out  # the human summary names the problem too
+    assert res.doc["schema"] == "rlk.run-validation.v1"
+
+
+# -- helpers of the hostile suite ------------------------------------------------------------------
+def _raw(rel: str, fn):
+    """Rewrite a file's text through ``fn(text) -> text`` (for JSON no parser would write)."""
+
+    def mutate(run: Path, tmp: Path) -> None:
+        p = run / rel
+        p.write_text(fn(p.read_text()))
+
+    return mutate
+
+
+def _metrics(fn):
+    """Apply ``fn(rows)`` to the parsed metrics.jsonl rows, then write them back."""
+
+    def mutate(run: Path, tmp: Path) -> None:
+        p = run / "metrics.jsonl"
+        rows = [json.loads(line) for line in p.read_text().splitlines()]
+        fn(rows)
+        p.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+    return mutate
+
+
+def _bitwise(fn):
+    return _set(lambda r: r / "bitwise-validation.json", fn)
+
+
+def _manifest(fn):
+    return _set(lambda r: r / "manifest.json", fn)
+
+
+def _all_tensors(fn):
+    """Apply ``fn(t)`` to every round file of rank 0."""
+
+    def mutate(run: Path, tmp: Path) -> None:
+        for rnd in range(3):
+            _tensors(rnd, fn)(run, tmp)
+
+    return mutate
+
+
+def _seal(run: Path) -> None:
+    from rlk_validate import seal_run, validate_run
+
+    rep = seal_run(validate_run(run))
+    assert rep.seal["status"] == "sealed", rep.summary()
+
+
+def _sealed_then(fn):
+    """Seal the (valid) run with rlk-validate, then apply ``fn(run)``."""
+
+    def mutate(run: Path, tmp: Path) -> None:
+        _seal(run)
+        fn(run)
+
+    return mutate
+
+
+def _forged_seal(report: dict) -> Callable[[Path, Path], None]:
+    """A hand-made run-validation.json and a COMPLETE carrying its correct hash."""
+
+    def mutate(run: Path, tmp: Path) -> None:
+        data = (json.dumps(report) + "\n").encode()
+        (run / "run-validation.json").write_bytes(data)
+        (run / "COMPLETE").write_text(json.dumps({
+            "schema": "rlk.complete.v1", "run_validation_sha256": hashlib.sha256(data).hexdigest(),
+            "sealed_at": "2026-11-29T12:00:00Z", "validator": {"name": "rlk-validate", "version": "0.1.0"}}))
+
+    return mutate
+
+
+def _deep(depth: int, leaf: object = 1) -> object:
+    obj = leaf
+    for _ in range(depth):
+        obj = {"x": obj}
+    return obj
+
+
+def _extra_ops(module: str, **op_fields):
+    """Add a second op to ``module`` (keeping the module's call_count the sum of its ops)."""
+
+    def fn(doc):
+        rec = doc["modules"][module]
+        main = next(iter(rec["ops"].values()))
+        op = {**main, **op_fields}
+        rec["ops"][f"{module}.extra"] = op
+        rec["call_count"] += op["call_count"]
+
+    return fn

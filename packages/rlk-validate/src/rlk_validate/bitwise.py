@@ -64,6 +64,11 @@ def _content_findings(td: TrainData) -> tuple[list[Finding], np.ndarray]:
                 first=_first(pos),
             )
         )
+    for name in ("rewards", "advantages"):
+        v = getattr(td, name)
+        if v is not None and not np.isfinite(v).all():
+            out.append(_f("REWARDS_INVALID", f"{td.rel}: {int(np.count_nonzero(~np.isfinite(v)))} {name} value(s) "
+                          "are NaN or infinite", td.rel))
     masked_nz = ~m & ((td.train != 0) | (td.rollout != 0))
     if masked_nz.any():
         out.append(
@@ -75,6 +80,22 @@ def _content_findings(td: TrainData) -> tuple[list[Finding], np.ndarray]:
             )
         )
     return out, ok
+
+
+def _missing(files: dict[tuple[int, int], str], n_rounds: int, n_ranks: int) -> tuple[int, list[tuple[int, int]]]:
+    """How many of the ``n_rounds x n_ranks`` expected files are absent, and the first five: counted from
+    the files present, never by enumerating the expected ones (a manifest may claim 10^9 rounds)."""
+    present = sum(1 for r, k in files if r < n_rounds and k < n_ranks)
+    n = n_rounds * n_ranks - present
+    first: list[tuple[int, int]] = []
+    r = k = 0
+    while len(first) < min(n, 5):  # at most len(files) + 5 steps
+        if (r, k) not in files:
+            first.append((r, k))
+        k += 1
+        if k == n_ranks:
+            r, k = r + 1, 0
+    return n, first
 
 
 def check_train_data(
@@ -155,23 +176,23 @@ def check_train_data(
         findings.append(_f("TRAIN_DATA_MISSING", "train-data/ holds no round files", DIR))
         return findings, None, None
 
-    rounds_seen = sorted({r for r, _ in files})
-    n_rounds = expected_rounds if expected_rounds is not None else max(rounds_seen) + 1
+    n_rounds = expected_rounds if expected_rounds is not None else max(r for r, _ in files) + 1
     n_ranks = expected_ranks if expected_ranks is not None else max(k for _, k in files) + 1
-    missing = [(r, k) for r in range(n_rounds) for k in range(n_ranks) if (r, k) not in files]
-    if missing:
-        shown = ", ".join(f"round {r} rank {k}" for r, k in missing[:5]) + (" ..." if len(missing) > 5 else "")
+    missing_n, first_missing = _missing(files, n_rounds, n_ranks)
+    if missing_n:
+        shown = ", ".join(f"round {r} rank {k}" for r, k in first_missing) + (" ..." if missing_n > 5 else "")
         findings.append(
             _f(
                 "ROUNDS_MISSING",
-                f"train-data lacks {len(missing)} of {n_rounds * n_ranks} expected round/rank file(s): {shown}",
+                f"train-data lacks {missing_n} of {n_rounds * n_ranks} expected round/rank file(s): {shown}",
                 DIR,
-                missing=[list(x) for x in missing[:100]],
+                missing_count=missing_n,
+                missing=[list(x) for x in first_missing],
             )
         )
 
     per_round: dict[int, dict[str, Any]] = defaultdict(
-        lambda: {"element_count": 0, "mismatch_count": 0, "diffs": [], "files": 0}
+        lambda: {"element_count": 0, "mismatch_count": 0, "diffs": [], "files": 0, "rewards": [], "no_rewards": 0}
     )
     worst = WorstTokens(worst_k)
     for (rnd, rank), rel in sorted(files.items()):
@@ -192,6 +213,10 @@ def check_train_data(
         acc["element_count"] += int(np.count_nonzero(m))
         acc["mismatch_count"] += int(np.count_nonzero(bits_differ & m))
         acc["diffs"].append(td.train[ok].astype(np.float64) - td.rollout[ok].astype(np.float64))
+        if td.rewards is None:
+            acc["no_rewards"] += 1
+        else:
+            acc["rewards"].append(td.rewards.astype(np.float64))
         worst.add(rnd, rank, td.token_ids, td.train, td.rollout, ok)
 
     if not per_round:
@@ -202,10 +227,12 @@ def check_train_data(
         d = np.concatenate(acc["diffs"]) if acc["diffs"] else np.zeros(0)
         all_d.append(d)
         a = np.abs(d)
+        rw = np.concatenate(acc["rewards"]) if acc["rewards"] and not acc["no_rewards"] else None
         rounds_out.append(
             {
                 "round": rnd,
                 "complete": acc["files"] == n_ranks,
+                "reward_mean": float(rw.mean()) if rw is not None and rw.size and np.isfinite(rw).all() else None,
                 "files": acc["files"],
                 "element_count": acc["element_count"],
                 "mismatch_count": acc["mismatch_count"],
@@ -218,7 +245,7 @@ def check_train_data(
     a_all = np.abs(d_all)
     total = {
         "require_exact": require_exact,
-        "complete": not missing and len(rounds_out) == n_rounds and all(r["complete"] for r in rounds_out),
+        "complete": not missing_n and len(rounds_out) == n_rounds and all(r["complete"] for r in rounds_out),
         "files": sum(r["files"] for r in rounds_out),
         "element_count": sum(r["element_count"] for r in rounds_out),
         "mismatch_count": sum(r["mismatch_count"] for r in rounds_out),
@@ -226,6 +253,16 @@ def check_train_data(
         "mean_abs_diff": float(a_all.mean()) if a_all.size else 0.0,
         "rounds": rounds_out,
     }
+    with_rewards = sum(len(a["rewards"]) for a in per_round.values())
+    without = sum(a["no_rewards"] for a in per_round.values())
+    total["rewards"] = "absent" if not with_rewards else ("partial" if without else "present")
+    if with_rewards and without:
+        findings.append(_f("TENSOR_MISSING", f"{without} train-data file(s) lack the rewards tensor that "
+                           f"{with_rewards} other(s) hold: the reward claims of those rounds cannot be checked",
+                           DIR, missing=["rewards"]))
+    if total["element_count"] == 0:
+        findings.append(_f("NOTHING_COMPARED", "the train-data that was read selects no token: nothing was "
+                           "compared, which is no evidence of equality", DIR))
     drift = {
         "clip_eps": clip_eps,
         "overall": drift_stats(d_all, clip_eps),

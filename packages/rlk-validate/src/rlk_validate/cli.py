@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -16,15 +17,36 @@ from .report import EXIT_CODES, EXIT_INTERNAL, clean, finite
 from .safeio import Caps, MiB
 
 EXIT_USAGE = EXIT_CODES["unusable"]
+_NUMBER = re.compile(r"-[0-9.]+(?:e-?[0-9]+)?")
 
 
 class UsageError(Exception):
     pass
 
 
+SUBCOMMANDS = """subcommands:
+  rlk-validate [run] RUN_DIR [options]      check one run directory (`run` for a directory named like a subcommand)
+  rlk-validate matrix MATRIX_ROOT [options] check every cell of an ablation matrix root
+  rlk-validate codes                        list the finding codes"""
+
+
 class _Parser(argparse.ArgumentParser):
+    def __init__(self, **kw: Any) -> None:
+        super().__init__(allow_abbrev=False, formatter_class=argparse.RawDescriptionHelpFormatter,
+                         epilog=SUBCOMMANDS, **kw)
+
     def error(self, message: str) -> None:  # argparse would exit 2, which means "incomplete" here
         raise UsageError(message)
+
+    def parse_args(self, args: Sequence[str] | None = None, namespace: Any = None) -> argparse.Namespace:
+        """Unknown options are named before anything else is complained about (``--bogus``)."""
+        known = self._option_string_actions
+        for tok in args or ():
+            if tok == "--":
+                break
+            if tok.startswith("-") and tok != "-" and not _NUMBER.fullmatch(tok) and tok.split("=", 1)[0] not in known:
+                raise UsageError(f"unknown option {clean(tok, 80)}")
+        return super().parse_args(args, namespace)
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -60,8 +82,7 @@ def _common(p: argparse.ArgumentParser) -> None:
 def _run_parser() -> argparse.ArgumentParser:
     p = _Parser(
         prog="rlk-validate",
-        description="Check an rlk run directory and say whether the claim holds. "
-        "Subcommands: `rlk-validate [run] RUN_DIR`, `rlk-validate matrix MATRIX_ROOT`, `rlk-validate codes`.",
+        description="Check an rlk run directory and say whether the claim holds.",
     )
     p.add_argument("run_dir", metavar="RUN_DIR")
     p.add_argument(
@@ -78,12 +99,16 @@ def _run_parser() -> argparse.ArgumentParser:
 def _matrix_parser() -> argparse.ArgumentParser:
     p = _Parser(
         prog="rlk-validate matrix",
-        description="Check every cell of an ablation matrix; writes "
-        "matrix-report.json and matrix-report.md at MATRIX_ROOT.",
+        description="Check every cell of an ablation matrix root. Writes nothing unless --write is given.",
     )
     p.add_argument("matrix_root", metavar="MATRIX_ROOT")
     p.add_argument("--allow-partial", action="store_true", help="absent cells are warnings, not incomplete")
-    p.add_argument("--no-write", action="store_true", help="do not write matrix-report.json/.md")
+    p.add_argument(
+        "--write",
+        action="store_true",
+        help="write matrix-report.json and matrix-report.md into MATRIX_ROOT (only if it is a matrix root)",
+    )
+    p.add_argument("--no-write", action="store_true", help="write nothing (the default; kept for old scripts)")
     _common(p)
     return p
 
@@ -177,7 +202,9 @@ def _main_matrix(argv: Sequence[str]) -> int:
 
     a = _matrix_parser().parse_args(argv)
     _check_outputs(a, a.matrix_root, "MATRIX_ROOT")
-    rep = validate_matrix(a.matrix_root, _options(a), allow_partial=a.allow_partial, write=not a.no_write)
+    if a.write and a.no_write:
+        raise UsageError("--write and --no-write contradict each other")
+    rep = validate_matrix(a.matrix_root, _options(a), allow_partial=a.allow_partial, write=a.write)
     print(rep.summary().splitlines()[-1] if a.quiet else rep.summary())
     if a.json:
         try:

@@ -105,6 +105,35 @@ MATRIX_REPORT_MD = "matrix-report.md"
 #: entries that mark a directory as a run directory
 RUN_MARKERS = (MANIFEST, READBACKS_DIR, TRAIN_DATA_DIR, EXIT_CODE, BITWISE, METRICS)
 
+# -- matrix cells -------------------------------------------------------------------------------
+#: the cells of a matrix root: ``control-RR`` (all R/R), ``<module>-<XY>`` (that module at X/Y, the others
+#: R/R) and optionally ``native-PP`` (all P/P)
+CONTROL_CELL = "control-RR"
+NATIVE_CELL = "native-PP"
+ISOLATION_CELLS = tuple(f"{m}-{xy}" for m in MODULES for xy in ("PR", "RP", "PP"))
+REQUIRED_CELLS = (CONTROL_CELL, *ISOLATION_CELLS)
+MATRIX_CELLS = (*REQUIRED_CELLS, NATIVE_CELL)
+
+
+#: manifest fields every cell of one matrix root shares (the run's provenance and configuration)
+MATRIX_SHARED_FIELDS = ("engine", "rounds", "ranks", "repos", "packages", "inputs", "seeds", "config")
+#: ``config`` keys that follow from a cell's routes and so may differ between cells
+ROUTE_CONFIG_KEYS = ("plan", "plan_sources", "env", "mode", "require_exact", "exact_required", "command", "run_id")
+
+
+def expected_plan(name: str) -> tuple[str, dict[str, str]] | None:
+    """``(role, plan)`` a cell name stands for (exact names only), or None for a name that is not a cell."""
+    if not is_member(name, MATRIX_CELLS):
+        return None
+    if name == CONTROL_CELL:
+        return "control", {m: "R/R" for m in MODULES}
+    if name == NATIVE_CELL:
+        return "native", {m: "P/P" for m in MODULES}
+    module, xy = name.split("-")
+    plan = {m: "R/R" for m in MODULES}
+    plan[module] = f"{xy[0]}/{xy[1]}"
+    return "isolation", plan
+
 
 def readback_name(framework: str, target: str, pid: int) -> str:
     return f"{framework}-{target}-{pid}.json"

@@ -71,6 +71,14 @@ CODES: dict[str, tuple[str, str]] = {
         "bitwise-validation.json disagrees with the numbers recomputed from train-data",
     ),
     "FALLBACK_FAILURES": (ERROR, "bitwise-validation.json reports fallback failures"),
+    "NOTHING_COMPARED": (ERROR, "the train-data, or a claim about it, covers zero tokens or zero rounds"),
+    "REWARDS_UNVERIFIED": (WARNING, "train-data holds no rewards tensor: metrics' reward claims cannot be checked"),
+    "REWARDS_INVALID": (ERROR, "a rewards / advantages tensor holds NaN or infinite values"),
+    "SEAL_INVALID": (
+        ERROR,
+        "COMPLETE is not a valid seal: unreadable, hand-written, its run-validation.json is absent or its hash "
+        "differs, or the run was edited after sealing",
+    ),
     "COMPLETE_UNJUSTIFIED": (ERROR, "COMPLETE exists but the run does not pass validation"),
     "SEALED": (INFO, "COMPLETE exists and the run passes validation"),
     "SEAL_WRITTEN": (INFO, "--seal wrote run-validation.json (and COMPLETE when the run passed)"),
@@ -122,6 +130,10 @@ CODES: dict[str, tuple[str, str]] = {
     "MATRIX_CELL_INCOMPLETE": (INCOMPLETE, "a matrix cell's evidence is incomplete"),
     "MATRIX_UNKNOWN_ENTRY": (WARNING, "an entry of the matrix root is not a known cell name; it was skipped"),
     "MATRIX_WRITE_FAILED": (ERROR, "matrix-report.json / matrix-report.md could not be written"),
+    "MATRIX_PROVENANCE_MISMATCH": (
+        ERROR,
+        "a cell's commit, seeds, inputs or configuration (routes aside) differ from the other cells of the root",
+    ),
 }
 
 

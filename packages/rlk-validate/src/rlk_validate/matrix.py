@@ -11,12 +11,22 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import re
 from dataclasses import dataclass, field
 from typing import Any
 
 from . import __version__
-from .evidence import MATRIX_REPORT_JSON, MATRIX_REPORT_MD, MATRIX_REPORT_SCHEMA, MODULES, write_bytes_atomic
+from .evidence import (
+    MANIFEST,
+    MATRIX_REPORT_JSON,
+    MATRIX_REPORT_MD,
+    MATRIX_REPORT_SCHEMA,
+    MATRIX_SHARED_FIELDS,
+    REQUIRED_CELLS,
+    ROUTE_CONFIG_KEYS,
+    RUN_MARKERS,
+    expected_plan,
+    write_bytes_atomic,
+)
 from .findings import ERROR, INCOMPLETE, Finding, finding, verdict_of
 from .report import EXIT_CODES, Report, clean, dumps, now_iso
 from .safeio import InputError, Root
@@ -26,23 +36,6 @@ CHECK = "matrix"
 SCHEMA = MATRIX_REPORT_SCHEMA
 JSON_NAME = MATRIX_REPORT_JSON
 MD_NAME = MATRIX_REPORT_MD
-_CELL_RE = re.compile(rf"({'|'.join(MODULES)})-([PR])([PR])")
-ISOLATION_CELLS = tuple(f"{m}-{xy}" for m in MODULES for xy in ("PR", "RP", "PP"))
-REQUIRED_CELLS = ("control-RR", *ISOLATION_CELLS)
-
-
-def expected_plan(name: str) -> tuple[str, dict[str, str]] | None:
-    """``(role, plan)`` a cell name stands for, or None for a name that is not a cell."""
-    if name == "control-RR":
-        return "control", {m: "R/R" for m in MODULES}
-    if name == "native-PP":
-        return "native", {m: "P/P" for m in MODULES}
-    m = _CELL_RE.fullmatch(name)
-    if not m:
-        return None
-    plan = {mod: "R/R" for mod in MODULES}
-    plan[m.group(1)] = f"{m.group(2)}/{m.group(3)}"
-    return "isolation", plan
 
 
 @dataclass
@@ -128,6 +121,9 @@ class MatrixReport:
         return "\n".join(rows) + "\n"
 
     def summary(self) -> str:
+        if self.unusable:
+            why = self.findings[0].message if self.findings else "unusable"
+            return f"rlk-validate: UNUSABLE (exit {self.exit_code}): {clean(why, 1000)}"
         lines = [f"rlk-validate {__version__} matrix: {clean(self.matrix_root)}"]
         for name, _role, _plan, r in self.cells:
             b = r.bitwise or {}
@@ -148,8 +144,10 @@ def validate_matrix(
     path: str | os.PathLike[str],
     options: Options | None = None,
     allow_partial: bool = False,
-    write: bool = True,
+    write: bool = False,
 ) -> MatrixReport:
+    """Check the matrix root at ``path``. Writes ``matrix-report.json/.md`` into it only when ``write``
+    is true and ``path`` is a matrix root (holds at least one cell directory)."""
     opts = options or Options()
     root_dir = os.path.abspath(os.fspath(path))
     rep = MatrixReport(matrix_root=root_dir)
@@ -164,6 +162,17 @@ def validate_matrix(
     except InputError as e:
         rep.unusable = True
         rep.findings.append(e.finding)
+        return rep
+    cells = [n for n in names if expected_plan(n) is not None]
+    if not cells:
+        rep.unusable = True
+        hint = (
+            "it is a run directory: check it with `rlk-validate DIR`"
+            if any(n in RUN_MARKERS for n in names)
+            else "a matrix root holds cell directories named control-RR, <module>-<XY>, native-PP"
+        )
+        rep.findings.append(finding("INPUT_UNUSABLE", f"{root_dir} is not a matrix root ({hint}); nothing was "
+                                    "checked or written", check=CHECK))
         return rep
     seen = set()
     for name in names:
@@ -241,9 +250,52 @@ def validate_matrix(
                     severity="warning" if allow_partial else None,
                 )
             )
+    rep.findings.extend(_check_provenance(rep, opts))
     if write:
         _write_reports(rep)
     return rep
+
+
+def _provenance(cell_dir: str, opts: Options) -> dict[str, Any] | None:
+    """The manifest fields a cell shares with the other cells of its root (routes aside), or None."""
+    try:
+        m = Root(cell_dir, opts.caps, check=CHECK).read_json(MANIFEST)
+    except InputError:
+        return None  # reported by the cell's own validation
+    if not isinstance(m, dict):
+        return None
+    out = {k: m.get(k) for k in MATRIX_SHARED_FIELDS}
+    if isinstance(out["config"], dict):
+        out["config"] = {k: v for k, v in out["config"].items() if k not in ROUTE_CONFIG_KEYS}
+    if isinstance(out["repos"], list):  # the revision, not where the checkout lived
+        out["repos"] = [{k: r.get(k) for k in ("name", "sha", "dirty")} if isinstance(r, dict) else r
+                        for r in out["repos"]]
+    return out
+
+
+def _check_provenance(rep: MatrixReport, opts: Options) -> list[Finding]:
+    """Every cell of one root ran the same commit, inputs, seeds and configuration; only routes differ."""
+    prov = {name: _provenance(r.run_dir, opts) for name, _role, _plan, r in rep.cells}
+    known = {n: p for n, p in prov.items() if p is not None}
+    if len(known) < 2:
+        return []
+    ref_name = "control-RR" if "control-RR" in known else next(iter(known))
+    ref = known[ref_name]
+    out = []
+    for name, p in known.items():
+        if name == ref_name:
+            continue
+        differ = [k for k in MATRIX_SHARED_FIELDS if p[k] != ref[k]]
+        if isinstance(p["config"], dict) and isinstance(ref["config"], dict) and "config" in differ:
+            a, b = p["config"], ref["config"]
+            keys = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
+            differ[differ.index("config")] = "config." + "/".join(str(k)[:40] for k in keys[:5])
+        if differ:
+            out.append(finding("MATRIX_PROVENANCE_MISMATCH",
+                               f"{name}: its manifest differs from {ref_name}'s in {', '.join(differ)}; a matrix "
+                               "compares routes only, so every cell must share commit, inputs, seeds and "
+                               "configuration", check=CHECK, path=name, fields=differ))
+    return out
 
 
 def _write_reports(rep: MatrixReport) -> None:

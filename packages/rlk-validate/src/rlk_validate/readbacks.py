@@ -17,19 +17,28 @@ from typing import Any
 
 from .evidence import (
     CASES,
+    EXECUTION_MODES,
+    FALLBACK_KEYS,
     FRAMEWORK_TARGETS,
+    IMPLEMENTATIONS,
+    LETTERS,
     MODES,
     MODULES,
+    PRODUCTION,
+    PRODUCTION_BACKEND_PREFIX,
     READBACK_SCHEMA,
     READBACKS_DIR,
+    RLK,
+    RLK_BACKEND_PREFIX,
     SIDES,
     TARGET_SIDE,
     is_member,
+    is_rlk_backend,
     readback_name,
     side_letter,
 )
 from .findings import Finding, finding
-from .safeio import InputError, Root
+from .safeio import MAX_INT, InputError, Root
 
 CHECK = "readbacks"
 DIR = READBACKS_DIR
@@ -41,7 +50,7 @@ def _f(code: str, msg: str, path: str | None = None, **kw: Any) -> Finding:
 
 
 def plan_problem(plan: Any) -> str | None:
-    """Why ``plan`` is not a valid plan, or None."""
+    """Why ``plan`` is not a valid plan (every module, each an exact ``X/Y`` case), or None."""
     if not isinstance(plan, dict) or not plan:
         return "the plan must be a non-empty object"
     for k, v in plan.items():
@@ -49,6 +58,9 @@ def plan_problem(plan: Any) -> str | None:
             return f"unknown module {k!r} (known: {', '.join(MODULES)})"
         if not is_member(v, CASES):
             return f"module {k!r} has case {v!r}, expected X/Y with X, Y in {{P, R}}"
+    lacking = [m for m in MODULES if m not in plan]
+    if lacking:
+        return f"the plan lacks module(s) {', '.join(lacking)}: every module needs a case"
     return None
 
 
@@ -57,11 +69,15 @@ def letter(plan: dict[str, str], module: str, side: str) -> str:
 
 
 def _is_int(v: Any, lo: int = 0) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool) and v >= lo
+    return type(v) is int and lo <= v <= MAX_INT
+
+
+def _is_name(v: Any) -> bool:
+    return type(v) is str and 0 < len(v) <= 200 and v.isprintable()
 
 
 def _walk(obj: Any, path: str) -> Iterator[tuple[str, str, Any]]:
-    """Every (path, key, value) of nested dicts and lists."""
+    """Every (path, key, value) of nested dicts and lists (depth is bounded when read)."""
     if isinstance(obj, dict):
         for k, v in obj.items():
             p = f"{path}.{k}"
@@ -73,21 +89,63 @@ def _walk(obj: Any, path: str) -> Iterator[tuple[str, str, Any]]:
 
 
 def _truthy(v: Any) -> bool:
-    if isinstance(v, bool):
-        return v
-    if isinstance(v, (int, float)):
+    """A fallback flag counts as set unless it is false, 0, null or empty (no normalisation of strings)."""
+    if v is None or v is False:
+        return False
+    if isinstance(v, (int, float)) and not isinstance(v, bool):
         return v != 0
-    if isinstance(v, str):
-        return v.strip().lower() not in ("", "false", "none", "null", "0", "no")
-    if isinstance(v, (list, dict)):
-        return bool(v)
-    return False
+    if isinstance(v, (str, list, dict)):
+        return len(v) > 0
+    return True
 
 
 def _is_fallback_key(k: str) -> bool:
-    return k in ("fallback", "fallbacks", "fallback_used") or (
-        k.startswith("fallback_") and k.endswith(("count", "calls"))
-    )
+    return k in FALLBACK_KEYS or (k.startswith("fallback_") and k.endswith(("count", "calls")))
+
+
+def _record_problem(rec: Any, where: str, is_op: bool) -> str | None:
+    """Why a module or op record does not have the fields and types of ``rlk.readback.v1``, or None."""
+    if not isinstance(rec, dict):
+        return f"{where} must be an object"
+    if not _is_int(rec.get("call_count")):
+        return f"{where}.call_count must be an integer in [0, 2^63), got {rec.get('call_count')!r}"
+    if not _is_name(rec.get("backend_id")):
+        return f"{where}.backend_id must be a non-empty printable string, got {rec.get('backend_id')!r}"
+    if rec.get("contract_id") is not None and not _is_name(rec.get("contract_id")):
+        return f"{where}.contract_id must be a printable string or null"
+    if not is_member(rec.get("execution_mode"), EXECUTION_MODES):
+        return f"{where}.execution_mode {rec.get('execution_mode')!r} is not one of {', '.join(EXECUTION_MODES)}"
+    if type(rec.get("fallback")) is not bool:
+        return f"{where}.fallback must be true or false, got {rec.get('fallback')!r}"
+    if rec.get("fallback_reason") is not None and type(rec.get("fallback_reason")) is not str:
+        return f"{where}.fallback_reason must be a string or null"
+    if is_op:
+        if "provenance" in rec and not isinstance(rec["provenance"], dict):
+            return f"{where}.provenance must be an object"
+        return None
+    if not is_member(rec.get("case"), LETTERS):
+        return f"{where}.case {rec.get('case')!r} is not P or R"
+    if not is_member(rec.get("implementation"), IMPLEMENTATIONS):
+        return f"{where}.implementation {rec.get('implementation')!r} is not one of {', '.join(IMPLEMENTATIONS)}"
+    ops = rec.get("ops")
+    if not isinstance(ops, dict):
+        return f"{where}.ops must be an object"
+    for name, op in ops.items():
+        if not _is_name(name):
+            return f"{where}.ops has an invalid op name {name!r}"
+        problem = _record_problem(op, f"{where}.ops.{name}", True)
+        if problem:
+            return problem
+    # the module's numbers are claims about its ops: recompute them
+    if rec["call_count"] and not ops:
+        return f"{where} claims {rec['call_count']} call(s) but records no op"
+    if ops:
+        total = sum(op["call_count"] for op in ops.values())
+        if total != rec["call_count"]:
+            return f"{where}.call_count is {rec['call_count']}, its ops sum to {total}"
+        if rec["backend_id"] not in {op["backend_id"] for op in ops.values()}:
+            return f"{where}.backend_id {rec['backend_id']!r} is not the backend of any of its ops"
+    return None
 
 
 def _validate_doc(doc: Any, rel: str) -> str | None:
@@ -98,79 +156,72 @@ def _validate_doc(doc: Any, rel: str) -> str | None:
         return f"framework {fw!r} is not one of {', '.join(FRAMEWORK_TARGETS)}"
     if not is_member(tg, FRAMEWORK_TARGETS[fw]):
         return f"target {tg!r} is not valid for framework {fw!r}"
-    if side != TARGET_SIDE[tg]:
+    if not is_member(side, SIDES) or side != TARGET_SIDE[tg]:
         return f"side {side!r} does not match target {tg!r} (expected {TARGET_SIDE[tg]!r})"
     for key, lo in (("pid", 0), ("rank", 0), ("world_size", 1)):
         if not _is_int(doc.get(key), lo):
-            return f"{key} must be an integer >= {lo}, got {doc.get(key)!r}"
+            return f"{key} must be an integer in [{lo}, 2^63), got {doc.get(key)!r}"
     if doc["rank"] >= doc["world_size"]:
         return f"rank {doc['rank']} is not below world_size {doc['world_size']}"
     if not is_member(doc.get("mode"), MODES):
         return f"mode {doc.get('mode')!r} is not strict or audit"
-    if doc.get("run_id") is not None and not isinstance(doc.get("run_id"), str):
-        return "run_id must be a string or null"
+    if doc.get("run_id") is not None and not _is_name(doc.get("run_id")):
+        return "run_id must be a printable string or null"
     if not isinstance(doc.get("modules"), dict):
         return "modules must be an object"
     if "hooks" in doc and not isinstance(doc["hooks"], list):
         return "hooks must be a list"
     for m, rec in doc["modules"].items():
-        if not isinstance(rec, dict):
-            return f"modules.{m} must be an object"
-        if not _is_int(rec.get("call_count")):
-            return f"modules.{m}.call_count must be an integer >= 0, got {rec.get('call_count')!r}"
+        if not is_member(m, MODULES):
+            return f"modules has an unknown module {m!r} (known: {', '.join(MODULES)})"
+        problem = _record_problem(rec, f"modules.{m}", False)
+        if problem:
+            return problem
     return None
+
+
+def _fallbacks(rec: dict[str, Any], where: str, rel: str) -> list[Finding]:
+    out = []
+    for p, k, v in _walk(rec, where):
+        if _is_fallback_key(k) and _truthy(v):
+            reason = rec.get("fallback_reason")
+            out.append(_f("FALLBACK", f"{rel}: {p} = {v!r} on an R side: a fallback ran", rel, field=p,
+                          reason=reason if isinstance(reason, str) else None))
+    return out
 
 
 def _check_record(rec: dict[str, Any], module: str, want: str, rel: str, allowed: frozenset[str]) -> list[Finding]:
     out: list[Finding] = []
     where = f"modules.{module}"
-    if rec.get("case") != want:
-        out.append(_f("CASE_MISMATCH", f"{rel}: {where}.case is {rec.get('case')!r}, the plan says {want!r}", rel))
+    if rec["case"] != want:
+        out.append(_f("CASE_MISMATCH", f"{rel}: {where}.case is {rec['case']!r}, the plan says {want!r}", rel))
     if want == "R":
-        backend = rec.get("backend_id")
-        if (
-            rec.get("implementation") != "rlk"
-            or not isinstance(backend, str)
-            or not (backend.startswith("rlk.") or backend in allowed)
-        ):
-            out.append(
-                _f(
-                    "R_NOT_RLK",
-                    f"{rel}: {where} is an R side but reports implementation {rec.get('implementation')!r}, "
-                    f"backend {backend!r}",
-                    rel,
-                    module=module,
-                )
-            )
-        if not isinstance(rec.get("contract_id"), str) or not rec.get("contract_id"):
+        backend = rec["backend_id"]
+        if rec["implementation"] != RLK or not is_rlk_backend(backend, allowed):
+            out.append(_f("R_NOT_RLK", f"{rel}: {where} is an R side but reports implementation "
+                          f"{rec['implementation']!r}, backend {backend!r}", rel, module=module))
+        if not rec["contract_id"]:
             out.append(_f("R_CONTRACT_MISSING", f"{rel}: {where} is an R side without a contract_id", rel))
+        for name, op in rec["ops"].items():
+            if not is_rlk_backend(op["backend_id"], allowed):
+                out.append(_f("R_NOT_RLK", f"{rel}: {where}.ops.{name} ran backend {op['backend_id']!r}, "
+                              "which is not an rlk backend, on an R side", rel, module=module, op=name))
+            if not op["contract_id"]:
+                out.append(_f("R_CONTRACT_MISSING", f"{rel}: {where}.ops.{name} is on an R side without a "
+                              "contract_id", rel))
+        out.extend(_fallbacks(rec, where, rel))
         for p, k, v in _walk(rec, where):
-            if _is_fallback_key(k) and _truthy(v):
-                out.append(
-                    _f(
-                        "FALLBACK",
-                        f"{rel}: {p} = {v!r} on an R side: a fallback ran",
-                        rel,
-                        field=p,
-                        reason=rec.get("fallback_reason"),
-                    )
-                )
-            elif ("backend" in k and isinstance(v, str) and v.startswith("production.")) or (
-                k == "implementation" and v == "production"
+            if ("backend" in k and isinstance(v, str) and v.startswith(PRODUCTION_BACKEND_PREFIX)) or (
+                k == "implementation" and v == PRODUCTION
             ):
                 out.append(_f("R_NOT_RLK", f"{rel}: {p} = {v!r} inside an R side's record", rel, field=p))
     else:
-        if rec.get("implementation") != "production":
-            out.append(
-                _f(
-                    "P_NOT_PRODUCTION",
-                    f"{rel}: {where} is a P side but reports implementation {rec.get('implementation')!r}",
-                    rel,
-                )
-            )
+        if rec["implementation"] != PRODUCTION:
+            out.append(_f("P_NOT_PRODUCTION", f"{rel}: {where} is a P side but reports implementation "
+                          f"{rec['implementation']!r}", rel))
         for p, k, v in _walk(rec, where):
-            if (("backend" in k) and isinstance(v, str) and (v.startswith("rlk.") or v in allowed)) or (
-                k == "implementation" and v == "rlk"
+            if ("backend" in k and isinstance(v, str) and (v.startswith(RLK_BACKEND_PREFIX) or v in allowed)) or (
+                k == "implementation" and v == RLK
             ):
                 out.append(_f("P_REPORTS_RLK", f"{rel}: {p} = {v!r} on a P side: rlk executed there", rel, field=p))
     return out
@@ -279,6 +330,7 @@ def check_readbacks(
         for module, rec in doc["modules"].items():
             if module not in ref_plan:
                 findings.append(_f("MODULE_UNPLANNED", f"{rel}: records module {module!r}, which the plan lacks", rel))
+                findings.extend(_fallbacks(rec, f"modules.{module}", rel))  # a fallback is never out of scope
                 continue
             findings.extend(_check_record(rec, module, letter(ref_plan, module, side), rel, allowed_backends))
             agg = sides[side]["modules"][module]

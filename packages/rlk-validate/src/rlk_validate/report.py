@@ -58,6 +58,8 @@ class Report:
     bitwise: dict[str, Any] | None = None
     drift: dict[str, Any] | None = None
     seal: dict[str, Any] = field(default_factory=lambda: {"requested": False, "status": "not-requested"})
+    #: rel path -> sha256 of every file the checks read in full (a seal records it; a sealed run re-checks it)
+    inputs: dict[str, str] = field(default_factory=dict)
     checked_at: str = field(default_factory=now_iso)
 
     @property
@@ -93,9 +95,13 @@ class Report:
             "bitwise": self.bitwise,
             "drift": self.drift,
             "seal": self.seal,
+            "inputs": self.inputs,
         }
 
     def summary(self, verbose: bool = False) -> str:
+        if self.unusable:  # one line: what is wrong with the argument, and what to run instead
+            why = self.findings[0].message if self.findings else "unusable"
+            return f"rlk-validate: UNUSABLE (exit {self.exit_code}): {clean(why, 1000)}"
         lines = [f"rlk-validate {__version__}: {clean(self.run_dir)}"]
         if self.plan:
             plan = ", ".join(f"{k} {v}" for k, v in self.plan.items())

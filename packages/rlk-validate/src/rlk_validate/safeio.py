@@ -8,7 +8,9 @@ read), sizes are checked against a cap *before* reading, and every failure becom
 
 from __future__ import annotations
 
+import hashlib
 import json
+import math
 import os
 import stat
 from dataclasses import dataclass
@@ -17,6 +19,10 @@ from typing import Any
 from .findings import Finding, finding
 
 MiB = 1 << 20
+#: deepest nesting of arrays/objects accepted in a JSON document; deeper ones are refused while reading
+MAX_JSON_DEPTH = 64
+#: largest integer magnitude accepted where a count or id is expected (larger: a finding, not a float overflow)
+MAX_INT = (1 << 63) - 1
 
 
 @dataclass(frozen=True)
@@ -54,9 +60,42 @@ def _pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def parse_json_text(text: str) -> Any:
-    """Strict JSON: no NaN/Infinity, no duplicate keys. Raises ``ValueError`` (or RecursionError)."""
-    return json.loads(text, parse_constant=_no_constants, object_pairs_hook=_pairs)
+def _finite_float(s: str) -> float:
+    v = float(s)
+    if not math.isfinite(v):
+        raise ValueError(f"number {s[:40]} is out of the float range")
+    return v
+
+
+class TooDeep(ValueError):
+    pass
+
+
+def json_depth(obj: Any, limit: int = MAX_JSON_DEPTH) -> int:
+    """Nesting depth of arrays/objects (iterative; stops counting past ``limit``)."""
+    deepest = 0
+    stack = [(obj, 1)]
+    while stack:
+        o, d = stack.pop()
+        if isinstance(o, (dict, list)):
+            if d > deepest:
+                deepest = d
+                if deepest > limit:
+                    return deepest
+            stack.extend((v, d + 1) for v in (o.values() if isinstance(o, dict) else o))
+    return deepest
+
+
+def parse_json_text(text: str, max_depth: int = MAX_JSON_DEPTH) -> Any:
+    """Strict JSON: no NaN/Infinity (literal or overflowing), no duplicate keys, nesting at most
+    ``max_depth``. Raises ``ValueError`` (``TooDeep`` for nesting; RecursionError is turned into it)."""
+    try:
+        obj = json.loads(text, parse_constant=_no_constants, parse_float=_finite_float, object_pairs_hook=_pairs)
+    except RecursionError:
+        raise TooDeep(f"nested deeper than {max_depth} levels") from None
+    if json_depth(obj, max_depth) > max_depth:
+        raise TooDeep(f"nested deeper than {max_depth} levels")
+    return obj
 
 
 class Root:
@@ -67,6 +106,8 @@ class Root:
         self.real = os.path.realpath(self.path)
         self.caps = caps or Caps()
         self.check = check
+        #: rel -> sha256 hex of every file read in full (what a seal records and re-checks)
+        self.digests: dict[str, str] = {}
 
     # -- paths -------------------------------------------------------------------------------
     def _err(self, code: str, message: str, rel: str, **details: Any) -> InputError:
@@ -146,6 +187,7 @@ class Root:
         data = b"".join(chunks)
         if len(data) > cap:
             raise self._err("FILE_TOO_LARGE", f"{rel} grew past the cap of {cap} bytes while read", rel)
+        self.digests[rel] = hashlib.sha256(data).hexdigest()
         return data
 
     def read_text(self, rel: str, cap: int) -> str:
@@ -165,21 +207,25 @@ class Root:
             raise self._err(
                 "JSON_INVALID", f"{rel} is {what} JSON: {e.msg} at line {e.lineno} column {e.colno}", rel
             ) from None
-        except RecursionError:
-            raise self._err("JSON_INVALID", f"{rel} is nested too deeply to read", rel) from None
+        except TooDeep as e:
+            raise self._err("JSON_INVALID", f"{rel} is {e}; it was refused", rel) from None
         except ValueError as e:
             raise self._err("JSON_INVALID", f"{rel} is not strict JSON: {e}", rel) from None
 
     def find_in_text(self, rel: str, needle: bytes, cap: int) -> int | None:
-        """Stream ``rel`` and return the 1-based line of the first ``needle``, or None."""
+        """Stream ``rel`` and return the 1-based line of the first ``needle``, or None (then the file's
+        digest is recorded)."""
         fd, _ = self.open_fd(rel, cap)
         line = 1
         tail = b""
+        h = hashlib.sha256()
         try:
             while True:
                 b = os.read(fd, 1 << 22)
                 if not b:
+                    self.digests[rel] = h.hexdigest()
                     return None
+                h.update(b)
                 buf = tail + b
                 i = buf.find(needle)
                 if i >= 0:

@@ -18,11 +18,95 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
+import time
+from typing import Any
 
 from . import __version__
-from .evidence import COMPLETE, COMPLETE_SCHEMA, RUN_VALIDATION, json_text, write_bytes_atomic
+from .evidence import (
+    COMPLETE,
+    COMPLETE_SCHEMA,
+    RUN_VALIDATION,
+    RUN_VALIDATION_SCHEMA,
+    is_member,
+    json_text,
+    write_bytes_atomic,
+)
 from .findings import finding
 from .report import Report, dumps, now_iso
+from .safeio import InputError, Root, parse_json_text
+
+_HEX64 = re.compile(r"[0-9a-f]{64}")
+#: how long validation waits for an empty COMPLETE (a sealer between its two writes) to be filled
+SEAL_WAIT_S = 3.0
+
+
+def _seal_problem(root: Root, report: Report) -> str | None:
+    """Why the ``COMPLETE`` of ``root`` is not a seal this validator wrote for the run as it is now."""
+    deadline = time.monotonic() + SEAL_WAIT_S
+    while True:
+        raw = root.read_bytes(COMPLETE, root.caps.small_bytes)
+        if raw.strip() or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    if not raw.strip():
+        return "COMPLETE is empty: sealing was interrupted (or is still running)"
+    try:
+        seal: Any = parse_json_text(raw.decode("utf-8"))
+    except (ValueError, UnicodeDecodeError):
+        return "COMPLETE is not the JSON rlk-validate --seal writes (hand-written?)"
+    if not isinstance(seal, dict) or not is_member(seal.get("schema"), (COMPLETE_SCHEMA,)):
+        return f"COMPLETE is not a {COMPLETE_SCHEMA} document (hand-written?)"
+    want = seal.get("run_validation_sha256")
+    if type(want) is not str or not _HEX64.fullmatch(want):
+        return "COMPLETE records no sha256 of run-validation.json"
+    if not root.lexists(RUN_VALIDATION):
+        return "COMPLETE exists without its run-validation.json"
+    data = root.read_bytes(RUN_VALIDATION, root.caps.json_bytes)
+    if hashlib.sha256(data).hexdigest() != want:
+        return "run-validation.json is not the report COMPLETE was sealed with (its sha256 differs)"
+    try:
+        rv: Any = parse_json_text(data.decode("utf-8"))
+    except (ValueError, UnicodeDecodeError):
+        return "run-validation.json is not valid JSON"
+    if not isinstance(rv, dict) or not is_member(rv.get("schema"), (RUN_VALIDATION_SCHEMA,)):
+        return f"run-validation.json is not a {RUN_VALIDATION_SCHEMA} document"
+    if rv.get("verdict") != "passed":
+        return f"the sealed run-validation.json says {str(rv.get('verdict'))[:40]!r}, not passed"
+    sealed = rv.get("inputs")
+    if not isinstance(sealed, dict) or not sealed:
+        return "run-validation.json records no input digests (not written by this rlk-validate)"
+    now = report.inputs
+    changed = sorted(k for k in set(sealed) | set(now) if sealed.get(k) != now.get(k))
+    if changed:
+        shown = ", ".join(str(k)[:120] for k in changed[:5]) + (" ..." if len(changed) > 5 else "")
+        return f"{len(changed)} file(s) changed, appeared or vanished since the run was sealed: {shown}"
+    return None
+
+
+def check_complete(root: Root, report: Report) -> None:
+    """A ``COMPLETE`` must be justified (the run passes now) and verifiable (:func:`_seal_problem`)."""
+    try:
+        if not root.lexists(COMPLETE):
+            return
+        root.resolve(COMPLETE)
+    except InputError as e:
+        report.findings.append(e.finding)
+        return
+    if report.verdict != "passed":
+        report.findings.append(finding("COMPLETE_UNJUSTIFIED", f"COMPLETE exists, but the run is {report.verdict} "
+                                       "on this check: the seal is not supported by the evidence", check="seal",
+                                       path=COMPLETE))
+        return
+    try:
+        problem = _seal_problem(root, report)
+    except InputError as e:
+        problem = e.finding.message
+    if problem:
+        report.findings.append(finding("SEAL_INVALID", problem, check="seal", path=COMPLETE))
+    else:
+        report.findings.append(finding("SEALED", "COMPLETE is a valid seal and the run passes", check="seal",
+                                       path=COMPLETE))
 
 
 def _fsync_dir(path: str) -> None:

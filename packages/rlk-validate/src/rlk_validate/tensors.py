@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from .evidence import TRAIN_DATA_REQUIRED, TRAIN_DATA_SCHEMA, TRAIN_DATA_TENSORS
+from .evidence import TRAIN_DATA_PER_SEQUENCE, TRAIN_DATA_REQUIRED, TRAIN_DATA_SCHEMA, TRAIN_DATA_TENSORS, is_member
 from .findings import finding
 from .safeio import InputError, Root, parse_json_text
 
@@ -42,8 +42,10 @@ _ST_DTYPES = {
 }
 _ALLOWED = {t.name: t.dtypes for t in TRAIN_DATA_TENSORS}
 _HEADER_CAP = 100 * (1 << 20)
-NAME_RE = re.compile(r"^round-(\d{4,})\.rank(\d+)\.safetensors$")
-LEGACY_RE = re.compile(r"^(?:round-)?(\d+)\.rank(\d+)\.pt$")
+#: round and rank numbers: ASCII digits, bounded length (a 5000-digit name is not a round)
+NAME_RE = re.compile(r"round-([0-9]{4,9})\.rank([0-9]{1,6})\.safetensors")
+LEGACY_RE = re.compile(r"(?:round-)?([0-9]{1,9})\.rank([0-9]{1,6})\.pt")
+_META_INT_RE = re.compile(r"[0-9]{1,9}")
 _PT_ALIASES = {
     "token_ids": ("token_ids", "tokens", "input_ids"),
     "response_mask": ("response_mask", "loss_mask", "mask"),
@@ -54,7 +56,8 @@ _PT_ALIASES = {
 
 @dataclass
 class TrainData:
-    """One round/rank file: ``mask`` is bool, log-probs float32, all ``[S, T]``."""
+    """One round/rank file: ``mask`` is bool, log-probs float32, all ``[S, T]``; ``rewards`` and
+    ``advantages`` float32 ``[S]`` or None when the file has none."""
 
     rel: str
     round: int
@@ -63,14 +66,16 @@ class TrainData:
     mask: np.ndarray
     rollout: np.ndarray
     train: np.ndarray
+    rewards: np.ndarray | None = None
+    advantages: np.ndarray | None = None
 
 
 def parse_name(name: str) -> tuple[int, int, str] | None:
     """``(round, rank, "safetensors"|"pt")`` for a train-data file name, else None."""
-    m = NAME_RE.match(name)
+    m = NAME_RE.fullmatch(name)
     if m:
         return int(m.group(1)), int(m.group(2)), "safetensors"
-    m = LEGACY_RE.match(name)
+    m = LEGACY_RE.fullmatch(name)
     if m:
         return int(m.group(1)), int(m.group(2)), "pt"
     return None
@@ -107,12 +112,16 @@ def _parse_header(rel: str, data: bytes) -> tuple[dict[str, Any], dict[str, str]
         dt, shape, offs = info.get("dtype"), info.get("shape"), info.get("data_offsets")
         if dt not in _ST_DTYPES:
             raise _bad(rel, f"tensor {name!r} has unknown dtype {dt!r}")
-        if not (isinstance(shape, list) and all(isinstance(s, int) and s >= 0 for s in shape)):
+        if not (
+            isinstance(shape, list)
+            and len(shape) <= 8
+            and all(type(s) is int and 0 <= s < (1 << 48) for s in shape)
+        ):
             raise _bad(rel, f"tensor {name!r} has an invalid shape {shape!r}")
         if not (
             isinstance(offs, list)
             and len(offs) == 2
-            and all(isinstance(o, int) for o in offs)
+            and all(type(o) is int for o in offs)
             and 0 <= offs[0] <= offs[1] <= body
         ):
             raise _bad(rel, f"tensor {name!r} data offsets {offs!r} fall outside the file (truncated?)")
@@ -147,20 +156,30 @@ def _check_structure(rel: str, dtypes: dict[str, str], shapes: dict[str, tuple[i
                 "TENSOR_SHAPE_MISMATCH",
                 shapes={k: list(v) for k, v in shapes.items() if k in NAMES},
             )
+    for n in TRAIN_DATA_PER_SEQUENCE:
+        if n not in dtypes:
+            continue
+        if dtypes[n] not in _ALLOWED[n]:
+            raise _bad(rel, f"{n} has dtype {dtypes[n]}, expected {' or '.join(_ALLOWED[n])}",
+                       "TENSOR_DTYPE_INVALID", tensor=n, dtype=dtypes[n])
+        if tuple(shapes[n]) != (ref[0],):
+            raise _bad(rel, f"{n} has shape {list(shapes[n])}, expected [{ref[0]}] (one per sequence)",
+                       "TENSOR_SHAPE_MISMATCH")
 
 
 def load_safetensors(root: Root, rel: str, round_: int, rank: int) -> TrainData:
     data = root.read_bytes(rel, root.caps.tensor_bytes)
     header, meta, _ = _parse_header(rel, data)
     _check_structure(rel, {k: v["dtype"] for k, v in header.items()}, {k: tuple(v["shape"]) for k, v in header.items()})
-    if meta.get("schema") != SCHEMA:
-        raise _bad(rel, f"metadata schema is {meta.get('schema')!r}, expected {SCHEMA!r}", "TENSOR_METADATA_INVALID")
+    if not is_member(meta.get("schema"), (SCHEMA,)):
+        got = str(meta.get("schema"))[:80]
+        raise _bad(rel, f"metadata schema is {got!r}, expected {SCHEMA!r}", "TENSOR_METADATA_INVALID")
     for key, want in (("round", round_), ("rank", rank)):
         got = meta.get(key)
-        if got is None or not got.strip().isdigit() or int(got) != want:
+        if got is None or not _META_INT_RE.fullmatch(got) or int(got) != want:
             raise _bad(
                 rel,
-                f"metadata {key}={got!r} disagrees with the file name ({want})",
+                f"metadata {key}={str(got)[:40]!r} is not the decimal ASCII number of the file name ({want})",
                 "TENSOR_METADATA_INVALID",
             )
     try:
@@ -215,4 +234,5 @@ def _finish(rel: str, round_: int, rank: int, t: dict[str, np.ndarray], check_dt
             bad = int(np.count_nonzero(mask > 1))
             raise _bad(rel, f"response_mask has {bad} value(s) other than 0 and 1", "MASK_INVALID")
         mask = mask.astype(bool)
-    return TrainData(rel, round_, rank, t["token_ids"], mask, t["rollout_logprobs"], t["train_logprobs"])
+    return TrainData(rel, round_, rank, t["token_ids"], mask, t["rollout_logprobs"], t["train_logprobs"],
+                     t.get("rewards"), t.get("advantages"))

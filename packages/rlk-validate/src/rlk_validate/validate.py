@@ -7,12 +7,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .bitwise import check_train_data
+from .claims import all_rr, check_bitwise_file, check_metrics
 from .drift import DEFAULT_CLIP_EPS
+from .evidence import RUN_MARKERS, expected_plan
 from .findings import finding
 from .readbacks import check_readbacks
 from .report import Report
-from .run import all_rr, check_bitwise_file, check_exit_and_log, check_manifest, check_metrics
-from .safeio import Caps, InputError, Root
+from .run import check_exit_and_log, check_manifest
+from .safeio import Caps, Root
+from .seal import check_complete
 
 
 @dataclass(frozen=True)
@@ -52,12 +55,25 @@ def unusable_reason(path: str) -> str | None:
     return None
 
 
+def not_a_run_reason(path: str) -> str | None:
+    """Why the (listable) directory ``path`` is not a run directory at all, or None."""
+    names = os.listdir(path)
+    if any(n in RUN_MARKERS for n in names):
+        return None
+    cells = sorted(n for n in names if expected_plan(n) is not None and os.path.isdir(os.path.join(path, n)))
+    if cells:
+        return (f"{path} is a matrix root (cells {', '.join(cells[:3])}{', ...' if len(cells) > 3 else ''}), "
+                f"not a run directory: check it with `rlk-validate matrix {path}`")
+    return (f"{path} is not a run directory (none of {', '.join(RUN_MARKERS)} is there); "
+            "a matrix root is checked with `rlk-validate matrix DIR`")
+
+
 def validate_run(path: str | os.PathLike[str], options: Options | None = None) -> Report:
     """Check the run directory at ``path``; never writes anything."""
     opts = options or Options()
     run_dir = os.path.abspath(os.fspath(path))
     report = Report(run_dir=run_dir, options=opts.to_json())
-    why = unusable_reason(run_dir)
+    why = unusable_reason(run_dir) or not_a_run_reason(run_dir)
     if why:
         report.unusable = True
         report.findings.append(finding("INPUT_UNUSABLE", why, check="run"))
@@ -86,28 +102,7 @@ def validate_run(path: str | os.PathLike[str], options: Options | None = None) -
     f.extend(bf)
     report.bitwise, report.drift = bitwise, drift
     f.extend(check_metrics(root, info["rounds"], bitwise))
-    f.extend(check_bitwise_file(root, info["plan"], bitwise))
-    _check_complete(root, report)
+    f.extend(check_bitwise_file(root, info["plan"], bitwise, info["rounds"]))
+    report.inputs = dict(sorted(root.digests.items()))
+    check_complete(root, report)
     return report
-
-
-def _check_complete(root: Root, report: Report) -> None:
-    try:
-        if not root.lexists("COMPLETE"):
-            return
-        root.resolve("COMPLETE")
-    except InputError as e:
-        report.findings.append(e.finding)
-        return
-    if report.verdict != "passed":
-        report.findings.append(
-            finding(
-                "COMPLETE_UNJUSTIFIED",
-                f"COMPLETE exists, but the run is {report.verdict} on this check: "
-                "the seal is not supported by the evidence",
-                check="run",
-                path="COMPLETE",
-            )
-        )
-    else:
-        report.findings.append(finding("SEALED", "COMPLETE exists and the run passes", check="run", path="COMPLETE"))
