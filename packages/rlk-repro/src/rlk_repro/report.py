@@ -161,13 +161,15 @@ def load_runs(paths: list[str | Path]) -> Loaded:
             loaded.runs.append(load_run(p))
             continue
         loaded.matrix_roots.append(Path(p))
+        skipped = []
         for cell in cells:
             try:
                 loaded.runs.append(load_run(cell, cell=cell.name))
             except RlkConfigError as exc:
-                loaded.skipped.append(f"{cell}: {exc}")
-        if not any(r.path.parent == Path(p) for r in loaded.runs):
-            raise RlkConfigError(f"{p}: a matrix root without a readable cell ({'; '.join(loaded.skipped)})")
+                skipped.append(str(exc))  # the message starts with the cell's path
+        if len(skipped) == len(cells):
+            raise RlkConfigError(f"{p}: a matrix root without a readable cell ({'; '.join(skipped)})")
+        loaded.skipped += skipped
     labels = [r.label for r in loaded.runs]
     for r in loaded.runs:
         if labels.count(r.label) > 1:
