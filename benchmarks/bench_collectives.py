@@ -32,7 +32,7 @@ from rlk_collectives import all_reduce, reduce_scatter
 KiB, MiB = 1 << 10, 1 << 20
 LATENCY = (8 * KiB, 32 * KiB, 128 * KiB, 512 * KiB, 2 * MiB)
 BANDWIDTH = (16 * MiB, 32 * MiB, 64 * MiB, 128 * MiB, 256 * MiB)
-PATHS = ("gather", "gather_pipelined", "a2a")
+PATHS = ("gather", "a2a", "nccl2", "nccl2_raw")
 REPEATS = 30
 
 
@@ -140,7 +140,7 @@ def main() -> None:
                                                      if r["op"] == "all_reduce" and r["bytes"] >= 16 * MiB)}
         cols = [("op", "op"), ("bytes", "bytes"), ("nccl_ms", "NCCL ms"), ("rlk_ms", "rlk ms"),
                 ("nccl_busbw", "NCCL busbw GB/s"), ("rlk_busbw", "rlk busbw GB/s"), ("ratio", "NCCL/rlk"),
-                ("gather_ms", "gather ms"), ("gather_pipelined_ms", "pipelined ms"), ("a2a_ms", "a2a ms"),
+                ("gather_ms", "gather ms"), ("a2a_ms", "a2a ms"), ("nccl2_ms", "nccl2 ms"),
                 ("rlk_checked_ms", "rlk check=True ms"), ("graph_ratio", "graph NCCL/rlk"),
                 ("nccl_wall_us", "NCCL wall us"), ("rlk_wall_us", "rlk wall us")]
         write_results(os.environ.get("RLK_BENCH_OUT", "benchmarks/results/h200x2/collectives"), "collectives",

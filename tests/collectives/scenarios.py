@@ -33,7 +33,7 @@ def _inputs():
 
 SIZES = (1, 2, 7, 1023, 4099)
 N = 4099  # odd: not a multiple of any W > 1, so the all-to-all path pads
-PATHS = ("gather", "gather_pipelined", "a2a")
+PATHS = ("gather", "a2a")
 
 
 def cp_lengths(world: int) -> list[int]:

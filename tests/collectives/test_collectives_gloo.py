@@ -12,7 +12,7 @@ from rlk_collectives import BACKEND_ID, CONTRACT_ID, ZigzagLayout, reduce_refere
 WORLDS = (1, 2, 3, 4, 8)
 DTYPE_NAMES = ("bfloat16", "float16", "float32")
 N = 4099
-PATHS = ("gather", "gather_pipelined", "a2a")
+PATHS = ("gather", "a2a")
 PER_RANK = ("evidence", "rs0/", "rs1/", "grad/", "cp/q_positions", "cp/attn", "cp/k_grad", "cp/rs", "err/")
 
 

@@ -30,7 +30,7 @@ _spec.loader.exec_module(inputs)
 MiB = 1 << 20
 # element counts from 1 element to 256 MiB of bf16 (128 Mi elements); odd ones pad the all-to-all path
 SIZES = (1, 2, 3, 1023, 4099, 65539, 1 * MiB // 2 + 1, 4 * MiB, 16 * MiB + 5, 128 * MiB)
-PATHS = ("gather", "gather_pipelined", "a2a")
+PATHS = ("gather", "a2a")
 RESULTS: dict[str, tuple[bool, str]] = {}
 
 
@@ -94,13 +94,22 @@ def main() -> None:
                 check(f"identical/{dtype}/{n}", lambda xs=xs: on_both_ranks(all_reduce(xs[rank])))
                 check(f"slice/{dtype}/{n}", lambda xs=xs, ref=ref: same(all_reduce(xs[rank][1:-1]), ref[1:-1]))
             del xs, ref
-    for n in (2, 4100, 8 * MiB):
+    for n in (4, 4100, 8 * MiB):
         xs = gpu_bits(world, n, torch.bfloat16, seed=7 + n)
         ref = reduce_reference(xs)
         check(f"reduce_scatter/{n}", lambda xs=xs, ref=ref: same(rs(xs[rank].view(-1, 2), dim=0),
                                                                  ref.view(-1, 2).chunk(2)[rank].contiguous()))
         check(f"all_gather/{n}", lambda xs=xs: same(all_gather(xs[rank].view(-1, 2), dim=1),
                                                     torch.cat([x.view(-1, 2) for x in xs], 1)))
+    for dtype in inputs.DTYPES:  # the W = 2 NCCL-sum candidate: its bits, with and without canonical NaNs
+        xs = gpu_bits(world, 4 * MiB + 1, dtype, seed=21)
+        ref = reduce_reference(xs)
+        for p in ("nccl2", "nccl2_raw"):
+            check(f"candidate/{p}/{dtype}", lambda xs=xs, ref=ref, p=p: same(all_reduce(xs[rank], _path=p), ref))
+        raw = all_reduce(xs[rank], _path="nccl2_raw")
+        it = torch.int16 if dtype.itemsize == 2 else torch.int32
+        check(f"candidate/nan_bits/{dtype}", lambda raw=raw, it=it: (True, str(sorted(set(
+            raw[raw.isnan()].view(it).tolist()))[:8])))
     _cp(rank, world)
     _graphs(rank, world)
     torch.cuda.synchronize()

@@ -11,28 +11,24 @@ import torch
 import torch.distributed as dist
 
 from rlk_collectives._group import Group
-from rlk_collectives._tree import reduce_rows
+from rlk_collectives._tree import canonical_nan_, reduce_rows
 
 # Messages up to this many bytes are all-reduced by one all-gather of the whole message and the tree
-# on every rank (one collective: the lowest latency). Larger ones, for W > 2, go all-to-all -> tree on
-# the own chunk -> all-gather (2 (W-1)/W of the message per rank, as a ring all-reduce). At W = 2 both
-# move the same bytes per rank; the one-collective form is used at every size. A constant of size and
-# group size only: the bits are the same on every path (the same tree for every element).
-GATHER_MAX_BYTES = 1 << 20
-# Large one-collective all-reduces are cut into this many pieces so the tree of piece i overlaps the
-# all-gather of piece i + 1.
-PIPELINE_PIECES = 4
-PIPELINE_MIN_BYTES = 8 << 20
+# on every rank (one collective: the lowest latency). Larger ones go all-to-all -> tree on the own
+# chunk -> all-gather (2 (W-1)/W of the message per rank, as a ring all-reduce). A constant of size
+# only: the bits are the same on every path (the same tree for every element). Measured on 2 H200s
+# (benchmarks/results/h200x2/collectives): the two cross between 16 and 32 MiB.
+GATHER_MAX_BYTES = 16 << 20
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8)
 
 
-def _gather_into(out: torch.Tensor, inp: torch.Tensor, g: Group, async_op: bool = False):
+def _gather_into(out: torch.Tensor, inp: torch.Tensor, g: Group):
     # torch >= 2.13 names it all_gather_single (all_gather_into_tensor warns there); older torch has only the latter
     fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    return fn(_bytes(out), _bytes(inp), group=g.pg, async_op=async_op)
+    return fn(_bytes(out), _bytes(inp), group=g.pg)
 
 
 def all_gather_flat(flat: torch.Tensor, g: Group) -> torch.Tensor:
@@ -50,10 +46,8 @@ def all_to_all_flat(flat: torch.Tensor, g: Group) -> torch.Tensor:
 
 
 def all_reduce_path(nbytes: int, world: int) -> str:
-    """``"gather"``, ``"gather_pipelined"`` or ``"a2a"``: a pure function of message size and group size."""
-    if world <= 2 or nbytes <= GATHER_MAX_BYTES:
-        return "gather_pipelined" if nbytes >= PIPELINE_MIN_BYTES else "gather"
-    return "a2a"
+    """``"gather"`` or ``"a2a"``: a pure function of the message size (never of timing)."""
+    return "gather" if nbytes <= GATHER_MAX_BYTES else "a2a"
 
 
 def all_reduce_flat(flat: torch.Tensor, g: Group, path: str | None = None) -> torch.Tensor:
@@ -62,8 +56,12 @@ def all_reduce_flat(flat: torch.Tensor, g: Group, path: str | None = None) -> to
     path = path or all_reduce_path(n * flat.element_size(), w)
     if path == "gather":
         return reduce_rows(all_gather_flat(flat, g).view(w, n))
-    if path == "gather_pipelined":
-        return _all_reduce_pipelined(flat, g)
+    if path in ("nccl2", "nccl2_raw") and w == 2:
+        # candidate, not a default: at W = 2 NCCL's sum adds two values once (commutative, correctly
+        # rounded), which is the tree; measured here for its bits (NaN patterns) and speed
+        out = flat.clone()
+        dist.all_reduce(out, group=g.pg)
+        return canonical_nan_(out) if path == "nccl2" else out
     if path != "a2a":
         raise ValueError(f"unknown all-reduce path {path!r}")
     c = -(-n // w)
@@ -73,21 +71,6 @@ def all_reduce_flat(flat: torch.Tensor, g: Group, path: str | None = None) -> to
         send[:n] = flat
     mine = reduce_rows(all_to_all_flat(send, g).view(w, c))
     return all_gather_flat(mine, g)[:n]
-
-
-def _all_reduce_pipelined(flat: torch.Tensor, g: Group) -> torch.Tensor:
-    n, w = flat.numel(), g.size
-    bounds = [n * i // PIPELINE_PIECES for i in range(PIPELINE_PIECES + 1)]
-    pieces = [flat[a:b] for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
-    bufs = [torch.empty(w * p.numel(), dtype=flat.dtype, device=flat.device) for p in pieces]
-    works = [_gather_into(b, p, g, async_op=True) for b, p in zip(bufs, pieces)]
-    out = torch.empty_like(flat)
-    start = 0
-    for p, b, work in zip(pieces, bufs, works):
-        work.wait()
-        reduce_rows(b.view(w, p.numel()), out=out[start:start + p.numel()])
-        start += p.numel()
-    return out
 
 
 def reduce_scatter_rows(rows: torch.Tensor, g: Group) -> torch.Tensor:
