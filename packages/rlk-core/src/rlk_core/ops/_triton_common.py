@@ -76,19 +76,6 @@ def _lazy(module: str, attr: str) -> Callable[..., Any]:
     return call
 
 
-def kernels_if_selected(op: str, device: Any, args: tuple[Any, ...]) -> Any:
-    """``rlk_core.ops.<op>.triton`` when the registry would select ``rlk.triton`` for ``op`` with these
-    arguments, else None: helper ops (backward, vocab-parallel halves) that are not dispatched through
-    the registry use it so they always run the arithmetic the forward ran."""
-    if getattr(device, "type", device) != "cuda":
-        return None
-    from rlk_core.backends import REGISTRY
-
-    if REGISTRY.select(op, "cuda", args, strict=False).backend.id != BACKEND_ID:
-        return None
-    return importlib.import_module(f"rlk_core.ops.{op}.triton")
-
-
 def triton_backend(op: str, module: str | None = None, fn: str = "forward", supports: str = "supports") -> Backend:
     """The ``rlk.triton`` :class:`Backend` of ``op``. Its module (default ``rlk_core.ops.<op>.triton``)
     must define ``fn(*args)`` (the op's signature) and ``supports(*args) -> (ok, reason)``; ops that

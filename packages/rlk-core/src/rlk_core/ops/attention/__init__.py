@@ -29,10 +29,7 @@ from rlk_core.ops.attention.reference import (
     kv_cache_write_reference,
 )
 
-CONTRACT_ID = "rlk.attention.v1"
-
 __all__ = [
-    "CONTRACT_ID",
     "KV_BLOCK",
     "attention_decode",
     "attention_paged_prefill",

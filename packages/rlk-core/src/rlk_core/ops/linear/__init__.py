@@ -10,8 +10,6 @@ from rlk_core.ops._dispatch import call, custom_op, register_autograd, run
 from rlk_core.ops._layout import transpose_padded
 from rlk_core.ops.linear.reference import linear_reference
 
-CONTRACT_ID = "rlk.gemm.bi.v1"
-
 
 def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
     C.float_tensor(x, "linear", "x")

@@ -10,8 +10,6 @@ from rlk_core.ops._dispatch import call, custom_op, run
 from rlk_core.ops._grad import closed_form_backward
 from rlk_core.ops.rms_norm.reference import rms_norm_backward_reference, rms_norm_reference
 
-CONTRACT_ID = "rlk.rms_norm.v1"
-
 
 def _check(x: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
     C.float_tensor(x, "rms_norm", "x")

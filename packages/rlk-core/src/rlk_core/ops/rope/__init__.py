@@ -10,7 +10,6 @@ from rlk_core.ops._dispatch import call, custom_op, run
 from rlk_core.ops._grad import closed_form_backward
 from rlk_core.ops.rope.reference import rope_backward_reference, rope_cos_sin, rope_reference
 
-CONTRACT_ID = "rlk.rope.v1"
 MAX_POSITION = 1 << 24  # positions are exact in fp32 below this
 
 

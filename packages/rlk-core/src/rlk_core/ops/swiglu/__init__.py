@@ -10,8 +10,6 @@ from rlk_core.ops._dispatch import call, custom_op, run
 from rlk_core.ops._grad import closed_form_backward
 from rlk_core.ops.swiglu.reference import swiglu_backward_reference, swiglu_reference
 
-CONTRACT_ID = "rlk.swiglu.v1"
-
 
 def _check(x: torch.Tensor) -> None:
     C.float_tensor(x, "swiglu", "x")
