@@ -193,3 +193,37 @@ def test_doctor_reports_each_case_and_its_source(monkeypatch, capsys):
     cli.main(["doctor", "--device", "cpu", "--mode", "native"])
     first = capsys.readouterr().out.splitlines()[0]
     assert "logp R/P (RL_KERNEL_LOGP_CASE)" in first and "ffn P/P (--mode native)" in first
+
+
+# -- the CLI as a new user meets it ------------------------------------------------------------------------------
+def test_every_option_of_every_command_has_help_text():
+    import argparse
+
+    parser = cli.build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    for name, p in sub.choices.items():
+        for action in p._actions:
+            if isinstance(action, argparse._HelpAction):
+                continue
+            assert action.help and action.help.strip(), f"rlk-repro {name} {action.option_strings or action.dest}"
+
+
+def test_plan_into_a_closed_pipe_prints_no_broken_pipe_error():
+    proc = subprocess.Popen([sys.executable, "-m", "rlk_repro", "plan"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    proc.stdout.close()  # what `| head` does before the command has written anything
+    with proc.stderr:
+        err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 0
+    assert "BrokenPipe" not in err and "Traceback" not in err and "Exception ignored" not in err, err
+
+
+@pytest.mark.parametrize("args,prefix", [
+    (["matrix", "--cells", "bogus"], "rlk-repro matrix: error:"),
+    (["report", "/nonexistent/run"], "rlk-repro report: error:"),
+    (["plan", "--rounds", "1", "--checkpoint", "/nonexistent/model"], "rlk-repro plan: error:"),
+])
+def test_errors_name_the_command_that_failed(args, prefix, capsys):
+    assert cli.main(args) == cli.EXIT_USAGE
+    err = capsys.readouterr().err
+    assert err.startswith(prefix) and "run failed" not in err, err

@@ -106,6 +106,8 @@ def test_an_unreadable_cell_is_named_and_the_others_reported(matrix_root, tmp_pa
     shutil.copytree(matrix_root, root)
     (root / "logp-RP").mkdir()  # a cell that failed before writing anything
     assert cli.main(["report", str(root), "--output", str(tmp_path / "out")]) == cli.EXIT_OK
+    err = capsys.readouterr().err
+    assert "rlk-repro report: matrix cell not reported:" in err and "logp-RP" in err
     doc = json.loads((tmp_path / "out" / "metrics-summary.json").read_text())
     assert len(doc["runs"]) == 3 and len(doc["skipped"]) == 1 and "logp-RP" in doc["skipped"][0]
     assert "logp-RP" in (tmp_path / "out" / "metrics-summary.md").read_text().split("Not reported")[1]

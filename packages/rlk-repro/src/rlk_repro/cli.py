@@ -86,14 +86,18 @@ def build_parser() -> argparse.ArgumentParser:
                        "rlk-validate and plotting; --selfcheck adds the op contract checks on the device.")
     d.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda when available)")
     _plan_options(d)
-    d.add_argument("--selfcheck", action="store_true", help="also run rlk-selfcheck's contract checks (seconds)")
+    d.add_argument("--selfcheck", action="store_true",
+                   help="also run rlk-selfcheck's contract checks on the device (about 10 s on a 2-core CPU)")
     d.add_argument("--json", metavar="FILE", help="also write the result as JSON")
     d.add_argument("--debug", action="store_true", help="show tracebacks")
-    rp = sub.add_parser("report", help="plots and a summary table of one or more run directories",
+    rp = sub.add_parser("report", help="plots and a summary table of run directories and matrix roots",
                         description="consistency.png, learning.png, optimization.png, performance.png and "
-                        "metrics-summary.md/.json for the given runs (e.g. a native and a consistency run).")
-    rp.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
-    rp.add_argument("--output", default=None, help="where to write (default: RUN_DIR/report for a single run)")
+                        "metrics-summary.md/.json for the given runs (e.g. a native and a consistency run); a matrix "
+                        "root stands for its cells, side by side, and adds matrix.png.")
+    rp.add_argument("run_dirs", nargs="+", metavar="RUN_DIR",
+                    help="run directories and/or matrix roots (rlk-repro matrix's output)")
+    rp.add_argument("--output", default=None,
+                    help="where to write (default: the report/ folder of a single run directory or matrix root)")
     rp.add_argument("--debug", action="store_true", help="show tracebacks")
     return p
 
@@ -131,7 +135,7 @@ def _experiment_options(r: argparse.ArgumentParser) -> None:
     r.add_argument("--temperature", type=float, default=1.0, help="sampling temperature, > 0 (1.0)")
     r.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling threshold in (0, 1] (0.95)")
     r.add_argument("--top-k", type=int, default=0, help="top-k sampling, 0 = off (0)")
-    r.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw")
+    r.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw", help="optimizer of the trainer (adamw)")
     r.add_argument("--lr", type=float, default=1e-3, help="learning rate (1e-3)")
     r.add_argument("--threads", type=_positive, default=None,
                    help="torch CPU threads (default 1 on cpu: the small ops of a tiny model lose more to OpenMP "
@@ -225,9 +229,8 @@ def _cell_finished(path) -> bool:
 
 
 def _cmd_matrix(a: argparse.Namespace, argv: Sequence[str]) -> int:
-    from pathlib import Path
-
     import os
+    from pathlib import Path
 
     from rlk_core import envs, routes
     from rlk_core.plan import MODULES, RoutePlan
@@ -318,11 +321,13 @@ def _cmd_doctor(a: argparse.Namespace) -> int:
 def _cmd_report(a: argparse.Namespace) -> int:
     from rlk_repro.report import SUMMARY_COLUMNS, write_report
 
-    summaries, written, skipped = write_report(a.run_dirs, a.output)
+    summaries, written, no_plots, cells_skipped = write_report(a.run_dirs, a.output)
     for s in summaries:
         print("  ".join(f"{h}: {s[k]:.4g}" if isinstance(s[k], float) else f"{h}: {s[k]}" for k, h in SUMMARY_COLUMNS))
-    if skipped:
-        print(f"rlk-repro: plots skipped: {skipped}", file=sys.stderr)
+    for cell in cells_skipped:
+        print(f"rlk-repro report: matrix cell not reported: {cell}", file=sys.stderr)
+    if no_plots:
+        print(f"rlk-repro report: plots skipped: {no_plots}", file=sys.stderr)
     for path in written:
         print(f"wrote {path}")
     return EXIT_OK
@@ -330,7 +335,20 @@ def _cmd_report(a: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        code = _main(argv)
+        sys.stdout.flush()
+        return code
+    except BrokenPipeError:  # `rlk-repro plan | head`: the reader left; say nothing more
+        import os
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_OK
+
+
+def _main(argv: list[str]) -> int:
     debug = "--debug" in argv
+    name = "rlk-repro" + next((f" {c}" for c in argv if c in ("run", "plan", "matrix", "doctor", "report")), "")
     try:
         a = build_parser().parse_args(argv)
         if a.command is None:
@@ -349,21 +367,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     except RlkConfigError as exc:
         if debug:
             raise
-        print(f"rlk-repro: error: {exc}", file=sys.stderr)
+        print(f"{name}: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
     except RlkError as exc:
         if debug:
             raise
-        print(f"rlk-repro: run failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+        print(f"{name}: failed: {type(exc).__name__}: {exc}", file=sys.stderr)
         return EXIT_FAILED
     except KeyboardInterrupt:
-        print("rlk-repro: interrupted", file=sys.stderr)
-        return 130
+        print(f"{name}: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except BrokenPipeError:
+        raise
     except Exception as exc:  # a bug or an environment failure: one line here, --debug for the traceback
         if debug:
             raise
-        print(f"rlk-repro: run failed: {type(exc).__name__}: {exc} (rerun with --debug for a traceback)",
-              file=sys.stderr)
+        print(f"{name}: failed: {type(exc).__name__}: {exc} (rerun with --debug for a traceback)", file=sys.stderr)
         return EXIT_FAILED
 
 

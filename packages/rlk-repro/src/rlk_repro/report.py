@@ -535,10 +535,11 @@ def write_matrix_plot(runs: list[RunMetrics], styles: list[dict[str, Any]], out:
     save_png(fig, out / "matrix.png")
 
 
-def write_report(run_dirs: list[str], output: str | None) -> tuple[list[dict[str, Any]], list[Path], str | None]:
+def write_report(run_dirs: list[str], output: str | None
+                 ) -> tuple[list[dict[str, Any]], list[Path], str | None, list[str]]:
     """Load the runs (a matrix root stands for its cells), write the summary (and the plots when
     matplotlib is there) into ``output`` (default: the ``report/`` folder of a single run or matrix root).
-    Returns ``(summaries, files written, why plots were skipped)``."""
+    Returns ``(summaries, files written, why plots were skipped, matrix cells not reported and why)``."""
     loaded = load_runs(run_dirs)
     runs = loaded.runs
     if output is None:
@@ -559,5 +560,5 @@ def write_report(run_dirs: list[str], output: str | None) -> tuple[list[dict[str
     import importlib.util
 
     if importlib.util.find_spec("matplotlib") is None:
-        return summaries, written, "matplotlib is not installed (pip install 'rlk-validate[plot]')"
-    return summaries, written + write_plots(runs, out, matrix=bool(loaded.matrix_roots)), None
+        return summaries, written, "matplotlib is not installed (pip install 'rlk-validate[plot]')", loaded.skipped
+    return summaries, written + write_plots(runs, out, matrix=bool(loaded.matrix_roots)), None, loaded.skipped

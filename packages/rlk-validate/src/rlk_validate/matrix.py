@@ -14,7 +14,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import __version__
+from . import __version__, evidence
 from .evidence import (
     MANIFEST,
     MATRIX_REPORT_JSON,
@@ -176,8 +176,8 @@ def validate_matrix(
         return rep
     seen = set()
     for name in names:
-        if name in (JSON_NAME, MD_NAME) or name.startswith("."):
-            continue
+        if name in (JSON_NAME, MD_NAME, evidence.REPORT_DIR) or name.startswith("."):
+            continue  # the matrix's own reports (rlk-validate matrix --write, rlk-repro report ROOT)
         try:
             is_dir = root.is_dir(name)
         except InputError as e:
