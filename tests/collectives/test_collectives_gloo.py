@@ -154,4 +154,5 @@ def test_each_call_is_reported_to_the_readback_scope(group_results):
         assert attn["cp_all_gather"]["call_count"] == 1
         for rec in (ffn["all_reduce"], ffn["reduce_scatter"], attn["cp_all_gather"]):
             assert (rec["backend_id"], rec["contract_id"], rec["fallback"]) == (BACKEND_ID, CONTRACT_ID, False)
-            assert rec["execution_mode"] == "eager"
+            assert rec["execution_mode"] == "eager" and rec["provenance"] == {"world_size": 2}
+    assert CONTRACT_ID == "rlk.collective.v1"

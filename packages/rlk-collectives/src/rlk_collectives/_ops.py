@@ -16,9 +16,10 @@ import torch.distributed as dist
 from rlk_collectives import _transport as T
 from rlk_collectives._group import Group, check_agreement, check_local, resolve
 from rlk_collectives._tree import reduce_rows
+from rlk_core.contracts import COLLECTIVE_CONTRACT
 from rlk_core.readback import note_op_call
 
-CONTRACT_ID = "rlk.collective.v1"
+CONTRACT_ID = COLLECTIVE_CONTRACT
 BACKEND_ID = "rlk.collectives.torch_distributed"
 
 Tensor = torch.Tensor
@@ -36,7 +37,8 @@ def prepare(op: str, x: Tensor, group: dist.ProcessGroup | None, check: bool, *,
         check_agreement(op, x, g, dim, digest, reduces, dim_rule)
     else:
         check_local(op, x, g, dim, reduces, dim_rule)
-    note_op_call(op, BACKEND_ID, CONTRACT_ID, None, "graph" if _capturing(x) else "eager")
+    note_op_call(op, BACKEND_ID, CONTRACT_ID, None, "graph" if _capturing(x) else "eager",
+                 {"world_size": g.size})
     return g
 
 

@@ -40,3 +40,7 @@ COMPANION_OF: dict[str, str] = {
     "linear_logprobs_backward": "linear_logprobs",
     "linear_logp_partials": "linear_logprobs",
 }
+
+# collectives (rlk_collectives) report under this contract id; they are not registry ops
+COLLECTIVE_CONTRACT = "rlk.collective.v1"
+COLLECTIVE_OPS = ("all_reduce", "reduce_scatter", "all_gather", "cp_all_gather", "cp_reduce_scatter")

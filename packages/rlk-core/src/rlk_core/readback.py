@@ -229,12 +229,13 @@ class ReadbackRecorder:
 
 
 def note_op_call(op: str, backend_id: str, contract_id: str, fallback_reason: str | None,
-                 execution_mode: str) -> None:
-    """Called by every rlk op once per call: count it in the active scope, apply the policy."""
+                 execution_mode: str, provenance: dict[str, Any] | None = None) -> None:
+    """Called by every rlk op and collective once per call: count it in the active scope (with
+    ``provenance`` such as a collective's world size), apply the policy."""
     scope = _ACTIVE.get()
     if scope is not None:
         scope.recorder.count(scope.module, op, backend_id, contract_id, fallback_reason=fallback_reason,
-                             execution_mode=execution_mode)
+                             execution_mode=execution_mode, provenance=provenance)
     elif fallback_reason is not None and envs.get("RL_KERNEL_MODE") == "strict":
         raise RlkPolicyError(f"op {op!r} fell back to {backend_id!r} in strict mode: {fallback_reason}")
 
