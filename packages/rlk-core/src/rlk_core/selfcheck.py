@@ -9,7 +9,6 @@ pass/fail) and writes JSON (``rlk.selfcheck.v1``) with ``--json``. Exit status 0
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import sys
 import time
@@ -113,7 +112,9 @@ def main(argv: list[str] | None = None) -> int:
     print(format_table(report))
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+        from rlk_validate.evidence import write_json_atomic
+
+        write_json_atomic(args.json, report)
         print(f"report written to {args.json}")
     return 0 if report["passed"] else 1
 

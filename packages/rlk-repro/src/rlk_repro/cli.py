@@ -299,7 +299,6 @@ def _cmd_plan(a: argparse.Namespace, argv: Sequence[str]) -> int:
 
 
 def _cmd_doctor(a: argparse.Namespace) -> int:
-    import json
 
     import torch
 
@@ -313,8 +312,9 @@ def _cmd_doctor(a: argparse.Namespace) -> int:
           + ", ".join(f"{m} {c['case']} ({c['source']})" for m, c in resolved.as_dict().items()))
     print(format_checks(checks))
     if a.json:
-        with open(a.json, "w", encoding="utf-8") as fh:
-            json.dump(as_json(checks, device, plan), fh, indent=1)
+        from rlk_validate.evidence import write_json_atomic
+
+        write_json_atomic(a.json, as_json(checks, device, plan), indent=1)
     return EXIT_MISMATCH if any(c.status == FAIL for c in checks) else EXIT_OK
 
 

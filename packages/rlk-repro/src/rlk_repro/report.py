@@ -33,9 +33,9 @@ from pathlib import Path
 from typing import Any
 
 from rlk_core.errors import RlkConfigError
+from rlk_validate import evidence
+from rlk_validate.evidence import METRICS_SCHEMA, MODULES
 
-METRICS_SCHEMA = "rlk.metrics.v1"
-MODULES = ("attention", "ffn", "logp")
 DPI = 100
 
 
@@ -554,7 +554,7 @@ def write_report(run_dirs: list[str], output: str | None
     summaries = [summarize(r) for r in runs]
     doc = {"schema": "rlk.repro-report.v1", "runs": summaries, "matrix_roots": [str(p) for p in loaded.matrix_roots],
            "skipped": loaded.skipped}
-    (out / "metrics-summary.json").write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8")
+    evidence.write_json_atomic(out / "metrics-summary.json", doc, indent=1)
     (out / "metrics-summary.md").write_text(summary_markdown(summaries, loaded.skipped), encoding="utf-8")
     written = [out / "metrics-summary.json", out / "metrics-summary.md"]
     import importlib.util
