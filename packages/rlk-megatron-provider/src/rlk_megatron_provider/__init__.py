@@ -1,33 +1,112 @@
 """rlk-megatron-provider: the train side of rlk's routes inside Megatron-core.
 
-Importing has no side effects. :func:`initialize_from_environment` is the init hook an orchestrator
-calls (e.g. through ``--custom-megatron-init-path``); this version has no train-side rlk layers yet,
-so it refuses plans that ask for them instead of pretending.
+Importing has no side effects (megatron.core is imported only when a function needs it). Entry points,
+all idempotent:
+
+- :func:`install` — ``--custom-megatron-init-path rlk_megatron_provider.install`` (slime / VIME call it as
+  ``fn(args)`` at the end of Megatron's initialisation, in every training process): reads the plan from
+  ``RL_KERNEL_*``, checks the Megatron version, builds the readback recorder and, for an R ``logp``,
+  binds slime's log-prob function when slime is importable;
+- :func:`initialize_from_environment` — the same for plain Megatron-core scripts;
+- :func:`layer_spec` / :func:`block_spec` / :func:`prepare_model` — the layer spec with rlk in the R
+  modules' slots (stock slots kept for P modules) and the post-build step (see
+  :mod:`rlk_megatron_provider.spec`);
+- :func:`linear_logp` — VIME's ``--linear-logp-provider`` callable.
+
+Strict mode (``RL_KERNEL_MODE=strict``): an R module that cannot be installed raises
+:class:`~rlk_core.errors.RlkPolicyError` naming the module and the reason; audit mode records the
+fallback in the readback and leaves Megatron's layers in place.
 """
 
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 __version__ = "0.1.0"
 log = logging.getLogger("rlk.megatron")
 
 
-def initialize_from_environment() -> None:
-    """Install the train side of the route plan read from ``RL_KERNEL_*``.
+def initialize_from_environment():
+    """Install the train side of the plan read from ``RL_KERNEL_*`` in this process; returns the
+    provider state (plan, recorder, routes). Calling it again returns the same state."""
+    import torch.distributed as dist
 
-    All train sides ``P``: no-op (Megatron stays as built). Any train side ``R``: raises
-    :class:`~rlk_core.errors.RlkPolicyError` in strict mode, logs the missing route in audit mode.
-    """
-    from rlk_core import envs
-    from rlk_core.errors import RlkPolicyError
     from rlk_core.plan import MODULES, RoutePlan
+    from rlk_megatron_provider import _state
 
+    st = _state.current()
+    if st is not None:
+        return st
     plan = RoutePlan.from_env()
+    ready = dist.is_available() and dist.is_initialized()
+    st = _state.build(plan, None, dist.get_rank() if ready else 0, dist.get_world_size() if ready else 1)
     wanted = [m for m in MODULES if plan.uses_rlk(m, "train")]
     if wanted:
-        message = (f"rlk-megatron-provider {__version__} cannot install rlk train routes yet; "
-                   f"plan asks R on the train side of: {', '.join(wanted)}")
-        if envs.get("RL_KERNEL_MODE") == "strict":
-            raise RlkPolicyError(message)
-        log.warning("rlk audit: %s (Megatron production layers stay in place)", message)
+        try:
+            from rlk_megatron_provider import _compat
+        except ImportError as exc:
+            for m in wanted:
+                st.refuse(m, f"megatron.core cannot be imported: {exc}")
+            return st
+        ok, reason = _compat.supported()
+        if not ok:
+            for m in wanted:
+                st.refuse(m, reason)
+        st.recorder.add_hook("rlk_megatron_provider", reason, "init")
+    return st
+
+
+def install(args: Any = None):
+    """``--custom-megatron-init-path rlk_megatron_provider.install``: :func:`initialize_from_environment`
+    plus, for an R ``logp``, the slime binding (when slime is importable). ``args`` (Megatron's
+    namespace) is read for checks only."""
+    from rlk_megatron_provider import _state, patches
+
+    st = initialize_from_environment()
+    if args is not None and st.rlk("logp"):
+        if getattr(args, "sequence_parallel", False):
+            st.refuse("logp", "sequence_parallel=True is not covered by this version")
+    if st.rlk("logp"):
+        patches.bind_slime_logprobs()
+    _state.get().recorder.add_hook("install", "--custom-megatron-init-path", "init")
+    return st
+
+
+def layer_spec(config, *, rope_theta: float, base=None):
+    """See :func:`rlk_megatron_provider.spec.rlk_layer_spec`."""
+    from rlk_megatron_provider import spec
+
+    initialize_from_environment()
+    return spec.rlk_layer_spec(config, rope_theta=rope_theta, base=base)
+
+
+def block_spec(config, *, rope_theta: float, base=None):
+    """See :func:`rlk_megatron_provider.spec.rlk_block_spec` (pass it as ``GPTModel``'s
+    ``transformer_layer_spec``)."""
+    from rlk_megatron_provider import spec
+
+    initialize_from_environment()
+    return spec.rlk_block_spec(config, rope_theta=rope_theta, base=base)
+
+
+def prepare_model(model):
+    """See :func:`rlk_megatron_provider.spec.prepare_model`; call it on every built ``GPTModel``."""
+    from rlk_megatron_provider import spec
+
+    initialize_from_environment()
+    return spec.prepare_model(model)
+
+
+def linear_logp(request):
+    """VIME's provider callable; see :func:`rlk_megatron_provider.logp.linear_logp`."""
+    from rlk_megatron_provider import logp
+
+    return logp.linear_logp(request)
+
+
+def flush_readback(directory=None):
+    """Write this process's readback now (it is also written at exit)."""
+    from rlk_megatron_provider import _state
+
+    return _state.get().recorder.flush(directory)

@@ -1,0 +1,179 @@
+"""Core attention for Megatron's layer spec on ``rlk_core.ops.attention_varlen``, RoPE on ``rope``.
+
+:class:`RlkSelfAttention` is Megatron's ``SelfAttention`` with one change: it does not apply Megatron's
+rotary embedding; :class:`RlkCoreAttention` (the spec's ``core_attention``) applies ``rlk_core.ops.rope``
+at each token's absolute position and then runs ``attention_varlen``. Layouts:
+
+- ``sbhd`` (``packed_seq_params=None``): ``[sq, b, heads, hd]``, causal, every row a sequence from 0;
+- packed THD (``packed_seq_params.qkv_format == 'thd'``, ``[t, heads, hd]``, global ``cu_seqlens``), as
+  slime feeds it — what Megatron's local ``DotProductAttention`` refuses;
+- context parallel (CP group size > 1) in Megatron's zigzag layout: local Q stays, K/V are gathered
+  through :func:`rlk_collectives.cp_all_gather_kv` (their gradients come back through the rlk
+  reduce-scatter) and each query carries its global position (``q_positions``). The attention contract
+  makes CP k bitwise equal to CP 1.
+"""
+
+from __future__ import annotations
+
+import torch
+
+import rlk_collectives
+from rlk_core.errors import RlkPolicyError
+from rlk_megatron_provider import _compat, _state
+
+Tensor = torch.Tensor
+
+
+def config_problems(config) -> list[str]:
+    """Why the attention module of a model with this config cannot run rlk (empty: it can)."""
+    out = []
+    if getattr(config, "attention_dropout", 0.0):
+        out.append(f"attention_dropout={config.attention_dropout} (rlk attention has no dropout)")
+    if getattr(config, "rotary_interleaved", False):
+        out.append("rotary_interleaved=True (rlk RoPE is the rotate-half layout)")
+    if getattr(config, "multi_latent_attention", False):
+        out.append("multi-latent attention is not covered")
+    if getattr(config, "attention_output_gate", False):
+        out.append("attention_output_gate is not covered")
+    if getattr(config, "no_rope_freq", None):
+        out.append("no_rope_freq (layers without RoPE) is not covered")
+    if getattr(config, "window_size", None) is not None:
+        out.append("sliding-window attention is not covered")
+    if getattr(config, "softmax_type", "vanilla") not in ("vanilla", None):
+        out.append(f"softmax_type={config.softmax_type!r} is not covered")
+    if getattr(config, "flash_decode", False):
+        out.append("flash_decode (an inference path) is not covered")
+    return out
+
+
+class RlkSelfAttention(_compat.SelfAttention):
+    """``SelfAttention`` that leaves RoPE to :class:`RlkCoreAttention` (rlk's RoPE, not Megatron's)."""
+
+    def forward(self, hidden_states, attention_mask=None, *args, **kwargs):
+        if args:
+            raise TypeError("RlkSelfAttention takes hidden_states and attention_mask positionally, the rest "
+                            "by keyword")
+        if kwargs.get("inference_context") is not None or kwargs.get("inference_params") is not None:
+            _unsupported("Megatron inference contexts (KV cache) are not covered")
+        rotary = kwargs.pop("rotary_pos_emb", None)
+        self.core_attention.apply_rope = rotary is not None
+        return super().forward(hidden_states, attention_mask, rotary_pos_emb=None, **kwargs)
+
+
+def _positions(cu: list[int], device) -> Tensor:
+    return torch.cat([torch.arange(e - s, device=device) for s, e in zip(cu[:-1], cu[1:])]) if cu[-1] else \
+        torch.zeros(0, dtype=torch.int64, device=device)
+
+
+class RlkCoreAttention(_compat.MegatronModule):
+    """The spec's ``core_attention``: constructed and called as Megatron's core attentions are
+    (unknown keyword arguments accepted and ignored), plus ``rope_theta`` from the spec's params."""
+
+    def __init__(self, config, layer_number: int, attn_mask_type=None, attention_type: str = "self",
+                 attention_dropout: float | None = None, softmax_scale: float | None = None,
+                 cp_comm_type: str | None = None, pg_collection=None, *, rope_theta: float, **kwargs):
+        super().__init__(config=config)
+        self.layer_number, self.rope_theta = layer_number, float(rope_theta)
+        self.pg_collection = pg_collection
+        self.head_dim = config.kv_channels
+        self.scale = float(softmax_scale) if softmax_scale is not None else self.head_dim ** -0.5
+        self.apply_rope = True
+        self._layouts: dict[tuple, rlk_collectives.ZigzagLayout] = {}
+        problems = config_problems(config)
+        if attention_type != "self":
+            problems.append(f"attention_type={attention_type!r} (rlk covers causal self-attention)")
+        if attn_mask_type is not None and attn_mask_type != _compat.AttnMaskType.causal:
+            problems.append(f"attn_mask_type={attn_mask_type} (rlk covers causal masks)")
+        if attention_dropout:
+            problems.append(f"attention_dropout={attention_dropout}")
+        if problems:
+            _state.get().refuse("attention", "RlkCoreAttention: " + "; ".join(problems))
+            raise _compat_error("attention", problems)
+
+    def _cp_group(self):
+        g = getattr(self.pg_collection, "cp", None) if self.pg_collection is not None else None
+        return g if g is not None else _compat.parallel_state.get_context_parallel_group()
+
+    def forward(self, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None = None,
+                attn_mask_type=None, attention_bias: Tensor | None = None, packed_seq_params=None, **kwargs):
+        routes = _state.get().routes
+        if attention_bias is not None:
+            _unsupported("attention_bias is not covered")
+        if attn_mask_type is not None and attn_mask_type != _compat.AttnMaskType.causal:
+            _unsupported(f"attn_mask_type={attn_mask_type} at call time")
+        cp_group = self._cp_group()
+        cp = cp_group.size() if cp_group is not None else 1
+        if packed_seq_params is None:
+            if cp > 1:
+                _unsupported("context parallelism needs packed THD batches")
+            sq, b, hq, d = query.shape
+            _check_causal_mask(attention_mask, sq)
+            q, k, v = (x.transpose(0, 1).reshape(b * sq, x.shape[2], d) for x in (query, key, value))
+            cu = list(range(0, b * sq + 1, sq)) if sq else [0] * (b + 1)
+        else:
+            if packed_seq_params.qkv_format != "thd":
+                _unsupported(f"packed qkv_format={packed_seq_params.qkv_format!r}")
+            cu = [int(c) for c in packed_seq_params.cu_seqlens_q.tolist()]
+            _check_packed(packed_seq_params, cu)
+            q, k, v = query, key, value
+        with routes.scope("attention"):
+            if cp > 1:
+                layout = self._layout(cu, cp, q.device)
+                pos = layout.q_positions(cp_group.rank())
+                cu_q = torch.tensor(layout.local_cu_seqlens, dtype=torch.int32, device=q.device)
+            else:
+                pos = _positions(cu, q.device)
+                cu_q = torch.tensor(cu, dtype=torch.int32, device=q.device)
+            if self.apply_rope:
+                q = routes.call("attention", "rope", q, pos, self.rope_theta)
+                k = routes.call("attention", "rope", k, pos, self.rope_theta)
+            if cp > 1:
+                k, v = rlk_collectives.cp_all_gather_kv(k, v, layout, cp_group)
+                cu_k = torch.tensor(cu, dtype=torch.int32, device=q.device)
+                o = routes.call("attention", "attention_varlen", q, k, v, cu_q, cu_k, self.scale, causal=True,
+                                q_positions=pos)
+            else:
+                o = routes.call("attention", "attention_varlen", q, k, v, cu_q, cu_q, self.scale, causal=True)
+        if packed_seq_params is None:
+            return o.reshape(b, sq, -1).transpose(0, 1)
+        return o.reshape(o.shape[0], -1)
+
+    def _layout(self, cu: list[int], cp: int, device) -> rlk_collectives.ZigzagLayout:
+        key = (tuple(cu), cp, str(device))
+        layout = self._layouts.get(key)
+        if layout is None:
+            self._layouts.clear()  # one batch at a time: keep the newest only
+            layout = self._layouts[key] = rlk_collectives.ZigzagLayout.build(cu, cp, device)
+        return layout
+
+
+def _unsupported(reason: str) -> None:
+    """A batch the installed R attention cannot compute: always an error (there is no production layer to
+    fall back to at call time, and running rlk on it would break the contract)."""
+    raise RlkPolicyError(f"rlk-megatron-provider, module 'attention': {reason}")
+
+
+def _compat_error(module: str, problems: list[str]) -> Exception:
+    # reached only in audit mode, where the spec should not have placed this class
+    return RlkPolicyError(f"{module}: RlkCoreAttention placed although its R route fell back: "
+                                 + "; ".join(problems))
+
+
+def _check_causal_mask(mask: Tensor | None, sq: int) -> None:
+    """sbhd batches: only ``None`` or Megatron's causal mask (True = masked) is the rlk contract."""
+    if mask is None:
+        return
+    causal = torch.triu(torch.ones(sq, sq, dtype=torch.bool, device=mask.device), diagonal=1)
+    if mask.dtype != torch.bool or not bool((mask == causal).all()):
+        _unsupported("an attention_mask other than the causal mask (padding masks are not "
+                                         "covered; pack the batch as THD instead)")
+
+
+def _check_packed(p, cu: list[int]) -> None:
+    kv = p.cu_seqlens_kv
+    if kv is not None and [int(c) for c in kv.tolist()] != cu:
+        _unsupported("cu_seqlens_kv != cu_seqlens_q (cross/prefix attention) is not covered")
+    for name in ("cu_seqlens_q_padded", "cu_seqlens_kv_padded"):
+        t = getattr(p, name, None)
+        if t is not None and [int(c) for c in t.tolist()] != cu:
+            _unsupported(f"{name} differs from cu_seqlens_q (padded THD) and is not covered")

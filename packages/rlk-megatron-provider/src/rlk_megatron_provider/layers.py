@@ -1,0 +1,202 @@
+"""Megatron layers whose arithmetic is rlk's: parallel linears, RMSNorm, the SwiGLU MLP.
+
+Each class subclasses the Megatron layer it stands in for (same constructor, parameters, sharding
+attributes and state-dict keys) and replaces only ``forward``: the GEMM is ``rlk_core.ops.linear``, the
+norm ``rms_norm``, the activation ``swiglu``, each called through the train-side routes of
+:mod:`rlk_core.routes` under the module (``attention``, ``ffn`` or ``logp``) the layer belongs to, so
+every call reports its backend and contract to the readback. The tensor-parallel communication around
+them goes through :mod:`rlk_collectives` (contract ``rlk.collective.v1``) with Megatron's gradient
+conventions:
+
+============================  ==================================  =====================================
+layer                         forward                             backward
+============================  ==================================  =====================================
+column-parallel input         identity                            rlk all-reduce of the input gradient
+column-parallel gathered out  rlk all-gather (last dim, exact)    own slice of the gradient
+row-parallel output           rlk all-reduce of the partial sums  identity
+============================  ==================================  =====================================
+
+Nothing here computes: every floating-point operation is an rlk op or an rlk collective.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+import rlk_collectives
+from rlk_core.errors import RlkPolicyError
+from rlk_megatron_provider import _compat, _state
+
+Tensor = torch.Tensor
+
+
+def _tp(group) -> int:
+    return 1 if group is None else group.size()
+
+
+class _CopyToTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, module):
+        ctx.group, ctx.module = group, module
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        with _state.get().routes.scope(ctx.module):
+            return rlk_collectives.all_reduce(grad.detach(), ctx.group), None, None
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, module):
+        with _state.get().routes.scope(module):
+            return rlk_collectives.all_reduce(x.detach(), group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None, None
+
+
+class _GatherLastDim(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, module):
+        ctx.rank, ctx.width = group.rank(), x.shape[-1]
+        with _state.get().routes.scope(module):
+            return rlk_collectives.all_gather(x.detach(), group, dim=-1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        start = ctx.rank * ctx.width
+        return grad[..., start:start + ctx.width].contiguous(), None, None
+
+
+def copy_to_tp(x: Tensor, group, module: str) -> Tensor:
+    return _CopyToTP.apply(x, group, module) if _tp(group) > 1 else x
+
+
+def reduce_from_tp(x: Tensor, group, module: str) -> Tensor:
+    return _ReduceFromTP.apply(x, group, module) if _tp(group) > 1 else x
+
+
+def gather_last_dim(x: Tensor, group, module: str) -> Tensor:
+    return _GatherLastDim.apply(x, group, module) if _tp(group) > 1 else x
+
+
+def linear_problems(layer, config) -> list[str]:
+    """Why a Megatron parallel linear cannot run the rlk route (empty: it can)."""
+    out = []
+    if getattr(layer, "bias", None) is not None:
+        out.append("the layer has a bias (add_bias_linear): rlk linears cover bias-free (Qwen3-style) layers")
+    if getattr(config, "sequence_parallel", False):
+        out.append("sequence_parallel=True is not covered by this version")
+    if getattr(layer, "gradient_accumulation_fusion", False):
+        out.append("gradient_accumulation_fusion (a fused CUDA wgrad kernel) is requested")
+    if getattr(layer, "is_expert", False) or getattr(layer, "explicit_expert_comm", False):
+        out.append("expert (MoE) linears are not covered")
+    if getattr(config, "tp_comm_overlap", False):
+        out.append("tp_comm_overlap (TE userbuffers) is requested")
+    if getattr(config, "fp8", None):
+        out.append(f"fp8={config.fp8!r} is requested (a TE feature)")
+    return out
+
+
+class _RlkLayer:
+    """Shared bookkeeping: which module the layer belongs to and whether it runs rlk."""
+
+    def _rlk_setup(self, module: str, problems: list[str]) -> None:
+        st = _state.get()
+        self.rlk_module = module
+        self.rlk_active = st.rlk(module)
+        if self.rlk_active and problems:
+            self.rlk_active = st.refuse(module, f"{type(self).__name__}: " + "; ".join(problems))
+
+    def _production(self, op: str) -> None:
+        _state.get().routes.production(self.rlk_module, op, f"{_state.PRODUCTION}.{type(self).__mro__[1].__name__}")
+
+
+class RlkColumnParallelLinear(_RlkLayer, _compat.ColumnParallelLinear):
+    """``ColumnParallelLinear`` on ``rlk_core.ops.linear``; built with ``rlk_module=`` (spec params)."""
+
+    def __init__(self, *args, rlk_module: str, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._rlk_setup(rlk_module, linear_problems(self, self.config))
+
+    def forward(self, input_: Tensor, weight: Tensor | None = None, runtime_gather_output: bool | None = None):
+        if not self.rlk_active:
+            self._production("linear")
+            return super().forward(input_, weight=weight, runtime_gather_output=runtime_gather_output)
+        w = self.weight if weight is None else weight
+        group = _compat.tp_group_of(self)
+        x = copy_to_tp(input_, group, self.rlk_module)
+        y = self._gemm(x, w)
+        gather = self.gather_output if runtime_gather_output is None else runtime_gather_output
+        if gather:
+            y = gather_last_dim(y, group, self.rlk_module)
+        return y, None
+
+
+    def _gemm(self, x: Tensor, w: Tensor) -> Tensor:
+        return _state.get().routes.call(self.rlk_module, "linear", x, w)
+
+
+class RlkRowParallelLinear(_RlkLayer, _compat.RowParallelLinear):
+    """``RowParallelLinear`` on ``rlk_core.ops.linear`` + the rlk all-reduce of the partial sums.
+
+    Under TP the result is ``tree_sum_fp32`` over ranks of each rank's rlk GEMM over its K shard (one
+    rounding): bitwise what a TP-k rollout computes, not what TP 1 computes (the K reduction differs)."""
+
+    def __init__(self, *args, rlk_module: str, **kwargs):
+        super().__init__(*args, **kwargs)
+        problems = linear_problems(self, self.config)
+        if not self.input_is_parallel:
+            problems.append("input_is_parallel=False (a scatter of the input) is not covered")
+        self._rlk_setup(rlk_module, problems)
+
+    def forward(self, input_: Tensor):
+        if not self.rlk_active:
+            self._production("linear")
+            return super().forward(input_)
+        y = _state.get().routes.call(self.rlk_module, "linear", input_, self.weight)
+        return reduce_from_tp(y, _compat.tp_group_of(self), self.rlk_module), None
+
+
+class RlkRMSNorm(_RlkLayer, torch.nn.Module):
+    """RMSNorm on ``rlk_core.ops.rms_norm``; constructed like Megatron's norms
+    (``config, hidden_size, eps``) plus ``rlk_module=``. Parameter ``weight`` (fp32 master, as
+    ``WrappedTorchNorm`` keeps it), so state-dict keys match the local spec's."""
+
+    def __init__(self, config, hidden_size: int, eps: float = 1e-5, *, rlk_module: str, **kwargs):
+        super().__init__()
+        self.config, self.eps = config, float(eps)
+        self.weight = torch.nn.Parameter(torch.ones(hidden_size, dtype=torch.float32))
+        self.weight.sequence_parallel = bool(getattr(config, "sequence_parallel", False))
+        self.rlk_module, self.rlk_active = rlk_module, _state.get().rlk(rlk_module)
+        if not self.rlk_active:  # the spec keeps the stock norm for such modules; reaching here is a bug
+            raise RlkPolicyError(f"RlkRMSNorm built for module {rlk_module!r}, which does not run rlk")
+
+    def forward(self, x: Tensor) -> Tensor:
+        return _state.get().routes.call(self.rlk_module, "rms_norm", x, self.weight, self.eps)
+
+
+class RlkMLP(_RlkLayer, _compat.MLP):
+    """Megatron's dense MLP with ``rlk_core.ops.swiglu`` between its (rlk) fc1 and fc2."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        problems = []
+        if not (self.config.gated_linear_unit and self.config.activation_func is F.silu):
+            problems.append("the activation is not SwiGLU (gated_linear_unit with F.silu)")
+        if getattr(self.config, "use_te_activation_func", False):
+            problems.append("use_te_activation_func (a TE activation) is requested")
+        self._rlk_setup("ffn", problems)
+
+    def forward(self, hidden_states: Tensor, per_token_scale: Tensor | None = None, **kwargs):
+        if not self.rlk_active or per_token_scale is not None:
+            if per_token_scale is not None and self.rlk_active:
+                raise RlkPolicyError("rlk-megatron-provider, module 'ffn': per_token_scale (MoE) is not covered")
+            self._production("swiglu")
+            return super().forward(hidden_states, per_token_scale=per_token_scale, **kwargs)
+        y, _ = self.linear_fc1(hidden_states)
+        a = _state.get().routes.call("ffn", "swiglu", y)
+        return self.linear_fc2(a)

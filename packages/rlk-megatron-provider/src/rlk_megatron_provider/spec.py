@@ -1,0 +1,191 @@
+"""The layer spec: the user's (or Megatron's stock) spec with the slots of every R module replaced.
+
+Integration by construction: :func:`rlk_layer_spec` takes a stock ``TransformerLayer`` spec (local or TE)
+and returns a copy in which the modules whose train letter is ``R`` are rlk classes; every slot of a
+``P`` module is the stock spec's own object, untouched (the fallback provider). :func:`rlk_block_spec`
+adds the final norm (module ``logp``). :func:`prepare_model` finishes a built ``GPTModel``: the LM head of
+an R ``logp`` (the one patch, :mod:`rlk_megatron_provider.patches`), production-call recording for P
+modules, and :func:`verify_model`, which checks that what was built is what the plan asks for.
+
+Which slot belongs to which module (``rlk_core.routes.MODULE_SCOPE``): attention = ``input_layernorm``,
+``self_attention`` (QKV/proj linears, q/k norms, RoPE, core attention); ffn = ``pre_mlp_layernorm``,
+``mlp``; logp = the block's final norm and ``output_layer``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch.nn.functional as F
+
+from rlk_megatron_provider import _compat, _state, patches
+from rlk_megatron_provider.attention import RlkCoreAttention, RlkSelfAttention, config_problems
+from rlk_megatron_provider.layers import (
+    RlkColumnParallelLinear,
+    RlkMLP,
+    RlkRMSNorm,
+    RlkRowParallelLinear,
+    _RlkLayer,
+)
+
+ModuleSpec = _compat.ModuleSpec
+
+
+def model_problems(config) -> dict[str, list[str]]:
+    """Config-level reasons each module's R route cannot be installed (TE-only or uncovered features)."""
+    common = []
+    if getattr(config, "normalization", "RMSNorm") != "RMSNorm":
+        common.append(f"normalization={config.normalization!r} (rlk covers RMSNorm)")
+    if getattr(config, "layernorm_zero_centered_gamma", False):
+        common.append("layernorm_zero_centered_gamma is not covered")
+    if getattr(config, "add_bias_linear", False):
+        common.append("add_bias_linear=True (rlk linears cover bias-free layers)")
+    if getattr(config, "sequence_parallel", False):
+        common.append("sequence_parallel=True is not covered by this version")
+    if getattr(config, "fp8", None):
+        common.append(f"fp8={config.fp8!r} is requested (a TE feature)")
+    if getattr(config, "tp_comm_overlap", False):
+        common.append("tp_comm_overlap (TE userbuffers) is requested")
+    ffn = list(common)
+    if getattr(config, "num_moe_experts", None):
+        ffn.append("MoE layers are not covered")
+    if not (getattr(config, "gated_linear_unit", False) and getattr(config, "activation_func", None) is F.silu):
+        ffn.append("the MLP activation is not SwiGLU (gated_linear_unit with F.silu)")
+    return {"attention": common + config_problems(config), "ffn": ffn, "logp": list(common)}
+
+
+def _norm(module: str) -> ModuleSpec:
+    return ModuleSpec(module=RlkRMSNorm, params={"rlk_module": module})
+
+
+def _linear(cls: type, module: str) -> ModuleSpec:
+    return ModuleSpec(module=cls, params={"rlk_module": module})
+
+
+def _active(config) -> dict[str, bool]:
+    """Which modules get rlk slots: R in the plan and installable (a refusal raises in strict mode)."""
+    st = _state.get()
+    problems = model_problems(config)
+    out = {}
+    for m in ("attention", "ffn", "logp"):
+        ok = st.rlk(m)
+        if ok and problems[m]:
+            ok = st.refuse(m, "; ".join(problems[m]))
+        out[m] = ok
+    return out
+
+
+def rlk_layer_spec(config, *, rope_theta: float, base: ModuleSpec | None = None) -> ModuleSpec:
+    """A ``TransformerLayer`` spec with rlk in the slots of the plan's R modules.
+
+    ``base``: the stock spec to start from (default: Megatron's local spec with qk-layernorm and
+    RMSNorm, the Qwen3 shape); its P slots are kept as they are. ``rope_theta``: the model's
+    ``rotary_base`` (RoPE moves into the rlk core attention for an R attention)."""
+    st = _state.get()
+    if base is None:
+        base = _compat.get_gpt_layer_local_spec(qk_layernorm=True, normalization="RMSNorm")
+    active = _active(config)
+    if not (isinstance(base, ModuleSpec) and isinstance(base.module, type)
+            and issubclass(base.module, _compat.TransformerLayer)
+            and isinstance(base.submodules, _compat.TransformerLayerSubmodules)):
+        for m in ("attention", "ffn"):
+            if active[m]:
+                active[m] = st.refuse(m, f"the base layer spec is not a TransformerLayer spec: {base!r}")
+    if not (active["attention"] or active["ffn"]):
+        return base
+    sub = base.submodules
+    changes = {}
+    if active["attention"]:
+        attn = sub.self_attention
+        ok = isinstance(attn, ModuleSpec) and isinstance(attn.submodules, _compat.SelfAttentionSubmodules)
+        if not ok:
+            active["attention"] = st.refuse("attention", f"self_attention slot {attn!r} is not a SelfAttention spec")
+        else:
+            a = attn.submodules
+            has_q, has_k = (_has(x) for x in (a.q_layernorm, a.k_layernorm))
+            changes["input_layernorm"] = _norm("attention")
+            changes["self_attention"] = ModuleSpec(
+                module=RlkSelfAttention, params=dict(attn.params),
+                submodules=_compat.SelfAttentionSubmodules(
+                    linear_qkv=_linear(RlkColumnParallelLinear, "attention"),
+                    core_attention=ModuleSpec(module=RlkCoreAttention, params={"rope_theta": float(rope_theta)}),
+                    linear_proj=_linear(RlkRowParallelLinear, "attention"),
+                    q_layernorm=_norm("attention") if has_q else None,
+                    k_layernorm=_norm("attention") if has_k else None,
+                ))
+    if active["ffn"]:
+        cls, _ = _compat.mlp_parts(sub.mlp)
+        if not (isinstance(cls, type) and issubclass(cls, _compat.MLP)):
+            active["ffn"] = st.refuse("ffn", f"the MLP slot {sub.mlp!r} is not a dense Megatron MLP")
+        else:
+            changes["pre_mlp_layernorm"] = _norm("ffn")
+            changes["mlp"] = _compat.mlp_slot(RlkMLP, _compat.MLPSubmodules(
+                linear_fc1=_linear(RlkColumnParallelLinear, "ffn"), linear_fc2=_linear(RlkRowParallelLinear, "ffn")))
+    return ModuleSpec(module=base.module, params=dict(base.params),
+                      submodules=dataclasses.replace(sub, **changes))
+
+
+def _has(slot) -> bool:
+    return slot is not None and not (isinstance(slot, type) and issubclass(slot, _compat.IdentityOp))
+
+
+def rlk_block_spec(config, *, rope_theta: float, base: ModuleSpec | None = None):
+    """``TransformerBlockSubmodules`` for ``GPTModel(transformer_layer_spec=...)``: :func:`rlk_layer_spec`
+    for every layer and, for an R ``logp``, the rlk final norm (else Megatron's stock one)."""
+    layer = rlk_layer_spec(config, rope_theta=rope_theta, base=base)
+    block = _compat.stock_block_submodules(config, layer)
+    if _active(config)["logp"]:
+        block = dataclasses.replace(block, layer_norm=_norm("logp"))
+    return block
+
+
+def layer_modules(model) -> dict[str, list]:
+    """The model's layers per rlk module (what :func:`verify_model` checks)."""
+    out: dict[str, list] = {"attention": [], "ffn": [], "logp": []}
+    decoder = getattr(model, "decoder", None)
+    for layer in getattr(decoder, "layers", []):
+        out["attention"] += [layer.input_layernorm, *layer.self_attention.modules()]
+        out["ffn"] += [layer.pre_mlp_layernorm, *layer.mlp.modules()]
+    if getattr(decoder, "final_layernorm", None) is not None:
+        out["logp"].append(decoder.final_layernorm)
+    if getattr(model, "output_layer", None) is not None:
+        out["logp"].append(model.output_layer)
+    return out
+
+
+def verify_model(model) -> dict[str, int]:
+    """Check a built model against the plan: every compute layer of an R module is an active rlk layer,
+    no layer of a P module is. Raises (strict) or records (audit); returns rlk layer counts per module."""
+    st = _state.get()
+    counts = {}
+    for module, mods in layer_modules(model).items():
+        rlk = [m for m in mods if isinstance(m, (_RlkLayer, RlkCoreAttention))]
+        active = [m for m in rlk if getattr(m, "rlk_active", True)]
+        counts[module] = len(active)
+        if st.rlk(module):
+            compute = [m for m in mods if _is_compute(m)]
+            missing = [type(m).__name__ for m in compute if not isinstance(m, (_RlkLayer, RlkCoreAttention))
+                       or not getattr(m, "rlk_active", True)]
+            if missing:
+                st.refuse(module, f"the built model runs Megatron layers for it: {sorted(set(missing))}")
+        elif active:
+            raise _state.RlkPolicyError(f"module {module!r} is P but the model holds rlk layers "
+                                        f"{sorted({type(m).__name__ for m in active})}")
+    return counts
+
+
+def _is_compute(m) -> bool:
+    name = type(m).__name__
+    return any(k in name for k in ("Linear", "Norm", "CoreAttention", "DotProductAttention", "MLP"))
+
+
+def prepare_model(model) -> dict[str, int]:
+    """Finish a built ``GPTModel`` (idempotent): rlk LM head for an R logp, production recording on P
+    modules' layers, then :func:`verify_model`."""
+    st = _state.get()
+    if st.rlk("logp") and getattr(model, "output_layer", None) is not None:
+        problems = model_problems(model.config)["logp"]
+        if not problems or st.refuse("logp", "; ".join(problems)):
+            patches.use_rlk_output_layer(model.output_layer)
+    patches.record_production_calls(model, layer_modules(model), st)
+    return verify_model(model)

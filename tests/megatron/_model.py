@@ -1,0 +1,165 @@
+"""The Qwen3-shaped test model on both sides: rlk-repro's local trainer and megatron-core's GPTModel.
+
+Shared by the tests and the GPU benchmark (``benchmarks/frameworks/megatron_gpu.py``).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from rlk_repro.model.config import Qwen3Config
+from rlk_repro.model.weights import random_weights
+
+TEMPERATURE = 0.7
+
+
+def config(tied: bool = False, **kw) -> Qwen3Config:
+    base = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6, rope_theta=10000.0,
+                max_position_embeddings=64, tie_word_embeddings=tied, bos_token_id=None, eos_token_id=1)
+    base.update(kw)
+    return Qwen3Config(**base)
+
+
+def weights(cfg: Qwen3Config, seed: int = 3):
+    return random_weights(cfg, seed)
+
+
+def sequences(lengths: list[int], vocab: int, seed: int = 11) -> list[list[int]]:
+    """Token sequences of ``length + 1`` tokens (inputs are ``seq[:-1]``, targets ``seq[1:]``)."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (n + 1,), generator=g).tolist() for n in lengths]
+
+
+def local_logprobs(cfg: Qwen3Config, w, seqs, plan_name: str = "consistency") -> torch.Tensor:
+    """rlk-repro's trainer forward: log-probs of every packed position (fp32)."""
+    from rlk_core.plan import RoutePlan
+    from rlk_core.readback import ReadbackRecorder
+    from rlk_repro.engine.trainer import Trainer
+    from rlk_repro.model.ops import Ops
+
+    plan = RoutePlan.preset(plan_name)
+    ops = Ops(plan, "train", ReadbackRecorder("local", "train", plan, mode="strict"))
+    tr = Trainer(cfg, w, ops, device=torch.device("cpu"), dtype=torch.float32, temperature=TEMPERATURE)
+    return tr.forward_logprobs(seqs).detach(), tr
+
+
+def transformer_config(cfg: Qwen3Config, tp: int, cp: int, **overrides):
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    kw = dict(num_layers=cfg.num_hidden_layers, hidden_size=cfg.hidden_size,
+              num_attention_heads=cfg.num_attention_heads, num_query_groups=cfg.num_key_value_heads,
+              kv_channels=cfg.head_dim, ffn_hidden_size=cfg.intermediate_size, normalization="RMSNorm",
+              layernorm_epsilon=cfg.rms_norm_eps, gated_linear_unit=True, activation_func=F.silu,
+              add_bias_linear=False, qk_layernorm=True, use_cpu_initialization=True, params_dtype=torch.float32,
+              hidden_dropout=0.0, attention_dropout=0.0, tensor_model_parallel_size=tp, context_parallel_size=cp,
+              bias_activation_fusion=False, apply_rope_fusion=False, masked_softmax_fusion=False,
+              gradient_accumulation_fusion=False, persist_layer_norm=False)
+    kw.update(overrides)
+    return TransformerConfig(**kw)
+
+
+def build_megatron(cfg: Qwen3Config, tp: int, cp: int, **overrides):
+    """The GPTModel with the provider's spec for the plan in the environment, weights not yet loaded."""
+    import rlk_megatron_provider as prov
+    from megatron.core.models.gpt import GPTModel
+
+    tcfg = transformer_config(cfg, tp, cp, **overrides)
+    spec = prov.block_spec(tcfg, rope_theta=cfg.rope_theta)
+    model = GPTModel(tcfg, transformer_layer_spec=spec, vocab_size=cfg.vocab_size,
+                     max_sequence_length=cfg.max_position_embeddings, position_embedding_type="rope",
+                     rotary_base=int(cfg.rope_theta), share_embeddings_and_output_weights=cfg.tie_word_embeddings,
+                     pre_process=True, post_process=True, parallel_output=True)
+    counts = prov.prepare_model(model)
+    return model, counts
+
+
+def load(model, cfg, w, tp: int, rank: int) -> None:
+    from rlk_megatron_provider.weights import to_megatron
+
+    sd = to_megatron(cfg, w, tp, rank)
+    missing, unexpected = model.load_state_dict(sd, strict=False)
+    missing = [k for k in missing if not k.endswith("_extra_state")]
+    if missing or unexpected:
+        raise AssertionError(f"state dict mismatch: missing {missing}, unexpected {unexpected}")
+
+
+def run_megatron(spec: dict) -> dict:
+    """One rank's part of a worker run (see ``_worker.py``); returns what rank 0 saves."""
+    import rlk_collectives
+    from megatron.core import parallel_state
+    from megatron.core.packed_seq_params import PackedSeqParams
+    from rlk_megatron_provider import _state, logp
+
+    tp, cp = spec["tp"], spec["cp"]
+    cfg = config(spec["tied"])
+    w = weights(cfg)
+    seqs = sequences(spec["lengths"], cfg.vocab_size)
+    tp_group = parallel_state.get_tensor_model_parallel_group()
+    cp_group = parallel_state.get_context_parallel_group()
+    tp_rank, cp_rank = tp_group.rank(), cp_group.rank()
+    model, counts = build_megatron(cfg, tp, cp)
+    load(model, cfg, w, tp, tp_rank)
+    captured = {}
+
+    def grab(mod, args, kwargs, output):
+        captured["hidden"] = args[0]
+        captured["weight"] = kwargs.get("weight") if kwargs.get("weight") is not None else mod.weight
+
+    model.output_layer.register_forward_hook(grab, with_kwargs=True)
+    ids = torch.tensor([t for s in seqs for t in s[:-1]])
+    target = torch.tensor([t for s in seqs for t in s[1:]])
+    lens = [len(s) - 1 for s in seqs]
+    cu = [0, *torch.tensor(lens).cumsum(0).tolist()]
+    if spec["layout"] == "thd":
+        layout = rlk_collectives.ZigzagLayout.build(cu, cp)
+        ids_l, tgt_l = (layout.shard(x, cp_rank) if cp > 1 else x for x in (ids, target))
+        cu_t = torch.tensor(cu, dtype=torch.int32)
+        psp = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu_t, cu_seqlens_kv=cu_t, max_seqlen_q=max(lens),
+                              max_seqlen_kv=max(lens), cp_group=cp_group if cp > 1 else None)
+        pos = torch.zeros_like(ids_l)[None]  # unused by the rlk attention (RoPE positions come from cu_seqlens)
+        logits = model(ids_l[None], pos, None, packed_seq_params=psp)
+    else:  # sbhd: equal lengths, a batch of rows
+        b, s = len(seqs), lens[0]
+        ids_l, tgt_l = ids, target
+        mask = torch.triu(torch.ones(s, s, dtype=torch.bool), diagonal=1)[None, None].expand(b, 1, s, s)
+        logits = model(ids.reshape(b, s), torch.arange(s)[None].expand(b, s), mask)
+    hidden = captured["hidden"].transpose(0, 1).reshape(-1, cfg.hidden_size)  # [b*s, H] row-major like ids
+    out = {"counts": counts}
+    if _state.get().rlk("logp"):
+        lp = logp.vocab_parallel_logprobs(hidden, captured["weight"], tgt_l, TEMPERATURE, tp_group)
+        with torch.no_grad():
+            lp_nograd = logp.vocab_parallel_logprobs(hidden, captured["weight"], tgt_l, TEMPERATURE, tp_group)
+            lp_logits = logp.vocab_parallel_logprobs_from_logits(
+                logits.reshape(-1, logits.shape[-1]) / TEMPERATURE, tgt_l, 1.0, tp_group)
+        out["logp_nograd"], out["logp_logits"] = (_gather_cp(x, cu, cp, cp_group) for x in (lp_nograd, lp_logits))
+    else:  # production: Megatron's own logits and torch.log_softmax on the gathered vocabulary
+        full = torch.cat(_all_gather_list(logits.reshape(-1, logits.shape[-1]).detach(), tp_group), dim=-1)
+        lp = torch.log_softmax(full.float() / TEMPERATURE, -1).gather(-1, tgt_l[:, None])[:, 0]
+    out["logp"] = _gather_cp(lp.detach(), cu, cp, cp_group)
+    if spec.get("backward"):
+        lp.sum().backward()
+        out["grads"] = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    out["readback"] = _state.get().recorder.to_dict()
+    return out
+
+
+def _all_gather_list(x, group):
+    import torch.distributed as dist
+
+    if group.size() == 1:
+        return [x]
+    parts = [torch.empty_like(x) for _ in range(group.size())]
+    dist.all_gather(parts, x.contiguous(), group=group)
+    return parts
+
+
+def _gather_cp(x, cu, cp, group):
+    """Global packed order from zigzag CP shards (exact data movement)."""
+    if cp == 1:
+        return x
+    import rlk_collectives
+
+    layout = rlk_collectives.ZigzagLayout.build(cu, cp)
+    return rlk_collectives.cp_all_gather(x.contiguous(), layout, group)
