@@ -62,8 +62,9 @@ def transformer_config(cfg: Qwen3Config, tp: int, cp: int, **overrides):
 
 def build_megatron(cfg: Qwen3Config, tp: int, cp: int, **overrides):
     """The GPTModel with the provider's spec for the plan in the environment, weights not yet loaded."""
-    import rlk_megatron_provider as prov
     from megatron.core.models.gpt import GPTModel
+
+    import rlk_megatron_provider as prov
 
     tcfg = transformer_config(cfg, tp, cp, **overrides)
     spec = prov.block_spec(tcfg, rope_theta=cfg.rope_theta)
@@ -87,9 +88,10 @@ def load(model, cfg, w, tp: int, rank: int) -> None:
 
 def run_megatron(spec: dict) -> dict:
     """One rank's part of a worker run (see ``_worker.py``); returns what rank 0 saves."""
-    import rlk_collectives
     from megatron.core import parallel_state
     from megatron.core.packed_seq_params import PackedSeqParams
+
+    import rlk_collectives
     from rlk_megatron_provider import _state, logp
 
     tp, cp = spec["tp"], spec["cp"]
@@ -133,6 +135,11 @@ def run_megatron(spec: dict) -> dict:
             lp_nograd = logp.vocab_parallel_logprobs(hidden, captured["weight"], tgt_l, TEMPERATURE, tp_group)
             lp_logits = logp.vocab_parallel_logprobs_from_logits(
                 logits.reshape(-1, logits.shape[-1]) / TEMPERATURE, tgt_l, 1.0, tp_group)
+        from rlk_core.ops import linear_logprobs
+
+        vocab = torch.cat(_all_gather_list(captured["weight"].detach(), tp_group))
+        out["logp_gathered_vocab"] = _gather_cp(linear_logprobs(hidden.detach(), vocab, tgt_l, TEMPERATURE)[0],
+                                                cu, cp, cp_group)
         out["logp_nograd"], out["logp_logits"] = (_gather_cp(x, cu, cp, cp_group) for x in (lp_nograd, lp_logits))
     else:  # production: Megatron's own logits and torch.log_softmax on the gathered vocabulary
         full = torch.cat(_all_gather_list(logits.reshape(-1, logits.shape[-1]).detach(), tp_group), dim=-1)

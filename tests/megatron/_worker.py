@@ -18,7 +18,7 @@ import torch
 import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import _model  # noqa: E402
+import _model
 
 
 def cpu_recipe() -> None:
