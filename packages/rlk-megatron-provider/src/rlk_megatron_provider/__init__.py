@@ -42,19 +42,27 @@ def initialize_from_environment():
     ready = dist.is_available() and dist.is_initialized()
     st = _state.build(plan, None, dist.get_rank() if ready else 0, dist.get_world_size() if ready else 1)
     wanted = [m for m in MODULES if plan.uses_rlk(m, "train")]
+    try:
+        _check_installable(st, wanted)
+    except BaseException:
+        _state.reset()  # a refused install leaves nothing behind: the next call checks again
+        raise
+    return st
+
+
+def _check_installable(st, wanted: list[str]) -> None:
     if wanted:
         try:
             from rlk_megatron_provider import _compat
         except ImportError as exc:
             for m in wanted:
                 st.refuse(m, f"megatron.core cannot be imported: {exc}")
-            return st
+            return
         ok, reason = _compat.supported()
         if not ok:
             for m in wanted:
                 st.refuse(m, reason)
         st.recorder.add_hook("rlk_megatron_provider", reason, "init")
-    return st
 
 
 def install(args: Any = None):
