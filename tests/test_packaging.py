@@ -99,15 +99,23 @@ def test_wheels_install_into_an_environment_with_torch_and_leave_it_alone(tmp_pa
 
 
 def test_adapters_fail_closed_for_r_routes_they_cannot_install(monkeypatch):
+    import rlk_vllm_plugin
     from rlk_core.errors import RlkPolicyError
     from rlk_megatron_provider import initialize_from_environment
-    from rlk_vllm_plugin import register
+    from rlk_vllm_plugin import _compat
 
     monkeypatch.setenv("RL_KERNEL_FFN_CASE", "R/R")
-    with pytest.raises(RlkPolicyError, match="rollout side of: ffn"):
-        register()
+    # A vLLM the plugin cannot hook (one target renamed), or no vLLM at all: strict mode refuses, naming it.
+    monkeypatch.setitem(_compat.TARGETS, "ffn", ("vllm.model_executor.layers.activation:RenamedSiluAndMul.x",))
+    with pytest.raises(RlkPolicyError, match=r"rollout side of ffn, but vLLM (cannot be imported|.* lacks: "
+                                             r"vllm\.model_executor\.layers\.activation:RenamedSiluAndMul)"):
+        rlk_vllm_plugin.register()
     with pytest.raises(RlkPolicyError, match="train side of: ffn"):
         initialize_from_environment()
     monkeypatch.setenv("RL_KERNEL_FFN_CASE", "P/P")
-    register()
+    try:
+        rlk_vllm_plugin.register()  # all P: nothing installed, nothing refused
+        assert rlk_vllm_plugin._runtime.current() is None
+    finally:
+        rlk_vllm_plugin.uninstall()
     initialize_from_environment()

@@ -1,39 +1,157 @@
 """rlk-vllm-plugin: the rollout side of rlk's routes inside vLLM.
 
-``register`` is the ``vllm.general_plugins`` entry point. It is idempotent and imports nothing from
-vLLM at module import time. This version has no rollout-side rlk operators yet, so it refuses plans
-that ask for them instead of pretending (see :func:`register`).
+:func:`register` is the ``vllm.general_plugins`` entry point (name ``rlk``; a deployment that sets
+``VLLM_PLUGINS`` must list it). vLLM calls it in every process — front end, engine core, each worker —
+before the model is built. Importing this package imports nothing from vLLM and changes nothing; every
+check runs inside :func:`register`, where an exception stops vLLM (that is how strict mode fails
+closed — an exception at import time would make vLLM skip the plugin silently).
+
+What is installed for each module whose rollout letter is ``R`` (see ``PATCHES.md`` for the inventory):
+
+- ``ffn``: out-of-tree ``RMSNorm`` / ``SiluAndMul`` (:mod:`.layers`), the linear method;
+- ``attention``: out-of-tree ``RMSNorm`` / ``RotaryEmbedding``, the linear method, the ``CUSTOM``
+  attention backend (:mod:`.attention`);
+- ``logp``: the final ``RMSNorm``, the LM-head method, the sampled-token log-prob hook (:mod:`.logprobs`);
+- ``attention`` or ``ffn``: the TP all-reduce (:mod:`.collectives`).
+
+With every rollout letter ``P`` nothing is installed: vLLM runs exactly as built.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 
 __version__ = "0.1.0"
 log = logging.getLogger("rlk.vllm")
-_REGISTERED = False
+ENTRY_POINT = "rlk"
+_REGISTERED: tuple | None = None
+
+
+def _key(rt) -> tuple:
+    return (rt.plan, rt.mode, rt.unfiltered_logprobs, rt.attention_override, os.getpid())
 
 
 def register() -> None:
-    """vLLM general-plugin entry point: install the rollout side of the route plan.
+    """vLLM general-plugin entry point: install the rollout side of the route plan in this process.
 
-    With every rollout side ``P`` this is a no-op (vLLM stays exactly as built). A rollout side of ``R``
-    raises :class:`~rlk_core.errors.RlkPolicyError` in strict mode — the vLLM operator replacements are
-    not part of this version — and logs the missing route in audit mode.
+    Idempotent: a second call with the same configuration does nothing; a call whose environment asks for
+    a different plan raises :class:`~rlk_core.errors.RlkConfigError`. Strict mode
+    (``RL_KERNEL_MODE=strict``, the default): a vLLM outside the supported range, or one missing a hook
+    target an ``R`` module needs, raises :class:`~rlk_core.errors.RlkPolicyError` naming what is missing.
+    Audit mode: the same is logged and recorded as a fallback in the readback, and nothing is installed.
     """
     global _REGISTERED
-    if _REGISTERED:
-        return
-    from rlk_core import envs
-    from rlk_core.errors import RlkPolicyError
-    from rlk_core.plan import MODULES, RoutePlan
+    from rlk_core.errors import RlkConfigError, RlkPolicyError
+    from rlk_vllm_plugin import _runtime
 
-    plan = RoutePlan.from_env()
-    wanted = [m for m in MODULES if plan.uses_rlk(m, "rollout")]
-    if wanted:
-        message = (f"rlk-vllm-plugin {__version__} cannot install rlk rollout routes yet; "
-                   f"plan asks R on the rollout side of: {', '.join(wanted)}")
-        if envs.get("RL_KERNEL_MODE") == "strict":
-            raise RlkPolicyError(message)
-        log.warning("rlk audit: %s (vLLM production operators stay in place)", message)
-    _REGISTERED = True
+    rt = _runtime.Runtime.from_env()
+    if _REGISTERED is not None:
+        if _REGISTERED[:-1] != _key(rt)[:-1]:
+            raise RlkConfigError(f"rlk-vllm-plugin is installed for plan {_REGISTERED[0].name} "
+                                 f"(mode {_REGISTERED[1]}); register() was called again with plan {rt.plan.name} "
+                                 f"(mode {rt.mode})")
+        return
+    wanted = rt.wanted()
+    if not wanted:
+        _REGISTERED = _key(rt)
+        return
+
+    problem = _probe_problem(rt)
+    if isinstance(problem, str):
+        if rt.strict:
+            raise RlkPolicyError(problem)
+        log.warning("rlk audit: %s (vLLM's production operators stay in place)", problem)
+        _runtime.install(rt)
+        _runtime.flush_at_exit()
+        for module in wanted:
+            rt.recorder.count(module, "register", "production.vllm.unhooked", None, fallback_reason=problem)
+        _REGISTERED = _key(rt)
+        return
+    _install(rt, problem)
+    _REGISTERED = _key(rt)
+
+
+def _groups(wanted: list[str]) -> tuple[str, ...]:
+    groups = ["common", *wanted]
+    if "attention" in wanted or "ffn" in wanted:
+        groups.append("tp")
+    return tuple(groups)
+
+
+def _probe_problem(rt):
+    """The probe of the installed vLLM, or a message naming why the plan cannot be installed."""
+    from rlk_vllm_plugin import _compat
+
+    wanted = rt.wanted()
+    head = f"rlk-vllm-plugin {__version__}: the plan asks R on the rollout side of {', '.join(wanted)}, but"
+    try:
+        probe = _compat.probe(_groups(wanted))
+    except ImportError as exc:
+        return f"{head} vLLM cannot be imported ({exc})"
+    if not _compat.in_range(probe.version):
+        low, high = _compat.SUPPORTED
+        return (f"{head} vLLM {probe.version} is outside the supported range "
+                f"{low[0]}.{low[1]} <= version < {high[0]}.{high[1]}")
+    if probe.missing:
+        return f"{head} vLLM {probe.version} lacks: " + "; ".join(probe.missing)
+    return probe
+
+
+def _install(rt, probe) -> None:
+    from rlk_vllm_plugin import _runtime, attention, collectives, layers, logprobs
+
+    _runtime.install(rt)
+    _runtime.flush_at_exit()
+    names = ["RMSNorm"]
+    if rt.r("ffn"):
+        names.append("SiluAndMul")
+    if rt.r("attention"):
+        names.append("RotaryEmbedding")
+    layers.oot_classes(probe)
+    for name in layers.register_oot(probe, names):
+        rt.add_hook(f"oot.{name}", f"vllm CustomOp {name}", "custom_op_oot")
+    layers.install_loader(probe)
+    rt.add_hook("model_loader", "vllm.model_executor.model_loader.base_loader.BaseModelLoader.load_model",
+                "patch")
+    if rt.r("attention") or rt.r("ffn"):
+        layers.install_linear(probe)
+        rt.add_hook("linear", "vllm.model_executor.layers.linear.UnquantizedLinearMethod.apply", "patch")
+        for target in collectives.install(probe):
+            rt.add_hook("tp_all_reduce", target, "patch")
+    if rt.r("attention"):
+        for name in attention.install(probe, rt.attention_override):
+            rt.add_hook(f"attention_backend.{name}", attention.BACKEND_PATH, "attention_backend")
+    if rt.r("logp"):
+        layers.install_lm_head(probe)
+        rt.add_hook("lm_head",
+                    "vllm.model_executor.layers.vocab_parallel_embedding.UnquantizedEmbeddingMethod.apply", "patch")
+        for target in logprobs.install(probe):
+            rt.add_hook("logprobs", target, "patch")
+    log.info("rlk-vllm-plugin %s: vLLM %s, plan %s, mode %s, installed %d hooks", __version__, probe.version,
+             rt.plan.name, rt.mode, len(rt.hooks))
+    rt.flush()
+
+
+def uninstall() -> None:
+    """Restore every vLLM attribute the plugin replaced (tests; a process that wants vLLM back as built)."""
+    global _REGISTERED
+    from rlk_vllm_plugin import _runtime
+
+    if _REGISTERED is not None and _runtime.current() is not None:
+        from rlk_vllm_plugin import attention, collectives, layers, logprobs
+        layers.uninstall()
+        logprobs.uninstall()
+        collectives.uninstall()
+        attention.uninstall()
+    _runtime.install(None)
+    _REGISTERED = None
+
+
+def flush() -> None:
+    """Write this process's readback now (it is also written at exit and after each model load)."""
+    from rlk_vllm_plugin import _runtime
+
+    rt = _runtime.current()
+    if rt is not None:
+        rt.flush()

@@ -1,0 +1,172 @@
+"""Every vLLM import of the plugin, and what this plugin knows about vLLM versions.
+
+Nothing here imports vLLM at module import time: :func:`api` resolves the hook targets when
+``register()`` runs. Versions are told apart by the features they have (``hasattr`` / import probes),
+never by the version string alone; the one version check is the coarse gate :data:`SUPPORTED`
+(0.22.x, the VIME pin, through 0.33.x), and a vLLM outside it is refused in strict mode.
+
+Known differences handled here (see ``shared/reference/vllm.md`` §10):
+
+- KV-cache contract: 0.22 asks the backend for ``get_kv_cache_shape`` / ``get_kv_cache_stride_order``;
+  0.33 has ``KVCacheLayout`` and ``supported_kv_cache_layouts()``. :data:`KV_SHIM` gives both the same
+  physical tensor (logical ``[B, H, N, 2D]``, physical ``[B, N, H, 2D]``).
+- ``get_supported_kernel_block_sizes``: no argument in 0.22, ``(kv_cache_spec=None)`` in 0.33.
+- The batch-invariant module moved from ``layers/`` (0.22) to ``determinism/`` (0.33).
+- 0.33's ``prompt_logprob`` module binds ``compute_token_logprobs`` by name; 0.22's does not.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+from types import ModuleType
+from typing import Any
+
+SUPPORTED = ((0, 22), (0, 34))  # [low, high) on (major, minor)
+VERIFIED = ("0.22.0",)  # versions the CPU suite ran against (tests/vllm)
+
+# The hook targets, by the module of the route plan that needs them: "module:attribute" (a dotted
+# attribute path after the colon). A target missing from the installed vLLM is named in the refusal.
+TARGETS: dict[str, tuple[str, ...]] = {
+    "common": (
+        "vllm.model_executor.custom_op:CustomOp.register_oot",
+        "vllm.model_executor.custom_op:op_registry_oot",
+        "vllm.model_executor.layers.layernorm:RMSNorm.forward_native",
+        "vllm.model_executor.layers.linear:UnquantizedLinearMethod.apply",
+        "vllm.model_executor.model_loader.base_loader:BaseModelLoader.load_model",
+    ),
+    "ffn": (
+        "vllm.model_executor.layers.activation:SiluAndMul.forward_native",
+    ),
+    "attention": (
+        "vllm.model_executor.layers.rotary_embedding:RotaryEmbedding.forward_native",
+        "vllm.v1.attention.backends.registry:register_backend",
+        "vllm.v1.attention.backends.registry:AttentionBackendEnum.CUSTOM",
+        "vllm.v1.attention.backend:AttentionBackend",
+        "vllm.v1.attention.backend:AttentionImpl",
+        "vllm.v1.attention.backend:AttentionMetadataBuilder",
+        "vllm.v1.attention.backend:AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE",
+        "vllm.v1.attention.backend:CommonAttentionMetadata",
+        "vllm.v1.attention.backend:MultipleOf",
+    ),
+    "logp": (
+        "vllm.model_executor.layers.vocab_parallel_embedding:UnquantizedEmbeddingMethod.apply",
+        "vllm.v1.worker.gpu.sample.logprob:compute_token_logprobs",
+        "vllm.v1.worker.gpu.sample.sampler:Sampler.__call__",
+        "vllm.v1.worker.gpu.sample.sampler:Sampler.add_request",
+        "vllm.v1.sample.sampler:Sampler.compute_logprobs",
+    ),
+    "tp": (
+        "vllm.distributed.parallel_state:GroupCoordinator._all_reduce_out_place",
+    ),
+}
+
+
+@dataclass
+class Probe:
+    """What :func:`probe` found: the version, resolved targets and the names it could not find."""
+
+    version: str
+    found: dict[str, Any] = field(default_factory=dict)
+    missing: list[str] = field(default_factory=list)
+    features: dict[str, bool] = field(default_factory=dict)
+
+    def get(self, target: str) -> Any:
+        return self.found[target]
+
+
+def _resolve(target: str) -> Any:
+    mod_name, _, attr = target.partition(":")
+    obj: Any = importlib.import_module(mod_name)
+    for part in attr.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def module(name: str) -> ModuleType:
+    """``import vllm.<...>``: the one place the plugin imports a vLLM module by name."""
+    if not name.startswith("vllm"):
+        raise ValueError(f"not a vLLM module: {name!r}")
+    return importlib.import_module(name)
+
+
+def version_tuple(version: str) -> tuple[int, int]:
+    parts = version.split("+")[0].split(".")
+    try:
+        return int(parts[0]), int(parts[1])
+    except (IndexError, ValueError):
+        return (-1, -1)
+
+
+def in_range(version: str) -> bool:
+    low, high = SUPPORTED
+    return low <= version_tuple(version) < high
+
+
+def probe(groups: tuple[str, ...]) -> Probe:
+    """Import vLLM and resolve the targets of ``groups``; never raises for a missing target."""
+    vllm = importlib.import_module("vllm")
+    p = Probe(version=str(getattr(vllm, "__version__", "unknown")))
+    for group in groups:
+        for target in TARGETS[group]:
+            try:
+                p.found[target] = _resolve(target)
+            except (ImportError, AttributeError) as exc:
+                p.missing.append(f"{target} ({type(exc).__name__}: {exc})")
+    p.features = {
+        "kv_cache_layout": _importable("vllm.v1.kv_cache_layout"),
+        "prompt_logprob_binding": _has("vllm.v1.worker.gpu.sample.prompt_logprob", "compute_token_logprobs"),
+        "bi_module_determinism": _importable("vllm.model_executor.determinism.batch_invariant"),
+    }
+    return p
+
+
+def _importable(name: str) -> bool:
+    try:
+        importlib.import_module(name)
+    except ImportError:
+        return False
+    return True
+
+
+def _has(name: str, attr: str) -> bool:
+    try:
+        return hasattr(importlib.import_module(name), attr)
+    except ImportError:
+        return False
+
+
+def batch_invariant_module() -> ModuleType:
+    """vLLM's batch-invariant module (0.33: ``determinism/``, 0.22: ``layers/``)."""
+    for name in ("vllm.model_executor.determinism.batch_invariant", "vllm.model_executor.layers.batch_invariant"):
+        if _importable(name):
+            return importlib.import_module(name)
+    raise ImportError("vLLM has no batch_invariant module under determinism/ (0.33) or layers/ (0.22)")
+
+
+def kv_cache_layout_lbnhc() -> Any:
+    """``KVCacheLayout.LBNHC`` (0.33), or None where vLLM has no ``KVCacheLayout`` (0.22)."""
+    if not _importable("vllm.v1.kv_cache_layout"):
+        return None
+    return importlib.import_module("vllm.v1.kv_cache_layout").KVCacheLayout.LBNHC
+
+
+def current_vllm_config() -> Any:
+    """The vLLM config being built or run, or None (``get_current_vllm_config_or_none``, both versions)."""
+    from vllm.config import get_current_vllm_config_or_none
+    return get_current_vllm_config_or_none()
+
+
+# -- the KV layout shim (shared/reference/vllm.md §5.3) --------------------------------------------------
+def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_size: int) -> tuple[int, ...]:
+    """0.22's logical per-layer KV shape that equals 0.33's default: ``[B, H, N, 2D]``."""
+    return (num_blocks, num_kv_heads, block_size, 2 * head_size)
+
+
+KV_STRIDE_ORDER = (0, 2, 1, 3)  # physical [B, N, H, 2D] (0.33's LBNHC)
+
+
+def split_kv(kv_cache: Any, head_size: int) -> tuple[Any, Any]:
+    """``(k_cache, v_cache)``, each a strided ``[num_blocks, block_size, Hkv, D]`` view (both versions)."""
+    k_cache, v_cache = kv_cache.transpose(1, 2).split(head_size, dim=-1)
+    return k_cache, v_cache

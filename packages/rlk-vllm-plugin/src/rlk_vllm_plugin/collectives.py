@@ -1,0 +1,76 @@
+"""The tensor-parallel all-reduce: ``GroupCoordinator._all_reduce_out_place`` -> ``rlk_collectives.all_reduce``.
+
+Every TP all-reduce of vLLM (``tensor_model_parallel_all_reduce`` -> ``GroupCoordinator.all_reduce`` ->
+``torch.ops.vllm.all_reduce`` on CUDA -> ``_all_reduce_out_place``) reaches this method of the TP group
+(``unique_name`` ``tp:*``), below the custom op that compiled graphs keep opaque and above the device
+communicator, so vLLM's custom all-reduce, quick-reduce, symmetric-memory and FlashInfer paths are not
+reached for an R module. Other groups and non-floating-point tensors go to vLLM's own path.
+
+Which module a reduction belongs to: the row-parallel linear layer that ran just before it in this
+thread (``o_proj`` -> attention, ``down_proj`` -> ffn). Where that is unknown (a compiled graph replays
+the GEMMs without the Python hook, or the input embedding's masked sum), the plan decides when attention
+and ffn agree; a mixed plan that cannot be told apart is a violation.
+"""
+
+from __future__ import annotations
+
+from rlk_vllm_plugin import _compat, _runtime
+
+TARGET = "vllm.distributed.parallel_state.GroupCoordinator._all_reduce_out_place"
+
+
+def _module_for(rt: _runtime.Runtime) -> tuple[str | None, bool]:
+    """(module to record under, whether rlk reduces)."""
+    module = _runtime.take_linear_module()
+    if module in ("attention", "ffn"):
+        return module, rt.r(module)
+    r_att, r_ffn = rt.r("attention"), rt.r("ffn")
+    if r_att == r_ffn:
+        return ("attention" if r_att else None), r_att
+    rt.violation("a TP all-reduce ran outside a hooked linear layer under a plan whose attention and ffn "
+                 "routes differ; rlk cannot tell which module it belongs to")
+    return "attention" if r_att else "ffn", True
+
+
+def _all_reduce_out_place(original):
+    def all_reduce_out_place(self, input_):
+        if not str(getattr(self, "unique_name", "")).startswith("tp:") or not input_.is_floating_point():
+            return original(self, input_)
+        rt = _runtime.get()
+        module, use_rlk = _module_for(rt)
+        if not use_rlk:
+            _runtime.production(module, "all_reduce", "production.vllm.device_communicator.all_reduce")
+            return original(self, input_)
+        import rlk_collectives
+        with rt.recorder.scope(module):
+            return rlk_collectives.all_reduce(input_, self.device_group, check=False)
+    all_reduce_out_place._rlk_original = original
+    return all_reduce_out_place
+
+
+def install(probe: _compat.Probe) -> list[str]:
+    from rlk_vllm_plugin.layers import _patch
+    _patch(_compat.module("vllm.distributed.parallel_state").GroupCoordinator, "_all_reduce_out_place",
+           _all_reduce_out_place)
+    return [TARGET]
+
+
+def uninstall() -> None:
+    from rlk_vllm_plugin.layers import _unpatch
+    _unpatch(_compat.module("vllm.distributed.parallel_state").GroupCoordinator, "_all_reduce_out_place")
+
+
+def check_config(rt: _runtime.Runtime) -> None:
+    """vLLM 0.22's ``fuse_allreduce_rms`` compile pass (TP > 1) replaces the all-reduce + RMSNorm pair with
+    a fused kernel that bypasses both hooks: refuse it for attention / ffn R."""
+    cfg = _compat.current_vllm_config()
+    if cfg is None or not (rt.r("attention") or rt.r("ffn")):
+        return
+    tp = getattr(getattr(cfg, "parallel_config", None), "tensor_parallel_size", 1)
+    pass_config = getattr(getattr(cfg, "compilation_config", None), "pass_config", None)
+    if tp > 1 and getattr(pass_config, "fuse_allreduce_rms", False):
+        rt.violation("vLLM's fuse_allreduce_rms compile pass is on with TP > 1; it bypasses rlk's all-reduce and "
+                     "RMSNorm. Pass -cc.pass_config.fuse_allreduce_rms=false")
+
+
+__all__ = ["TARGET", "check_config", "install", "uninstall"]

@@ -1,0 +1,243 @@
+"""Norms, activation, RoPE, linear layers and the LM head: vLLM's layers handed to the route layer.
+
+- ``RMSNorm``, ``SiluAndMul`` and ``RotaryEmbedding`` are replaced out of tree (``CustomOp.register_oot``
+  by vLLM's class name): subclasses whose ``forward_native`` / ``forward_cuda`` / ``forward_cpu`` all run
+  one dispatcher (``_bind_forward``), which asks the route layer for the layer's module and runs the rlk op (``R``) or
+  vLLM's own method of the same name (``P``, counted as production).
+- Linear layers: the class attribute ``UnquantizedLinearMethod.apply``; the module comes from the
+  layer's ``prefix`` (``model.layers.3.mlp.down_proj`` -> ``ffn``). The LM head:
+  ``UnquantizedEmbeddingMethod.apply`` (vLLM calls it only to compute logits) -> module ``logp``.
+- Norms and activations carry no prefix in vLLM: :func:`bind_model` names each one after the model is
+  built (``BaseModelLoader.load_model`` is wrapped to call it). A norm or activation that is still
+  unbound when it runs, while the plan has an ``R`` module, is a violation (strict: raise).
+
+No arithmetic lives here: the residual addition a fused norm performs is the plain elementwise
+``x + residual`` in the activation dtype, as in the trainer (exact, identical on both sides).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from rlk_vllm_plugin import _compat, _runtime
+from rlk_vllm_plugin._runtime import module_of
+
+OOT_NAMES = ("RMSNorm", "SiluAndMul", "RotaryEmbedding")
+_FORWARDS = ("forward_native", "forward_cuda", "forward_cpu", "forward_hip", "forward_xpu")
+_CLASSES: dict[str, type] = {}
+
+
+def _unbound(layer: torch.nn.Module, op: str) -> None:
+    rt = _runtime.get()
+    if rt.wanted():
+        rt.violation(f"vLLM {type(layer).__name__} ran {op} before rlk-vllm-plugin bound it to a module "
+                     "(the model was not built through BaseModelLoader.load_model, or the layer's name is "
+                     "unknown to rlk_vllm_plugin._runtime.module_of)")
+
+
+# -- the rlk side of each replaced op -----------------------------------------------------------------
+def _rms_norm_r(module: str, layer: Any, x: torch.Tensor, residual: torch.Tensor | None = None):
+    if not layer.has_weight or layer.variance_size_override is not None:
+        _runtime.get().violation(f"RMSNorm of {module} has has_weight={layer.has_weight}, "
+                                 f"var_hidden_size={layer.variance_size_override}: not the rlk rms_norm contract")
+    if residual is not None:
+        x = x + residual
+        residual = x
+    out = _runtime.rlk(module, "rms_norm", x, layer.weight.data, layer.variance_epsilon)
+    return out if residual is None else (out, residual)
+
+
+def _swiglu_r(module: str, layer: Any, x: torch.Tensor) -> torch.Tensor:
+    return _runtime.rlk(module, "swiglu", x)
+
+
+def _rope_r(module: str, layer: Any, positions: torch.Tensor, query: torch.Tensor,
+            key: torch.Tensor | None = None):
+    if not layer.is_neox_style:
+        _runtime.get().violation("RotaryEmbedding with is_neox_style=False: rlk rope is the rotate-half layout")
+    positions = positions.flatten()
+    t, d = positions.shape[0], layer.head_size
+
+    def rotate(x: torch.Tensor) -> torch.Tensor:
+        out = _runtime.rlk(module, "rope", x.reshape(t, -1, d), positions, float(layer.base), int(layer.rotary_dim))
+        return out.reshape(x.shape)
+
+    return rotate(query), (rotate(key) if key is not None else None)
+
+
+def oot_classes(probe: _compat.Probe) -> dict[str, type]:
+    """The out-of-tree subclasses, built once against the installed vLLM's classes."""
+    if _CLASSES:
+        return _CLASSES
+    bases = {
+        "RMSNorm": (_compat.module("vllm.model_executor.layers.layernorm").RMSNorm, "rms_norm",
+                    lambda m, *a: _rms_norm_r(m, *a)),
+        "SiluAndMul": (_compat.module("vllm.model_executor.layers.activation").SiluAndMul, "swiglu",
+                       lambda m, *a: _swiglu_r(m, *a)),
+        "RotaryEmbedding": (_compat.module("vllm.model_executor.layers.rotary_embedding").RotaryEmbedding,
+                            "rope", lambda m, *a: _rope_r(m, *a)),
+    }
+    for name, (base, op, fn) in bases.items():
+        ns: dict[str, Any] = {m: _bind_forward(m, op, fn) for m in _FORWARDS}
+        ns["__module__"] = __name__
+        ns["_rlk_op"] = op
+        if name == "RotaryEmbedding":
+            ns["_rlk_module"] = "attention"
+        _CLASSES[name] = type(f"Rlk{name}", (base,), ns)
+    return _CLASSES
+
+
+def _bind_forward(method: str, op: str, fn: Any):
+    def forward(self, *args):
+        module = getattr(self, "_rlk_module", None)
+        rt = _runtime.get()
+        if module is None:
+            _unbound(self, op)
+        elif rt.r(module):
+            return fn(module, self, *args)
+        _runtime.production(module, op, f"production.vllm.{type(self).__mro__[1].__name__}.{method}")
+        return getattr(super(type(self), self), method)(*args)
+    forward.__name__ = method
+    return forward
+
+
+def register_oot(probe: _compat.Probe, names: list[str]) -> list[str]:
+    """``CustomOp.register_oot`` for each of ``names`` not yet registered; returns the names registered."""
+    custom_op = _compat.module("vllm.model_executor.custom_op")
+    done = []
+    for name in names:
+        cls = oot_classes(probe)[name]
+        current = custom_op.op_registry_oot.get(name)
+        if current is cls:
+            continue
+        if current is not None:
+            raise RuntimeError(f"vLLM CustomOp {name!r} already has an out-of-tree replacement {current!r} "
+                               "(another plugin); rlk cannot install its own")
+        custom_op.CustomOp.register_oot(_decorated_op_cls=cls, name=name)
+        done.append(name)
+    return done
+
+
+def unregister_oot() -> None:
+    custom_op = _compat.module("vllm.model_executor.custom_op")
+    for name, cls in _CLASSES.items():
+        if custom_op.op_registry_oot.get(name) is cls:
+            del custom_op.op_registry_oot[name]
+
+
+# -- linear layers and the LM head (class attributes) -------------------------------------------------
+def _linear_apply(original):
+    def apply(self, layer, x, bias=None):
+        module = module_of(getattr(layer, "prefix", "") or "")
+        _runtime.note_linear(module)
+        rt = _runtime.get()
+        if module is None and rt.wanted():
+            rt.violation(f"vLLM linear layer {getattr(layer, 'prefix', '?')!r} belongs to no rlk module")
+        if rt.r(module):
+            if layer.weight.numel() == 0:
+                rt.violation(f"linear {layer.prefix!r}: vLLM replaced the weight (CPU weight packing); rlk "
+                             "cannot run it")
+                return original(self, layer, x, bias)
+            return _runtime.rlk(module, "linear", x, layer.weight, bias)
+        _runtime.production(module, "linear", "production.vllm.UnquantizedLinearMethod.apply")
+        return original(self, layer, x, bias)
+    apply._rlk_original = original
+    return apply
+
+
+def _lm_head_apply(original):
+    def apply(self, layer, x, bias=None):
+        rt = _runtime.get()
+        if rt.r("logp"):
+            if layer.weight.numel() == 0:
+                rt.violation("LM head: vLLM replaced the weight (CPU weight packing); rlk cannot run it")
+                return original(self, layer, x, bias)
+            return _runtime.rlk("logp", "linear", x, layer.weight, bias)
+        _runtime.production("logp", "linear", "production.vllm.UnquantizedEmbeddingMethod.apply")
+        return original(self, layer, x, bias)
+    apply._rlk_original = original
+    return apply
+
+
+def _patch(cls: type, attr: str, make) -> bool:
+    current = getattr(cls, attr)
+    if getattr(current, "_rlk_original", None) is not None:
+        return False
+    setattr(cls, attr, make(current))
+    return True
+
+
+def _unpatch(cls: type, attr: str) -> None:
+    original = getattr(getattr(cls, attr), "_rlk_original", None)
+    if original is not None:
+        setattr(cls, attr, original)
+
+
+def install_linear(probe: _compat.Probe) -> None:
+    linear = _compat.module("vllm.model_executor.layers.linear")
+    _patch(linear.UnquantizedLinearMethod, "apply", _linear_apply)
+
+
+def install_lm_head(probe: _compat.Probe) -> None:
+    vpe = _compat.module("vllm.model_executor.layers.vocab_parallel_embedding")
+    _patch(vpe.UnquantizedEmbeddingMethod, "apply", _lm_head_apply)
+
+
+def uninstall() -> None:
+    _unpatch(_compat.module("vllm.model_executor.layers.linear").UnquantizedLinearMethod, "apply")
+    _unpatch(_compat.module("vllm.model_executor.layers.vocab_parallel_embedding").UnquantizedEmbeddingMethod,
+             "apply")
+    base_loader = _compat.module("vllm.model_executor.model_loader.base_loader")
+    _unpatch(base_loader.BaseModelLoader, "load_model")
+    unregister_oot()
+
+
+# -- binding norms / activations to modules after the model is built ----------------------------------
+def bind_model(model: torch.nn.Module) -> dict[str, str]:
+    """Name every replaced norm / activation of ``model`` after the module it belongs to; returns
+    ``{layer name: module}``. A replaced layer whose name matches no rule is left unbound (it then
+    fails closed when it runs under a plan with an R module)."""
+    out: dict[str, str] = {}
+    classes = tuple(_CLASSES.values())
+    for name, layer in model.named_modules():
+        if classes and isinstance(layer, classes):
+            module = "attention" if layer._rlk_op == "rope" else module_of(name)
+            if name.endswith((".q_norm", ".k_norm")):
+                module = "attention"
+            if module is not None:
+                layer._rlk_module = module
+                out[name] = module
+    return out
+
+
+def _load_model(original):
+    def load_model(self, *args, **kwargs):
+        model = original(self, *args, **kwargs)
+        rt = _runtime.get()
+        bind_model(model)
+        from rlk_vllm_plugin import attention, collectives
+        attention.check_model(model, rt)
+        collectives.check_config(rt)
+        check_head_dtype(rt)
+        rt.flush()
+        return model
+    load_model._rlk_original = original
+    return load_model
+
+
+def install_loader(probe: _compat.Probe) -> None:
+    base_loader = _compat.module("vllm.model_executor.model_loader.base_loader")
+    _patch(base_loader.BaseModelLoader, "load_model", _load_model)
+
+
+def check_head_dtype(rt: _runtime.Runtime) -> None:
+    """0.33: a ``head_dtype`` other than the model dtype computes the LM head with ``torch.mm`` and
+    bypasses ``UnquantizedEmbeddingMethod.apply`` (shared/reference/vllm.md §6.4): refuse it for logp R."""
+    cfg = _compat.current_vllm_config()
+    model_config = getattr(cfg, "model_config", None)
+    head_dtype = getattr(model_config, "head_dtype", None)
+    if rt.r("logp") and head_dtype is not None and head_dtype != getattr(model_config, "dtype", head_dtype):
+        rt.violation(f"logp R: vLLM head_dtype={head_dtype} bypasses the LM-head hook; drop the head_dtype "
+                     "override")
