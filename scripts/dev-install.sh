@@ -32,4 +32,9 @@ fi
   -e "packages/rlk-validate[test,plot]" \
   -e packages/rlk-repro \
   pytest ruff
+# The real frameworks the adapters are tested against (CPU builds; the adapters' tests skip without them).
+# RLK_FRAMEWORKS=skip leaves them out.
+if [ "${RLK_FRAMEWORKS:-}" != "skip" ]; then
+  bash scripts/install-megatron-cpu.sh "$venv/bin/python"
+fi
 echo "rlk: installed into $venv"

@@ -63,7 +63,8 @@ def test_rlk_ops_of_a_plan():
     plan = RoutePlan("R/P", "P/R", "R/R")
     assert routes.rlk_ops(plan, "train", backward=True) == {"linear", "rms_norm", "rope", "attention_varlen",
                                                            "attention_varlen_backward", "linear_logprobs",
-                                                           "linear_logprobs_backward"}
+                                                           "linear_logprobs_backward", "token_logprobs",
+                                                           "token_logprobs_backward"}
     assert routes.rlk_ops(plan, "rollout") == {"linear", "rms_norm", "swiglu", "token_logprobs"}
 
 

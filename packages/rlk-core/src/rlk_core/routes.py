@@ -41,7 +41,7 @@ MODULE_OPS: dict[tuple[str, str], tuple[str, ...]] = {
                                "attention_decode"),
     ("ffn", "train"): ("linear", "rms_norm", "swiglu"),
     ("ffn", "rollout"): ("linear", "rms_norm", "swiglu"),
-    ("logp", "train"): ("rms_norm", "linear_logprobs"),
+    ("logp", "train"): ("rms_norm", "linear_logprobs", "linear", "token_logprobs"),  # fused; or from logits
     ("logp", "rollout"): ("rms_norm", "linear", "token_logprobs"),
 }
 # The tensor-parallel variants a sharded side runs in place of (or beside) the ops above.
