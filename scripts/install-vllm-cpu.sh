@@ -25,7 +25,7 @@ numpy_before="$("$py" -c 'import numpy; print(numpy.__version__)' 2>/dev/null ||
 # Pure-Python dependencies of the vLLM modules the plugin and tests import (config, layers, models/qwen3,
 # attention registry, distributed, v1 sampler). Versions inside vLLM 0.22.0's own Requires-Dist ranges.
 deps=(
-  "transformers>=4.56,<5" "tokenizers>=0.21.1" "huggingface_hub<1.0" "safetensors>=0.6.2"
+  "transformers==5.17.*" "tokenizers>=0.21.1" "safetensors>=0.6.2" uvloop
   "pydantic>=2.12" msgspec "pyzmq>=25" cloudpickle "typing_extensions>=4.10" "filelock>=3.16.1" pyyaml einops
   cbor2 pybase64 setproctitle "prometheus_client>=0.18" sentencepiece regex cachetools psutil "requests>=2.26"
   tqdm blake3 py-cpuinfo packaging "protobuf>=5.29.6,<6.30" "aiohttp>=3.13.3" "openai>=2.0" pillow
