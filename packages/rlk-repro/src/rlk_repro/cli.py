@@ -63,14 +63,18 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     r = sub.add_parser("run", help="run rounds of rollout -> train -> compare -> update and write a run directory",
                        description="Run the experiment; a new run directory is created under --output.")
-    r.add_argument("--engine", choices=("local",), default="local",
-                   help="local: the embedded Qwen3 rollout engine + trainer on this machine (default)")
+    r.add_argument("--engine", choices=("local", "vime"), default="local",
+                   help="local: the embedded Qwen3 rollout engine + trainer on this machine (default); vime: "
+                   "launched on your cluster with the command `rlk-repro plan --engine vime` prints")
     _plan_options(r)
     r.add_argument("--output", default="rlk-runs", help="directory under which the run directory is created (rlk-runs)")
     _experiment_options(r)
     pl = sub.add_parser("plan", help="print the resolved plan, environment and configuration of a run; runs nothing",
                         description="Resolve the options of `rlk-repro run` and print them as JSON (plan, the "
                         "RL_KERNEL_* variables that select it, the full configuration); nothing is run or written.")
+    pl.add_argument("--engine", choices=("local", "vime"), default="local",
+                    help="local (default): the local run as JSON; vime: the launch of a VIME/slime cluster run "
+                    "(a shell script, or --json; its own options: `rlk-repro plan --engine vime --help`)")
     _plan_options(pl)
     _experiment_options(pl)
     m = sub.add_parser("matrix", help="run the operator ablation matrix and check it with rlk-validate matrix",
@@ -346,10 +350,39 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_OK
 
 
+def _engine(argv: list[str]) -> str | None:
+    for i, arg in enumerate(argv):
+        if arg == "--engine" and i + 1 < len(argv):
+            return argv[i + 1]
+        if arg.startswith("--engine="):
+            return arg.partition("=")[2]
+    return None
+
+
+def _vime(argv: list[str]) -> int:
+    """``plan --engine vime`` (its own options, in rlk_repro.vime) and ``run --engine vime`` (refused)."""
+    if argv[0] == "run":
+        print("rlk-repro run: --engine vime runs on your cluster: launch it with the command "
+              "`rlk-repro plan --engine vime ...` prints (docs/vime.md)", file=sys.stderr)
+        return EXIT_USAGE
+    from rlk_repro import vime
+
+    p = _Parser(prog="rlk-repro plan --engine vime", description="Print the launch of a VIME/slime cluster run "
+                "with rlk's routes: a bash script for the Ray head node (or --json); nothing is run or written.")
+    p.add_argument("--engine", choices=("vime",), required=True, help="vime")
+    _plan_options(p)
+    vime.add_options(p)
+    a = p.parse_args(argv[1:])
+    resolved = _resolve(a)
+    return vime.plan_main(a, argv, resolved, _readback_mode(a)[0])
+
+
 def _main(argv: list[str]) -> int:
     debug = "--debug" in argv
     name = "rlk-repro" + next((f" {c}" for c in argv if c in ("run", "plan", "matrix", "doctor", "report")), "")
     try:
+        if argv[:1] in (["plan"], ["run"]) and _engine(argv) == "vime":
+            return _vime(argv)
         a = build_parser().parse_args(argv)
         if a.command is None:
             build_parser().print_help()
