@@ -79,6 +79,9 @@ def _resolve(target: str) -> Any:
     mod_name, _, attr = target.partition(":")
     obj: Any = importlib.import_module(mod_name)
     for part in attr.split("."):
+        if isinstance(obj, type) and part not in vars(obj):
+            # a class must define the hooked attribute itself: one inherited from a base is not the target
+            raise AttributeError(f"{obj.__qualname__} does not define {part!r} itself")
         obj = getattr(obj, part)
     return obj
 

@@ -1,0 +1,123 @@
+"""Plugin loading through vLLM's own loader, VLLM_PLUGINS filtering, idempotence, and each strict refusal."""
+
+import importlib.metadata as md
+
+import pytest
+
+pytestmark = [
+    pytest.mark.vllm,
+    # vLLM 0.22 (written for torch 2.11) uses torch.jit.script_method while importing; torch 2.13 deprecates it
+    pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning"),
+]
+
+
+def test_entry_point_is_discovered_in_the_general_plugins_group():
+    eps = {e.name: e.value for e in md.entry_points(group="vllm.general_plugins")}
+    assert eps.get("rlk") == "rlk_vllm_plugin:register"
+    # the test-only platform plugin is not part of the production wheel's metadata
+    prod = md.distribution("rlk-vllm-plugin").entry_points
+    assert {e.group for e in prod} == {"vllm.general_plugins"}
+
+
+LOAD = r'''
+from rlk_vllm_plugin import _runtime
+from vllm.plugins import load_general_plugins
+load_general_plugins(); load_general_plugins()
+rt = _runtime.current()
+print("installed", rt is not None and len(rt.hooks))
+from vllm.model_executor.custom_op import op_registry_oot
+print("oot", sorted(op_registry_oot))
+print("ok")
+'''
+
+
+@pytest.mark.parametrize("allow, loaded", [(None, True), ("rlk", True), ("lora_filesystem_resolver", False)])
+def test_vllm_loads_the_plugin_unless_vllm_plugins_excludes_it(run_script, allow, loaded):
+    env = {"RL_KERNEL_FFN_CASE": "R/R"}
+    if allow is not None:
+        env["VLLM_PLUGINS"] = allow
+    out = run_script(LOAD, env=env)
+    if loaded:
+        assert "installed 5" in out and "oot ['RMSNorm', 'SiluAndMul']" in out, out
+    else:
+        assert "installed False" in out and "oot []" in out, out
+
+
+def test_register_is_idempotent_and_refuses_a_changed_plan(plugin, monkeypatch):
+    import rlk_vllm_plugin
+    from rlk_core.errors import RlkConfigError
+    from vllm.model_executor.layers.linear import UnquantizedLinearMethod
+
+    rt = plugin(ffn="R/R")
+    apply = UnquantizedLinearMethod.apply
+    rlk_vllm_plugin.register()
+    assert UnquantizedLinearMethod.apply is apply and apply._rlk_original is not None
+    assert rlk_vllm_plugin._runtime.current() is rt
+    monkeypatch.setenv("RL_KERNEL_LOGP_CASE", "R/R")
+    with pytest.raises(RlkConfigError, match="installed for plan"):
+        rlk_vllm_plugin.register()
+
+
+def test_all_p_installs_nothing(plugin):
+    from vllm.model_executor.custom_op import op_registry_oot
+    from vllm.model_executor.layers.linear import UnquantizedLinearMethod
+
+    assert plugin() is None
+    assert not op_registry_oot and not hasattr(UnquantizedLinearMethod.apply, "_rlk_original")
+
+
+@pytest.mark.parametrize("module, target", [
+    ("ffn", "vllm.model_executor.layers.activation:SiluAndMul.forward_native"),
+    ("attention", "vllm.v1.attention.backends.registry:register_backend"),
+    ("logp", "vllm.v1.worker.gpu.sample.logprob:compute_token_logprobs"),
+    ("common", "vllm.model_executor.layers.linear:UnquantizedLinearMethod.apply"),
+])
+def test_strict_refuses_a_vllm_missing_a_hook_target_and_names_it(plugin, monkeypatch, module, target):
+    from rlk_core.errors import RlkPolicyError
+    from rlk_vllm_plugin import _compat
+
+    mod, _, attr = target.partition(":")
+    parts = attr.split(".")
+    import importlib
+    owner = importlib.import_module(mod)
+    for p in parts[:-1]:
+        owner = getattr(owner, p)
+    monkeypatch.delattr(owner, parts[-1])  # simulate a vLLM that renamed it
+    case = {"attention": "P/R", "ffn": "P/R", "logp": "P/R"} if module == "common" else {module: "P/R"}
+    with pytest.raises(RlkPolicyError, match=f"lacks: {target.replace('.', '[.]')}"):
+        plugin(**case)
+    assert _compat  # the refusal happened inside register(): nothing was installed
+    from vllm.model_executor.custom_op import op_registry_oot
+    assert not op_registry_oot
+
+
+def test_strict_refuses_an_unsupported_vllm_version(plugin, monkeypatch):
+    from rlk_core.errors import RlkPolicyError
+    from rlk_vllm_plugin import _compat
+
+    monkeypatch.setattr(_compat, "SUPPORTED", ((0, 30), (0, 34)))
+    with pytest.raises(RlkPolicyError, match=r"vLLM 0\.22\.0 is outside the supported range 0\.30"):
+        plugin(ffn="P/R")
+
+
+def test_audit_records_the_refusal_as_a_fallback_and_installs_nothing(plugin, monkeypatch):
+    from rlk_vllm_plugin import _compat
+
+    monkeypatch.setattr(_compat, "SUPPORTED", ((0, 30), (0, 34)))
+    rt = plugin(ffn="P/R", mode="audit")
+    doc = rt.recorder.to_dict()
+    assert doc["modules"]["ffn"]["fallback"] and "outside the supported range" in doc["modules"]["ffn"]["fallback_reason"]
+    from vllm.model_executor.custom_op import op_registry_oot
+    assert not op_registry_oot
+
+
+def test_readback_lists_the_installed_hooks(plugin, tmp_path):
+    import json
+
+    plugin(attention="R/R", ffn="R/R", logp="R/R", RL_KERNEL_READBACK_DIR=str(tmp_path))
+    (path,) = tmp_path.glob("*.json")
+    doc = json.loads(path.read_text())
+    names = {h["name"] for h in doc["hooks"]}
+    assert {"oot.RMSNorm", "oot.SiluAndMul", "oot.RotaryEmbedding", "linear", "lm_head", "logprobs",
+            "tp_all_reduce", "attention_backend.CUSTOM", "model_loader"} <= names, names
+    assert doc["framework"] == "vllm" and doc["side"] == "rollout"
