@@ -44,9 +44,10 @@ def test_vllm_loads_the_plugin_unless_vllm_plugins_excludes_it(run_script, allow
 
 
 def test_register_is_idempotent_and_refuses_a_changed_plan(plugin, monkeypatch):
+    from vllm.model_executor.layers.linear import UnquantizedLinearMethod
+
     import rlk_vllm_plugin
     from rlk_core.errors import RlkConfigError
-    from vllm.model_executor.layers.linear import UnquantizedLinearMethod
 
     rt = plugin(ffn="R/R")
     apply = UnquantizedLinearMethod.apply
@@ -106,7 +107,8 @@ def test_audit_records_the_refusal_as_a_fallback_and_installs_nothing(plugin, mo
     monkeypatch.setattr(_compat, "SUPPORTED", ((0, 30), (0, 34)))
     rt = plugin(ffn="P/R", mode="audit")
     doc = rt.recorder.to_dict()
-    assert doc["modules"]["ffn"]["fallback"] and "outside the supported range" in doc["modules"]["ffn"]["fallback_reason"]
+    ffn = doc["modules"]["ffn"]
+    assert ffn["fallback"] and "outside the supported range" in ffn["fallback_reason"]
     from vllm.model_executor.custom_op import op_registry_oot
     assert not op_registry_oot
 
