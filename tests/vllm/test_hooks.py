@@ -1,0 +1,222 @@
+"""Each hook on its own: OOT dispatch per op, the linear / LM-head methods by prefix, the attention backend's
+registration and KV-shim arithmetic, the log-prob hook and its strict refusals. Bitwise means torch.equal."""
+
+import pytest
+import torch
+
+pytestmark = [
+    pytest.mark.vllm,
+    # vLLM 0.22 (written for torch 2.11) uses torch.jit.script_method while importing; torch 2.13 deprecates it
+    pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning"),
+]
+
+
+@pytest.fixture
+def vllm_config():
+    from vllm.config import VllmConfig, set_current_vllm_config
+    with set_current_vllm_config(VllmConfig()):
+        yield
+
+
+def _bf16(*shape, seed=0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("method", ["forward_native", "forward_cpu", "forward_cuda"])
+def test_oot_rms_norm_runs_rlk_for_r_and_vllm_for_p(plugin, vllm_config, method):
+    from vllm.model_executor.layers.layernorm import RMSNorm
+
+    from rlk_core.ops import rms_norm
+
+    rt = plugin(attention="P/R", ffn="P/P")
+    norm = RMSNorm(64, eps=1e-6)
+    assert type(norm).__name__ == "RlkRMSNorm" and isinstance(norm, RMSNorm)
+    norm.weight.data = _bf16(64, seed=1)
+    x, res = _bf16(7, 64), _bf16(7, 64, seed=2)
+    norm._rlk_module = "attention"
+    out, new_res = getattr(norm, method)(x, res)
+    assert torch.equal(new_res, x + res) and torch.equal(out, rms_norm(x + res, norm.weight.data, 1e-6))
+    assert torch.equal(getattr(norm, method)(x), rms_norm(x, norm.weight.data, 1e-6))
+    norm._rlk_module = "ffn"  # P: vLLM's own forward_native, counted as production
+    assert torch.equal(norm.forward_native(x), RMSNorm.forward_native(norm, x))
+    ops = rt.recorder.to_dict()["modules"]
+    assert ops["attention"]["implementation"] == "rlk" and ops["attention"]["ops"]["rms_norm"]["call_count"] == 2
+    assert ops["ffn"]["ops"]["rms_norm"]["backend_id"].startswith("production.vllm")
+
+
+def test_unbound_norm_is_refused_in_strict_mode(plugin, vllm_config):
+    from vllm.model_executor.layers.layernorm import RMSNorm
+
+    from rlk_core.errors import RlkPolicyError
+
+    plugin(ffn="P/R")
+    with pytest.raises(RlkPolicyError, match="before rlk-vllm-plugin bound it"):
+        RMSNorm(64).forward_native(_bf16(3, 64))
+
+
+def test_oot_silu_and_mul_and_rope(plugin, vllm_config):
+    from vllm.model_executor.layers.activation import SiluAndMul
+    from vllm.model_executor.layers.rotary_embedding import get_rope
+
+    from rlk_core.ops import rope, swiglu
+
+    plugin(attention="P/R", ffn="P/R")
+    act = SiluAndMul()
+    act._rlk_module = "ffn"
+    x = _bf16(5, 2 * 48)
+    assert torch.equal(act.forward_native(x), swiglu(x)) and torch.equal(act.forward_cpu(x), swiglu(x))
+    emb = get_rope(16, max_position=512, is_neox_style=True, rope_parameters={"rope_theta": 10000.0},
+                   dtype=torch.bfloat16)
+    assert type(emb).__name__ == "RlkRotaryEmbedding"
+    pos = torch.tensor([0, 3, 9, 200, 511])
+    q, k = _bf16(5, 4 * 16, seed=3), _bf16(5, 2 * 16, seed=4)
+    q2, k2 = emb.forward_native(pos, q, k)
+    assert torch.equal(q2, rope(q.view(5, 4, 16), pos, 10000.0).view(5, 64))
+    assert torch.equal(k2, rope(k.view(5, 2, 16), pos, 10000.0).view(5, 32))
+
+
+def test_linear_and_lm_head_methods_route_by_prefix(plugin):
+    import torch.nn.functional as F
+    from vllm.model_executor.layers.linear import UnquantizedLinearMethod
+    from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
+
+    from rlk_core.ops import linear
+
+    rt = plugin(attention="P/P", ffn="P/R", logp="P/R")
+    x, w = _bf16(6, 64), _bf16(96, 64, seed=5)
+    layer = torch.nn.Module()
+    layer.weight = torch.nn.Parameter(w, requires_grad=False)
+    layer.prefix = "model.layers.1.mlp.gate_up_proj"
+    assert torch.equal(UnquantizedLinearMethod().apply(layer, x), linear(x, w))
+    layer.prefix = "model.layers.1.self_attn.qkv_proj"  # attention is P: vLLM's own CPU GEMM runs
+    layer.cpu_linear = lambda x_, w_, b_: F.linear(x_, w_, b_)  # what vLLM's CPU weight processing sets
+    assert torch.equal(UnquantizedLinearMethod().apply(layer, x), F.linear(x, w))
+    assert torch.equal(UnquantizedEmbeddingMethod().apply(layer, x), linear(x, w))
+    mods = rt.recorder.to_dict()["modules"]
+    assert mods["ffn"]["ops"]["linear"]["backend_id"].startswith("rlk.")
+    assert mods["logp"]["ops"]["linear"]["backend_id"].startswith("rlk.")
+    assert mods["attention"]["ops"]["linear"]["backend_id"] == "production.vllm.UnquantizedLinearMethod.apply"
+    layer.prefix = "model.layers.1.mystery_proj"
+    from rlk_core.errors import RlkPolicyError
+    with pytest.raises(RlkPolicyError, match="belongs to no rlk module"):
+        UnquantizedLinearMethod().apply(layer, x)
+
+
+# -- attention ---------------------------------------------------------------------------------------
+def test_custom_backend_is_registered_and_batch_invariant(plugin):
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    plugin(attention="P/R", RL_KERNEL_VLLM_ATTENTION_OVERRIDE="FLASH_ATTN")
+    for member in (AttentionBackendEnum.CUSTOM, AttentionBackendEnum.FLASH_ATTN):
+        cls = member.get_class()
+        assert cls.__name__ == "RlkAttentionBackend" and cls.supports_batch_invariance()
+        assert AttentionBackendEnum[cls.get_name()] is AttentionBackendEnum.CUSTOM
+    assert AttentionBackendEnum.TRITON_ATTN.get_class().__name__ != "RlkAttentionBackend"
+
+
+def _allocate_like_vllm_022(backend, num_blocks, block_size, heads, d, dtype=torch.bfloat16):
+    shape = backend.get_kv_cache_shape(num_blocks, block_size, heads, d)
+    order = backend.get_kv_cache_stride_order()
+    raw = torch.zeros(num_blocks * block_size * heads * 2 * d, dtype=dtype)
+    return raw, raw.view([shape[i] for i in order]).permute(*[order.index(i) for i in range(4)])
+
+
+def test_kv_shim_gives_0_33s_layout_and_the_writes_land_where_vllm_expects(plugin):
+    from rlk_core.ops import kv_cache_write
+    from rlk_vllm_plugin import _compat
+
+    plugin(attention="P/R")
+    from rlk_vllm_plugin.attention import RlkAttentionBackend
+    raw, kv = _allocate_like_vllm_022(RlkAttentionBackend, 10, 16, 2, 8)
+    assert kv.shape == (10, 2, 16, 16) and kv.stride() == (512, 16, 32, 1)  # 0.33's LBNHC, measured (§5.3)
+    with pytest.raises(NotImplementedError):
+        RlkAttentionBackend.get_kv_cache_stride_order(include_num_layers_dimension=True)
+    k_cache, v_cache = _compat.split_kv(kv, 8)
+    assert k_cache.shape == (10, 16, 2, 8) and k_cache.stride() == (512, 32, 16, 1)
+    k, v = _bf16(3, 2, 8, seed=6), _bf16(3, 2, 8, seed=7)
+    slots = torch.tensor([37, 5, 159])
+    kv_cache_write(k, v, k_cache, v_cache, slots)
+    phys = raw.view(10, 16, 2, 16)  # [block, token, head, K|V]
+    for i, s in enumerate(slots.tolist()):
+        assert torch.equal(phys[s // 16, s % 16, :, :8], k[i]) and torch.equal(phys[s // 16, s % 16, :, 8:], v[i])
+    assert int((raw != 0).sum()) == int((k != 0).sum() + (v != 0).sum())
+
+
+def test_impl_prefill_chunk_then_decode_equals_varlen_attention(plugin):
+    from rlk_core.ops import attention_varlen
+    from rlk_vllm_plugin.attention import RlkAttentionMetadata
+
+    plugin(attention="P/R")
+    from rlk_vllm_plugin.attention import RlkAttentionBackend, RlkAttentionImpl
+    hq, hkv, d, n = 4, 2, 16, 16
+    impl = RlkAttentionImpl(hq, d, d**-0.5, hkv)
+    _, kv = _allocate_like_vllm_022(RlkAttentionBackend, 6, n, hkv, d)
+    L = 23
+    q, k, v = _bf16(L, hq, d, seed=8), _bf16(L, hkv, d, seed=9), _bf16(L, hkv, d, seed=10)
+    table = torch.tensor([[4, 1, 0]], dtype=torch.int32)
+    out = torch.empty(L, hq, d, dtype=torch.bfloat16)
+    for a, b in ((0, 9), (9, 21), (21, 22), (22, 23)):
+        slots = torch.tensor([int(table[0, p // n]) * n + p % n for p in range(a, b)])
+        md = RlkAttentionMetadata(b - a, 1, b - a, torch.tensor([0, b - a], dtype=torch.int32),
+                                  torch.tensor([b], dtype=torch.int32), table, slots)
+        impl.forward(None, q[a:b], k[a:b], v[a:b], kv, md, out[a:b])
+    cu = torch.tensor([0, L], dtype=torch.int32)
+    assert torch.equal(out, attention_varlen(q, k, v, cu, cu, d**-0.5, causal=True))
+
+
+# -- log-probs ---------------------------------------------------------------------------------------
+def test_logprob_hook_is_rlk_token_logprobs_with_the_request_temperature(plugin):
+    from vllm.v1.sample.sampler import Sampler
+    from vllm.v1.worker.gpu.sample import logprob
+
+    from rlk_core.ops import token_logprobs
+    from rlk_vllm_plugin import logprobs
+
+    plugin(logp="P/R")
+    logits = _bf16(5, 1000, seed=11) * 4
+    temp = torch.tensor([1.0, 0.7, 1.3, 0.25, 2.0])
+    ids = torch.tensor([[3, 17], [999, 0], [512, 4], [7, 7], [100, 900]])
+    token = logprobs._STEP.set((logits, temp))
+    try:
+        got = logprob.compute_token_logprobs(logits.float() / temp[:, None], ids)  # processed logits are ignored
+    finally:
+        logprobs._STEP.reset(token)
+    want = torch.stack([token_logprobs(logits, ids[:, j], temp)[0] for j in range(2)], dim=1)
+    assert got.dtype == torch.float32 and torch.equal(got, want)
+    # outside a sampling step (prompt log-probs): temperature 1 on the given logits
+    assert torch.equal(logprob.compute_token_logprobs(logits, ids[:, :1])[:, 0], token_logprobs(logits, ids[:, 0])[0])
+    # negative control: vLLM's own path is different code (a Triton kernel, not runnable here) and its V1
+    # full log_softmax does not give the same bits
+    assert logprob.compute_token_logprobs._rlk_original is not logprobs.token_logprobs_hook
+    v1 = Sampler.compute_logprobs._rlk_original(logits.float() / temp[:, None]).gather(1, ids)
+    assert not torch.equal(v1, want)
+
+
+def test_filtered_logprobs_are_refused_unless_opted_in(plugin, monkeypatch):
+    from vllm import SamplingParams
+
+    from rlk_core.errors import RlkPolicyError
+    from rlk_vllm_plugin import _runtime, logprobs
+
+    plugin(logp="P/R")
+    rt = _runtime.current()
+    logprobs.check_request(SamplingParams(temperature=1.0, logprobs=0), rt)
+    logprobs.check_request(SamplingParams(temperature=1.0, top_p=0.9), rt)  # no log-probs asked: fine
+    for sp, what in ((SamplingParams(top_p=0.9, logprobs=0), "top_p=0.9"), (SamplingParams(top_k=20, logprobs=0),
+                     "top_k=20"), (SamplingParams(min_p=0.1, logprobs=0), "min_p=0.1"),
+                     (SamplingParams(presence_penalty=0.5, logprobs=0), "presence_penalty=0.5"),
+                     (SamplingParams(temperature=0.0, logprobs=0), "temperature 0")):
+        with pytest.raises(RlkPolicyError, match=what):
+            logprobs.check_request(sp, rt)
+    rt.unfiltered_logprobs = True
+    logprobs.check_request(SamplingParams(top_p=0.9, top_k=20, logprobs=0), rt)
+
+
+def test_v1_runner_logprobs_are_refused_under_logp_r(plugin):
+    from vllm.v1.sample.sampler import Sampler
+
+    from rlk_core.errors import RlkPolicyError
+
+    plugin(logp="P/R")
+    with pytest.raises(RlkPolicyError, match="V1 runner"):
+        Sampler.compute_logprobs(torch.zeros(2, 8))
