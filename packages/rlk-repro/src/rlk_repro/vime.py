@@ -35,6 +35,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from rlk_core.errors import RlkConfigError
+from rlk_validate.evidence import VIME_ENVIRONMENT_SCHEMA, VIME_LAUNCH_SCHEMA
 
 #: Every name this launch uses from rlk-megatron-provider and rlk-vllm-plugin (align here, nowhere else).
 ENTRY_POINTS: dict[str, Any] = {
@@ -55,7 +56,7 @@ ENTRY_POINTS: dict[str, Any] = {
     # the variable the record hook writes into
     "logprob_records_var": "RL_KERNEL_LOGPROB_RECORDS_DIR",
 }
-LAUNCH_SCHEMA = "rlk.vime-launch.v1"
+LAUNCH_SCHEMA = VIME_LAUNCH_SCHEMA
 LAUNCH_FILE = "rlk-launch.json"
 ENVIRONMENT_FILE = "environment.json"
 RECORDS_DIR = "logprob-records"
@@ -446,7 +447,7 @@ def record_environment(run_dir: str, repos: Mapping[str, str], inputs: Mapping[s
         smi = []
     hardware = {"device": "cuda" if smi else "unknown", "name": smi[0].split(",")[0].strip() if smi else None,
                 "driver": smi[0].split(",")[1].strip() if smi and "," in smi[0] else None, "count": len(smi)}
-    return {"schema": "rlk.vime-environment.v1", "repos": out_repos, "packages": packages, "hardware": hardware,
+    return {"schema": VIME_ENVIRONMENT_SCHEMA, "repos": out_repos, "packages": packages, "hardware": hardware,
             "inputs": {k: digest(v) for k, v in inputs.items()}}
 
 

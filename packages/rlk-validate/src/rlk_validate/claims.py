@@ -28,6 +28,9 @@ REWARD_REL_TOL = 1e-5
 #: at most this many findings of one kind per file; the rest are counted in one more finding
 SHOWN = 10
 _INT_FIELDS = ("compared_tokens", "mismatch_count", "peak_memory_bytes")
+#: VIME's own per-step metric (train/train_rollout_logprob_abs_diff, a sum of per-sample means) for the
+#: round's training steps; only its zero-ness is comparable with train-data (``rlk-validate import-vime``)
+VIME_METRIC = "vime_train_rollout_logprob_abs_diff"
 _NUM_FIELDS = ("max_abs_diff", "mean_abs_diff", "reward_mean", "loss", "rollout_tokens_per_s", "train_tokens_per_s")
 
 
@@ -93,6 +96,9 @@ def _metrics_row_problem(obj: Any) -> str | None:
     for key in _NUM_FIELDS:
         if key in obj and not is_num(obj[key]):
             return f"{key} = {obj[key]!r} is not a finite number"
+    vime = obj.get(VIME_METRIC)
+    if vime is not None and not (isinstance(vime, list) and vime and all(is_num(v) and v >= 0 for v in vime)):
+        return f"{VIME_METRIC} = {vime!r} is not a non-empty list of finite numbers >= 0"
     if "weights_changed" in obj and type(obj["weights_changed"]) is not bool:
         return f"weights_changed = {obj['weights_changed']!r} is not true or false"
     return None
@@ -153,6 +159,11 @@ def _compare_metrics(rel: str, rows: dict[int, dict[str, Any]], bitwise: dict[st
             if key in row and not close(float(row[key]), r[key], tol):
                 out.append(_f("METRICS_DISAGREE", f"{where}: {key} = {row[key]!r}, recomputed from train-data: "
                               f"{r[key]!r}", rel))
+        vime = row.get(VIME_METRIC)
+        if vime is not None and (any(v != 0 for v in vime)) != (r["mismatch_count"] != 0):
+            out.append(_f("VIME_METRIC_DISAGREES", f"{where}: VIME logged train_rollout_logprob_abs_diff {vime}, "
+                          f"train-data has {r['mismatch_count']} mismatching token(s) of {r['element_count']}", rel,
+                          claimed=vime, recomputed=r["mismatch_count"]))
         ours_reward = r.get("reward_mean")
         claimed = row.get("reward_mean")
         if claimed is not None and ours_reward is not None and not reward_close(float(claimed), ours_reward):

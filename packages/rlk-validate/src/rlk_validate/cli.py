@@ -27,7 +27,8 @@ class UsageError(Exception):
 SUBCOMMANDS = """subcommands:
   rlk-validate [run] RUN_DIR [options]      check one run directory (`run` for a directory named like a subcommand)
   rlk-validate matrix MATRIX_ROOT [options] check every cell of an ablation matrix root
-  rlk-validate codes                        list the finding codes"""
+  rlk-validate codes                        list the finding codes
+  rlk-validate import-vime SRC DST          turn a VIME run's artifact directory into an rlk run directory"""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -221,6 +222,26 @@ def _main_codes() -> int:
     return 0
 
 
+def _main_import_vime(argv: Sequence[str]) -> int:
+    from .vime import ImportProblem, import_vime
+
+    p = _Parser(prog="rlk-validate import-vime", description="Write DST, an rlk run directory, from SRC, the "
+                "artifact directory of a VIME run launched as `rlk-repro plan --engine vime` prints (docs/vime.md); "
+                "SRC is only read, DST must not exist. Then check DST with `rlk-validate DST`.")
+    p.add_argument("src", metavar="SRC")
+    p.add_argument("dst", metavar="DST")
+    p.add_argument("--debug", action="store_true", help="show tracebacks")
+    a = p.parse_args(argv)
+    try:
+        s = import_vime(a.src, a.dst)
+    except ImportProblem as e:
+        print(f"rlk-validate import-vime: {clean(e)}", file=sys.stderr)
+        return EXIT_USAGE
+    print(f"wrote {s['dst']}: {s['rounds']} round(s), {s['record_files']} record file(s) from writer rank(s) "
+          f"{s['writer_ranks']}, {s['vime_steps']} VIME step metric(s); now: rlk-validate {s['dst']}")
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in args
@@ -229,6 +250,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _main_matrix(args[1:])
         if args and args[0] == "codes":
             return _main_codes()
+        if args and args[0] == "import-vime":
+            return _main_import_vime(args[1:])
         if args and args[0] == "run":
             args = args[1:]
         return _main_run(args)

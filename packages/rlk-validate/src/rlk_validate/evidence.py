@@ -30,6 +30,10 @@ TRAIN_DATA_SCHEMA = "rlk.train-data.v1"
 RUN_VALIDATION_SCHEMA = "rlk.run-validation.v1"
 MATRIX_REPORT_SCHEMA = "rlk.matrix-report.v1"
 COMPLETE_SCHEMA = "rlk.complete.v1"
+# a VIME run's artifact directory, before `rlk-validate import-vime` (docs/vime.md)
+VIME_LAUNCH_SCHEMA = "rlk.vime-launch.v1"
+VIME_ENVIRONMENT_SCHEMA = "rlk.vime-environment.v1"
+VIME_LOGPROBS_SCHEMA = "rlk.vime-logprobs.v1"
 
 #: document kind -> schema id
 SCHEMAS: dict[str, str] = {
@@ -41,6 +45,9 @@ SCHEMAS: dict[str, str] = {
     "run-validation": RUN_VALIDATION_SCHEMA,
     "matrix-report": MATRIX_REPORT_SCHEMA,
     "complete": COMPLETE_SCHEMA,
+    "vime-launch": VIME_LAUNCH_SCHEMA,
+    "vime-environment": VIME_ENVIRONMENT_SCHEMA,
+    "vime-logprobs": VIME_LOGPROBS_SCHEMA,
 }
 
 # -- closed vocabularies ------------------------------------------------------------------------

@@ -63,6 +63,10 @@ CODES: dict[str, tuple[str, str]] = {
     "TRAIN_DATA_UNEXPECTED": (ERROR, "train-data holds files the manifest does not account for"),
     "METRICS_MISSING": (INCOMPLETE, "metrics.jsonl is absent or lacks rounds"),
     "METRICS_INVALID": (ERROR, "a metrics.jsonl line is malformed, duplicated or out of range"),
+    "VIME_METRIC_DISAGREES": (
+        ERROR,
+        "VIME's logged train_rollout_logprob_abs_diff is zero where train-data differs, or non-zero where it is equal",
+    ),
     "METRICS_DISAGREE": (ERROR, "metrics.jsonl disagrees with the numbers recomputed from train-data"),
     "BITWISE_FILE_MISSING": (INCOMPLETE, "bitwise-validation.json is absent"),
     "BITWISE_FILE_INVALID": (ERROR, "bitwise-validation.json lacks fields or has wrong types"),
@@ -87,8 +91,15 @@ CODES: dict[str, tuple[str, str]] = {
     # readbacks
     "READBACKS_MISSING": (INCOMPLETE, "no readback for one side (train or rollout), or no readbacks at all"),
     "READBACK_FIELD_INVALID": (ERROR, "a readback field is absent, of the wrong type, or inconsistent"),
-    "READBACK_NAME_MISMATCH": (ERROR, "a readback's file name disagrees with its framework/target/pid"),
-    "READBACK_DUPLICATE": (ERROR, "two readbacks for the same (framework, target, pid)"),
+    "READBACK_NAME_MISMATCH": (
+        ERROR,
+        "a readback's file name disagrees with its framework/target/pid (or its readbacks/<hostname>/ with its host)",
+    ),
+    "READBACK_DUPLICATE": (ERROR, "two readbacks for the same (host, framework, target, pid)"),
+    "READBACKS_SIDE_SILENT": (
+        ERROR,
+        "a VIME run finished but one side left no readback: RL_KERNEL_* never reached its processes (Ray runtime env)",
+    ),
     "READBACK_PLAN_MISMATCH": (ERROR, "a readback's plan differs from the requested plan"),
     "READBACK_PLAN_CONFLICT": (ERROR, "readbacks disagree with each other on the plan"),
     "READBACK_RUN_ID_MISMATCH": (ERROR, "a readback names a different run id than the manifest"),

@@ -227,6 +227,20 @@ def _check_record(rec: dict[str, Any], module: str, want: str, rel: str, allowed
     return out
 
 
+def _readback_names(root: Root) -> list[tuple[str | None, str]]:
+    """``(host, file name)`` of every readback: ``readbacks/*.json`` (host None) and, for runs on several
+    nodes, ``readbacks/<hostname>/*.json`` (one level; names starting with ``.`` are ignored)."""
+    out: list[tuple[str | None, str]] = []
+    for n in root.listdir(DIR):
+        if n.startswith("."):
+            continue
+        if n.endswith(".json"):
+            out.append((None, n))
+        elif root.is_dir(f"{DIR}/{n}"):
+            out.extend((n, m) for m in root.listdir(f"{DIR}/{n}") if m.endswith(".json") and not m.startswith("."))
+    return out
+
+
 def check_readbacks(
     root: Root,
     plan: dict[str, str] | None,
@@ -239,14 +253,14 @@ def check_readbacks(
     try:
         if not root.is_dir(DIR):
             return [_f("READBACKS_MISSING", "readbacks/ is absent: no evidence of what executed", DIR)], summary
-        names = [n for n in root.listdir(DIR) if n.endswith(".json") and not n.startswith(".")]
+        names = _readback_names(root)
     except InputError as e:
         return [e.finding], summary
 
     docs: list[tuple[str, dict[str, Any]]] = []
-    keys: dict[tuple[str, str, int], str] = {}
-    for name in names:
-        rel = f"{DIR}/{name}"
+    keys: dict[tuple[str | None, str, str, int], str] = {}
+    for host, name in names:
+        rel = f"{DIR}/{name}" if host is None else f"{DIR}/{host}/{name}"
         try:
             doc = root.read_json(rel)
         except InputError as e:
@@ -270,12 +284,16 @@ def check_readbacks(
         expect = readback_name(doc["framework"], doc["target"], doc["pid"])
         if name != expect:
             findings.append(_f("READBACK_NAME_MISMATCH", f"{rel}: its content says it should be named {expect}", rel))
-        key = (doc["framework"], doc["target"], doc["pid"])
+        if host is not None and doc.get("hostname") != host:
+            findings.append(_f("READBACK_NAME_MISMATCH", f"{rel}: written on host {doc.get('hostname')!r}, filed "
+                               f"under {host!r} (readbacks/<hostname>/ holds one node's readbacks)", rel))
+        # pids are per host: two nodes' processes may share one (readbacks/<hostname>/ keeps them apart)
+        key = (host, doc["framework"], doc["target"], doc["pid"])
         if key in keys:
             findings.append(
                 _f(
                     "READBACK_DUPLICATE",
-                    f"{rel} and {keys[key]} are both the readback of {key[0]} {key[1]} pid {key[2]}",
+                    f"{rel} and {keys[key]} are both the readback of {key[1]} {key[2]} pid {key[3]}",
                     rel,
                 )
             )

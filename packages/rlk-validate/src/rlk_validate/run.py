@@ -101,7 +101,8 @@ def _manifest_problems(m: dict[str, Any]) -> list[tuple[str, str]]:
 
 def check_manifest(root: Root) -> tuple[list[Finding], dict[str, Any]]:
     """Returns findings and ``{"plan", "rounds", "ranks", "run_id", "mode"}`` (None where unknown)."""
-    info: dict[str, Any] = {"plan": None, "rounds": None, "ranks": None, "run_id": None, "mode": None}
+    info: dict[str, Any] = {"plan": None, "rounds": None, "ranks": None, "run_id": None, "mode": None,
+                            "engine": None}
     rel = MANIFEST
     if not root.lexists(rel):
         return [_f("MANIFEST_MISSING", "manifest.json is absent: the requested plan and inputs are unknown", rel)], info
@@ -131,6 +132,7 @@ def check_manifest(root: Root) -> tuple[list[Finding], dict[str, Any]]:
     if _printable(m.get("run_id")):
         info["run_id"] = m["run_id"]
     info["mode"] = m.get("mode") if _printable(m.get("mode")) else None
+    info["engine"] = m.get("engine") if _printable(m.get("engine")) else None
     plan = info["plan"]
     preset = PRESET_MODES.get(m.get("mode")) if is_member(m.get("mode"), PRESET_MODES) else None
     if plan and preset and not all(v == preset for v in plan.values()):

@@ -9,7 +9,7 @@ from typing import Any
 from .bitwise import check_train_data
 from .claims import all_rr, check_bitwise_file, check_metrics
 from .drift import DEFAULT_CLIP_EPS
-from .evidence import RUN_MARKERS, expected_plan
+from .evidence import EXIT_CODE, RUN_MARKERS, expected_plan
 from .findings import finding
 from .readbacks import check_readbacks
 from .report import Report
@@ -68,6 +68,16 @@ def not_a_run_reason(path: str) -> str | None:
             "a matrix root is checked with `rlk-validate matrix DIR`")
 
 
+def _silent(x: Any) -> Any:
+    """A VIME run that finished with no readback from one side will never have it: its processes did not
+    see ``RL_KERNEL_*`` (Ray workers do not inherit the launcher's environment), so that side ran
+    production code whatever the plan said. An error, not missing evidence."""
+    if x.code != "READBACKS_MISSING" or not x.message.startswith("no readback from the "):
+        return x
+    return finding("READBACKS_SIDE_SILENT", x.message + "; the run finished, so its processes never saw "
+                   "RL_KERNEL_* (forward them through Ray's runtime env: docs/vime.md)", check=x.check, path=x.path)
+
+
 def validate_run(path: str | os.PathLike[str], options: Options | None = None) -> Report:
     """Check the run directory at ``path``; never writes anything."""
     opts = options or Options()
@@ -87,6 +97,8 @@ def validate_run(path: str | os.PathLike[str], options: Options | None = None) -
     f.extend(check_exit_and_log(root))
 
     rf, summary = check_readbacks(root, info["plan"], info["run_id"], opts.allowed_backends)
+    if info.get("engine") == "vime" and root.lexists(EXIT_CODE):
+        rf = [_silent(x) for x in rf]
     f.extend(rf)
     report.readbacks = summary
 
