@@ -115,11 +115,12 @@ class Report:
             lines.append(f"| {c['name']} | {tag} | {json.dumps(nums, default=str)[:300]} |")
         lines += ["", "| stage | status | s |", "| --- | --- | --- |"]
         for n, s in self.data["stages"].items():
-            lines.append(f"| {n} | {s['status']}{': ' + s.get('error', s.get('reason', ''))[:200] if s['status'] != 'ok' else ''}"
-                         f" | {s.get('seconds', '')} |")
+            why = ": " + s.get("error", s.get("reason", ""))[:200] if s["status"] != "ok" else ""
+            lines.append(f"| {n} | {s['status']}{why} | {s.get('seconds', '')} |")
         t = self.data.get("timing", {})
         if t:
-            lines += ["", "| shape | rlk step ms (median) | stock step ms | rlk / stock speed | rlk peak GiB | stock peak GiB |",
+            lines += ["",
+                      "| shape | rlk step ms (median) | stock step ms | rlk / stock speed | rlk peak GiB | stock peak GiB |",
                       "| --- | --- | --- | --- | --- | --- |"]
             for shape, v in t.items():
                 r, p = v.get("rlk", {}), v.get("stock", {})
@@ -475,7 +476,11 @@ def stage_lockstep(rep: Report, rec: dict, cfg, dev, dtype, steps: int, lengths:
                 lp_l = tr.forward_logprobs(b.seqs, b.rows)
         s["local_s"] = round(time.monotonic() - t, 2)
         eq = torch.equal(lp_m, lp_l)
-        all_ok["logp"] &= rep.check(f"lockstep.step{step}.logp_equal_local_trainer", eq,
+        # After the first update the two sides hold different weights: Megatron keeps QKV rows grouped per KV
+        # head, so dX of the QKV projection sums over its rows in another order than the local trainer's
+        # [q; k; v] (the forward is row-wise and unaffected). Bitwise at step 0 (same weights); afterwards
+        # informational — the contract's claim (same weights -> same log-probs) is the next check.
+        all_ok["logp"] &= rep.check(f"lockstep.step{step}.logp_equal_local_trainer", eq, bitwise=step == 0,
                                     max_abs_diff=max_abs(lp_m, lp_l), tokens=int(lp_m.numel()),
                                     mean_logp=float(lp_m.mean()))
         # forward on Megatron's current weights (local trainer rebuilt from them): bitwise whatever the grads did
@@ -581,8 +586,7 @@ def time_steps(cfg, dev, dtype, rlk: bool, w, n: int, s: int, warmup: int, iters
                    peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2))
     else:
         out["median_ms"] = out["median_wall_ms"]
-    del model, opt, box
-    return out
+    return out  # the model, optimizer and batch go with this frame
 
 
 def stage_timing(rep: Report, rec: dict, shape: str, cfg, dev, dtype, n: int, s: int, warmup: int, iters: int):
