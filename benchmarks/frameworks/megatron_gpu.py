@@ -120,7 +120,8 @@ class Report:
         t = self.data.get("timing", {})
         if t:
             lines += ["",
-                      "| shape | rlk step ms (median) | stock step ms | rlk / stock speed | rlk peak GiB | stock peak GiB |",
+                      "| shape | rlk step ms (median) | stock step ms | rlk / stock speed | rlk peak GiB "
+                      "| stock peak GiB |",
                       "| --- | --- | --- | --- | --- | --- |"]
             for shape, v in t.items():
                 r, p = v.get("rlk", {}), v.get("stock", {})
