@@ -1,0 +1,171 @@
+"""`rlk-repro plan --engine vime`: the launch printed for each route cell, its environment forwarding into
+Ray, the exact gate, the errors, and the 8-GPU command of issue 22 (Qwen3-8B shape, TP 4 / CP 2, rollout TP 4)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+import pytest
+
+from rlk_repro import vime
+from rlk_repro.cli import main
+
+CASE_VARS = ("RL_KERNEL_ATTENTION_CASE", "RL_KERNEL_FFN_CASE", "RL_KERNEL_LOGP_CASE")
+
+
+@pytest.fixture(autouse=True)
+def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    for v in (*CASE_VARS, "RL_KERNEL_MODE"):
+        monkeypatch.delenv(v, raising=False)
+
+
+def plan_json(capsys, *args: str) -> dict:
+    assert main(["plan", "--engine", "vime", "--json", "--run-id", "r1", "--run-dir", "/runs/r1", *args]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def has(argv: list[str], *seq: str) -> bool:
+    return any(argv[i:i + len(seq)] == list(seq) for i in range(len(argv)))
+
+
+CELLS = ["R/R", "P/P", "P/R", "R/P"]
+
+
+@pytest.mark.parametrize("module", ["attention", "ffn", "logp"])
+@pytest.mark.parametrize("case", CELLS)
+def test_each_route_cell(capsys, module: str, case: str) -> None:
+    doc = plan_json(capsys, f"--{module}-case", case)
+    plan = {m: "R/R" for m in ("attention", "ffn", "logp")} | {module: case}
+    argv, env = doc["submit"], doc["env"]
+    assert doc["plan"] == plan
+    # the environment: every case, the mode, readback dir and run id, exported and forwarded to Ray identically
+    for m, c in plan.items():
+        assert env[f"RL_KERNEL_{m.upper()}_CASE"] == c
+    assert env["RL_KERNEL_MODE"] == "strict" and env["RL_KERNEL_RUN_ID"] == "r1"
+    assert env["RL_KERNEL_READBACK_DIR"] == "/runs/r1/readbacks"
+    assert doc["runtime_env"] == {"env_vars": env}
+    assert json.loads(argv[argv.index("--runtime-env-json") + 1]) == {"env_vars": env}
+    assert argv[:3] == ["ray", "job", "submit"]
+    # train side
+    assert has(argv, "--custom-megatron-init-path", "rlk_megatron_provider.install")
+    train_r = any(plan[m][0] == "R" for m in plan)
+    assert has(argv, "--spec", *vime.ENTRY_POINTS["megatron_spec"]) == train_r
+    assert has(argv, "--linear-logp-provider", "rlk_megatron_provider.linear_logp",
+               "--linear-logp-provider-mode", "strict") == (plan["logp"][0] == "R")
+    # rollout side
+    assert has(argv, "--vllm-attention-backend", "CUSTOM") == (plan["attention"][2] == "R")
+    assert "--vllm-enable-deterministic-inference" in argv
+    assert has(argv, "--rollout-top-p", "1.0") and has(argv, "--rollout-top-k", "-1")
+    # the exact gate only where exact equality is the claim
+    gate = has(argv, "--ci-test", "--ci-train-rollout-logprob-abs-diff-threshold", "0")
+    assert gate == (case == "R/R") == doc["exact_required"]
+
+
+def test_native_is_what_users_run_today(capsys) -> None:
+    doc = plan_json(capsys, "--mode", "native")
+    argv = doc["submit"]
+    assert doc["mode"] == "native" and set(doc["plan"].values()) == {"P/P"}
+    for flag in ("--spec", "--linear-logp-provider", "--vllm-attention-backend",
+                 "--vllm-enable-deterministic-inference", "--ci-test", "--transformer-impl"):
+        assert flag not in argv
+    assert has(argv, "--custom-megatron-init-path", "rlk_megatron_provider.install")  # P sides are recorded too
+
+
+def test_env_variables_and_flags_route_like_the_local_engine(capsys, monkeypatch) -> None:
+    monkeypatch.setenv("RL_KERNEL_FFN_CASE", "P/R")
+    doc = plan_json(capsys, "--attention-case", "R/P")
+    assert doc["plan"] == {"attention": "R/P", "ffn": "P/R", "logp": "R/R"}
+    assert doc["plan_sources"]["ffn"] == "RL_KERNEL_FFN_CASE"
+    assert doc["plan_sources"]["attention"] == "flag --attention-case"
+
+
+def test_audit_mode_uses_auto_provider_mode(capsys) -> None:
+    doc = plan_json(capsys, "--audit")
+    assert doc["env"]["RL_KERNEL_MODE"] == "audit"
+    assert has(doc["submit"], "--linear-logp-provider-mode", "auto")
+
+
+def test_script_is_bash_that_exports_and_forwards(capsys) -> None:
+    assert main(["plan", "--engine", "vime", "--run-id", "r1", "--run-dir", "/runs/r1"]) == 0
+    text = capsys.readouterr().out
+    assert subprocess.run(["bash", "-n"], input=text, text=True).returncode == 0
+    for var in (*CASE_VARS, "RL_KERNEL_MODE", "RL_KERNEL_READBACK_DIR", "RL_KERNEL_RUN_ID"):
+        assert f"export {var}=" in text
+        runtime_line = next(line for line in text.splitlines() if line.startswith("RUNTIME_ENV_JSON="))
+        assert var in runtime_line
+    assert '--runtime-env-json "$RUNTIME_ENV_JSON"' in text
+    assert "--ci-test --ci-train-rollout-logprob-abs-diff-threshold 0" in text
+    assert 'rlk-validate import-vime "$RUN_DIR"' in text and "--seal --require-bitwise" in text
+
+
+def test_the_forwarded_environment_is_the_exported_one(capsys, tmp_path) -> None:
+    """Run the script's RUNTIME_ENV_JSON line with the exports in front of it: Ray gets every variable."""
+    assert main(["plan", "--engine", "vime", "--run-id", "r1", "--run-dir", str(tmp_path)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    prog = [line for line in lines if line.startswith(("export ", "RUNTIME_ENV_JSON="))]
+    out = subprocess.run(["bash", "-c", "\n".join(prog) + '\necho "$RUNTIME_ENV_JSON"'], capture_output=True,
+                         text=True, env={"PATH": "/usr/bin:/bin"}, check=True).stdout
+    env = json.loads(out)["env_vars"]
+    assert env["RL_KERNEL_LOGP_CASE"] == "R/R" and env["RL_KERNEL_READBACK_DIR"] == f"{tmp_path}/readbacks"
+
+
+@pytest.mark.parametrize(("args", "words"), [
+    (["--top-p", "0.95"], "--top-p 0.95"),
+    (["--top-k", "20"], "--top-k 20"),
+    (["--temperature", "0"], "must be > 0"),
+    (["--tensor-parallel", "3"], "does not divide"),
+    (["--rollout-tensor-parallel", "3"], "rollout TP 3"),
+    (["--mode", "native", "--unfiltered-logprobs"], "--unfiltered-logprobs needs logp R"),
+    (["--rollout-gpus", "4"], "--colocate"),
+    (["--logp-case", "X/R"], "logp"),
+])
+def test_bad_combinations_are_one_line_exit_2(capsys, args, words) -> None:
+    assert main(["plan", "--engine", "vime", *args]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") <= 2 and words in err, err
+    assert "Traceback" not in err
+
+
+def test_filtered_sampling_with_opt_in_or_production_logp(capsys) -> None:
+    doc = plan_json(capsys, "--top-p", "0.95", "--unfiltered-logprobs")
+    assert doc["env"]["RL_KERNEL_VLLM_UNFILTERED_LOGPROBS"] == "1" and has(doc["submit"], "--rollout-top-p", "0.95")
+    doc = plan_json(capsys, "--logp-case", "R/P", "--top-k", "20")
+    assert has(doc["submit"], "--rollout-top-k", "20")
+
+
+def test_run_engine_vime_says_where_it_runs(capsys, tmp_path, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    assert main(["run", "--engine", "vime", "--tensor-parallel", "4"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "cluster" in err and "plan --engine vime" in err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_issue_22_qwen3_8b_tp4_cp2_on_8_gpus(capsys) -> None:
+    doc = plan_json(capsys, "--mode", "consistency", "--tensor-parallel", "4", "--context-parallel", "2",
+                    "--rollout-tensor-parallel", "4", "--nodes", "1", "--gpus-per-node", "8",
+                    "--hf-checkpoint", "/models/Qwen3-8B", "--ref-load", "/models/Qwen3-8B_torch_dist",
+                    "--rounds", "200", "--samples-per-prompt", "8", "--max-new-tokens", "7168")
+    argv = doc["submit"]
+    for seq in (("--tensor-model-parallel-size", "4"), ("--context-parallel-size", "2"),
+                ("--pipeline-model-parallel-size", "1"), ("--rollout-num-gpus-per-engine", "4"),
+                ("--actor-num-nodes", "1"), ("--actor-num-gpus-per-node", "8"), ("--rollout-num-gpus", "8"),
+                ("--colocate",), ("--num-rollout", "200"), ("--rollout-max-response-len", "7168"),
+                ("--hf-checkpoint", "/models/Qwen3-8B"),
+                ("--ci-test", "--ci-train-rollout-logprob-abs-diff-threshold", "0")):
+        assert has(argv, *seq), seq
+    assert doc["topology"]["data_parallel"] == 1
+    assert doc["plan"] == {"attention": "R/R", "ffn": "R/R", "logp": "R/R"}
+
+
+def test_plan_local_unchanged(capsys) -> None:
+    assert main(["plan", "--rounds", "2"]) == 0
+    assert json.loads(capsys.readouterr().out)["engine"] == "local"
+    assert main(["plan", "--engine", "local", "--rounds", "2"]) == 0
+    assert json.loads(capsys.readouterr().out)["engine"] == "local"
+
+
+def test_vime_module_imports_no_torch() -> None:
+    code = "import sys, rlk_repro.vime; assert 'torch' not in sys.modules, 'torch imported'"
+    subprocess.run([__import__("sys").executable, "-c", code], check=True)
