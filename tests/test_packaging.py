@@ -98,6 +98,8 @@ def test_wheels_install_into_an_environment_with_torch_and_leave_it_alone(tmp_pa
         assert f"rlk: {pkg} installed; torch unchanged" in check.stdout
 
 
+# vLLM 0.22 decorates with torch.jit.script_method, which torch 2.13 deprecates at import
+@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
 def test_adapters_fail_closed_for_r_routes_they_cannot_install(monkeypatch):
     import rlk_vllm_plugin
     from rlk_core.errors import RlkPolicyError
@@ -110,8 +112,17 @@ def test_adapters_fail_closed_for_r_routes_they_cannot_install(monkeypatch):
     with pytest.raises(RlkPolicyError, match=r"rollout side of ffn, but vLLM (cannot be imported|.* lacks: "
                                              r"vllm\.model_executor\.layers\.activation:RenamedSiluAndMul)"):
         rlk_vllm_plugin.register()
-    with pytest.raises(RlkPolicyError, match="train side of: ffn"):
-        initialize_from_environment()
+    # A megatron-core outside the verified range (or none): strict mode refuses, naming the module.
+    import types
+
+    import rlk_megatron_provider
+
+    fake = types.SimpleNamespace(supported=lambda: (False, "megatron-core 0.15.0 is outside the verified range"))
+    with monkeypatch.context() as m:
+        m.setitem(sys.modules, "rlk_megatron_provider._compat", fake)
+        m.setattr(rlk_megatron_provider, "_compat", fake, raising=False)
+        with pytest.raises(RlkPolicyError, match="module 'ffn'.*0.15.0 is outside the verified range"):
+            initialize_from_environment()
     monkeypatch.setenv("RL_KERNEL_FFN_CASE", "P/P")
     try:
         rlk_vllm_plugin.register()  # all P: nothing installed, nothing refused
