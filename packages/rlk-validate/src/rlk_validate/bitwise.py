@@ -98,28 +98,42 @@ def _missing(files: dict[tuple[int, int], str], n_rounds: int, n_ranks: int) -> 
     return n, first
 
 
-def check_train_data(
-    root: Root,
-    *,
-    require_exact: bool,
-    expected_rounds: int | None = None,
-    expected_ranks: int | None = None,
-    clip_eps: float = 0.2,
-    worst_k: int = 10,
-) -> tuple[list[Finding], dict[str, Any] | None, dict[str, Any] | None]:
-    """Returns ``(findings, bitwise_result, drift_result)``; results are None when nothing was read."""
-    findings: list[Finding] = []
-    try:
-        if not root.is_dir(DIR):
-            return (
-                [_f("TRAIN_DATA_MISSING", "train-data/ is absent: no log-probs to compare", DIR)],
-                None,
-                None,
-            )
-        names = root.listdir(DIR)
-    except InputError as e:
-        return [e.finding], None, None
+def _list_train_data(root: Root) -> list[str] | None:
+    """The entry names of ``train-data/``, or None when it is absent (raises InputError)."""
+    if not root.is_dir(DIR):
+        return None
+    return root.listdir(DIR)
 
+
+def _range_findings(
+    rel: str, rnd: int, rank: int, expected_rounds: int | None, expected_ranks: int | None
+) -> list[Finding]:
+    """A file's round and rank must lie within the manifest's ranges (when it states them)."""
+    out: list[Finding] = []
+    if expected_rounds is not None and rnd >= expected_rounds:
+        out.append(
+            _f(
+                "TRAIN_DATA_UNEXPECTED",
+                f"{rel} is round {rnd}, but the manifest expects rounds 0..{expected_rounds - 1}",
+                rel,
+            )
+        )
+    if expected_ranks is not None and rank >= expected_ranks:
+        out.append(
+            _f(
+                "TRAIN_DATA_UNEXPECTED",
+                f"{rel} is rank {rank}, but the manifest expects ranks 0..{expected_ranks - 1}",
+                rel,
+            )
+        )
+    return out
+
+
+def _index_files(
+    names: list[str], expected_rounds: int | None, expected_ranks: int | None
+) -> tuple[dict[tuple[int, int], str], int, list[Finding]]:
+    """Index the round files by ``(round, rank)``: returns the index, the legacy .pt files unreadable here, findings."""
+    findings: list[Finding] = []
     files: dict[tuple[int, int], str] = {}
     legacy_skipped = 0
     for name in names:
@@ -145,22 +159,7 @@ def check_train_data(
                 )
             )
             continue
-        if expected_rounds is not None and rnd >= expected_rounds:
-            findings.append(
-                _f(
-                    "TRAIN_DATA_UNEXPECTED",
-                    f"{rel} is round {rnd}, but the manifest expects rounds 0..{expected_rounds - 1}",
-                    rel,
-                )
-            )
-        if expected_ranks is not None and rank >= expected_ranks:
-            findings.append(
-                _f(
-                    "TRAIN_DATA_UNEXPECTED",
-                    f"{rel} is rank {rank}, but the manifest expects ranks 0..{expected_ranks - 1}",
-                    rel,
-                )
-            )
+        findings.extend(_range_findings(rel, rnd, rank, expected_rounds, expected_ranks))
         if kind == "pt" and not torch_importable():
             legacy_skipped += 1
         files[(rnd, rank)] = rel
@@ -172,32 +171,55 @@ def check_train_data(
                 DIR,
             )
         )
-    if not files:
-        findings.append(_f("TRAIN_DATA_MISSING", "train-data/ holds no round files", DIR))
-        return findings, None, None
+    return files, legacy_skipped, findings
 
-    n_rounds = expected_rounds if expected_rounds is not None else max(r for r, _ in files) + 1
-    n_ranks = expected_ranks if expected_ranks is not None else max(k for _, k in files) + 1
+
+def _missing_findings(files: dict[tuple[int, int], str], n_rounds: int, n_ranks: int) -> tuple[int, list[Finding]]:
+    """Count the expected round/rank files that are absent and report the first few."""
     missing_n, first_missing = _missing(files, n_rounds, n_ranks)
-    if missing_n:
-        shown = ", ".join(f"round {r} rank {k}" for r, k in first_missing) + (" ..." if missing_n > 5 else "")
-        findings.append(
-            _f(
-                "ROUNDS_MISSING",
-                f"train-data lacks {missing_n} of {n_rounds * n_ranks} expected round/rank file(s): {shown}",
-                DIR,
-                missing_count=missing_n,
-                missing=[list(x) for x in first_missing],
-            )
+    if not missing_n:
+        return missing_n, []
+    shown = ", ".join(f"round {r} rank {k}" for r, k in first_missing) + (" ..." if missing_n > 5 else "")
+    return missing_n, [
+        _f(
+            "ROUNDS_MISSING",
+            f"train-data lacks {missing_n} of {n_rounds * n_ranks} expected round/rank file(s): {shown}",
+            DIR,
+            missing_count=missing_n,
+            missing=[list(x) for x in first_missing],
         )
+    ]
 
-    per_round: dict[int, dict[str, Any]] = defaultdict(
-        lambda: {"element_count": 0, "mismatch_count": 0, "diffs": [], "files": 0, "rewards": [], "no_rewards": 0}
-    )
+
+def _new_round_acc() -> dict[str, Any]:
+    """An empty per-round accumulator."""
+    return {"element_count": 0, "mismatch_count": 0, "diffs": [], "files": 0, "rewards": [], "no_rewards": 0}
+
+
+def _accumulate(acc: dict[str, Any], td: TrainData, ok: np.ndarray) -> None:
+    """Add one file's token counts, bit mismatches, diffs and rewards to its round's accumulator."""
+    m = td.mask
+    bits_differ = td.train.view(np.uint32) != td.rollout.view(np.uint32)
+    acc["files"] += 1
+    acc["element_count"] += int(np.count_nonzero(m))
+    acc["mismatch_count"] += int(np.count_nonzero(bits_differ & m))
+    acc["diffs"].append(td.train[ok].astype(np.float64) - td.rollout[ok].astype(np.float64))
+    if td.rewards is None:
+        acc["no_rewards"] += 1
+    else:
+        acc["rewards"].append(td.rewards.astype(np.float64))
+
+
+def _read_rounds(
+    root: Root, files: dict[tuple[int, int], str], skip_legacy: bool, worst_k: int
+) -> tuple[dict[int, dict[str, Any]], WorstTokens, list[Finding]]:
+    """Load every indexed file in (round, rank) order, check its values and accumulate it per round."""
+    findings: list[Finding] = []
+    per_round: dict[int, dict[str, Any]] = defaultdict(_new_round_acc)
     worst = WorstTokens(worst_k)
     for (rnd, rank), rel in sorted(files.items()):
         kind = "pt" if rel.endswith(".pt") else "safetensors"
-        if kind == "pt" and legacy_skipped:
+        if kind == "pt" and skip_legacy:
             continue
         try:
             td = (load_pt if kind == "pt" else load_safetensors)(root, rel, rnd, rank)
@@ -206,21 +228,15 @@ def check_train_data(
             continue
         content, ok = _content_findings(td)
         findings.extend(content)
-        m = td.mask
-        bits_differ = td.train.view(np.uint32) != td.rollout.view(np.uint32)
-        acc = per_round[rnd]
-        acc["files"] += 1
-        acc["element_count"] += int(np.count_nonzero(m))
-        acc["mismatch_count"] += int(np.count_nonzero(bits_differ & m))
-        acc["diffs"].append(td.train[ok].astype(np.float64) - td.rollout[ok].astype(np.float64))
-        if td.rewards is None:
-            acc["no_rewards"] += 1
-        else:
-            acc["rewards"].append(td.rewards.astype(np.float64))
+        _accumulate(per_round[rnd], td, ok)
         worst.add(rnd, rank, td.token_ids, td.train, td.rollout, ok)
+    return per_round, worst, findings
 
-    if not per_round:
-        return findings, None, None
+
+def _round_results(
+    per_round: dict[int, dict[str, Any]], n_ranks: int, clip_eps: float
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]], np.ndarray]:
+    """Per-round bitwise and drift results, in round order, and every round's diffs concatenated."""
     rounds_out, drift_rounds, all_d = [], [], []
     for rnd in sorted(per_round):
         acc = per_round[rnd]
@@ -241,9 +257,15 @@ def check_train_data(
             }
         )
         drift_rounds.append({"round": rnd, **drift_stats(d, clip_eps)})
-    d_all = np.concatenate(all_d)
+    return rounds_out, drift_rounds, np.concatenate(all_d)
+
+
+def _totals(
+    rounds_out: list[dict[str, Any]], d_all: np.ndarray, require_exact: bool, missing_n: int, n_rounds: int
+) -> dict[str, Any]:
+    """The run-wide bitwise result: sums over the rounds, |diff| over every compared token."""
     a_all = np.abs(d_all)
-    total = {
+    return {
         "require_exact": require_exact,
         "complete": not missing_n and len(rounds_out) == n_rounds and all(r["complete"] for r in rounds_out),
         "files": sum(r["files"] for r in rounds_out),
@@ -253,47 +275,87 @@ def check_train_data(
         "mean_abs_diff": float(a_all.mean()) if a_all.size else 0.0,
         "rounds": rounds_out,
     }
+
+
+def _rewards_presence(per_round: dict[int, dict[str, Any]]) -> tuple[str, list[Finding]]:
+    """Whether the files hold rewards (absent, partial or present); partial is reported."""
     with_rewards = sum(len(a["rewards"]) for a in per_round.values())
     without = sum(a["no_rewards"] for a in per_round.values())
-    total["rewards"] = "absent" if not with_rewards else ("partial" if without else "present")
-    if with_rewards and without:
-        findings.append(_f("TENSOR_MISSING", f"{without} train-data file(s) lack the rewards tensor that "
-                           f"{with_rewards} other(s) hold: the reward claims of those rounds cannot be checked",
-                           DIR, missing=["rewards"]))
-    if total["element_count"] == 0:
-        findings.append(_f("NOTHING_COMPARED", "the train-data that was read selects no token: nothing was "
-                           "compared, which is no evidence of equality", DIR))
-    drift = {
+    status = "absent" if not with_rewards else ("partial" if without else "present")
+    if not (with_rewards and without):
+        return status, []
+    return status, [_f("TENSOR_MISSING", f"{without} train-data file(s) lack the rewards tensor that "
+                       f"{with_rewards} other(s) hold: the reward claims of those rounds cannot be checked",
+                       DIR, missing=["rewards"])]
+
+
+def _drift_result(
+    d_all: np.ndarray, drift_rounds: list[dict[str, Any]], worst: WorstTokens, clip_eps: float
+) -> dict[str, Any]:
+    """The drift result: overall and per-round statistics, the worst tokens, the |diff| histogram."""
+    return {
         "clip_eps": clip_eps,
         "overall": drift_stats(d_all, clip_eps),
         "rounds": drift_rounds,
         "worst_tokens": worst.result(),
         "abs_histogram": abs_histogram(d_all),
     }
-    if total["element_count"] and total["mismatch_count"]:
-        bad_rounds = [r["round"] for r in rounds_out if r["mismatch_count"]]
-        msg = (
-            f"{total['mismatch_count']} of {total['element_count']} active tokens differ between train and "
-            f"rollout (max |diff| {total['max_abs_diff']:.6g}) in round(s) {bad_rounds[:10]}"
-        )
-        if require_exact:
-            findings.append(
-                _f(
-                    "BITWISE_MISMATCH",
-                    msg + "; bitwise equality is required",
-                    DIR,
-                    mismatch_count=total["mismatch_count"],
-                    element_count=total["element_count"],
-                )
-            )
-        else:
-            findings.append(
-                _f(
-                    "MISMATCH_DIAGNOSTIC",
-                    msg + " (not required to be zero for this plan)",
-                    DIR,
-                    mismatch_count=total["mismatch_count"],
-                    element_count=total["element_count"],
-                )
-            )
+
+
+def _mismatch_findings(total: dict[str, Any], require_exact: bool) -> list[Finding]:
+    """A mismatch is an error when bitwise equality is required, a diagnostic otherwise."""
+    if not (total["element_count"] and total["mismatch_count"]):
+        return []
+    bad_rounds = [r["round"] for r in total["rounds"] if r["mismatch_count"]]
+    msg = (
+        f"{total['mismatch_count']} of {total['element_count']} active tokens differ between train and "
+        f"rollout (max |diff| {total['max_abs_diff']:.6g}) in round(s) {bad_rounds[:10]}"
+    )
+    if require_exact:
+        code, msg = "BITWISE_MISMATCH", msg + "; bitwise equality is required"
+    else:
+        code, msg = "MISMATCH_DIAGNOSTIC", msg + " (not required to be zero for this plan)"
+    return [_f(code, msg, DIR, mismatch_count=total["mismatch_count"], element_count=total["element_count"])]
+
+
+def check_train_data(
+    root: Root,
+    *,
+    require_exact: bool,
+    expected_rounds: int | None = None,
+    expected_ranks: int | None = None,
+    clip_eps: float = 0.2,
+    worst_k: int = 10,
+) -> tuple[list[Finding], dict[str, Any] | None, dict[str, Any] | None]:
+    """Returns ``(findings, bitwise_result, drift_result)``; results are None when nothing was read."""
+    try:
+        names = _list_train_data(root)
+    except InputError as e:
+        return [e.finding], None, None
+    if names is None:
+        return [_f("TRAIN_DATA_MISSING", "train-data/ is absent: no log-probs to compare", DIR)], None, None
+
+    files, legacy_skipped, findings = _index_files(names, expected_rounds, expected_ranks)
+    if not files:
+        findings.append(_f("TRAIN_DATA_MISSING", "train-data/ holds no round files", DIR))
+        return findings, None, None
+    n_rounds = expected_rounds if expected_rounds is not None else max(r for r, _ in files) + 1
+    n_ranks = expected_ranks if expected_ranks is not None else max(k for _, k in files) + 1
+    missing_n, missing = _missing_findings(files, n_rounds, n_ranks)
+    findings.extend(missing)
+
+    per_round, worst, content = _read_rounds(root, files, bool(legacy_skipped), worst_k)
+    findings.extend(content)
+    if not per_round:
+        return findings, None, None
+
+    rounds_out, drift_rounds, d_all = _round_results(per_round, n_ranks, clip_eps)
+    total = _totals(rounds_out, d_all, require_exact, missing_n, n_rounds)
+    total["rewards"], rewards = _rewards_presence(per_round)
+    findings.extend(rewards)
+    if total["element_count"] == 0:
+        findings.append(_f("NOTHING_COMPARED", "the train-data that was read selects no token: nothing was "
+                           "compared, which is no evidence of equality", DIR))
+    drift = _drift_result(d_all, drift_rounds, worst, clip_eps)
+    findings.extend(_mismatch_findings(total, require_exact))
     return findings, total, drift
