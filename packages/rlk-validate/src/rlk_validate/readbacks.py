@@ -241,52 +241,61 @@ def _readback_names(root: Root) -> list[tuple[str | None, str]]:
     return out
 
 
-def check_readbacks(
-    root: Root,
-    plan: dict[str, str] | None,
-    run_id: str | None = None,
-    allowed_backends: frozenset[str] = frozenset(),
-) -> tuple[list[Finding], dict[str, Any]]:
-    """Check ``readbacks/`` against the requested ``plan`` (None: no manifest, compare among themselves)."""
-    findings: list[Finding] = []
-    summary: dict[str, Any] = {"files": 0, "sides": {}}
-    try:
-        if not root.is_dir(DIR):
-            return [_f("READBACKS_MISSING", "readbacks/ is absent: no evidence of what executed", DIR)], summary
-        names = _readback_names(root)
-    except InputError as e:
-        return [e.finding], summary
+def _list_readbacks(root: Root) -> list[tuple[str | None, str]] | None:
+    """The ``(host, name)`` of every readback, or None when ``readbacks/`` is absent (raises InputError)."""
+    if not root.is_dir(DIR):
+        return None
+    return _readback_names(root)
 
+
+def _load_readback(root: Root, rel: str) -> tuple[dict[str, Any] | None, list[Finding]]:
+    """Read one readback and check its schema and fields; the document is None when it is unusable."""
+    try:
+        doc = root.read_json(rel)
+    except InputError as e:
+        return None, [e.finding]
+    schema = doc.get("schema") if isinstance(doc, dict) else None
+    if schema != SCHEMA:
+        return None, [
+            finding(
+                "SCHEMA_UNSUPPORTED",
+                f"{rel}: schema is {schema!r}, expected {SCHEMA!r}",
+                check=CHECK,
+                path=rel,
+            )
+        ]
+    problem = _validate_doc(doc, rel)
+    if problem:
+        return None, [_f("READBACK_FIELD_INVALID", f"{rel}: {problem}", rel)]
+    return doc, []
+
+
+def _filing_findings(doc: dict[str, Any], rel: str, name: str, host: str | None) -> list[Finding]:
+    """A readback's file name and host directory must be the ones its content implies."""
+    out: list[Finding] = []
+    expect = readback_name(doc["framework"], doc["target"], doc["pid"])
+    if name != expect:
+        out.append(_f("READBACK_NAME_MISMATCH", f"{rel}: its content says it should be named {expect}", rel))
+    if host is not None and doc.get("hostname") != host:
+        out.append(_f("READBACK_NAME_MISMATCH", f"{rel}: written on host {doc.get('hostname')!r}, filed "
+                      f"under {host!r} (readbacks/<hostname>/ holds one node's readbacks)", rel))
+    return out
+
+
+def _read_docs(
+    root: Root, names: list[tuple[str | None, str]]
+) -> tuple[list[tuple[str, dict[str, Any]]], list[Finding]]:
+    """Load every readback, keeping the valid ones and one per (host, framework, target, pid)."""
+    findings: list[Finding] = []
     docs: list[tuple[str, dict[str, Any]]] = []
     keys: dict[tuple[str | None, str, str, int], str] = {}
     for host, name in names:
         rel = f"{DIR}/{name}" if host is None else f"{DIR}/{host}/{name}"
-        try:
-            doc = root.read_json(rel)
-        except InputError as e:
-            findings.append(e.finding)
+        doc, problems = _load_readback(root, rel)
+        findings.extend(problems)
+        if doc is None:
             continue
-        schema = doc.get("schema") if isinstance(doc, dict) else None
-        if schema != SCHEMA:
-            findings.append(
-                finding(
-                    "SCHEMA_UNSUPPORTED",
-                    f"{rel}: schema is {schema!r}, expected {SCHEMA!r}",
-                    check=CHECK,
-                    path=rel,
-                )
-            )
-            continue
-        problem = _validate_doc(doc, rel)
-        if problem:
-            findings.append(_f("READBACK_FIELD_INVALID", f"{rel}: {problem}", rel))
-            continue
-        expect = readback_name(doc["framework"], doc["target"], doc["pid"])
-        if name != expect:
-            findings.append(_f("READBACK_NAME_MISMATCH", f"{rel}: its content says it should be named {expect}", rel))
-        if host is not None and doc.get("hostname") != host:
-            findings.append(_f("READBACK_NAME_MISMATCH", f"{rel}: written on host {doc.get('hostname')!r}, filed "
-                               f"under {host!r} (readbacks/<hostname>/ holds one node's readbacks)", rel))
+        findings.extend(_filing_findings(doc, rel, name, host))
         # pids are per host: two nodes' processes may share one (readbacks/<hostname>/ keeps them apart)
         key = (host, doc["framework"], doc["target"], doc["pid"])
         if key in keys:
@@ -300,8 +309,14 @@ def check_readbacks(
             continue
         keys[key] = rel
         docs.append((rel, doc))
-    summary["files"] = len(docs)
+    return docs, findings
 
+
+def _check_seen_plans(
+    docs: list[tuple[str, dict[str, Any]]], plan: dict[str, str] | None, run_id: str | None
+) -> tuple[dict[str, str] | None, list[Finding]]:
+    """Each readback saw the requested plan (without one, the others' plan) and is of this run; returns the plan."""
+    findings: list[Finding] = []
     ref_plan = plan
     for rel, doc in docs:
         p = doc.get("plan")
@@ -331,12 +346,24 @@ def check_readbacks(
                     rel,
                 )
             )
+    return ref_plan, findings
 
-    if ref_plan is None or plan_problem(ref_plan):
-        if not docs and not findings:
-            findings.append(_f("READBACKS_MISSING", "readbacks/ holds no readback", DIR))
-        return findings, summary
 
+def _add_record(agg: dict[str, Any], rec: dict[str, Any]) -> None:
+    """Fold one process's record of a module into its side's aggregate."""
+    agg["records"] += 1
+    agg["call_count"] += rec["call_count"]
+    for key in ("implementation", "backend_id", "contract_id"):
+        vals = agg.setdefault(key + "s", [])
+        if rec.get(key) not in vals:
+            vals.append(rec.get(key))
+
+
+def _aggregate_sides(
+    docs: list[tuple[str, dict[str, Any]]], ref_plan: dict[str, str], allowed: frozenset[str]
+) -> tuple[dict[str, dict[str, Any]], list[Finding]]:
+    """Check every module record against its planned letter and aggregate the records per side."""
+    findings: list[Finding] = []
     sides: dict[str, dict[str, Any]] = {
         s: {"processes": [], "modules": {m: {"records": 0, "call_count": 0} for m in ref_plan}} for s in SIDES
     }
@@ -350,15 +377,14 @@ def check_readbacks(
                 findings.append(_f("MODULE_UNPLANNED", f"{rel}: records module {module!r}, which the plan lacks", rel))
                 findings.extend(_fallbacks(rec, f"modules.{module}", rel))  # a fallback is never out of scope
                 continue
-            findings.extend(_check_record(rec, module, letter(ref_plan, module, side), rel, allowed_backends))
-            agg = sides[side]["modules"][module]
-            agg["records"] += 1
-            agg["call_count"] += rec["call_count"]
-            for key in ("implementation", "backend_id", "contract_id"):
-                vals = agg.setdefault(key + "s", [])
-                if rec.get(key) not in vals:
-                    vals.append(rec.get(key))
-    findings.extend(_check_same_backends(docs, ref_plan))
+            findings.extend(_check_record(rec, module, letter(ref_plan, module, side), rel, allowed))
+            _add_record(sides[side]["modules"][module], rec)
+    return sides, findings
+
+
+def _coverage_findings(sides: dict[str, dict[str, Any]], ref_plan: dict[str, str]) -> list[Finding]:
+    """Each side has a readback, and on each side every planned module was recorded and executed."""
+    findings: list[Finding] = []
     for side in SIDES:
         if not sides[side]["processes"]:
             findings.append(
@@ -387,6 +413,37 @@ def check_readbacks(
                         DIR,
                     )
                 )
+    return findings
+
+
+def check_readbacks(
+    root: Root,
+    plan: dict[str, str] | None,
+    run_id: str | None = None,
+    allowed_backends: frozenset[str] = frozenset(),
+) -> tuple[list[Finding], dict[str, Any]]:
+    """Check ``readbacks/`` against the requested ``plan`` (None: no manifest, compare among themselves)."""
+    summary: dict[str, Any] = {"files": 0, "sides": {}}
+    try:
+        names = _list_readbacks(root)
+    except InputError as e:
+        return [e.finding], summary
+    if names is None:
+        return [_f("READBACKS_MISSING", "readbacks/ is absent: no evidence of what executed", DIR)], summary
+
+    docs, findings = _read_docs(root, names)
+    summary["files"] = len(docs)
+    ref_plan, plan_findings = _check_seen_plans(docs, plan, run_id)
+    findings.extend(plan_findings)
+    if ref_plan is None or plan_problem(ref_plan):
+        if not docs and not findings:
+            findings.append(_f("READBACKS_MISSING", "readbacks/ holds no readback", DIR))
+        return findings, summary
+
+    sides, record_findings = _aggregate_sides(docs, ref_plan, allowed_backends)
+    findings.extend(record_findings)
+    findings.extend(_check_same_backends(docs, ref_plan))
+    findings.extend(_coverage_findings(sides, ref_plan))
     summary["sides"] = sides
     return findings, summary
 
@@ -408,6 +465,7 @@ def _op_backends(docs: list[tuple[str, dict[str, Any]]], module: str, side: str)
 
 
 def _check_same_backends(docs: list[tuple[str, dict[str, Any]]], plan: dict[str, str]) -> list[Finding]:
+    """For each R/R module, both sides ran the same rlk backends (per op and over the module)."""
     out: list[Finding] = []
     for module, case in plan.items():
         if case != "R/R":
