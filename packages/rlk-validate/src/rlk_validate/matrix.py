@@ -153,27 +153,43 @@ def validate_matrix(
     rep = MatrixReport(matrix_root=root_dir)
     why = unusable_reason(root_dir)
     if why:
-        rep.unusable = True
-        rep.findings.append(finding("INPUT_UNUSABLE", why, check=CHECK))
-        return rep
+        return _unusable(rep, finding("INPUT_UNUSABLE", why, check=CHECK))
     root = Root(root_dir, opts.caps, check=CHECK)
     try:
         names = root.listdir("")
     except InputError as e:
-        rep.unusable = True
-        rep.findings.append(e.finding)
-        return rep
-    cells = [n for n in names if expected_plan(n) is not None]
-    if not cells:
-        rep.unusable = True
-        hint = (
-            "it is a run directory: check it with `rlk-validate DIR`"
-            if any(n in RUN_MARKERS for n in names)
-            else "a matrix root holds cell directories named control-RR, <module>-<XY>, native-PP"
-        )
-        rep.findings.append(finding("INPUT_UNUSABLE", f"{root_dir} is not a matrix root ({hint}); nothing was "
-                                    "checked or written", check=CHECK))
-        return rep
+        return _unusable(rep, e.finding)
+    if not any(expected_plan(n) is not None for n in names):
+        return _unusable(rep, _not_a_matrix_root(root_dir, names))
+
+    seen = _check_cells(rep, root, names, opts)
+    rep.findings.extend(_missing_cells(seen, allow_partial))
+    rep.findings.extend(_check_provenance(rep, opts))
+    if write:
+        _write_reports(rep)
+    return rep
+
+
+def _unusable(rep: MatrixReport, why: Finding) -> MatrixReport:
+    """Mark ``rep`` unusable for the reason ``why``: nothing is checked or written."""
+    rep.unusable = True
+    rep.findings.append(why)
+    return rep
+
+
+def _not_a_matrix_root(root_dir: str, names: list[str]) -> Finding:
+    """Why a directory holding no cell directory is not checked, with a hint at what it may be."""
+    hint = (
+        "it is a run directory: check it with `rlk-validate DIR`"
+        if any(n in RUN_MARKERS for n in names)
+        else "a matrix root holds cell directories named control-RR, <module>-<XY>, native-PP"
+    )
+    return finding("INPUT_UNUSABLE", f"{root_dir} is not a matrix root ({hint}); nothing was "
+                   "checked or written", check=CHECK)
+
+
+def _check_cells(rep: MatrixReport, root: Root, names: list[str], opts: Options) -> set[str]:
+    """Validate every cell directory as a run and flag other directories; returns the cells seen."""
     seen = set()
     for name in names:
         if name in (JSON_NAME, MD_NAME, evidence.REPORT_DIR) or name.startswith("."):
@@ -193,67 +209,80 @@ def validate_matrix(
             continue
         role, plan = exp
         seen.add(name)
-        cell_opts = dataclasses.replace(opts, require_bitwise=opts.require_bitwise or role == "control")
-        r = validate_run(os.path.join(root_dir, name), cell_opts)
+        r = _validate_cell(rep.matrix_root, name, role, opts)
         rep.cells.append((name, role, plan, r))
-        if r.plan is not None and r.plan != plan:
-            rep.findings.append(
-                finding(
-                    "MATRIX_CELL_PLAN_MISMATCH",
-                    f"{name}: the manifest plan is {r.plan}, the cell name means {plan}",
-                    check=CHECK,
-                    path=name,
-                )
+        rep.findings.extend(_cell_findings(name, plan, r))
+    return seen
+
+
+def _validate_cell(root_dir: str, name: str, role: str, opts: Options) -> Report:
+    """Validate one cell as a run; a control cell must be bitwise zero whatever its manifest says."""
+    cell_opts = dataclasses.replace(opts, require_bitwise=opts.require_bitwise or role == "control")
+    return validate_run(os.path.join(root_dir, name), cell_opts)
+
+
+def _cell_findings(name: str, plan: dict[str, str], r: Report) -> list[Finding]:
+    """What the matrix reports about one cell: a plan unlike its name, its verdict, its mismatch diagnostic."""
+    out: list[Finding] = []
+    if r.plan is not None and r.plan != plan:
+        out.append(
+            finding(
+                "MATRIX_CELL_PLAN_MISMATCH",
+                f"{name}: the manifest plan is {r.plan}, the cell name means {plan}",
+                check=CHECK,
+                path=name,
             )
-        v = r.verdict
-        if v in ("failed", "unusable"):
-            codes = sorted({f.code for f in r.findings if f.severity == ERROR})
-            rep.findings.append(
-                finding(
-                    "MATRIX_CELL_FAILED",
-                    f"{name} failed: {', '.join(codes)}",
-                    check=CHECK,
-                    path=name,
-                    codes=codes,
-                )
+        )
+    v = r.verdict
+    if v in ("failed", "unusable"):
+        codes = sorted({f.code for f in r.findings if f.severity == ERROR})
+        out.append(
+            finding(
+                "MATRIX_CELL_FAILED",
+                f"{name} failed: {', '.join(codes)}",
+                check=CHECK,
+                path=name,
+                codes=codes,
             )
-        elif v == "incomplete":
-            codes = sorted({f.code for f in r.findings if f.severity == INCOMPLETE})
-            rep.findings.append(
-                finding(
-                    "MATRIX_CELL_INCOMPLETE",
-                    f"{name} is incomplete: {', '.join(codes)}",
-                    check=CHECK,
-                    path=name,
-                    codes=codes,
-                )
+        )
+    elif v == "incomplete":
+        codes = sorted({f.code for f in r.findings if f.severity == INCOMPLETE})
+        out.append(
+            finding(
+                "MATRIX_CELL_INCOMPLETE",
+                f"{name} is incomplete: {', '.join(codes)}",
+                check=CHECK,
+                path=name,
+                codes=codes,
             )
-        b = r.bitwise
-        if b and not r.require_exact and b["mismatch_count"]:
-            rep.findings.append(
-                finding(
-                    "MISMATCH_DIAGNOSTIC",
-                    f"{name}: {b['mismatch_count']} of {b['element_count']} tokens differ (max |diff| "
-                    f"{b['max_abs_diff']:.3g}); diagnostic only",
-                    check=CHECK,
-                    path=name,
-                )
+        )
+    b = r.bitwise
+    if b and not r.require_exact and b["mismatch_count"]:
+        out.append(
+            finding(
+                "MISMATCH_DIAGNOSTIC",
+                f"{name}: {b['mismatch_count']} of {b['element_count']} tokens differ (max |diff| "
+                f"{b['max_abs_diff']:.3g}); diagnostic only",
+                check=CHECK,
+                path=name,
             )
-    for name in REQUIRED_CELLS:
-        if name not in seen:
-            rep.findings.append(
-                finding(
-                    "MATRIX_CELL_MISSING",
-                    f"cell {name}/ is absent",
-                    check=CHECK,
-                    path=name,
-                    severity="warning" if allow_partial else None,
-                )
-            )
-    rep.findings.extend(_check_provenance(rep, opts))
-    if write:
-        _write_reports(rep)
-    return rep
+        )
+    return out
+
+
+def _missing_cells(seen: set[str], allow_partial: bool) -> list[Finding]:
+    """Every required cell must be present (a warning only when a partial matrix is allowed)."""
+    return [
+        finding(
+            "MATRIX_CELL_MISSING",
+            f"cell {name}/ is absent",
+            check=CHECK,
+            path=name,
+            severity="warning" if allow_partial else None,
+        )
+        for name in REQUIRED_CELLS
+        if name not in seen
+    ]
 
 
 def _provenance(cell_dir: str, opts: Options) -> dict[str, Any] | None:
@@ -299,6 +328,7 @@ def _check_provenance(rep: MatrixReport, opts: Options) -> list[Finding]:
 
 
 def _write_reports(rep: MatrixReport) -> None:
+    """Write ``matrix-report.md`` and ``matrix-report.json`` into the matrix root; a failure is a finding."""
     try:
         for name in (JSON_NAME, MD_NAME):
             target = os.path.join(rep.matrix_root, name)
