@@ -32,7 +32,7 @@ from .evidence import (
     json_text,
     write_bytes_atomic,
 )
-from .findings import finding
+from .findings import Finding, finding
 from .report import Report, dumps, now_iso
 from .safeio import InputError, Root, parse_json_text
 
@@ -124,67 +124,96 @@ def _fsync_dir(path: str) -> None:
 
 def seal_run(report: Report) -> Report:
     """Seal ``report.run_dir`` according to ``report``'s verdict; updates ``report.seal``/findings."""
-    d = report.run_dir
     report.seal = {"requested": True, "status": "pending"}
     if report.unusable:
         report.seal["status"] = "refused: the directory is unusable"
         return report
-    complete = os.path.join(d, COMPLETE)
-    if os.path.lexists(complete):
-        report.seal["status"] = "exists: COMPLETE already present, nothing written"
-        report.findings.append(
-            finding("SEAL_EXISTS", "COMPLETE already exists; --seal wrote nothing", check="seal", path=COMPLETE)
-        )
+    if os.path.lexists(os.path.join(report.run_dir, COMPLETE)):
+        _record_existing_seal(report)
         return report
     passed = report.verdict == "passed"
-    report.seal = {
+    report.seal = _seal_intent(report, passed)
+    data = _sealed_report_bytes(report, passed)
+    _write_seal(report, data, passed)
+    return report
+
+
+def _record_existing_seal(report: Report) -> None:
+    """A run that already has a ``COMPLETE`` is left as it is (``SEAL_EXISTS``)."""
+    report.seal["status"] = "exists: COMPLETE already present, nothing written"
+    report.findings.append(
+        finding("SEAL_EXISTS", "COMPLETE already exists; --seal wrote nothing", check="seal", path=COMPLETE)
+    )
+
+
+def _seal_intent(report: Report, passed: bool) -> dict[str, Any]:
+    """The ``seal`` section the written report carries: sealed (passing run) or not, and when."""
+    return {
         "requested": True,
         "status": "sealed" if passed else f"not sealed: {report.verdict}",
         "sealed_at": now_iso(),
         "complete": passed,
     }
-    doc = report.to_json()
-    doc["findings"].append(
-        finding(
-            "SEAL_WRITTEN",
-            "run-validation.json written" + (" and COMPLETE created" if passed else "; no COMPLETE"),
-            check="seal",
-            path=RUN_VALIDATION,
-        ).to_json()
+
+
+def _seal_written(passed: bool) -> Finding:
+    """The finding that records what this sealer wrote."""
+    return finding(
+        "SEAL_WRITTEN",
+        "run-validation.json written" + (" and COMPLETE created" if passed else "; no COMPLETE"),
+        check="seal",
+        path=RUN_VALIDATION,
     )
-    data = dumps(doc).encode()
+
+
+def _sealed_report_bytes(report: Report, passed: bool) -> bytes:
+    """The bytes of ``run-validation.json``: the report as it will be once the seal is written."""
+    doc = report.to_json()
+    doc["findings"].append(_seal_written(passed).to_json())
+    return dumps(doc).encode()
+
+
+def _write_report_only(complete: str, rv_path: str, data: bytes) -> None:
+    """Failing run: write ``run-validation.json`` atomically, unless another sealer made ``COMPLETE``."""
+    if os.path.lexists(complete):
+        raise FileExistsError(complete)
+    write_bytes_atomic(rv_path, data)
+
+
+def _write_report_and_complete(complete: str, rv_path: str, data: bytes, sealed_at: str, undo: list[str]) -> None:
+    """Passing run: create ``COMPLETE`` exclusively, write the report, then record its sha256 in ``COMPLETE``.
+
+    ``COMPLETE`` is in ``undo`` (to remove on failure) from its creation until the report is written."""
+    fd = os.open(complete, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o644)
+    undo.append(complete)
+    try:
+        write_bytes_atomic(rv_path, data)
+        undo.remove(complete)
+        body = {
+            "schema": COMPLETE_SCHEMA,
+            "run_validation_sha256": hashlib.sha256(data).hexdigest(),
+            "sealed_at": sealed_at,
+            "validator": {"name": "rlk-validate", "version": __version__},
+        }
+        os.write(fd, json_text(body, indent=None).encode())
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_seal(report: Report, data: bytes, passed: bool) -> None:
+    """Write the seal's files and record the outcome: written, lost to another sealer, or failed."""
+    d = report.run_dir
+    complete = os.path.join(d, COMPLETE)
     rv_path = os.path.join(d, RUN_VALIDATION)
-    created_complete = replaced = False
+    undo: list[str] = []
     try:
         if not passed:
-            if os.path.lexists(complete):
-                raise FileExistsError(complete)
-            write_bytes_atomic(rv_path, data)
+            _write_report_only(complete, rv_path, data)
         else:
-            fd = os.open(complete, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o644)
-            created_complete = True
-            try:
-                write_bytes_atomic(rv_path, data)
-                replaced = True
-                body = {
-                    "schema": COMPLETE_SCHEMA,
-                    "run_validation_sha256": hashlib.sha256(data).hexdigest(),
-                    "sealed_at": report.seal["sealed_at"],
-                    "validator": {"name": "rlk-validate", "version": __version__},
-                }
-                os.write(fd, json_text(body, indent=None).encode())
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+            _write_report_and_complete(complete, rv_path, data, report.seal["sealed_at"], undo)
         _fsync_dir(d)
-        report.findings.append(
-            finding(
-                "SEAL_WRITTEN",
-                "run-validation.json written" + (" and COMPLETE created" if passed else "; no COMPLETE"),
-                check="seal",
-                path=RUN_VALIDATION,
-            )
-        )
+        report.findings.append(_seal_written(passed))
     except FileExistsError:
         report.seal = {
             "requested": True,
@@ -200,11 +229,10 @@ def seal_run(report: Report) -> Report:
             )
         )
     except OSError as e:
-        if created_complete and not replaced:
-            _unlink_quiet(complete)
+        for path in undo:
+            _unlink_quiet(path)
         report.seal = {"requested": True, "status": f"failed: {e.strerror or e}", "complete": False}
         report.findings.append(finding("SEAL_FAILED", f"could not seal {d}: {e.strerror or e}", check="seal"))
-    return report
 
 
 def _unlink_quiet(path: str) -> None:
