@@ -60,13 +60,34 @@ def transformer_config(cfg: Qwen3Config, tp: int, cp: int, **overrides):
     return TransformerConfig(**kw)
 
 
-def build_megatron(cfg: Qwen3Config, tp: int, cp: int, **overrides):
-    """The GPTModel with the provider's spec for the plan in the environment, weights not yet loaded."""
+def slime_args(cfg: Qwen3Config, **overrides):
+    """The Megatron/slime launch arguments slime's model builder reads, for this model."""
+    import types
+
+    kw = dict(padded_vocab_size=cfg.vocab_size, max_position_embeddings=cfg.max_position_embeddings,
+              rotary_base=int(cfg.rope_theta), untie_embeddings_and_output_weights=not cfg.tie_word_embeddings,
+              position_embedding_type="rope", rotary_percent=1.0, use_rope_scaling=False,
+              fp16_lm_cross_entropy=False, transformer_impl="local", qk_layernorm=True, num_experts=None,
+              moe_grouped_gemm=False, multi_latent_attention=False, moe_use_legacy_grouped_gemm=False,
+              mtp_num_layers=None, fp8_param_gather=False)
+    kw.update(overrides)
+    return types.SimpleNamespace(**kw)
+
+
+def build_megatron(cfg: Qwen3Config, tp: int, cp: int, via: str = "block_spec", **overrides):
+    """The GPTModel with the provider's spec for the plan in the environment, weights not yet loaded
+    (``via="slime_spec"``: built as slime's ``--spec rlk_megatron_provider slime_spec`` builds it)."""
     from megatron.core.models.gpt import GPTModel
 
     import rlk_megatron_provider as prov
 
     tcfg = transformer_config(cfg, tp, cp, **overrides)
+    if via == "slime_spec":
+        from rlk_megatron_provider import spec as spec_mod
+
+        provider = prov.slime_spec(slime_args(cfg), tcfg, None)
+        model = provider(pre_process=True, post_process=True, vp_stage=None)
+        return model, spec_mod.verify_model(model)
     spec = prov.block_spec(tcfg, rope_theta=cfg.rope_theta)
     model = GPTModel(tcfg, transformer_layer_spec=spec, vocab_size=cfg.vocab_size,
                      max_sequence_length=cfg.max_position_embeddings, position_embedding_type="rope",
@@ -101,7 +122,7 @@ def run_megatron(spec: dict) -> dict:
     tp_group = parallel_state.get_tensor_model_parallel_group()
     cp_group = parallel_state.get_context_parallel_group()
     tp_rank, cp_rank = tp_group.rank(), cp_group.rank()
-    model, counts = build_megatron(cfg, tp, cp)
+    model, counts = build_megatron(cfg, tp, cp, via=spec.get("via", "block_spec"))
     load(model, cfg, w, tp, tp_rank)
     captured = {}
 

@@ -109,6 +109,10 @@ ENV_VARS: tuple[EnvVar, ...] = (
     EnvVar("RL_KERNEL_READBACK_DIR", _path, None,
            "Directory that receives one rlk.readback.v1 JSON per (framework, target, process). "
            "Unset: nothing is written.", allowed_doc="a directory path"),
+    EnvVar("RL_KERNEL_LOGPROB_RECORDS_DIR", _path, None,
+           "Directory where rlk_megatron_provider.record_logprobs (slime/VIME's --custom-tis-function-path) "
+           "writes one rlk.vime-logprobs.v1 safetensors record per training rank and call. "
+           "Unset: nothing is written.", allowed_doc="a directory path"),
     EnvVar("RL_KERNEL_RUN_ID", _text, None,
            "Run id recorded in readbacks and manifests.",
            allowed_doc="text without path separators"),

@@ -11,7 +11,10 @@ all idempotent:
 - :func:`layer_spec` / :func:`block_spec` / :func:`prepare_model` — the layer spec with rlk in the R
   modules' slots (stock slots kept for P modules) and the post-build step (see
   :mod:`rlk_megatron_provider.spec`);
-- :func:`linear_logp` — VIME's ``--linear-logp-provider`` callable.
+- :func:`linear_logp` — VIME's ``--linear-logp-provider`` callable;
+- :func:`slime_spec` — slime's ``--spec rlk_megatron_provider slime_spec`` (a model provider built on the
+  layer spec) and :func:`record_logprobs` — ``--custom-tis-function-path``, the per-rank train/rollout
+  log-prob records (see :mod:`rlk_megatron_provider.slime_hooks`).
 
 Strict mode (``RL_KERNEL_MODE=strict``): an R module that cannot be installed raises
 :class:`~rlk_core.errors.RlkPolicyError` naming the module and the reason; audit mode records the
@@ -111,6 +114,20 @@ def linear_logp(request):
     from rlk_megatron_provider import logp
 
     return logp.linear_logp(request)
+
+
+def slime_spec(args, config, vp_stage=None):
+    """See :func:`rlk_megatron_provider.slime_hooks.slime_spec`."""
+    from rlk_megatron_provider import slime_hooks
+
+    return slime_hooks.slime_spec(args, config, vp_stage)
+
+
+def record_logprobs(args=None, **tis_kwargs):
+    """See :func:`rlk_megatron_provider.slime_hooks.record_logprobs` (called by slime as ``fn(**tis_kwargs)``)."""
+    from rlk_megatron_provider import slime_hooks
+
+    return slime_hooks.record_logprobs(args, **tis_kwargs)
 
 
 def flush_readback(directory=None):

@@ -88,10 +88,11 @@ def mlp_parts(slot) -> tuple[type | None, object | None]:
     return None, None
 
 
-def stock_block_submodules(config, layer_spec) -> TransformerBlockSubmodules:
-    """Megatron's own block spec (layer list + final norm class) for a layer spec."""
+def stock_block_submodules(config, layer_spec, vp_stage: int | None = None) -> TransformerBlockSubmodules:
+    """Megatron's own block spec (layer list + final norm class) for a layer spec (``vp_stage``: the
+    virtual pipeline stage, where the installed version takes one)."""
     params = inspect.signature(_block._get_block_submodules).parameters
-    kwargs = {"vp_stage": None} if "vp_stage" in params else {}
+    kwargs = {"vp_stage": vp_stage} if "vp_stage" in params else {}
     return _block._get_block_submodules(config, layer_spec, **kwargs)
 
 

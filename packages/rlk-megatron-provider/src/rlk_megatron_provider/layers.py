@@ -140,6 +140,38 @@ class RlkColumnParallelLinear(_RlkLayer, _compat.ColumnParallelLinear):
         return _state.get().routes.call(self.rlk_module, "linear", x, w)
 
 
+class RlkQKVLinear(RlkColumnParallelLinear):
+    """The attention's ``linear_qkv``: Megatron's parameter (rows grouped per KV head: ``Hq/Hkv`` query
+    heads, then the key head, then the value head, per group), computed with the rows in the local
+    ``[q; k; v]`` order (rlk-repro's trainer, vLLM's ``qkv_proj``) and the output columns put back.
+
+    Both moves are exact gathers. The forward is the GEMM of the ``[q; k; v]`` weight (the same bits as the
+    local trainer's), and its backward reduces ``dX = dY W`` over the rows in the ``[q; k; v]`` order, so the
+    gradients below the projection equal the local trainer's bit for bit (in Megatron's row order the
+    reduction order differs, ~1e-6 in fp32). Cost: one transient copy of the local QKV weight per call.
+    Checkpoints and state dicts keep Megatron's layout."""
+
+    def __init__(self, *args, rlk_module: str, **kwargs):
+        super().__init__(*args, rlk_module=rlk_module, **kwargs)
+        c = self.config
+        heads_per_group, d = c.num_attention_heads // c.num_query_groups, c.kv_channels
+        rows = self.output_size_per_partition
+        if rows % ((heads_per_group + 2) * d):
+            raise RlkPolicyError(f"rlk-megatron-provider, module {rlk_module!r}: linear_qkv has {rows} rows per "
+                                 f"rank, not a multiple of ({heads_per_group} + 2) x {d}")
+        grouped = torch.arange(rows).reshape(-1, heads_per_group + 2, d)
+        order = torch.cat([grouped[:, :heads_per_group].reshape(-1), grouped[:, heads_per_group].reshape(-1),
+                           grouped[:, heads_per_group + 1].reshape(-1)])
+        self._qkv_rows = order  # [q; k; v] row i is Megatron's row order[i]
+        self._qkv_cols = torch.argsort(order)  # Megatron's column j is [q; k; v] column inverse[j]
+
+    def _gemm(self, x: Tensor, w: Tensor) -> Tensor:
+        if self._qkv_rows.device != w.device:
+            self._qkv_rows, self._qkv_cols = self._qkv_rows.to(w.device), self._qkv_cols.to(w.device)
+        y = super()._gemm(x, w.index_select(0, self._qkv_rows))
+        return y.index_select(-1, self._qkv_cols)
+
+
 class RlkRowParallelLinear(_RlkLayer, _compat.RowParallelLinear):
     """``RowParallelLinear`` on ``rlk_core.ops.linear`` + the rlk all-reduce of the partial sums.
 

@@ -23,6 +23,7 @@ from rlk_megatron_provider.attention import RlkCoreAttention, RlkSelfAttention, 
 from rlk_megatron_provider.layers import (
     RlkColumnParallelLinear,
     RlkMLP,
+    RlkQKVLinear,
     RlkRMSNorm,
     RlkRowParallelLinear,
     _RlkLayer,
@@ -107,7 +108,7 @@ def rlk_layer_spec(config, *, rope_theta: float, base: ModuleSpec | None = None)
             changes["self_attention"] = ModuleSpec(
                 module=RlkSelfAttention, params=dict(attn.params),
                 submodules=_compat.SelfAttentionSubmodules(
-                    linear_qkv=_linear(RlkColumnParallelLinear, "attention"),
+                    linear_qkv=_linear(RlkQKVLinear, "attention"),
                     core_attention=ModuleSpec(module=RlkCoreAttention, params={"rope_theta": float(rope_theta)}),
                     linear_proj=_linear(RlkRowParallelLinear, "attention"),
                     q_layernorm=_norm("attention") if has_q else None,
@@ -129,11 +130,11 @@ def _has(slot) -> bool:
     return slot is not None and not (isinstance(slot, type) and issubclass(slot, _compat.IdentityOp))
 
 
-def rlk_block_spec(config, *, rope_theta: float, base: ModuleSpec | None = None):
+def rlk_block_spec(config, *, rope_theta: float, base: ModuleSpec | None = None, vp_stage: int | None = None):
     """``TransformerBlockSubmodules`` for ``GPTModel(transformer_layer_spec=...)``: :func:`rlk_layer_spec`
     for every layer and, for an R ``logp``, the rlk final norm (else Megatron's stock one)."""
     layer = rlk_layer_spec(config, rope_theta=rope_theta, base=base)
-    block = _compat.stock_block_submodules(config, layer)
+    block = _compat.stock_block_submodules(config, layer, vp_stage)
     if _active(config)["logp"]:
         block = dataclasses.replace(block, layer_norm=_norm("logp"))
     return block
