@@ -107,6 +107,8 @@ def test_adapters_fail_closed_for_r_routes_they_cannot_install(monkeypatch):
     from rlk_vllm_plugin import _compat
 
     monkeypatch.setenv("RL_KERNEL_FFN_CASE", "R/R")
+    # vLLM settles its platform once per process: on this CPU machine, the test-only CPU platform (tests/vllm)
+    monkeypatch.setenv("VLLM_TARGET_DEVICE", "cpu")
     # A vLLM the plugin cannot hook (one target renamed), or no vLLM at all: strict mode refuses, naming it.
     monkeypatch.setitem(_compat.TARGETS, "ffn", ("vllm.model_executor.layers.activation:RenamedSiluAndMul.x",))
     with pytest.raises(RlkPolicyError, match=r"rollout side of ffn, but vLLM (cannot be imported|.* lacks: "

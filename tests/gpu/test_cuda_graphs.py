@@ -100,3 +100,25 @@ def test_linear_row_split_graph_replays_new_activations():
     x.copy_(randn(x.shape, seed=95))
     graph.replay()
     assert_bitwise_equal(y, linear(x, w), "split linear replay with new activations")
+
+
+def test_rope_graph_replays_new_positions_from_reserved_tables():
+    """vLLM captures rope inside its decode graphs: the table is reserved for the model's length first
+    (no host sync under capture), and a replay at other positions gives the eager bits."""
+    from rlk_core.errors import RlkInputError
+    from rlk_core.ops import rope
+    from rlk_core.ops.rope import reserve_tables
+
+    theta, d = 12345.0, 128
+    reserve_tables("cuda", d, theta, 40_000)
+    x = randn((64, 8, d), seed=96)
+    pos = torch.arange(64, device="cuda", dtype=torch.int64)
+    graph, y = capture(lambda: rope(x, pos, theta))
+    pos.copy_(torch.randint(0, 40_000, (64,), device="cuda"))
+    x.copy_(randn(x.shape, seed=97))
+    graph.replay()
+    assert_bitwise_equal(y, rope(x, pos, theta), "rope replay at new positions")
+    # a table built by earlier calls (sized by their positions) is not trusted under capture: only a reserved one
+    rope(x, pos, theta + 1.0)
+    with pytest.raises(RlkInputError, match="reserve_tables"):
+        capture(lambda: rope(x, pos, theta + 1.0))

@@ -208,8 +208,37 @@ def test_filtered_logprobs_are_refused_unless_opted_in(plugin, monkeypatch):
                      (SamplingParams(temperature=0.0, logprobs=0), "temperature 0")):
         with pytest.raises(RlkPolicyError, match=what):
             logprobs.check_request(sp, rt)
+    # vLLM's own start-up warms the sampler with every filter on: that request is not refused, a user's
+    # request with the same parameters is
+    warmup = SamplingParams.for_sampler_warmup()
+    logprobs.check_request(warmup, rt)
+    user = SamplingParams(**{k: getattr(warmup, k) for k in ("temperature", "top_p", "top_k", "min_p",
+                                                              "presence_penalty", "logprobs")})
+    with pytest.raises(RlkPolicyError, match="top_p=0.9"):
+        logprobs.check_request(user, rt)
     rt.unfiltered_logprobs = True
     logprobs.check_request(SamplingParams(top_p=0.9, top_k=20, logprobs=0), rt)
+
+
+def test_rope_tables_are_reserved_for_the_model_length_when_attention_is_r(plugin, monkeypatch):
+    """vLLM captures rope in its CUDA graphs; rlk reserves the cos/sin table for max_position_embeddings
+    when the model is bound (a rope call under capture cannot size its table)."""
+    import importlib
+
+    from rlk_vllm_plugin import layers
+
+    rope_mod = importlib.import_module("rlk_core.ops.rope")  # the module (rlk_core.ops.rope is also the op)
+    seen = []
+    monkeypatch.setattr(rope_mod, "reserve_tables", lambda *a: seen.append(a))
+    plugin(attention="P/R")
+    cls = layers.oot_classes(None)["RotaryEmbedding"]
+    rope = cls.__new__(cls)
+    torch.nn.Module.__init__(rope)
+    rope._rlk_op, rope.rotary_dim, rope.base, rope.max_position_embeddings = "rope", 64, 1e6, 40960
+    model = torch.nn.Module()
+    model.rotary_emb = rope
+    layers.bind_model(model)
+    assert seen == [(torch.device("cpu"), 64, 1e6, 40960)]
 
 
 def test_v1_runner_logprobs_are_refused_under_logp_r(plugin):

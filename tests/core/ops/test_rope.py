@@ -99,3 +99,12 @@ def test_angle_rounding_is_the_fp32_product_of_frameworks():
     inv1 = torch.tensor(1e6 ** (-2.0 / 128), dtype=torch.float32)
     ang = (torch.tensor(12345.0) * inv1).double()
     assert cos[0, 1].item() == torch.tensor(math.cos(ang.item()), dtype=torch.float32).item()
+
+
+def test_reserve_tables_checks_its_arguments_and_is_a_no_op_without_triton_on_cuda():
+    from rlk_core.errors import RlkInputError
+    from rlk_core.ops.rope import reserve_tables
+
+    reserve_tables("cpu", 64, 1e6, 4096)  # the reference builds its tables per call
+    with pytest.raises(RlkInputError, match="max_positions"):
+        reserve_tables("cpu", 64, 1e6, 0)

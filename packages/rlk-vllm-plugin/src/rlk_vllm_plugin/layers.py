@@ -209,7 +209,19 @@ def bind_model(model: torch.nn.Module) -> dict[str, str]:
             if module is not None:
                 layer._rlk_module = module
                 out[name] = module
+            if layer._rlk_op == "rope" and _runtime.get().r("attention"):
+                _reserve_rope(layer)
     return out
+
+
+def _reserve_rope(layer: Any) -> None:
+    """Build rlk's cos/sin table for every position the model can see, before vLLM captures CUDA graphs (a
+    rope call under capture cannot size its table; see rlk_core.ops.rope.reserve_tables)."""
+    from rlk_core.ops.rope import reserve_tables
+
+    cache = getattr(layer, "cos_sin_cache", None)
+    device = cache.device if isinstance(cache, torch.Tensor) else torch.device("cpu")
+    reserve_tables(device, int(layer.rotary_dim), float(layer.base), int(layer.max_position_embeddings))
 
 
 def _load_model(original):

@@ -73,8 +73,22 @@ def refusals(sp: Any) -> list[str]:
     return out
 
 
+WARMUP_MARK = "rlk_sampler_warmup"
+
+
+def _sampler_warmup(original):
+    """vLLM's own sampler warm-up asks for log-probs with every filter on (``for_sampler_warmup``): mark
+    those parameters so that strict mode does not refuse vLLM's start-up; users' requests are checked."""
+    def for_sampler_warmup():
+        sp = original()
+        sp.extra_args = {**(sp.extra_args or {}), WARMUP_MARK: True}
+        return sp
+    for_sampler_warmup._rlk_original = original
+    return for_sampler_warmup
+
+
 def check_request(sp: Any, rt: _runtime.Runtime) -> None:
-    if getattr(sp, "logprobs", None) is None:
+    if getattr(sp, "logprobs", None) is None or (getattr(sp, "extra_args", None) or {}).get(WARMUP_MARK):
         return
     if getattr(sp, "temperature", 1.0) <= 0.0:
         rt.violation("logp R: a request asks for log-probs with temperature 0 (greedy); the trainer's "
@@ -158,6 +172,11 @@ def install(probe: _compat.Probe) -> list[str]:
     sampler = _compat.module(SAMPLER_MODULE).Sampler
     _patch(sampler, "__call__", _sampler_call)
     _patch(sampler, "add_request", _add_request)
+    params = _compat.module("vllm.sampling_params").SamplingParams
+    warmup = getattr(params, "for_sampler_warmup", None)
+    if warmup is not None and getattr(warmup, "_rlk_original", None) is None:  # a staticmethod
+        params.for_sampler_warmup = staticmethod(_sampler_warmup(warmup))
+        targets.append("vllm.sampling_params.SamplingParams.for_sampler_warmup")
     v1 = _compat.module(V1_SAMPLER_MODULE).Sampler
     if getattr(v1.compute_logprobs, "_rlk_original", None) is None:  # a staticmethod in both versions
         v1.compute_logprobs = staticmethod(_v1_compute_logprobs(v1.compute_logprobs))
@@ -175,6 +194,10 @@ def uninstall() -> None:
     sampler = _compat.module(SAMPLER_MODULE).Sampler
     _unpatch(sampler, "__call__")
     _unpatch(sampler, "add_request")
+    params = _compat.module("vllm.sampling_params").SamplingParams
+    original = getattr(getattr(params, "for_sampler_warmup", None), "_rlk_original", None)
+    if original is not None:
+        params.for_sampler_warmup = staticmethod(original)
     v1 = _compat.module(V1_SAMPLER_MODULE).Sampler
     original = getattr(v1.compute_logprobs, "_rlk_original", None)
     if original is not None:

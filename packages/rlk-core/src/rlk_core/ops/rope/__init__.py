@@ -42,6 +42,23 @@ def _(x: torch.Tensor, positions: torch.Tensor, theta: float, rotary_dim: int) -
 closed_form_backward(_rope_op, rope_backward_reference, n_tensor_inputs=2)
 
 
+def reserve_tables(device: torch.device | str, rotary_dim: int, theta: float, max_positions: int) -> None:
+    """Build the cached fp32 cos/sin tables of ``rlk.triton``'s rope for positions ``[0, max_positions)``
+    now. A rope call under CUDA-graph capture cannot size its table from the positions (that needs a host
+    sync) and must not see it replaced later, so a launcher that captures graphs (vLLM) reserves the model's
+    maximum length first. Does nothing where ``rlk.triton`` does not run rope (CPU, no Triton)."""
+    dev = torch.device(device)
+    C.require(max_positions > 0 and max_positions <= MAX_POSITION, "rope",
+              f"max_positions must be in (0, {MAX_POSITION}], got {max_positions}")
+    if dev.type != "cuda" or not REGISTRY.is_available(REGISTRY.get("rope", "rlk.triton"), "cuda")[0]:
+        return
+    from rlk_core.ops.rope import triton as kernels
+
+    if dev.index is None:  # the tables are keyed by the tensors' device, which always has its index
+        dev = torch.device("cuda", torch.cuda.current_device())
+    kernels.reserve(dev, int(rotary_dim), float(theta), int(max_positions))
+
+
 def rope(x: torch.Tensor, positions: torch.Tensor, theta: float, rotary_dim: int | None = None) -> torch.Tensor:
     """Apply rotary embedding at absolute positions (contract ``rlk.rope.v1``).
 

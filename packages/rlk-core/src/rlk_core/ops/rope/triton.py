@@ -18,12 +18,35 @@ import torch
 import triton
 import triton.language as tl
 
+from rlk_core.errors import RlkInputError
 from rlk_core.ops._triton_common import next_pow2
 from rlk_core.ops.rope.reference import rope_cos_sin
 
 MIN_CAP = 4096
 _TABLES: dict[tuple[str, int, float], tuple[int, torch.Tensor, torch.Tensor]] = {}
+_RESERVED: set[tuple[str, int, float]] = set()  # tables reserved for a model's whole length (reserve_tables)
 _LOCK = threading.Lock()
+
+
+def reserve(device: torch.device, rotary_dim: int, theta: float, max_positions: int) -> None:
+    """Build the table for positions ``[0, max_positions)`` and mark it usable under CUDA-graph capture."""
+    tables(device, rotary_dim, theta, max_positions)
+    _RESERVED.add((str(device), rotary_dim, float(theta)))
+
+
+def captured_tables(device: torch.device, rotary_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The cached tables as they are, for a call under CUDA-graph capture: sizing them from the positions
+    would need a host sync, which capture forbids, and a table replaced after capture would leave the graph
+    reading freed memory. So they must have been built beforehand for every position the graph will see
+    (:func:`rlk_core.ops.rope.reserve_tables` with the model's maximum length; a launcher calls it before
+    capturing)."""
+    key = (str(device), rotary_dim, float(theta))
+    hit = _TABLES.get(key)
+    if hit is None or key not in _RESERVED:  # a table sized by earlier calls may not cover the replays
+        raise RlkInputError(f"rope under CUDA-graph capture: no cos/sin table for rotary_dim={rotary_dim}, "
+                            f"theta={theta} on {device}; call rlk_core.ops.rope.reserve_tables(device, "
+                            "rotary_dim, theta, max_positions) before capturing")
+    return hit[1], hit[2]
 
 
 def tables(device: torch.device, rotary_dim: int, theta: float, need: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -96,8 +119,10 @@ def launch(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: tor
 def forward(x: torch.Tensor, positions: torch.Tensor, theta: float, rotary_dim: int) -> torch.Tensor:
     if x.shape[0] == 0:
         return torch.empty_like(x)
-    # one host sync for the table size (the op's input check already syncs for the position range)
-    cos, sin = tables(x.device, rotary_dim, theta, int(positions.max()) + 1)
+    if torch.cuda.is_current_stream_capturing():
+        cos, sin = captured_tables(x.device, rotary_dim, theta)
+    else:  # one host sync for the table size
+        cos, sin = tables(x.device, rotary_dim, theta, int(positions.max()) + 1)
     return launch(x, positions, cos, sin, rotary_dim)
 
 
