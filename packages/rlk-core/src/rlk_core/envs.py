@@ -109,6 +109,14 @@ ENV_VARS: tuple[EnvVar, ...] = (
     EnvVar("RL_KERNEL_READBACK_DIR", _path, None,
            "Directory that receives one rlk.readback.v1 JSON per (framework, target, process). "
            "Unset: nothing is written.", allowed_doc="a directory path"),
+    EnvVar("RL_KERNEL_VLLM_UNFILTERED_LOGPROBS", _bool, False,
+           "vLLM, logp R: accept requests with top-p / top-k / min-p / penalties / logit bias; their returned "
+           "log-probs are then the unfiltered log softmax(logits / T) (the trainer's), not vLLM's processed "
+           "ones. Unset: strict mode refuses such requests.", ("1", "0", "true", "false")),
+    EnvVar("RL_KERNEL_VLLM_ATTENTION_OVERRIDE", _choice, None,
+           "vLLM, attention R, for launchers that cannot pass --attention-backend CUSTOM: register rlk's backend "
+           "under this existing backend name as well (e.g. FLASH_ATTN, the default on Hopper).",
+           ("FLASH_ATTN", "TRITON_ATTN", "FLASHINFER", "FLEX_ATTENTION", "CPU_ATTN")),
     EnvVar("RL_KERNEL_LOGPROB_RECORDS_DIR", _path, None,
            "Directory where rlk_megatron_provider.record_logprobs (slime/VIME's --custom-tis-function-path) "
            "writes one rlk.vime-logprobs.v1 safetensors record per training rank and call. "

@@ -21,7 +21,6 @@ from rlk_core.errors import RlkPolicyError
 from rlk_core.plan import MODULES, RoutePlan
 from rlk_core.readback import ReadbackRecorder
 from rlk_core.routes import SideRoutes
-from rlk_vllm_plugin import settings
 
 FRAMEWORK, SIDE = "vllm", "rollout"
 
@@ -58,8 +57,8 @@ class Runtime:
     @classmethod
     def from_env(cls) -> Runtime:
         return cls(plan=RoutePlan.from_env(), mode=envs.get("RL_KERNEL_MODE"),
-                   unfiltered_logprobs=settings.get("RL_KERNEL_VLLM_UNFILTERED_LOGPROBS"),
-                   attention_override=settings.get("RL_KERNEL_VLLM_ATTENTION_OVERRIDE"))
+                   unfiltered_logprobs=envs.get("RL_KERNEL_VLLM_UNFILTERED_LOGPROBS"),
+                   attention_override=envs.get("RL_KERNEL_VLLM_ATTENTION_OVERRIDE"))
 
     @property
     def strict(self) -> bool:
