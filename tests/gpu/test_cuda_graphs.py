@@ -102,6 +102,8 @@ def test_linear_row_split_graph_replays_new_activations():
     assert_bitwise_equal(y, linear(x, w), "split linear replay with new activations")
 
 
+# the refused capture leaves an empty graph behind, which torch reports with a warning
+@pytest.mark.filterwarnings("ignore:The CUDA Graph is empty")
 def test_rope_graph_replays_new_positions_from_reserved_tables():
     """vLLM captures rope inside its decode graphs: the table is reserved for the model's length first
     (no host sync under capture), and a replay at other positions gives the eager bits."""
