@@ -22,6 +22,7 @@ import sys
 from collections.abc import Sequence
 
 from rlk_core.errors import RlkConfigError, RlkError
+from rlk_repro._args import positive_int
 
 EXIT_OK, EXIT_MISMATCH, EXIT_USAGE, EXIT_FAILED, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
 
@@ -43,16 +44,6 @@ def _case(value: str) -> str:
         return parse_case(value, "case")
     except RlkConfigError as exc:
         raise argparse.ArgumentTypeError(str(exc).removeprefix("case=")) from None
-
-
-def _positive(value: str) -> int:
-    try:
-        n = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{value!r} is not an integer") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"{value!r} must be >= 1")
-    return n
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -119,7 +110,7 @@ def _plan_options(r: argparse.ArgumentParser) -> None:
 
 def _experiment_options(r: argparse.ArgumentParser) -> None:
     """The options of one experiment (model, rollout, training), shared by ``run`` and ``matrix``."""
-    r.add_argument("--rounds", type=_positive, default=5, help="rounds (rollout steps) to run (5)")
+    r.add_argument("--rounds", type=positive_int, default=5, help="rounds (rollout steps) to run (5)")
     r.add_argument("--seed", type=int, default=1234, help="seed of the checkpoint, sampling and training (1234)")
     r.add_argument("--device", default="cpu", help="cpu (default) or cuda[:N]")
     r.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
@@ -128,20 +119,20 @@ def _experiment_options(r: argparse.ArgumentParser) -> None:
                    help="model shape preset with random weights (tiny)")
     r.add_argument("--checkpoint", metavar="DIR",
                    help="Hugging Face Qwen3 directory (config.json + safetensors); overrides --model")
-    r.add_argument("--prompts-per-round", type=_positive, default=4, help="prompts (GRPO groups) per round (4)")
-    r.add_argument("--samples-per-prompt", type=_positive, default=4,
+    r.add_argument("--prompts-per-round", type=positive_int, default=4, help="prompts (GRPO groups) per round (4)")
+    r.add_argument("--samples-per-prompt", type=positive_int, default=4,
                    help="samples per prompt, the GRPO group size (4)")
-    r.add_argument("--max-new-tokens", type=_positive, default=16, help="response token limit (16)")
-    r.add_argument("--chunk-size", type=_positive, default=16,
+    r.add_argument("--max-new-tokens", type=positive_int, default=16, help="response token limit (16)")
+    r.add_argument("--chunk-size", type=positive_int, default=16,
                    help="chunked-prefill chunk size per request and step (16)")
-    r.add_argument("--page-size", type=_positive, default=8, help="KV cache page size (8)")
-    r.add_argument("--max-num-seqs", type=_positive, default=6, help="running requests at most (6)")
+    r.add_argument("--page-size", type=positive_int, default=8, help="KV cache page size (8)")
+    r.add_argument("--max-num-seqs", type=positive_int, default=6, help="running requests at most (6)")
     r.add_argument("--temperature", type=float, default=1.0, help="sampling temperature, > 0 (1.0)")
     r.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling threshold in (0, 1] (0.95)")
     r.add_argument("--top-k", type=int, default=0, help="top-k sampling, 0 = off (0)")
     r.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw", help="optimizer of the trainer (adamw)")
     r.add_argument("--lr", type=float, default=1e-3, help="learning rate (1e-3)")
-    r.add_argument("--threads", type=_positive, default=None,
+    r.add_argument("--threads", type=positive_int, default=None,
                    help="torch CPU threads (default 1 on cpu: the small ops of a tiny model lose more to OpenMP "
                    "spinning than they gain, badly so on a shared machine; raise it for larger models)")
     r.add_argument("--audit", action="store_true",

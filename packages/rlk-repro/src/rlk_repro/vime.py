@@ -35,6 +35,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from rlk_core.errors import RlkConfigError
+from rlk_repro._args import positive_int
 from rlk_validate.evidence import VIME_ENVIRONMENT_SCHEMA, VIME_LAUNCH_SCHEMA
 
 #: Every name this launch uses from rlk-megatron-provider and rlk-vllm-plugin (align here, nowhere else).
@@ -323,16 +324,6 @@ def _args_line(args: Sequence[str]) -> str:
 
 
 # -- the command line of `plan --engine vime` -----------------------------------------------------
-def _positive(value: str) -> int:
-    try:
-        n = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{value!r} is not an integer") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"{value!r} must be >= 1")
-    return n
-
-
 def add_options(p: argparse.ArgumentParser) -> None:
     """The options of ``rlk-repro plan --engine vime`` (besides --mode and the per-module cases)."""
     p.add_argument("--json", action="store_true", help="print the launch as JSON instead of a shell script")
@@ -343,13 +334,13 @@ def add_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt-data", default=VimeConfig.prompt_data, help="prompt/label JSONL")
     p.add_argument("--vime-root", default=VimeConfig.vime_root, help="the VIME checkout (Ray working dir)")
     p.add_argument("--ray-address", default=VimeConfig.ray_address, help="Ray dashboard address")
-    p.add_argument("--rounds", type=_positive, default=VimeConfig.rounds, help="rollouts (--num-rollout)")
-    p.add_argument("--prompts-per-round", type=_positive, default=VimeConfig.prompts_per_round,
+    p.add_argument("--rounds", type=positive_int, default=VimeConfig.rounds, help="rollouts (--num-rollout)")
+    p.add_argument("--prompts-per-round", type=positive_int, default=VimeConfig.prompts_per_round,
                    help="--rollout-batch-size")
-    p.add_argument("--samples-per-prompt", type=_positive, default=VimeConfig.samples_per_prompt,
+    p.add_argument("--samples-per-prompt", type=positive_int, default=VimeConfig.samples_per_prompt,
                    help="--n-samples-per-prompt (GRPO group size)")
-    p.add_argument("--global-batch-size", type=_positive, default=None, help="default: all samples of a round")
-    p.add_argument("--max-new-tokens", type=_positive, default=VimeConfig.max_new_tokens,
+    p.add_argument("--global-batch-size", type=positive_int, default=None, help="default: all samples of a round")
+    p.add_argument("--max-new-tokens", type=positive_int, default=VimeConfig.max_new_tokens,
                    help="--rollout-max-response-len")
     p.add_argument("--temperature", type=float, default=1.0, help="sampling and trainer temperature (1.0)")
     p.add_argument("--top-p", type=float, default=1.0, help="top-p (1.0; < 1 with logp R needs --unfiltered-logprobs)")
@@ -359,13 +350,13 @@ def add_options(p: argparse.ArgumentParser) -> None:
                    help="logp R: accept top-p/top-k and return the unfiltered log softmax(logits / T)")
     p.add_argument("--seed", type=int, default=1234, help="training seed (1234)")
     p.add_argument("--rollout-seed", type=int, default=42, help="rollout seed (42)")
-    p.add_argument("--tensor-parallel", type=_positive, default=1, help="training TP (--tensor-model-parallel-size)")
-    p.add_argument("--context-parallel", type=_positive, default=1, help="training CP (--context-parallel-size)")
-    p.add_argument("--rollout-tensor-parallel", type=_positive, default=1,
+    p.add_argument("--tensor-parallel", type=positive_int, default=1, help="training TP (--tensor-model-parallel-size)")
+    p.add_argument("--context-parallel", type=positive_int, default=1, help="training CP (--context-parallel-size)")
+    p.add_argument("--rollout-tensor-parallel", type=positive_int, default=1,
                    help="vLLM TP per engine (--rollout-num-gpus-per-engine)")
-    p.add_argument("--nodes", type=_positive, default=1, help="training nodes (--actor-num-nodes)")
-    p.add_argument("--gpus-per-node", type=_positive, default=8, help="--actor-num-gpus-per-node (8)")
-    p.add_argument("--rollout-gpus", type=_positive, default=None, help="--rollout-num-gpus (default: colocated)")
+    p.add_argument("--nodes", type=positive_int, default=1, help="training nodes (--actor-num-nodes)")
+    p.add_argument("--gpus-per-node", type=positive_int, default=8, help="--actor-num-gpus-per-node (8)")
+    p.add_argument("--rollout-gpus", type=positive_int, default=None, help="--rollout-num-gpus (default: colocated)")
     p.add_argument("--no-colocate", dest="colocate", action="store_false", help="separate rollout GPUs")
     p.add_argument("--audit", action="store_true", help="RL_KERNEL_MODE=audit (default strict)")
     p.add_argument("--extra", action="append", default=[], metavar="ARGS",
