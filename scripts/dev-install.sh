@@ -16,7 +16,7 @@ fi
 pip=("$venv/bin/python" -m pip install --disable-pip-version-check -q)
 "${pip[@]}" --upgrade "pip>=24" "setuptools>=77" wheel
 if [ "$torch_req" != "skip" ]; then
-  "${pip[@]}" "$torch_req"
+  "${pip[@]}" "$torch_req" numpy  # numpy with it: rlk-core's build imports torch, which warns without numpy
 fi
 # Triton: a CUDA torch brings its own; on a CPU machine it is installed for the kernels' interpreter tests
 # (TRITON_INTERPRET=1). RLK_TRITON=skip leaves it out.
