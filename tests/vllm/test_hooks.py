@@ -37,11 +37,14 @@ def test_oot_rms_norm_runs_rlk_for_r_and_vllm_for_p(plugin, vllm_config, method)
     out, new_res = getattr(norm, method)(x, res)
     assert torch.equal(new_res, x + res) and torch.equal(out, rms_norm(x + res, norm.weight.data, 1e-6))
     assert torch.equal(getattr(norm, method)(x), rms_norm(x, norm.weight.data, 1e-6))
-    norm._rlk_module = "ffn"  # P: vLLM's own forward_native, counted as production
+    norm._rlk_module = "ffn"  # P: vLLM's own method, counted once per call of the layer
     assert torch.equal(norm.forward_native(x), RMSNorm.forward_native(norm, x))
+    dispatched = norm._forward_method.__name__
+    assert torch.equal(norm(x), getattr(RMSNorm, dispatched)(norm, x))
     ops = rt.recorder.to_dict()["modules"]
     assert ops["attention"]["implementation"] == "rlk" and ops["attention"]["ops"]["rms_norm"]["call_count"] == 2
-    assert ops["ffn"]["ops"]["rms_norm"]["backend_id"].startswith("production.vllm")
+    assert ops["ffn"]["ops"]["rms_norm"]["backend_id"] == "production.vllm.RMSNorm"
+    assert ops["ffn"]["ops"]["rms_norm"]["call_count"] == 1
 
 
 def test_unbound_norm_is_refused_in_strict_mode(plugin, vllm_config):

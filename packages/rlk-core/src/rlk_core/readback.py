@@ -49,6 +49,20 @@ class _OpRecord:
     fallback: bool = False
     fallback_reason: str | None = None
     provenance: dict[str, Any] = field(default_factory=dict)
+    compiled_sites: int = 0  # of call_count: call sites compiled into a graph (count_compiled)
+
+    def provenance_doc(self) -> dict[str, Any]:
+        out = dict(self.provenance)
+        if self.compiled_sites:
+            out["compiled_call_sites"] = self.compiled_sites
+            out["counted"] = (COUNTED_COMPILED if self.compiled_sites == self.call_count
+                              else "run-time calls and compiled call sites")
+        return out
+
+
+#: ``provenance.counted`` of an op record whose every count is a call site compiled into a graph
+#: (:meth:`ReadbackRecorder.count_compiled`), not a run-time call.
+COUNTED_COMPILED = "compiled call sites"
 
 
 @dataclass
@@ -151,6 +165,18 @@ class ReadbackRecorder:
                      backend_id, contract_id or "production",
                      f" FALLBACK: {fallback_reason}" if fallback_reason else "")
 
+    def count_compiled(self, module: str, op: str, backend_id: str, contract_id: str | None, *,
+                       fallback_reason: str | None = None) -> None:
+        """Count one call site of ``op`` that a compiler (``torch.compile``) put into a graph for ``module``.
+
+        For code whose run-time calls nobody can count (a compiled graph, replayed CUDA graphs): the record
+        gets execution mode ``graph`` and ``provenance.counted`` says the count is of compiled call sites
+        (``provenance.compiled_call_sites`` how many of ``call_count`` they are), never of run-time calls.
+        The policy is :meth:`count`'s."""
+        self.count(module, op, backend_id, contract_id, fallback_reason=fallback_reason, execution_mode="graph")
+        with self._lock:
+            self._ops[module][op].compiled_sites += 1
+
     def production(self, module: str, op: str, backend_id: str, execution_mode: str = "eager") -> None:
         """Report one call of the framework's own implementation (a P side)."""
         if not backend_id.startswith("production."):
@@ -190,7 +216,7 @@ class ReadbackRecorder:
                             "execution_mode": next(iter(r.modes)) if len(r.modes) == 1 else "mixed",
                             "fallback": r.fallback,
                             "fallback_reason": r.fallback_reason,
-                            "provenance": dict(r.provenance),
+                            "provenance": r.provenance_doc(),
                         }
                         for op, r in sorted(ops.items())
                     },

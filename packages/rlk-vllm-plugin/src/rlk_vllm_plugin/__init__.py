@@ -14,7 +14,12 @@ What is installed for each module whose rollout letter is ``R`` (see ``PATCHES.m
 - ``logp``: the final ``RMSNorm``, the LM-head method, the sampled-token log-prob hook (:mod:`.logprobs`);
 - ``attention`` or ``ffn``: the TP all-reduce (:mod:`.collectives`).
 
-With every rollout letter ``P`` nothing is installed: vLLM runs exactly as built.
+For ``P`` modules — every module of a native run, where every rollout letter is ``P`` — only counting is
+installed: the out-of-tree ``RMSNorm`` / ``SiluAndMul`` and the linear / LM-head methods call vLLM's own
+method unchanged and count it (``production.vllm.<class>``), the model loader binds layers to modules and
+flushes the readback, and the readback is flushed at exit. Nothing that changes vLLM's arithmetic (RoPE,
+the attention backend, log-probs, the TP all-reduce) is installed for a ``P`` module. Under
+``torch.compile`` the compiled call sites are recorded instead of run-time calls (:mod:`._runtime`).
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ def register() -> None:
     (``RL_KERNEL_MODE=strict``, the default): a vLLM outside the supported range, or one missing a hook
     target an ``R`` module needs, raises :class:`~rlk_core.errors.RlkPolicyError` naming what is missing.
     Audit mode: the same is logged and recorded as a fallback in the readback, and nothing is installed.
+    All ``P`` (a native run) never raises for these: it installs counting only, or nothing (logged).
     """
     global _REGISTERED
     from rlk_core.errors import RlkConfigError, RlkPolicyError
@@ -53,19 +59,21 @@ def register() -> None:
                                  f"(mode {rt.mode})")
         return
     wanted = rt.wanted()
-    if not wanted:
-        _REGISTERED = _key(rt)
-        return
-
     problem = _probe_problem(rt)
     if isinstance(problem, str):
-        if rt.strict:
+        if not wanted:  # a native run: never stop vLLM; the readback then records no module
+            log.warning("rlk: %s; vLLM runs as built and its calls are not counted", problem)
+            _runtime.install(rt)
+            _runtime.flush_at_exit()
+            rt.flush()
+        elif rt.strict:
             raise RlkPolicyError(problem)
-        log.warning("rlk audit: %s (vLLM's production operators stay in place)", problem)
-        _runtime.install(rt)
-        _runtime.flush_at_exit()
-        for module in wanted:
-            rt.recorder.count(module, "register", "production.vllm.unhooked", None, fallback_reason=problem)
+        else:
+            log.warning("rlk audit: %s (vLLM's production operators stay in place)", problem)
+            _runtime.install(rt)
+            _runtime.flush_at_exit()
+            for module in wanted:
+                rt.recorder.count(module, "register", "production.vllm.unhooked", None, fallback_reason=problem)
         _REGISTERED = _key(rt)
         return
     _install(rt, problem)
@@ -73,7 +81,7 @@ def register() -> None:
 
 
 def _groups(wanted: list[str]) -> tuple[str, ...]:
-    groups = ["common", *wanted]
+    groups = ["common", "count", *wanted]
     if "attention" in wanted or "ffn" in wanted:
         groups.append("tp")
     return tuple(groups)
@@ -84,7 +92,8 @@ def _probe_problem(rt):
     from rlk_vllm_plugin import _compat
 
     wanted = rt.wanted()
-    head = f"rlk-vllm-plugin {__version__}: the plan asks R on the rollout side of {', '.join(wanted)}, but"
+    head = (f"rlk-vllm-plugin {__version__}: the plan asks R on the rollout side of {', '.join(wanted)}, but"
+            if wanted else f"rlk-vllm-plugin {__version__}: every rollout letter is P (counting only), but")
     try:
         probe = _compat.probe(_groups(wanted))
     except ImportError as exc:
@@ -103,9 +112,7 @@ def _install(rt, probe) -> None:
 
     _runtime.install(rt)
     _runtime.flush_at_exit()
-    names = ["RMSNorm"]
-    if rt.r("ffn"):
-        names.append("SiluAndMul")
+    names = ["RMSNorm", "SiluAndMul"]  # R: the rlk op; P: vLLM's own method, counted
     if rt.r("attention"):
         names.append("RotaryEmbedding")
     layers.oot_classes(probe)
@@ -114,18 +121,18 @@ def _install(rt, probe) -> None:
     layers.install_loader(probe)
     rt.add_hook("model_loader", "vllm.model_executor.model_loader.base_loader.BaseModelLoader.load_model",
                 "patch")
+    layers.install_linear(probe)  # R: rlk linear; P: the original, counted
+    rt.add_hook("linear", "vllm.model_executor.layers.linear.UnquantizedLinearMethod.apply", "patch")
+    layers.install_lm_head(probe)
+    rt.add_hook("lm_head", "vllm.model_executor.layers.vocab_parallel_embedding.UnquantizedEmbeddingMethod.apply",
+                "patch")
     if rt.r("attention") or rt.r("ffn"):
-        layers.install_linear(probe)
-        rt.add_hook("linear", "vllm.model_executor.layers.linear.UnquantizedLinearMethod.apply", "patch")
         for target in collectives.install(probe):
             rt.add_hook("tp_all_reduce", target, "patch")
     if rt.r("attention"):
         for name in attention.install(probe, rt.attention_override):
             rt.add_hook(f"attention_backend.{name}", attention.BACKEND_PATH, "attention_backend")
     if rt.r("logp"):
-        layers.install_lm_head(probe)
-        rt.add_hook("lm_head",
-                    "vllm.model_executor.layers.vocab_parallel_embedding.UnquantizedEmbeddingMethod.apply", "patch")
         for target in logprobs.install(probe):
             rt.add_hook("logprobs", target, "patch")
     log.info("rlk-vllm-plugin %s: vLLM %s, plan %s, mode %s, installed %d hooks", __version__, probe.version,

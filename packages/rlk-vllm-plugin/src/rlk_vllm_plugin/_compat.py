@@ -35,6 +35,10 @@ TARGETS: dict[str, tuple[str, ...]] = {
         "vllm.model_executor.layers.linear:UnquantizedLinearMethod.apply",
         "vllm.model_executor.model_loader.base_loader:BaseModelLoader.load_model",
     ),
+    "count": (  # the production layers counted for P modules (every plan, all P included)
+        "vllm.model_executor.layers.activation:SiluAndMul.forward_native",
+        "vllm.model_executor.layers.vocab_parallel_embedding:UnquantizedEmbeddingMethod.apply",
+    ),
     "ffn": (
         "vllm.model_executor.layers.activation:SiluAndMul.forward_native",
     ),

@@ -3,6 +3,16 @@
 One :class:`Runtime` per process (``register()`` creates it; a forked child that inherits it gets its own
 recorder on first use, so readbacks never share a pid). Hooks call :func:`rlk` / :func:`production`;
 they hold no arithmetic. Readbacks are flushed at exit, after each model load and by :func:`flush`.
+
+Compiled code (vLLM's ``torch.compile``, CUDA graphs): a hook runs as Python only while TorchDynamo traces
+it; at run time the graph calls ``torch.ops.rlk.*`` (or vLLM's own ops) with no module scope, so no run-time
+call can be counted. Instead each hook, while traced, records the call site it puts into the graph
+(TorchDynamo's ``comptime``: a callback run at trace time, a no-op otherwise): module, op, and for an rlk op
+the backend the registry selects for the traced tensors' dtype, device and shape. These records have
+execution mode ``graph`` and ``provenance.counted = "compiled call sites"``
+(:meth:`rlk_core.readback.ReadbackRecorder.count_compiled`): one per call site per compiled graph, never a
+number of executions. A process whose compiled model comes from vLLM's compile cache traces nothing and
+records no compiled call sites.
 """
 
 from __future__ import annotations
@@ -15,6 +25,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
+try:  # TorchDynamo's trace-time callback (torch >= 2.0); without it compiled call sites go unrecorded
+    from torch._dynamo.comptime import comptime as _comptime
+except ImportError:  # pragma: no cover - every supported torch has it
+    _comptime = None
 
 from rlk_core import envs
 from rlk_core.errors import RlkPolicyError
@@ -53,6 +68,7 @@ class Runtime:
     _pid: int = -1
     _recorder: ReadbackRecorder | None = None
     _routes: SideRoutes | None = None
+    _sites: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
     def from_env(cls) -> Runtime:
@@ -134,10 +150,111 @@ def get() -> Runtime:
 
 def rlk(module: str, op: str, *args: Any) -> Any:
     """Run rlk op ``op`` for ``module`` (R). Under ``torch.compile`` tracing the op goes in as the opaque
-    ``torch.ops.rlk.<op>`` (it still reports its backend when it runs; the module scope is eager-only)."""
+    ``torch.ops.rlk.<op>`` and the call site is recorded (see the module docstring); eager calls run in the
+    module's readback scope and report their backend themselves."""
     if torch.compiler.is_compiling():
+        if _comptime is not None:
+            _comptime(_rlk_site)
         return getattr(torch.ops.rlk, op)(*args)
     return get().routes.call(module, op, *args)
+
+
+def _rlk_site(ctx: Any) -> None:
+    """Trace time (TorchDynamo), inside :func:`rlk`: record the rlk call site going into the graph."""
+    module, op = ctx.get_local("module").as_python_constant(), ctx.get_local("op").as_python_constant()
+    if not _new_site(module, op):
+        return
+    try:
+        values = [_traced_value(v) for v in ctx.get_local("args").as_proxy()]
+    except Exception as exc:  # dynamo internals moved: say so, never guess a backend
+        import logging
+        logging.getLogger("rlk.vllm").warning("rlk: could not read the traced inputs of %s.%s (%s: %s); this "
+                                              "compiled call site is not recorded", module, op,
+                                              type(exc).__name__, exc)
+        return
+    note_compiled_rlk(module, op, values)
+
+
+def note_compiled_rlk(module: str, op: str, values: list[Any]) -> None:
+    """Record one compiled call site of rlk op ``op`` for ``module`` whose traced inputs are ``values``
+    (fake / meta tensors, SymInts or constants): the backend is the one the registry selects for their
+    dtype, device and shape, as the op will when it runs."""
+    from rlk_core.backends import REGISTRY
+
+    rt = get()
+    device = next((v.device for v in _flat(values) if isinstance(v, torch.Tensor)), torch.device("cpu"))
+    selection = REGISTRY.select(op, device.type, [_stand_in(v) for v in values], strict=rt.strict)
+    backend = selection.backend
+    rt.recorder.count_compiled(module, op, backend.id, backend.contract_id, fallback_reason=selection.fallback_reason)
+
+
+def _production_site(ctx: Any) -> None:
+    """Trace time (TorchDynamo), inside :func:`production`: record vLLM's own op going into the graph."""
+    module, op = ctx.get_local("module").as_python_constant(), ctx.get_local("op").as_python_constant()
+    if _new_site(module, op):
+        get().recorder.count_compiled(module, op, ctx.get_local("backend_id").as_python_constant(), None)
+
+
+def _new_site(module: str, op: str) -> bool:
+    """False when TorchDynamo re-traces a frame (a restarted analysis) and this site was recorded by the
+    earlier attempt: sites are numbered per compiled frame, the numbering restarts with each attempt."""
+    try:
+        from torch._guards import CompileContext
+        trace = CompileContext.current_trace_id()
+    except ImportError:  # pragma: no cover
+        trace = None
+    if trace is None:
+        return True
+    sites = get()._sites
+    frame = str(trace.compile_id)
+    attempt, index = sites.get(frame, (trace.attempt, 0))
+    if attempt != trace.attempt:
+        index = 0
+    sites[frame] = (trace.attempt, index + 1)
+    key = (frame, index, module, op)
+    if key in sites:
+        return False
+    sites[key] = True
+    return True
+
+
+def _traced_value(v: Any) -> Any:
+    node = getattr(v, "node", None)
+    if isinstance(v, torch.fx.Proxy) and node is not None:
+        return node.meta.get("example_value")
+    if isinstance(v, (list, tuple)):
+        return type(v)(_traced_value(x) for x in v)
+    return v
+
+
+def _flat(values: Any) -> list[Any]:
+    if isinstance(values, (list, tuple)):
+        return [x for v in values for x in _flat(v)]
+    return [values]
+
+
+def _hint(d: Any) -> int:
+    if isinstance(d, int):
+        return d
+    try:
+        from torch.fx.experimental.symbolic_shapes import hint_int
+        return int(hint_int(d, fallback=1))
+    except Exception:  # an unbacked size without a hint
+        return 1
+
+
+def _stand_in(v: Any) -> Any:
+    """A meta tensor with ``v``'s dtype and (hinted) shape for a traced tensor, so that a backend's
+    ``supports`` reads no symbolic size (that would add a guard to the graph being traced)."""
+    if isinstance(v, torch.Tensor):
+        return torch.empty([_hint(d) for d in v.shape], dtype=v.dtype, device="meta")
+    if isinstance(v, (list, tuple)):
+        return type(v)(_stand_in(x) for x in v)
+    if isinstance(v, torch.SymInt):
+        return _hint(v)
+    if isinstance(v, torch.SymFloat):
+        return float(v.node.hint) if v.node.hint is not None else 1.0
+    return v
 
 
 _LAST_LINEAR = threading.local()
@@ -156,8 +273,13 @@ def take_linear_module() -> str | None:
 
 
 def production(module: str | None, op: str, backend_id: str) -> None:
-    """Count one call of vLLM's own implementation (a P module)."""
-    if module is None or torch.compiler.is_compiling():
+    """Count one call of vLLM's own implementation (a P module); under ``torch.compile`` tracing, record the
+    compiled call site instead (see the module docstring)."""
+    if module is None:
+        return
+    if torch.compiler.is_compiling():
+        if _comptime is not None:
+            _comptime(_production_site)
         return
     get().routes.production(module, op, backend_id)
 

@@ -3,7 +3,7 @@
 - ``RMSNorm``, ``SiluAndMul`` and ``RotaryEmbedding`` are replaced out of tree (``CustomOp.register_oot``
   by vLLM's class name): subclasses whose ``forward_native`` / ``forward_cuda`` / ``forward_cpu`` all run
   one dispatcher (``_bind_forward``), which asks the route layer for the layer's module and runs the rlk op (``R``) or
-  vLLM's own method of the same name (``P``, counted as production).
+  vLLM's own method of the same name (``P``; ``forward`` counts one production call per call of the layer).
 - Linear layers: the class attribute ``UnquantizedLinearMethod.apply``; the module comes from the
   layer's ``prefix`` (``model.layers.3.mlp.down_proj`` -> ``ffn``). The LM head:
   ``UnquantizedEmbeddingMethod.apply`` (vLLM calls it only to compute logits) -> module ``logp``.
@@ -73,14 +73,15 @@ def oot_classes(probe: _compat.Probe) -> dict[str, type]:
         return _CLASSES
     bases = {
         "RMSNorm": (_compat.module("vllm.model_executor.layers.layernorm").RMSNorm, "rms_norm",
-                    lambda m, *a: _rms_norm_r(m, *a)),
+                    lambda m, *a, **k: _rms_norm_r(m, *a, **k)),
         "SiluAndMul": (_compat.module("vllm.model_executor.layers.activation").SiluAndMul, "swiglu",
-                       lambda m, *a: _swiglu_r(m, *a)),
+                       lambda m, *a, **k: _swiglu_r(m, *a, **k)),
         "RotaryEmbedding": (_compat.module("vllm.model_executor.layers.rotary_embedding").RotaryEmbedding,
-                            "rope", lambda m, *a: _rope_r(m, *a)),
+                            "rope", lambda m, *a, **k: _rope_r(m, *a, **k)),
     }
     for name, (base, op, fn) in bases.items():
         ns: dict[str, Any] = {m: _bind_forward(m, op, fn) for m in _FORWARDS}
+        ns["forward"] = _entry(op)
         ns["__module__"] = __name__
         ns["_rlk_op"] = op
         if name == "RotaryEmbedding":
@@ -90,21 +91,35 @@ def oot_classes(probe: _compat.Probe) -> dict[str, type]:
 
 
 def _bind_forward(method: str, op: str, fn: Any):
-    def forward(self, *args):
+    """``forward_<platform>``: the rlk op for an R module; vLLM's own method otherwise (counted by
+    :func:`_entry`, once per call of the layer, however vLLM's methods call each other)."""
+    def forward(self, *args, **kwargs):
         module = getattr(self, "_rlk_module", None)
-        rt = _runtime.get()
         if module is None:
             _unbound(self, op)
-        elif rt.r(module):
-            return fn(module, self, *args)
-        _runtime.production(module, op, f"production.vllm.{type(self).__mro__[1].__name__}.{method}")
-        return getattr(super(type(self), self), method)(*args)
+        elif _runtime.get().r(module):
+            return fn(module, self, *args, **kwargs)
+        return getattr(super(type(self), self), method)(*args, **kwargs)
     forward.__name__ = method
     return forward
 
 
+def _entry(op: str):
+    """``forward``: vLLM's ``CustomOp.forward`` (its dispatch), counting one production call for a P module."""
+    def forward(self, *args, **kwargs):
+        module = getattr(self, "_rlk_module", None)
+        if module is not None and not _runtime.get().r(module):
+            _runtime.production(module, op, f"production.vllm.{type(self).__mro__[1].__name__}")
+        return super(type(self), self).forward(*args, **kwargs)
+    return forward
+
+
 def register_oot(probe: _compat.Probe, names: list[str]) -> list[str]:
-    """``CustomOp.register_oot`` for each of ``names`` not yet registered; returns the names registered."""
+    """``CustomOp.register_oot`` for each of ``names`` not yet registered; returns the names registered.
+
+    ``register_oot`` renames the class (``name = "RMSNorm"``); the name is set back to vLLM's own
+    (``rms_norm``), so ``custom_ops`` entries such as ``+rms_norm`` select the same ``forward_*`` method
+    for the replacement as for vLLM's class (a P module then runs exactly what vLLM would)."""
     custom_op = _compat.module("vllm.model_executor.custom_op")
     done = []
     for name in names:
@@ -115,7 +130,10 @@ def register_oot(probe: _compat.Probe, names: list[str]) -> list[str]:
         if current is not None:
             raise RuntimeError(f"vLLM CustomOp {name!r} already has an out-of-tree replacement {current!r} "
                                "(another plugin); rlk cannot install its own")
+        base_name = cls.__mro__[1].__dict__.get("name", getattr(cls.__mro__[1], "name", None))
         custom_op.CustomOp.register_oot(_decorated_op_cls=cls, name=name)
+        if base_name is not None:
+            cls.name = base_name
         done.append(name)
     return done
 
