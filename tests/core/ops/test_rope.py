@@ -108,3 +108,19 @@ def test_reserve_tables_checks_its_arguments_and_is_a_no_op_without_triton_on_cu
     reserve_tables("cpu", 64, 1e6, 4096)  # the reference builds its tables per call
     with pytest.raises(RlkInputError, match="max_positions"):
         reserve_tables("cpu", 64, 1e6, 0)
+
+
+def test_a_reserved_table_is_used_without_reading_the_positions():
+    """With the table reserved (what the vLLM plugin does at model load), the Triton launcher takes it as it
+    is: no host sync on the positions per call, and the same table object every time."""
+    pytest.importorskip("triton")
+    import importlib
+
+    kernels = importlib.import_module("rlk_core.ops.rope.triton")
+    dev = torch.device("cpu")  # the cache is keyed by device; no kernel is launched here
+    assert kernels.reserved_tables(dev, 32, 777.0) is None
+    kernels.reserve(dev, 32, 777.0, 5000)
+    cos, sin = kernels.reserved_tables(dev, 32, 777.0)
+    assert cos.shape == sin.shape == (8192, 16) and cos.dtype == torch.float32
+    kernels.tables(dev, 32, 777.0, 100)  # a smaller later need keeps the reserved table
+    assert kernels.reserved_tables(dev, 32, 777.0)[0] is cos

@@ -34,19 +34,15 @@ def reserve(device: torch.device, rotary_dim: int, theta: float, max_positions: 
     _RESERVED.add((str(device), rotary_dim, float(theta)))
 
 
-def captured_tables(device: torch.device, rotary_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """The cached tables as they are, for a call under CUDA-graph capture: sizing them from the positions
-    would need a host sync, which capture forbids, and a table replaced after capture would leave the graph
-    reading freed memory. So they must have been built beforehand for every position the graph will see
-    (:func:`rlk_core.ops.rope.reserve_tables` with the model's maximum length; a launcher calls it before
-    capturing)."""
+def reserved_tables(device: torch.device, rotary_dim: int, theta: float
+                    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The table reserved for every position the model can see (:func:`rlk_core.ops.rope.reserve_tables`), or
+    None. A reserved table is used as it is: no host sync to size it from the positions (which CUDA-graph
+    capture forbids and which stalls every eager call), and it is never replaced, so a captured graph never
+    reads freed memory. A table only sized by earlier calls is not trusted under capture."""
     key = (str(device), rotary_dim, float(theta))
-    hit = _TABLES.get(key)
-    if hit is None or key not in _RESERVED:  # a table sized by earlier calls may not cover the replays
-        raise RlkInputError(f"rope under CUDA-graph capture: no cos/sin table for rotary_dim={rotary_dim}, "
-                            f"theta={theta} on {device}; call rlk_core.ops.rope.reserve_tables(device, "
-                            "rotary_dim, theta, max_positions) before capturing")
-    return hit[1], hit[2]
+    hit = _TABLES.get(key) if key in _RESERVED else None
+    return None if hit is None else (hit[1], hit[2])
 
 
 def tables(device: torch.device, rotary_dim: int, theta: float, need: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -119,8 +115,13 @@ def launch(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: tor
 def forward(x: torch.Tensor, positions: torch.Tensor, theta: float, rotary_dim: int) -> torch.Tensor:
     if x.shape[0] == 0:
         return torch.empty_like(x)
-    if torch.cuda.is_current_stream_capturing():
-        cos, sin = captured_tables(x.device, rotary_dim, theta)
+    reserved = reserved_tables(x.device, rotary_dim, theta)
+    if reserved is not None:
+        cos, sin = reserved
+    elif torch.cuda.is_current_stream_capturing():
+        raise RlkInputError(f"rope under CUDA-graph capture: no cos/sin table reserved for rotary_dim={rotary_dim}, "
+                            f"theta={theta} on {x.device}; call rlk_core.ops.rope.reserve_tables(device, "
+                            "rotary_dim, theta, max_positions) before capturing")
     else:  # one host sync for the table size
         cos, sin = tables(x.device, rotary_dim, theta, int(positions.max()) + 1)
     return launch(x, positions, cos, sin, rotary_dim)
