@@ -85,26 +85,21 @@ class _AllReduce(torch.autograd.Function):
         return _all_reduce(grad, ctx.g), None, None
 
 
-class _ReduceScatter(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, g, dim):
-        ctx.g, ctx.dim = g, dim
-        return _reduce_scatter(x, g, dim)
+def adjoint_pair(name: str, forward, backward) -> type[torch.autograd.Function]:
+    """An autograd Function computing ``forward(x, *args)`` whose backward is ``backward(grad, *args)`` — a
+    collective and its adjoint (reduce-scatter and all-gather, each the other's backward)."""
+    def fwd(ctx, x, *args):
+        ctx.args = args
+        return forward(x, *args)
 
-    @staticmethod
-    def backward(ctx, grad):
-        return _all_gather(grad, ctx.g, ctx.dim), None, None
+    def bwd(ctx, grad):
+        return (backward(grad, *ctx.args), *(None,) * len(ctx.args))
+
+    return type(name, (torch.autograd.Function,), {"forward": staticmethod(fwd), "backward": staticmethod(bwd)})
 
 
-class _AllGather(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, g, dim):
-        ctx.g, ctx.dim = g, dim
-        return _all_gather(x, g, dim)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _reduce_scatter(grad, ctx.g, ctx.dim), None, None
+_ReduceScatter = adjoint_pair("_ReduceScatter", _reduce_scatter, _all_gather)
+_AllGather = adjoint_pair("_AllGather", _all_gather, _reduce_scatter)
 
 
 # -- public -----------------------------------------------------------------------------------------

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from rlk_collectives import _transport as T
-from rlk_collectives._ops import _wants_grad, prepare
+from rlk_collectives._ops import _wants_grad, adjoint_pair, prepare
 from rlk_collectives._tree import reduce_rows
 from rlk_core.errors import RlkInputError
 
@@ -131,26 +131,8 @@ def _scatter(x_full: Tensor, layout: ZigzagLayout, g) -> Tensor:
     return mine.view(layout.local_tokens, *x_full.shape[1:])
 
 
-class _CPAllGather(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, layout, g):
-        ctx.layout, ctx.g = layout, g
-        return _gather(x, layout, g)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _scatter(grad, ctx.layout, ctx.g), None, None
-
-
-class _CPReduceScatter(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, layout, g):
-        ctx.layout, ctx.g = layout, g
-        return _scatter(x, layout, g)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _gather(grad, ctx.layout, ctx.g), None, None
+_CPAllGather = adjoint_pair("_CPAllGather", _gather, _scatter)
+_CPReduceScatter = adjoint_pair("_CPReduceScatter", _scatter, _gather)
 
 
 def cp_all_gather(x: Tensor, layout: ZigzagLayout, group: dist.ProcessGroup | None = None, *,
