@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from rlk_collectives import ZigzagLayout, all_gather, all_reduce, cp_all_gather, cp_reduce_scatter, reduce_reference
 from rlk_collectives import reduce_scatter as rs
+from rlk_core.testing.graphs import capture
 
 _spec = importlib.util.spec_from_file_location("rlk_coll_inputs", Path(__file__).resolve().parents[1] / "collectives" /
                                                "_inputs.py")
@@ -133,19 +134,6 @@ def _cp(rank: int, world: int) -> None:
                                             layout.shard(ref, rank)))
 
 
-def _capture(fn):
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        res = fn()
-    return graph, res
-
-
 def _graphs(rank: int, world: int) -> None:
     """Captured collectives replay with the bits of an eager call on the new inputs (vLLM's decode)."""
     for n in (4096, 1 * MiB + 3, 16 * MiB):
@@ -154,7 +142,7 @@ def _graphs(rank: int, world: int) -> None:
 
             def run(n=n, p=p):
                 x = gpu_bits(world, n, torch.bfloat16, seed=11)[rank].clone()
-                graph, res = _capture(lambda: all_reduce(x, _path=p))
+                graph, res = capture(lambda: all_reduce(x, _path=p))
                 new = gpu_bits(world, n, torch.bfloat16, seed=12)
                 x.copy_(new[rank])
                 graph.replay()
@@ -166,7 +154,7 @@ def _graphs(rank: int, world: int) -> None:
 
     def run_rs():
         x = gpu_bits(world, 8192, torch.bfloat16, seed=13)[rank].clone()
-        graph, res = _capture(lambda: rs(x, dim=0))
+        graph, res = capture(lambda: rs(x, dim=0))
         new = gpu_bits(world, 8192, torch.bfloat16, seed=14)
         x.copy_(new[rank])
         graph.replay()

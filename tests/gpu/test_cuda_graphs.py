@@ -14,26 +14,13 @@ from rlk_core.ops import linear
 from rlk_core.ops.attention import attention_decode, attention_varlen
 from rlk_core.testing import assert_bitwise_equal
 from rlk_core.testing.attention import build_paged_kv, cu_seqlens
+from rlk_core.testing.graphs import capture
 
 from ._shapes import randn
 
 pytestmark = pytest.mark.gpu
 
 SCALE = 128 ** -0.5
-
-
-def capture(fn):
-    """Warm ``fn`` up on a side stream (compilation, allocator), then capture one call."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fn()
-    return graph, out
 
 
 def test_decode_graph_replays_new_lengths_tables_and_queries():
