@@ -127,8 +127,9 @@ def test_adapters_fail_closed_for_r_routes_they_cannot_install(monkeypatch):
             initialize_from_environment()
     monkeypatch.setenv("RL_KERNEL_FFN_CASE", "P/P")
     try:
-        rlk_vllm_plugin.register()  # all P: nothing installed, nothing refused
-        assert rlk_vllm_plugin._runtime.current() is None
+        rlk_vllm_plugin.register()  # all P: nothing refused (only counting hooks: tests/vllm/test_counting.py)
+        rt = rlk_vllm_plugin._runtime.current()
+        assert rt is not None and not any(rt.r(m) for m in ("attention", "ffn", "logp"))
     finally:
         rlk_vllm_plugin.uninstall()
     initialize_from_environment()
