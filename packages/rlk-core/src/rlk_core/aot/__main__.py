@@ -1,0 +1,44 @@
+"""``python -m rlk_core.aot build --target cuda:90 --out DIR`` (options: ``--ops``, ``--dtypes``, ``--layouts``,
+``--sms``, ``--jobs``) and ``python -m rlk_core.aot list`` (the variants, one a line). Progress per variant on
+stderr; exits 1 if any variant failed to compile (the manifest records which and why)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    from rlk_core.aot.specs import DEFAULT_SMS, LAYOUTS, OPS
+
+    p = argparse.ArgumentParser(prog="python -m rlk_core.aot", description=__doc__.split("\n")[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    for name in ("build", "list"):
+        s = sub.add_parser(name)
+        s.add_argument("--ops", default=",".join(OPS), help=f"comma-separated, of {OPS}")
+        s.add_argument("--sms", type=int, default=DEFAULT_SMS, help="SM count: the persistent GEMM's NUM_PROGRAMS")
+        s.add_argument("--dtypes", default="bf16,fp16,fp32", help="comma-separated, of bf16, fp16, fp32")
+        s.add_argument("--layouts", default=",".join(LAYOUTS), help=f"comma-separated, of {LAYOUTS}")
+        if name == "build":
+            s.add_argument("--target", default="cuda:90")
+            s.add_argument("--out", required=True)
+            s.add_argument("--jobs", type=int, default=None)
+    a = p.parse_args(argv)
+    from rlk_core.aot.specs import TRITON_TYPE, enumerate_specs
+
+    by_name = {v: k for k, v in TRITON_TYPE.items()}
+    dtypes = [by_name[d] for d in a.dtypes.split(",") if d]
+    specs = enumerate_specs([o for o in a.ops.split(",") if o], dtypes, sms=a.sms, layouts=a.layouts.split(","))
+    if a.cmd == "list":
+        for s in specs:
+            print(s.name)
+        return 0
+    from rlk_core.aot.build import build, print_progress
+
+    m = build(a.target, a.out, specs, sms=a.sms, jobs=a.jobs, progress=print_progress)
+    print(f"{len(m['kernels'])} cubins, {len(m['failed'])} failed -> {a.out}", file=sys.stderr)
+    return 1 if m["failed"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,225 @@
+"""Compile :func:`rlk_core.aot.specs.enumerate_specs` to cubins with ``triton.compile`` and write a manifest.
+
+Every variant is compiled from scratch (a private Triton cache per variant, so a stale cache can neither
+hide a compile failure nor make two builds differ) through Triton's whole pipeline down to the cubin,
+with the ptxas bundled in the Triton wheel: no GPU, no CUDA toolkit. Output, in ``out_dir``:
+
+- ``<kernel>-<hash>.cubin`` per variant, ``hash`` the first 16 hex digits of the SHA-256 of the variant's
+  identity, the kernel's source hash, the target and the Triton version;
+- ``manifest.json``: per variant what a launcher needs — the function name in the cubin, the Triton-level
+  signature, the cubin's parameter list in order (TMA descriptors expanded into the ``CUtensorMap`` and
+  their shape and strides, the two scratch pointers Triton appends), constexprs, divisibility
+  assumptions, ``num_warps``, dynamic shared memory, the descriptors' encoding (``tensordesc_meta``),
+  whether it is launched with PDL, the grid rule's name — plus the variants that failed (with the error)
+  and the launches no variant serves (``not_built``). No timestamps: two builds of one tree are
+  byte-identical (tested).
+
+Nothing launches these cubins yet (issue 21: the C++ launcher in ``csrc/`` is the next step).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import hashlib
+import json
+import multiprocessing
+import os
+import re
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+from rlk_core.aot.specs import DEFAULT_SMS, Spec, enumerate_specs, not_built
+
+MANIFEST = "manifest.json"
+FORMAT = 1
+TARGETS = {"cuda:90": ("cuda", 90, 32)}
+
+
+def parse_target(target: str) -> tuple[str, int, int]:
+    if target not in TARGETS:
+        raise ValueError(f"target {target!r}: the AOT build knows {sorted(TARGETS)}")
+    return TARGETS[target]
+
+
+def _kernel(spec: Spec):
+    import importlib
+
+    return getattr(importlib.import_module(spec.module), spec.kernel)
+
+
+def _dns(kernel) -> list[str]:
+    """The kernel's ``do_not_specialize`` arguments, by name."""
+    return [p.name for p in kernel.params if p.do_not_specialize]
+
+
+def triton_signature(spec: Spec, kernel=None) -> tuple[dict[str, str], dict[str, Any], list[str]]:
+    """``(signature, constexprs, divisible)`` as ``triton.compile`` takes them: every argument of the
+    kernel in order with its Triton type (``constexpr`` for constexprs and the layout's unit strides),
+    and the names marked divisible by 16 (``aligned`` layout: pointers and integers except the kernel's
+    ``do_not_specialize``)."""
+    kernel = kernel or _kernel(spec)
+    const = {**dict(spec.constexprs), **{n: 1 for n in spec.ones}}
+    ptrs, boxes, loose = dict(spec.pointers), dict(spec.descriptors), set(_dns(kernel))
+    sig, divisible = {}, []
+    dtype = spec.dtype.split("->")[0].split(",")[0]
+    for name in kernel.arg_names:
+        if name in const:
+            sig[name] = "constexpr"
+        elif name in boxes:
+            sig[name] = "tensordesc<{}[{}, {}]>".format(dtype, *boxes[name])
+        else:
+            if name.endswith("_ptr"):
+                sig[name] = ptrs.get(name, "*" + dtype)
+            else:
+                sig[name] = "fp32" if name in spec.floats else "i32"
+            if spec.layout == "aligned" and name not in spec.floats and name not in loose:
+                divisible.append(name)
+    return sig, const, divisible
+
+
+def cubin_params(signature: dict[str, str], tensordesc_meta: list | None) -> list[dict[str, str]]:
+    """The cubin's kernel parameters in order, as Triton 3.6's CUDA launcher passes them: constexprs
+    dropped, a TMA descriptor lowered to a ``CUtensorMap`` (by value, 128 bytes) followed by its shape
+    (i32 each) and strides (i64 each), then the global and profile scratch pointers."""
+    params, d = [], 0
+    for name, ty in signature.items():
+        if ty == "constexpr":
+            continue
+        if ty.startswith("tensordesc"):
+            ndim = ty.count(",") + 1
+            assert tensordesc_meta and tensordesc_meta[d] is not None, f"{name}: descriptor not lowered to TMA"
+            d += 1
+            params.append({"name": name, "type": "CUtensorMap"})
+            params += [{"name": f"{name}.shape[{i}]", "type": "i32"} for i in range(ndim)]
+            params += [{"name": f"{name}.strides[{i}]", "type": "i64"} for i in range(ndim)]
+        else:
+            params.append({"name": name, "type": ty})
+    return params + [{"name": "global_scratch", "type": "*i8"}, {"name": "profile_scratch", "type": "*i8"}]
+
+
+def ptx_param_count(ptx: str, function: str) -> int:
+    """Parameters of ``.entry function`` in the PTX (checks :func:`cubin_params` against the compiler)."""
+    m = re.search(r"\.entry\s+" + re.escape(function) + r"\s*\((.*?)\)", ptx, re.S)
+    assert m, f"no .entry {function} in the PTX"
+    return m.group(1).count(".param")
+
+
+def variant_hash(spec: Spec, source_hash: str, target: str, triton_version: str) -> str:
+    ident = json.dumps([spec.identity(), source_hash, target, triton_version])
+    return hashlib.sha256(ident.encode()).hexdigest()[:16]
+
+
+def compile_spec(spec: Spec, target: str = "cuda:90") -> tuple[dict[str, Any], bytes | None]:
+    """Compile one variant; ``(manifest entry, cubin bytes)``, or ``(entry with "error", None)``."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    kernel = _kernel(spec)
+    source_hash = kernel.cache_key  # the kernel's source and every @jit function it calls, Triton's own hash
+    name = f"{spec.kernel}-{variant_hash(spec, source_hash, target, triton.__version__)}"
+    sig, const, divisible = triton_signature(spec, kernel)
+    entry: dict[str, Any] = {
+        "op": spec.op, "kernel": spec.kernel, "module": spec.module, "variant": spec.name, "dtype": spec.dtype,
+        "layout": spec.layout, "tile": list(spec.tile) if spec.tile else None,
+        "signature": [{"name": k, "type": v} for k, v in sig.items()],
+        "constexprs": {k: v for k, v in const.items()},
+        "divisible_by_16": divisible,
+        "do_not_specialize": _dns(kernel),
+        "num_warps": spec.num_warps, "num_stages": spec.num_stages, "options": dict(spec.options),
+        "grid": spec.grid, "launch_pdl": spec.launch_pdl, "target": target,
+        "triton_version": triton.__version__, "source_hash": source_hash,
+    }
+    attrs = {(kernel.arg_names.index(n),): [["tt.divisibility", 16]] for n in divisible}
+    src = ASTSource(fn=kernel, signature=sig, constexprs=const, attrs=attrs)
+    options = {"num_warps": spec.num_warps, "num_stages": spec.num_stages, **dict(spec.options)}
+    try:
+        with triton.knobs.cache.scope(), tempfile.TemporaryDirectory(prefix="rlk-aot-") as cache:
+            triton.knobs.cache.dir = cache
+            compiled = triton.compile(src, target=GPUTarget(*parse_target(target)), options=options)
+    except Exception as exc:  # recorded in the manifest; the CLI exits non-zero
+        entry["error"] = f"{type(exc).__name__}: {str(exc)[-2000:]}"
+        return entry, None
+    md = compiled.metadata
+    meta = [dict(m) if m is not None else None for m in (md.tensordesc_meta or [])]
+    params = cubin_params(sig, meta)
+    n_ptx = ptx_param_count(compiled.asm["ptx"], md.name)
+    if n_ptx != len(params):
+        entry["error"] = f"cubin has {n_ptx} parameters, the manifest's list {len(params)}"
+        return entry, None
+    cubin = compiled.asm["cubin"]
+    entry.update({
+        "cubin": name + ".cubin", "function": md.name, "params": params,
+        "shared_bytes": md.shared, "num_ctas": md.num_ctas, "cluster_dims": list(getattr(md, "cluster_dims", ()) or ()),
+        "global_scratch_size": md.global_scratch_size, "global_scratch_align": md.global_scratch_align,
+        "profile_scratch_size": md.profile_scratch_size, "tensordesc_meta": meta,
+        "cubin_sha256": hashlib.sha256(cubin).hexdigest(),
+    })
+    return entry, cubin
+
+
+def _compile_many(specs: list[Spec], target: str) -> list[tuple[dict[str, Any], bytes | None]]:
+    return [compile_spec(s, target) for s in specs]
+
+
+def build(target: str = "cuda:90", out_dir: str | os.PathLike = "aot-build", specs: Iterable[Spec] | None = None,
+          sms: int = DEFAULT_SMS, jobs: int | None = None,
+          progress: Callable[[int, int, dict[str, Any], float], None] | None = None) -> dict[str, Any]:
+    """Compile ``specs`` (default: :func:`enumerate_specs` with ``sms``) for ``target`` into ``out_dir``;
+    returns the manifest (also written to ``out_dir/manifest.json``). ``jobs`` worker processes (default:
+    the CPU count); ``progress(done, total, entry, seconds)`` after each variant. Failures are recorded in
+    the manifest's ``failed``, not raised."""
+    import triton
+
+    parse_target(target)
+    specs = list(specs) if specs is not None else enumerate_specs(sms=sms)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    jobs = max(1, min(jobs or os.cpu_count() or 1, len(specs) or 1))
+    chunks = [specs[i:i + 4] for i in range(0, len(specs), 4)]
+    results: dict[int, tuple[dict[str, Any], bytes | None]] = {}
+    start, done = time.monotonic(), 0
+
+    def record(i0: int, res: list) -> None:
+        nonlocal done
+        for j, r in enumerate(res):
+            results[i0 + j] = r
+            done += 1
+            if progress:
+                progress(done, len(specs), r[0], time.monotonic() - start)
+
+    if jobs == 1:
+        for ci, chunk in enumerate(chunks):
+            record(ci * 4, _compile_many(chunk, target))
+    else:
+        ctx = multiprocessing.get_context("spawn")  # no fork of a process that has imported torch
+        with concurrent.futures.ProcessPoolExecutor(jobs, mp_context=ctx) as pool:
+            futures = {pool.submit(_compile_many, chunk, target): ci * 4 for ci, chunk in enumerate(chunks)}
+            for f in concurrent.futures.as_completed(futures):
+                record(futures[f], f.result())
+    kernels, failed = [], []
+    for i in range(len(specs)):
+        entry, cubin = results[i]
+        if cubin is None:
+            failed.append(entry)
+            continue
+        (out / entry["cubin"]).write_bytes(cubin)
+        kernels.append(entry)
+    manifest = {
+        "format": FORMAT, "target": target, "triton_version": triton.__version__, "sms": sms,
+        "note": "built ahead of time by rlk_core.aot; nothing launches these cubins yet (issue 21)",
+        "kernels": sorted(kernels, key=lambda e: e["cubin"]),
+        "failed": sorted(failed, key=lambda e: e["variant"]),
+        "not_built": not_built(sms),
+    }
+    (out / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
+    return manifest
+
+
+def print_progress(done: int, total: int, entry: dict[str, Any], seconds: float) -> None:
+    status = "FAILED " + entry["error"].splitlines()[0][:200] if "error" in entry else entry["cubin"]
+    print(f"[{done}/{total} {seconds:6.1f}s] {entry['variant']}: {status}", file=sys.stderr, flush=True)
