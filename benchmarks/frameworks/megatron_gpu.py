@@ -147,18 +147,6 @@ def _free() -> None:
 
 
 # -- environment -----------------------------------------------------------------------------------------
-def cpu_recipe() -> None:
-    """shared/reference/megatron.md §11 (CPU only): current device -> CPU; CUDA RNG tracker -> CPU RNG."""
-    import megatron.core.tensor_parallel.random as mrandom
-    import torch
-
-    torch.cuda.current_device = lambda: torch.device("cpu")
-    mrandom._get_cuda_rng_state = lambda *a, **k: torch.get_rng_state()
-    mrandom._set_cuda_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
-    torch.cuda.get_rng_state = lambda *a, **k: torch.get_rng_state()
-    torch.cuda.manual_seed = torch.manual_seed
-
-
 def init_world(device: str) -> None:
     import torch
     import torch.distributed as dist
@@ -169,6 +157,8 @@ def init_world(device: str) -> None:
         torch.cuda.set_device(0)
         backend = "nccl"
     else:
+        from rlk_megatron_provider.testing import cpu_recipe
+
         cpu_recipe()
         backend = "gloo"
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)

@@ -21,22 +21,13 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _model
 
 
-def cpu_recipe() -> None:
-    """megatron.md §11.1: current device -> CPU; CUDA RNG tracker -> the CPU generator."""
-    import megatron.core.tensor_parallel.random as mrandom
-
-    torch.cuda.current_device = lambda: torch.device("cpu")
-    mrandom._get_cuda_rng_state = lambda *a, **k: torch.get_rng_state()
-    mrandom._set_cuda_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
-    torch.cuda.get_rng_state = lambda *a, **k: torch.get_rng_state()
-    torch.cuda.manual_seed = torch.manual_seed
-
-
 def run(rank: int, spec: dict, port: int, out: str) -> None:
     warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not installed.*")
     warnings.filterwarnings("ignore", message=".*Apex is not installed.*")
     os.environ.update(spec["env"])
     torch.set_num_threads(1)
+    from rlk_megatron_provider.testing import cpu_recipe
+
     cpu_recipe()
     import torch.distributed as dist
     from megatron.core import parallel_state, tensor_parallel
