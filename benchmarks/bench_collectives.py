@@ -89,15 +89,19 @@ def all_reduce_rows(world: int) -> list[dict]:
             r["nccl_wall_us"] = wall_us(lambda s=scratch[0]: dist.all_reduce(s))
             r["rlk_wall_us"] = wall_us(lambda x=xs[0]: all_reduce(x, check=False))
             r["graph_ratio"] = r["nccl_graph_ms"] / r["rlk_graph_ms"]
-        factor = 2 * (world - 1) / world
-        r["nccl_busbw"] = factor * nbytes / r["nccl_ms"] / 1e6
-        r["rlk_busbw"] = factor * nbytes / r["rlk_ms"] / 1e6
-        r["ratio"] = r["nccl_ms"] / r["rlk_ms"]
-        rows.append(r)
-        if dist.get_rank() == 0:
-            print({k: round(v, 4) if isinstance(v, float) else v for k, v in r.items()}, flush=True)
+        _finish(rows, r, 2 * (world - 1) / world, nbytes)
         del xs, scratch
     return rows
+
+
+def _finish(rows: list[dict], r: dict, factor: float, nbytes: int) -> None:
+    """Bus bandwidths (``factor`` x bytes / time, NCCL's convention) and the ratio; keep and print the row."""
+    r["nccl_busbw"] = factor * nbytes / r["nccl_ms"] / 1e6
+    r["rlk_busbw"] = factor * nbytes / r["rlk_ms"] / 1e6
+    r["ratio"] = r["nccl_ms"] / r["rlk_ms"]
+    rows.append(r)
+    if dist.get_rank() == 0:
+        print({k: round(v, 4) if isinstance(v, float) else v for k, v in r.items()}, flush=True)
 
 
 def reduce_scatter_rows(world: int) -> list[dict]:
@@ -108,13 +112,7 @@ def reduce_scatter_rows(world: int) -> list[dict]:
         r = {"op": "reduce_scatter", "bytes": nbytes}
         r["nccl_ms"] = ms([lambda x=x, o=o: dist.reduce_scatter_tensor(o, x) for x, o in zip(xs, outs)])
         r["rlk_ms"] = ms([lambda x=x: reduce_scatter(x, dim=0, check=False) for x in xs])
-        factor = (world - 1) / world
-        r["nccl_busbw"] = factor * nbytes / r["nccl_ms"] / 1e6
-        r["rlk_busbw"] = factor * nbytes / r["rlk_ms"] / 1e6
-        r["ratio"] = r["nccl_ms"] / r["rlk_ms"]
-        rows.append(r)
-        if dist.get_rank() == 0:
-            print({k: round(v, 4) if isinstance(v, float) else v for k, v in r.items()}, flush=True)
+        _finish(rows, r, (world - 1) / world, nbytes)
     return rows
 
 

@@ -28,6 +28,14 @@ def _cpu_platform(monkeypatch):
 
 
 @pytest.fixture
+def vllm_config():
+    """A default ``VllmConfig`` set as current (what building a vLLM layer outside an engine needs)."""
+    from vllm.config import VllmConfig, set_current_vllm_config
+    with set_current_vllm_config(VllmConfig()):
+        yield
+
+
+@pytest.fixture
 def plugin(monkeypatch):
     """``plugin(**cases)``: register the plugin in this process for the given plan; undone afterwards."""
     import rlk_vllm_plugin

@@ -18,13 +18,6 @@ pytestmark = [
 COUNTING_HOOKS = {"oot.RMSNorm", "oot.SiluAndMul", "model_loader", "linear", "lm_head"}
 
 
-@pytest.fixture
-def vllm_config():
-    from vllm.config import VllmConfig, set_current_vllm_config
-    with set_current_vllm_config(VllmConfig()):
-        yield
-
-
 def _bf16(*shape, seed=0):
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
 

@@ -234,28 +234,12 @@ def _cell_findings(name: str, plan: dict[str, str], r: Report) -> list[Finding]:
             )
         )
     v = r.verdict
-    if v in ("failed", "unusable"):
-        codes = sorted({f.code for f in r.findings if f.severity == ERROR})
-        out.append(
-            finding(
-                "MATRIX_CELL_FAILED",
-                f"{name} failed: {', '.join(codes)}",
-                check=CHECK,
-                path=name,
-                codes=codes,
-            )
-        )
-    elif v == "incomplete":
-        codes = sorted({f.code for f in r.findings if f.severity == INCOMPLETE})
-        out.append(
-            finding(
-                "MATRIX_CELL_INCOMPLETE",
-                f"{name} is incomplete: {', '.join(codes)}",
-                check=CHECK,
-                path=name,
-                codes=codes,
-            )
-        )
+    failed = v in ("failed", "unusable")
+    if failed or v == "incomplete":
+        severity, code, what = (ERROR, "MATRIX_CELL_FAILED", "failed") if failed else (
+            INCOMPLETE, "MATRIX_CELL_INCOMPLETE", "is incomplete")
+        codes = sorted({f.code for f in r.findings if f.severity == severity})
+        out.append(finding(code, f"{name} {what}: {', '.join(codes)}", check=CHECK, path=name, codes=codes))
     b = r.bitwise
     if b and not r.require_exact and b["mismatch_count"]:
         out.append(
