@@ -1,5 +1,8 @@
 """Weight layout converter: rlk-repro's local / Hugging Face Qwen3 layout <-> Megatron ``GPTModel``.
 
+:func:`hf_from_megatron` streams the Hugging Face names and tensors of a Megatron model (all TP shards) for a
+rollout engine's in-place weight update (``rlk_vllm_plugin.weight_sync``).
+
 Pure tensor reshuffling (exact; no arithmetic, no megatron import). Megatron's layout per TP rank:
 
 - ``linear_qkv`` rows grouped by query group: for each KV head ``g``, its ``Hq/Hkv`` query heads, then
@@ -104,3 +107,40 @@ def from_megatron(cfg, shards: list[Weights]) -> Weights:
     if not cfg.tie_word_embeddings:
         out["lm_head"] = rows("output_layer.weight")
     return out
+
+
+def hf_from_megatron(cfg, shards: list[Weights]):
+    """``(Hugging Face name, tensor)`` pairs of the whole model, layer by layer, from the state dicts of all TP
+    ranks (in rank order): what a rollout engine's Qwen3 ``load_weights`` takes (``q/k/v_proj``,
+    ``gate/up_proj`` unfused; no ``lm_head.weight`` when the head is tied to the embedding). A generator, so
+    one layer's full tensors exist at a time. Exact: slices and concatenations of the shards only."""
+    tp = len(shards)
+    _check_tp(cfg, tp)
+    hq, hkv, d, i = _shape(cfg)
+
+    def rows(key: str) -> torch.Tensor:
+        return torch.cat([s[key] for s in shards]) if tp > 1 else shards[0][key]
+
+    def cols(key: str) -> torch.Tensor:
+        return torch.cat([s[key] for s in shards], dim=1) if tp > 1 else shards[0][key]
+
+    first = shards[0]
+    yield "model.embed_tokens.weight", rows("embedding.word_embeddings.weight")
+    for n in range(cfg.num_hidden_layers):
+        s, m = f"model.layers.{n}.", f"decoder.layers.{n}."
+        q, k, v = qkv_from_megatron(rows(m + "self_attention.linear_qkv.weight"), cfg).split([hq * d, hkv * d, hkv * d])
+        fc1 = [t[m + "mlp.linear_fc1.weight"].chunk(2) for t in shards]
+        yield s + "input_layernorm.weight", first[m + "input_layernorm.weight"]
+        yield s + "self_attn.q_proj.weight", q
+        yield s + "self_attn.k_proj.weight", k
+        yield s + "self_attn.v_proj.weight", v
+        yield s + "self_attn.q_norm.weight", first[m + "self_attention.q_layernorm.weight"]
+        yield s + "self_attn.k_norm.weight", first[m + "self_attention.k_layernorm.weight"]
+        yield s + "self_attn.o_proj.weight", cols(m + "self_attention.linear_proj.weight")
+        yield s + "post_attention_layernorm.weight", first[m + "pre_mlp_layernorm.weight"]
+        yield s + "mlp.gate_proj.weight", torch.cat([g for g, _ in fc1])
+        yield s + "mlp.up_proj.weight", torch.cat([u for _, u in fc1])
+        yield s + "mlp.down_proj.weight", cols(m + "mlp.linear_fc2.weight")
+    yield "model.norm.weight", first["decoder.final_layernorm.weight"]
+    if not cfg.tie_word_embeddings:
+        yield "lm_head.weight", rows("output_layer.weight")

@@ -18,6 +18,7 @@ Errors are one line on stderr, never a traceback (``--debug`` shows it).
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 
@@ -54,8 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     r = sub.add_parser("run", help="run rounds of rollout -> train -> compare -> update and write a run directory",
                        description="Run the experiment; a new run directory is created under --output.")
-    r.add_argument("--engine", choices=("local", "vime"), default="local",
-                   help="local: the embedded Qwen3 rollout engine + trainer on this machine (default); vime: "
+    r.add_argument("--engine", choices=("local", "frameworks", "vime"), default="local",
+                   help="local: the embedded Qwen3 rollout engine + trainer on this machine (default); frameworks: "
+                   "real vLLM + real megatron-core with rlk's adapters on CUDA GPUs (docs/frameworks.md); vime: "
                    "launched on your cluster with the command `rlk-repro plan --engine vime` prints")
     _plan_options(r)
     r.add_argument("--output", default="rlk-runs", help="directory under which the run directory is created (rlk-runs)")
@@ -63,9 +65,9 @@ def build_parser() -> argparse.ArgumentParser:
     pl = sub.add_parser("plan", help="print the resolved plan, environment and configuration of a run; runs nothing",
                         description="Resolve the options of `rlk-repro run` and print them as JSON (plan, the "
                         "RL_KERNEL_* variables that select it, the full configuration); nothing is run or written.")
-    pl.add_argument("--engine", choices=("local", "vime"), default="local",
-                    help="local (default): the local run as JSON; vime: the launch of a VIME/slime cluster run "
-                    "(a shell script, or --json; its own options: `rlk-repro plan --engine vime --help`)")
+    pl.add_argument("--engine", choices=("local", "frameworks", "vime"), default="local",
+                    help="local (default) or frameworks: the run as JSON; vime: the launch of a VIME/slime cluster "
+                    "run (a shell script, or --json; its own options: `rlk-repro plan --engine vime --help`)")
     _plan_options(pl)
     _experiment_options(pl)
     m = sub.add_parser("matrix", help="run the operator ablation matrix and check it with rlk-validate matrix",
@@ -75,6 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--resume", metavar="ROOT", help="an existing matrix root: run only its unfinished cells")
     m.add_argument("--cells", default=None, metavar="A,B,...",
                    help="cells to run (default: control-RR, the 9 isolation cells and native-PP)")
+    m.add_argument("--engine", choices=("local", "frameworks"), default="local",
+                   help="local (default) or frameworks (each cell a `rlk-repro run --engine frameworks` process)")
     _experiment_options(m)
     d = sub.add_parser("doctor", help="check that this machine is ready for the requested routes",
                        description="Device, Triton, environment variables, the backend each op would run, "
@@ -112,7 +116,7 @@ def _experiment_options(r: argparse.ArgumentParser) -> None:
     """The options of one experiment (model, rollout, training), shared by ``run`` and ``matrix``."""
     r.add_argument("--rounds", type=positive_int, default=5, help="rounds (rollout steps) to run (5)")
     r.add_argument("--seed", type=int, default=1234, help="seed of the checkpoint, sampling and training (1234)")
-    r.add_argument("--device", default="cpu", help="cpu (default) or cuda[:N]")
+    r.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cpu; cuda for --engine frameworks)")
     r.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
                    help="compute dtype (default: float32 on cpu, bfloat16 on cuda)")
     r.add_argument("--model", choices=("tiny", "small", "qwen3-0.6b"), default="tiny",
@@ -128,7 +132,8 @@ def _experiment_options(r: argparse.ArgumentParser) -> None:
     r.add_argument("--page-size", type=positive_int, default=8, help="KV cache page size (8)")
     r.add_argument("--max-num-seqs", type=positive_int, default=6, help="running requests at most (6)")
     r.add_argument("--temperature", type=float, default=1.0, help="sampling temperature, > 0 (1.0)")
-    r.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling threshold in (0, 1] (0.95)")
+    r.add_argument("--top-p", type=float, default=None,
+                   help="nucleus sampling threshold in (0, 1] (0.95; --engine frameworks: 1, the only value it takes)")
     r.add_argument("--top-k", type=int, default=0, help="top-k sampling, 0 = off (0)")
     r.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw", help="optimizer of the trainer (adamw)")
     r.add_argument("--lr", type=float, default=1e-3, help="learning rate (1e-3)")
@@ -139,6 +144,22 @@ def _experiment_options(r: argparse.ArgumentParser) -> None:
                    help="record fallbacks and route violations instead of failing (default: RL_KERNEL_MODE, "
                    "else strict)")
     r.add_argument("--debug", action="store_true", help="show tracebacks")
+    f = r.add_argument_group("--engine frameworks")
+    f.add_argument("--tp", type=positive_int, default=1,
+                   help="tensor-parallel size of vLLM and Megatron (1); > 1 under `torchrun --nproc-per-node N`")
+    f.add_argument("--gpu-memory-utilization", type=float, default=0.3,
+                   help="vLLM's share of the GPU memory; Megatron uses the rest (0.3)")
+    f.add_argument("--enforce-eager", action="store_true", help="vLLM without CUDA graphs / torch.compile")
+    f.add_argument("--train-micro-tokens", type=positive_int, default=8192,
+                   help="tokens per Megatron forward/backward (padded tokens for a P attention) (8192)")
+    f.add_argument("--vllm-max-num-seqs", type=positive_int, default=256, help="vLLM max_num_seqs (256)")
+    f.add_argument("--vllm-max-num-batched-tokens", type=positive_int, default=8192,
+                   help="vLLM max_num_batched_tokens (8192)")
+    f.add_argument("--run-name", default=None, help=argparse.SUPPRESS)  # a matrix cell's directory name
+
+
+FRAMEWORKS_ONLY = ("tp", "gpu_memory_utilization", "enforce_eager", "train_micro_tokens", "vllm_max_num_seqs",
+                   "vllm_max_num_batched_tokens")
 
 
 def _resolve(a: argparse.Namespace, all_variables: bool = True):
@@ -166,25 +187,47 @@ def _readback_mode(a: argparse.Namespace) -> tuple[str, str]:
     return "strict", "default"
 
 
+def _frameworks(a: argparse.Namespace) -> bool:
+    return getattr(a, "engine", "local") == "frameworks"
+
+
 def _config(a: argparse.Namespace, argv: Sequence[str], resolved):
+    from rlk_repro.engine.frameworks import FrameworksRunConfig
     from rlk_repro.engine.local import LocalRunConfig
     from rlk_repro.engine.sampling import SamplingParams
 
-    device = a.device
+    frameworks = _frameworks(a)
+    device = a.device or ("cuda" if frameworks else "cpu")
     dtype = a.dtype or ("bfloat16" if device.startswith("cuda") else "float32")
+    top_p = a.top_p if a.top_p is not None else (1.0 if frameworks else 0.95)
     mode, mode_source = _readback_mode(a)
-    cfg = LocalRunConfig(
+    extra = {k: getattr(a, k) for k in FRAMEWORKS_ONLY} if frameworks else {}
+    if not frameworks:
+        given = [k for k in FRAMEWORKS_ONLY if getattr(a, k, None) != _DEFAULTS.get(k)]
+        if given:
+            raise RlkConfigError(f"--{given[0].replace('_', '-')} is an option of --engine frameworks")
+    cfg = (FrameworksRunConfig if frameworks else LocalRunConfig)(
         plan=resolved.plan, plan_sources=dict(resolved.sources), readback_mode_source=mode_source,
         rounds=a.rounds, seed=a.seed, device=device, dtype=dtype, model=a.model, checkpoint=a.checkpoint,
         prompts_per_round=a.prompts_per_round, samples_per_prompt=a.samples_per_prompt,
-        max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_p=a.top_p, top_k=a.top_k,
+        max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_p=top_p, top_k=a.top_k,
         chunk_size=a.chunk_size, page_size=a.page_size, max_num_seqs=a.max_num_seqs, optimizer=a.optimizer,
         lr=a.lr, readback_mode=mode, command=["rlk-repro", *argv],
-        threads=a.threads or (1 if device == "cpu" else None),
+        threads=a.threads or (1 if device == "cpu" else None), **extra,
     )
-    SamplingParams(a.temperature, a.top_p, a.top_k, a.max_new_tokens)  # argument errors before any work
+    SamplingParams(a.temperature, top_p, a.top_k, a.max_new_tokens)  # argument errors before any work
     cfg.validate()
     return cfg
+
+
+def _needs(a: argparse.Namespace) -> None:
+    """--engine frameworks on a machine that cannot run it: one line naming what is missing, before anything
+    is created."""
+    from rlk_repro.engine.frameworks import requirements
+
+    problem = requirements(a.tp)
+    if problem:
+        raise RlkConfigError(problem)
 
 
 def _cmd_run(a: argparse.Namespace, argv: Sequence[str]) -> int:
@@ -193,9 +236,20 @@ def _cmd_run(a: argparse.Namespace, argv: Sequence[str]) -> int:
     resolved = _resolve(a)
     cfg = _config(a, argv, resolved)
     plan = resolved.plan
-    print(f"rlk-repro: engine local, mode {cfg.mode}, plan {plan.as_dict()}, {a.rounds} rounds, model "
+    if _frameworks(a):
+        _needs(a)
+    print(f"rlk-repro: engine {a.engine}, mode {cfg.mode}, plan {plan.as_dict()}, {a.rounds} rounds, model "
           f"{a.checkpoint or a.model}, {cfg.device}/{cfg.dtype}", file=sys.stderr)
-    result = run_local(cfg, a.output)
+    if _frameworks(a):
+        from rlk_repro.engine.frameworks import run_frameworks
+
+        result = run_frameworks(cfg, a.output, a.run_name)
+        if int(os.environ.get("RANK", "0")) != 0:  # rank 0 reports; the others only exit with its verdict
+            return result.exit_code
+    else:
+        if a.run_name is not None:
+            raise RlkConfigError("--run-name is internal to `rlk-repro matrix --engine frameworks`")
+        result = run_local(cfg, a.output)
     from rlk_repro.runs import summary_table
 
     print(summary_table(result.rounds, result.bitwise))
@@ -235,6 +289,8 @@ def _cmd_matrix(a: argparse.Namespace, argv: Sequence[str]) -> int:
     from rlk_validate.validate import Options
 
     cells = _matrix_cells(a.cells)
+    if _frameworks(a):
+        _needs(a)
     envs.snapshot()  # a bad RL_KERNEL_* / RLK_* variable stops the matrix before any cell
     ignored = [v for v in routes.CASE_VARS.values() if os.environ.get(v, "") != ""]
     if ignored:
@@ -262,7 +318,8 @@ def _cmd_matrix(a: argparse.Namespace, argv: Sequence[str]) -> int:
             path.rename(kept)
             print(f"  {cell:16s} was interrupted; its files moved to {kept.name}", file=sys.stderr)
         try:
-            result = run_local(configs[cell], root, run_name=cell)
+            result = (_frameworks_cell(a, configs[cell], root, cell) if _frameworks(a)
+                      else run_local(configs[cell], root, run_name=cell))
         except Exception as exc:  # one cell failing does not lose the others; validation reports it
             failed.append(cell)
             print(f"  {cell:16s} FAILED to run: {type(exc).__name__}: {exc}", file=sys.stderr)
@@ -287,10 +344,44 @@ def _cmd_plan(a: argparse.Namespace, argv: Sequence[str]) -> int:
     cfg = _config(a, argv, resolved)
     plan = resolved.plan
     config = {k: v for k, v in asdict(cfg).items() if k not in ("plan", "command", "plan_sources")}
-    print(json.dumps({"engine": "local", "mode": cfg.mode, "plan": plan.as_dict(), "routes": resolved.as_dict(),
+    print(json.dumps({"engine": a.engine, "mode": cfg.mode, "plan": plan.as_dict(), "routes": resolved.as_dict(),
                       "readback_mode": {"mode": cfg.readback_mode, "source": cfg.readback_mode_source},
                       "env": plan.env(), "exact_required": cfg.exact_required, "config": config}, indent=2))
     return EXIT_OK
+
+
+_DEFAULTS = {"tp": 1, "gpu_memory_utilization": 0.3, "enforce_eager": False, "train_micro_tokens": 8192,
+             "vllm_max_num_seqs": 256, "vllm_max_num_batched_tokens": 8192}
+# run/matrix options a frameworks matrix cell passes on to its `rlk-repro run` process
+_CELL_OPTIONS = ("rounds", "seed", "device", "dtype", "model", "checkpoint", "prompts_per_round", "samples_per_prompt",
+                 "max_new_tokens", "temperature", "top_p", "top_k", "optimizer", "lr", "audit", *FRAMEWORKS_ONLY)
+
+
+def _cell_argv(a: argparse.Namespace, plan: dict[str, str], root, cell: str) -> list[str]:
+    out = ["run", "--engine", "frameworks", "--output", str(root), "--run-name", cell]
+    for module, case in plan.items():
+        out += [f"--{module}-case", case]
+    for k in _CELL_OPTIONS:
+        v = getattr(a, k, None)
+        if v is None or v is False:
+            continue
+        out += [f"--{k.replace('_', '-')}"] + ([] if v is True else [str(v)])
+    return out
+
+
+def _frameworks_cell(a: argparse.Namespace, cfg, root, cell: str):
+    """One frameworks matrix cell in its own process (each process holds one plan: vLLM's plugin and the
+    Megatron provider read the routes once), then its bitwise file read back."""
+    import json
+    import subprocess
+    from types import SimpleNamespace
+
+    argv = _cell_argv(a, cfg.plan.as_dict(), root, cell)
+    proc = subprocess.run([sys.executable, "-m", "rlk_repro", *argv], check=False)
+    path = root / cell / "bitwise-validation.json"
+    if proc.returncode not in (EXIT_OK, EXIT_MISMATCH) or not path.is_file():
+        raise RuntimeError(f"`rlk-repro {' '.join(argv)}` exited {proc.returncode}")
+    return SimpleNamespace(bitwise=json.loads(path.read_text(encoding="utf-8")))
 
 
 def _cmd_doctor(a: argparse.Namespace) -> int:

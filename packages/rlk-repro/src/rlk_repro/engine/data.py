@@ -55,3 +55,14 @@ def reward(response: list[int], answer: str) -> float:
     digits = sum(1 for i in response if 48 <= i <= 57) / len(response)
     printable = sum(1 for i in response if 32 <= i <= 126) / len(response)
     return (1.0 if answer in text else 0.0) + 0.5 * digits + 0.5 * printable
+
+
+def vocab_reward(response: list[int], answer: str, vocab_size: int) -> float:
+    """:func:`reward` plus ``0.5 * (fraction of response tokens with an id below vocab_size / 2)``: a term
+    that varies between samples of one group for any vocabulary (a random-weight model with a large
+    vocabulary almost never samples byte tokens, so :func:`reward` alone would be constant and every
+    advantage zero). Used by ``--engine frameworks``."""
+    if not response:
+        return 0.0
+    low = sum(1 for i in response if i < vocab_size // 2) / len(response)
+    return reward(response, answer) + 0.5 * low

@@ -1,0 +1,361 @@
+"""``--engine frameworks``: N rounds of real vLLM rollout -> real megatron-core recompute + GRPO step ->
+compare -> in-place weight update of the running vLLM.
+
+One GPU = one process: vLLM's engine core in-process with a bounded ``gpu_memory_utilization`` and
+Megatron beside it, on one default process group (NCCL) that both frameworks share. Tensor parallelism N:
+``torchrun --nproc-per-node N``, every rank holding ``LLM(tensor_parallel_size=N,
+distributed_executor_backend="external_launcher")`` and the Megatron model with the same TP. Rank 0 creates
+the run directory and writes the manifest, train-data, metrics and bitwise report (one data-parallel rank:
+the TP ranks hold the same log-probs); every process writes its two readbacks (``vllm-rollout-<pid>.json``
+from the plugin, ``megatron-train-<pid>.json`` from the provider). The artifacts are the local engine's, so
+``rlk-validate RUN --require-bitwise`` checks such a run unchanged.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata as md
+import importlib.util
+import logging
+import os
+import shutil
+import sys
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from rlk_core.errors import RlkConfigError
+from rlk_repro import runs
+from rlk_repro.engine.data import encode, load_prompts, prompts_sha256, vocab_reward
+from rlk_repro.engine.local import DTYPES, LocalRunConfig, LocalRunResult, load_model
+from rlk_repro.engine.trainer import Sample, group_advantages
+from rlk_validate import evidence
+
+log = logging.getLogger("rlk_repro")
+
+
+@dataclass
+class FrameworksRunConfig(LocalRunConfig):
+    tp: int = 1
+    gpu_memory_utilization: float = 0.3
+    enforce_eager: bool = False
+    train_micro_tokens: int = 8192
+    vllm_max_num_seqs: int = 256
+    vllm_max_num_batched_tokens: int = 8192
+
+    def validate(self) -> None:
+        super().validate()
+        if not 0 < self.gpu_memory_utilization < 1:
+            raise RlkConfigError(f"gpu-memory-utilization must be in (0, 1), got {self.gpu_memory_utilization}")
+        for name in ("tp", "train_micro_tokens", "vllm_max_num_seqs", "vllm_max_num_batched_tokens"):
+            if getattr(self, name) < 1:
+                raise RlkConfigError(f"{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if self.top_p != 1.0 or self.top_k != 0:
+            raise RlkConfigError(f"--engine frameworks samples the unfiltered distribution the trainer recomputes: "
+                                 f"--top-p 1 and --top-k 0 (got {self.top_p}, {self.top_k})")
+        if not self.device.startswith("cuda"):
+            raise RlkConfigError(f"--engine frameworks runs on cuda, not {self.device!r}")
+        if self.dtype != "bfloat16":
+            raise RlkConfigError(f"--engine frameworks runs bfloat16 (vLLM and Megatron), not {self.dtype}")
+
+
+def requirements(tp: int = 1) -> str | None:
+    """What this machine lacks for ``--engine frameworks``, as one sentence; ``None`` when nothing. Imports
+    neither vLLM nor megatron-core (``find_spec`` only), creates nothing."""
+    missing = []
+    if not torch.cuda.is_available():
+        missing.append(f"a CUDA GPU (torch {torch.__version__} sees none)")
+    elif torch.cuda.device_count() < 1:
+        missing.append("a visible CUDA device")
+    for mod, what in (("vllm", "vLLM 0.22+ (`import vllm`)"), ("megatron.core", "megatron-core 0.16+"),
+                      ("rlk_vllm_plugin", "rlk-vllm-plugin"), ("rlk_megatron_provider", "rlk-megatron-provider")):
+        try:
+            found = importlib.util.find_spec(mod) is not None
+        except (ImportError, ValueError):
+            found = False
+        if not found:
+            missing.append(what)
+    if not any(e.name == "rlk" and e.value.startswith("rlk_vllm_plugin")
+               for e in md.entry_points(group="vllm.general_plugins")):
+        missing.append("rlk-vllm-plugin's entry point (vllm.general_plugins: rlk = rlk_vllm_plugin:register; "
+                       "pip install it, or put its dist-info on PYTHONPATH)")
+    plugins = os.environ.get("VLLM_PLUGINS")
+    if plugins is not None and "rlk" not in plugins.split(","):
+        missing.append(f"VLLM_PLUGINS to include rlk (it is {plugins!r})")
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if tp > 1 and world != tp:
+        missing.append(f"a torchrun launch with one process per TP rank (--tp {tp}: "
+                       f"`torchrun --nproc-per-node {tp} -m rlk_repro run ...`; WORLD_SIZE is {world})")
+    if tp == 1 and world != 1:
+        missing.append(f"--tp {world} to match WORLD_SIZE={world} (data parallelism is not covered)")
+    if not missing:
+        return None
+    return "--engine frameworks needs " + "; ".join(missing)
+
+
+# -- process group and run directory ---------------------------------------------------------------------
+def _init_world(cfg: FrameworksRunConfig) -> tuple[int, int, torch.device]:
+    import torch.distributed as dist
+
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    device = torch.device("cuda", local_rank)
+    torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        if "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ:
+            dist.init_process_group("nccl", init_method="env://")
+        else:
+            import socket
+
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+            dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    return dist.get_rank(), dist.get_world_size(), device
+
+
+def _shared_run_dir(output, run_name: str | None, rank: int) -> tuple[str, Path]:
+    import torch.distributed as dist
+
+    box: list[Any] = [None, None]
+    if rank == 0:
+        run_id, path = runs.create_run_dir(output, run_name)
+        box = [run_id, str(path)]
+    if dist.get_world_size() > 1:
+        dist.broadcast_object_list(box, src=0)
+    return box[0], Path(box[1])
+
+
+def _set_env(cfg: FrameworksRunConfig, run_id: str, run_dir: Path) -> None:
+    """The routes and evidence settings both adapters read from the environment (before either starts)."""
+    from rlk_repro.engine.frameworks_vllm import VLLM_ENV
+
+    os.environ.update(cfg.plan.env())
+    os.environ["RL_KERNEL_MODE"] = cfg.readback_mode
+    os.environ["RL_KERNEL_READBACK_DIR"] = str(run_dir / evidence.READBACKS_DIR)
+    os.environ["RL_KERNEL_RUN_ID"] = run_id
+    for k, v in VLLM_ENV.items():
+        os.environ.setdefault(k, v)
+
+
+# -- the run ---------------------------------------------------------------------------------------------
+def run_frameworks(cfg: FrameworksRunConfig, output: str | os.PathLike[str],
+                   run_name: str | None = None) -> LocalRunResult:
+    cfg.validate()
+    problem = requirements(cfg.tp)
+    if problem:
+        raise RlkConfigError(problem)
+    rank, world, device = _init_world(cfg)
+    run_id, run_dir = _shared_run_dir(output, run_name, rank)
+    handler = runs.open_run_log(run_dir) if rank == 0 else None
+    code = runs.EXIT_FAILED
+    scratch = Path(tempfile.mkdtemp(prefix="rlk-frameworks-"))
+    try:
+        _set_env(cfg, run_id, run_dir)
+        result = _Run(cfg, run_id, run_dir, rank, world, device, scratch).go()
+        code = result.exit_code
+        return result
+    except BaseException as exc:
+        code = runs.exit_code_for(exc)
+        log.error("run %s: %s: %s", "interrupted" if code == runs.EXIT_INTERRUPTED else "failed",
+                  type(exc).__name__, exc)
+        raise
+    finally:
+        _flush_readbacks()
+        if rank == 0:
+            runs.write_exit_code(run_dir, code)
+        if handler is not None:
+            runs.close_run_log(handler)
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _flush_readbacks() -> None:
+    try:
+        from rlk_vllm_plugin import _runtime
+
+        rt = _runtime.current()
+        if rt is not None:
+            rt.flush()
+    except Exception as exc:
+        log.error("vLLM readback flush failed: %s: %s", type(exc).__name__, exc)
+    try:
+        from rlk_megatron_provider import _state
+
+        if _state.current() is not None:
+            _state.get().recorder.flush()
+    except Exception as exc:
+        log.error("Megatron readback flush failed: %s: %s", type(exc).__name__, exc)
+
+
+def _progress(msg: str) -> None:
+    print(f"rlk-repro: {msg}", file=sys.stderr, flush=True)
+
+
+class _Run:
+    def __init__(self, cfg: FrameworksRunConfig, run_id: str, run_dir: Path, rank: int, world: int,
+                 device: torch.device, scratch: Path) -> None:
+        self.cfg, self.run_id, self.run_dir, self.rank, self.world = cfg, run_id, run_dir, rank, world
+        self.device, self.scratch = device, scratch
+        self.lead = rank == 0
+
+    def go(self) -> LocalRunResult:
+        from rlk_repro.engine.frameworks_megatron import MegatronTrainer, init_model_parallel
+        from rlk_repro.engine.frameworks_vllm import VllmRollout, write_model_dir
+
+        cfg = self.cfg
+        log.info("run %s: engine frameworks, mode %s, plan %s, TP %d, device %s", self.run_id, cfg.mode,
+                 cfg.plan.as_dict(), cfg.tp, self.device)
+        torch.manual_seed(cfg.seed)
+        self.model_cfg, weights, self.ckpt_hash = load_model(cfg)
+        self.prompts = load_prompts()
+        self.encoded = [encode(p.text, self.model_cfg.bos_token_id) for p in self.prompts]
+        self.max_len = max(len(e) for e in self.encoded) + cfg.max_new_tokens
+        _progress(f"starting vLLM (TP {cfg.tp}, gpu_memory_utilization {cfg.gpu_memory_utilization}, "
+                  f"{'eager' if cfg.enforce_eager else 'CUDA graphs'})")
+        self.vllm = VllmRollout(write_model_dir(self.scratch / "model", self.model_cfg), dtype=cfg.dtype,
+                                seed=cfg.seed, tp=cfg.tp, max_model_len=self.max_len + 16,
+                                gpu_memory_utilization=cfg.gpu_memory_utilization, enforce_eager=cfg.enforce_eager,
+                                attention_r=cfg.plan.uses_rlk("attention", "rollout"),
+                                max_num_seqs=cfg.vllm_max_num_seqs,
+                                max_num_batched_tokens=cfg.vllm_max_num_batched_tokens)
+        _progress(f"vLLM ready in {self.vllm.start_seconds:.0f} s; building Megatron")
+        init_model_parallel(cfg.tp, cfg.seed)
+        self.trainer = MegatronTrainer(self.model_cfg, weights, tp=cfg.tp, rank=self.rank, device=self.device,
+                                       dtype=DTYPES[cfg.dtype], temperature=cfg.temperature,
+                                       optimizer=cfg.optimizer, lr=cfg.lr, micro_tokens=cfg.train_micro_tokens)
+        del weights
+        self.initial_sync = self.vllm.load_weights(self.trainer.hf_weights())
+        _progress(f"Megatron ready (rlk layers {self.trainer.layer_counts}); initial weights loaded into vLLM "
+                  f"({self.initial_sync['loaded']} of {self.initial_sync['parameters']} parameters)")
+        if self.lead:
+            runs.write_json_atomic(self.run_dir / "manifest.json", self._manifest())
+        rounds: list[dict[str, Any]] = []
+        for rnd in range(cfg.rounds):
+            rounds.append(self._round(rnd))
+        return self._finish(rounds)
+
+    def _manifest(self) -> dict[str, Any]:
+        cfg, plan = self.cfg, self.cfg.plan
+        packages = runs.package_versions()
+        for name in ("vllm", "megatron-core", "rlk-vllm-plugin", "rlk-megatron-provider", "rlk-collectives"):
+            try:
+                packages[name] = md.version(name)
+            except md.PackageNotFoundError:
+                packages[name] = "not installed"
+        try:
+            import vllm
+
+            packages["vllm"] = vllm.__version__
+        except Exception:
+            pass
+        try:
+            from rlk_megatron_provider import _compat
+
+            packages["megatron-core"] = _compat.version()
+        except Exception:
+            pass
+        return {
+            "schema": evidence.MANIFEST_SCHEMA, "run_id": self.run_id, "created_at": runs.utc_now(),
+            "engine": "frameworks", "mode": cfg.mode, "command": [str(c) for c in cfg.command],
+            "plan": plan.as_dict(), "plan_sources": {m: cfg.plan_sources.get(m, "config") for m in plan.as_dict()},
+            "readback_mode": {"mode": cfg.readback_mode, "source": cfg.readback_mode_source},
+            "rounds": cfg.rounds, "ranks": 1, "repos": [runs.repo_state(Path(__file__).resolve().parent)],
+            "packages": packages, "hardware": runs.hardware(self.device),
+            "inputs": {"prompts": prompts_sha256(), "checkpoint": self.ckpt_hash},
+            "seeds": {"train": cfg.seed, "rollout": cfg.seed},
+            "config": {**{k: v for k, v in asdict(cfg).items() if k not in ("plan", "command", "plan_sources")},
+                       "env": plan.env(), "model_config": self.model_cfg.as_dict(),
+                       "require_exact": cfg.exact_required, "max_model_len": self.max_len + 16,
+                       "world_size": self.world, "tensor_parallel": cfg.tp, "vllm": self.vllm.info(),
+                       "megatron_rlk_layers": self.trainer.layer_counts,
+                       "train_layout": "thd" if self.trainer.r_attention else "sbhd (padded; P attention)",
+                       "initial_weight_sync": self.initial_sync, "reward": "vocab_reward"},
+        }
+
+    def _requests(self, rnd: int) -> tuple[list[int], list[int], list[int]]:
+        """The round's prompt indices, one seed per prompt (vLLM gives sample ``i`` seed + i) and per-prompt
+        token limits in [max/2, max], so responses differ in length."""
+        cfg = self.cfg
+        chosen = [(rnd * cfg.prompts_per_round + j) % len(self.prompts) for j in range(cfg.prompts_per_round)]
+        seeds = [cfg.seed * 7919 + rnd * 1_000_003 + j * 1009 for j in range(len(chosen))]
+        limits = [max(1, cfg.max_new_tokens - (j * 7 + rnd) % (cfg.max_new_tokens // 2 + 1))
+                  for j in range(len(chosen))]
+        return chosen, seeds, limits
+
+    def _round(self, rnd: int) -> dict[str, Any]:
+        cfg, n = self.cfg, self.cfg.samples_per_prompt
+        chosen, seeds, limits = self._requests(rnd)
+        roll = self.vllm.generate([self.encoded[i] for i in chosen], seeds, limits, n, cfg.temperature)
+        comps = roll.completions
+        vocab = self.model_cfg.vocab_size
+        rewards = [vocab_reward(c.tokens, self.prompts[chosen[c.prompt_index]].answer, vocab) for c in comps]
+        adv = group_advantages(rewards, n)
+        samples = [Sample(list(self.encoded[chosen[c.prompt_index]]), c.tokens, c.logprobs, a)
+                   for c, a in zip(comps, adv, strict=True)]
+        res = self.trainer.step(samples)
+        roll_lp = [torch.tensor(c.logprobs, dtype=torch.float32) for c in comps]
+        cmp = runs.compare(torch.cat(roll_lp), torch.cat(res.train_logprobs))
+        if self.lead:
+            runs.write_train_data(self.run_dir, rnd, 0, [s.prompt for s in samples], [c.tokens for c in comps],
+                                  roll_lp, res.train_logprobs, rewards, adv)
+        sync = self.vllm.load_weights(self.trainer.hf_weights())
+        changed = sync["changed"] > 0
+        row = {
+            "schema": evidence.METRICS_SCHEMA, "round": rnd, "compared_tokens": cmp["element_count"],
+            "mismatch_count": cmp["mismatch_count"], "max_abs_diff": cmp["max_abs_diff"],
+            "mean_abs_diff": cmp["mean_abs_diff"], "reward_mean": sum(rewards) / len(rewards),
+            "reward_std": float(torch.tensor(rewards, dtype=torch.float64).std(unbiased=False)),
+            "loss": res.loss, "grad_norm": res.grad_norm,
+            "rollout_tokens_per_s": (roll.prompt_tokens + roll.generated) / max(roll.seconds, 1e-9),
+            "rollout_generated_tokens_per_s": roll.generated / max(roll.seconds, 1e-9),
+            "train_tokens_per_s": res.tokens / max(res.seconds, 1e-9),
+            "rollout_seconds": roll.seconds, "train_seconds": res.seconds, "weight_sync_seconds": sync["seconds"],
+            "rollout_tokens": roll.prompt_tokens + roll.generated, "train_tokens": res.tokens,
+            "peak_memory_bytes": runs.peak_memory_bytes(self.device), "weights_changed": changed,
+            "vllm_parameters_changed": sync["changed"], "samples": len(comps), "response_tokens": roll.generated,
+            "eos_finished": sum(c.finish_reason == "stop" for c in comps),
+        }
+        if self.lead:
+            runs.append_jsonl(self.run_dir / "metrics.jsonl", row)
+        log.info("round %d: %d tokens compared, %d mismatches (max |diff| %.3g), reward %.3f, loss %.4g, "
+                 "vLLM parameters changed: %d", rnd, cmp["element_count"], cmp["mismatch_count"],
+                 cmp["max_abs_diff"], row["reward_mean"], res.loss, sync["changed"])
+        if self.lead:
+            _progress(f"round {rnd}: {cmp['element_count']} tokens compared, {cmp['mismatch_count']} differ; "
+                      f"rollout {row['rollout_tokens_per_s']:.0f} tok/s ({roll.seconds:.1f} s), train "
+                      f"{row['train_tokens_per_s']:.0f} tok/s ({res.seconds:.1f} s), weight sync "
+                      f"{sync['seconds']:.1f} s, vLLM parameters changed {sync['changed']}")
+        return {"round": rnd, **cmp, **{k: row[k] for k in row if k not in cmp and k != "schema"}}
+
+    def _fallbacks(self) -> int:
+        from rlk_megatron_provider import _state
+        from rlk_vllm_plugin import _runtime
+
+        docs = [_state.get().recorder.to_dict()]
+        rt = _runtime.current()
+        if rt is not None:
+            docs.append(rt.recorder.to_dict())
+        return sum(1 for d in docs for m in d["modules"].values() if m.get("fallback"))
+
+    def _finish(self, rounds: list[dict[str, Any]]) -> LocalRunResult:
+        cfg, plan = self.cfg, self.cfg.plan
+        fallbacks = self._fallbacks()
+        bitwise = runs.bitwise_document(rounds, cfg.exact_required, fallbacks)
+        if self.lead:
+            runs.write_json_atomic(self.run_dir / "bitwise-validation.json", bitwise)
+            (self.run_dir / "report" / "summary.md").write_text(
+                f"# {self.run_id}: engine frameworks, mode {cfg.mode}, plan {plan.as_dict()}, TP {cfg.tp}\n\n```\n"
+                + runs.summary_table(rounds, bitwise) + "\n```\n", encoding="utf-8")
+        failed = cfg.exact_required and cfg.readback_mode == "strict" and (
+            bitwise["mismatch_count"] > 0 or fallbacks > 0)
+        if failed:
+            log.error("bitwise check FAILED: %d of %d compared tokens differ (plan %s requires exact equality)",
+                      bitwise["mismatch_count"], bitwise["element_count"], plan.as_dict())
+        else:
+            log.info("bitwise: %d of %d compared tokens differ (exact equality %s)", bitwise["mismatch_count"],
+                     bitwise["element_count"], "required" if cfg.exact_required else "not required")
+        self.vllm.shutdown()
+        return LocalRunResult(self.run_id, self.run_dir, rounds, bitwise,
+                              runs.EXIT_MISMATCH if failed else runs.EXIT_OK,
+                              all(r["weights_changed"] for r in rounds))

@@ -1,0 +1,231 @@
+"""The train side of ``--engine frameworks``: real megatron-core with rlk-megatron-provider.
+
+A ``GPTModel`` is built from the provider's block spec (rlk classes in the slots of the plan's train-side R
+modules, Megatron's stock local spec everywhere else; all P = the stock local spec) and finished with
+``prepare_model`` (the rlk LM head, production recording for P modules, verification). Sequences are
+packed THD (``PackedSeqParams``, global ``cu_seqlens``) when the train-side attention is R; Megatron's
+local ``DotProductAttention`` refuses THD, so a P attention runs right-padded sbhd batches with a causal
+mask (a real token never attends to padding). The per-token log-probs of the response tokens come from
+the forward before the update: rlk's ``vocab_parallel_logprobs`` from the final hidden states and the LM
+head for an R ``logp``; Megatron's logits + fp32 ``log_softmax`` for a P one. The loss is the local
+trainer's GRPO (PPO-clip, token mean), accumulated over micro-batches; the update is AdamW on fp32 master
+weights whose cast is what the model (and vLLM) then holds.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from rlk_core.errors import RlkConfigError
+from rlk_repro.engine.trainer import Sample
+
+
+@dataclass
+class MegatronStep:
+    train_logprobs: list[torch.Tensor]  # per sample, fp32 on CPU
+    loss: float
+    grad_norm: float
+    tokens: int
+    seconds: float
+
+
+def init_model_parallel(tp: int, seed: int) -> None:
+    """Megatron's parallel state on the already-initialised default process group (shared with vLLM)."""
+    from megatron.core import parallel_state, tensor_parallel
+
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=1)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
+def transformer_config(cfg, tp: int, device: torch.device, dtype: torch.dtype):
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    return TransformerConfig(
+        num_layers=cfg.num_hidden_layers, hidden_size=cfg.hidden_size, num_attention_heads=cfg.num_attention_heads,
+        num_query_groups=cfg.num_key_value_heads, kv_channels=cfg.head_dim, ffn_hidden_size=cfg.intermediate_size,
+        normalization="RMSNorm", layernorm_epsilon=cfg.rms_norm_eps, gated_linear_unit=True, activation_func=F.silu,
+        add_bias_linear=False, qk_layernorm=True, hidden_dropout=0.0, attention_dropout=0.0,
+        tensor_model_parallel_size=tp, context_parallel_size=1, params_dtype=dtype, bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16, use_cpu_initialization=device.type == "cpu", perform_initialization=False,
+        bias_activation_fusion=False, bias_dropout_fusion=False, apply_rope_fusion=False, masked_softmax_fusion=False,
+        gradient_accumulation_fusion=False, persist_layer_norm=False)
+
+
+class MegatronTrainer:
+    """One TP rank of the Megatron model, its fp32 masters and optimizer."""
+
+    def __init__(self, cfg, weights: dict[str, torch.Tensor], *, tp: int, rank: int, device: torch.device,
+                 dtype: torch.dtype, temperature: float, optimizer: str, lr: float, micro_tokens: int,
+                 clip_eps: float = 0.2) -> None:
+        from megatron.core import parallel_state
+        from megatron.core.models.gpt import GPTModel
+
+        import rlk_megatron_provider as prov
+        from rlk_megatron_provider.weights import to_megatron
+
+        self.cfg, self.tp, self.device, self.dtype = cfg, tp, device, dtype
+        self.temperature, self.clip_eps, self.micro_tokens = temperature, clip_eps, micro_tokens
+        self.state = prov.initialize_from_environment()
+        self.r_attention = self.state.rlk("attention")
+        self.r_logp = self.state.rlk("logp")
+        self.group = parallel_state.get_tensor_model_parallel_group() if tp > 1 else None
+        tc = transformer_config(cfg, tp, device, dtype)
+        spec = prov.block_spec(tc, rope_theta=cfg.rope_theta)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model = GPTModel(tc, transformer_layer_spec=spec, vocab_size=cfg.vocab_size,
+                             max_sequence_length=cfg.max_position_embeddings, position_embedding_type="rope",
+                             rotary_base=int(cfg.rope_theta),
+                             share_embeddings_and_output_weights=cfg.tie_word_embeddings,
+                             pre_process=True, post_process=True, parallel_output=True)
+        self.layer_counts = prov.prepare_model(model)
+        self.model = model.to(device=device, dtype=dtype)  # what Float16Module does
+        sd = to_megatron(cfg, weights, tp, rank)
+        missing, unexpected = self.model.load_state_dict(sd, strict=False)
+        missing = [k for k in missing if not k.endswith("_extra_state")]
+        if missing or unexpected:
+            raise RlkConfigError(f"Megatron state dict mismatch: missing {missing[:6]}, unexpected {unexpected[:6]}")
+        self.params = dict(self.model.named_parameters())
+        self.master = {n: torch.nn.Parameter(sd[n].to(device=device, dtype=torch.float32).clone()) for n in self.params}
+        del sd
+        ordered = [self.master[n] for n in sorted(self.master)]
+        if optimizer == "adamw":
+            self.opt: torch.optim.Optimizer = torch.optim.AdamW(ordered, lr=lr, weight_decay=0.0, foreach=False)
+        elif optimizer == "sgd":
+            self.opt = torch.optim.SGD(ordered, lr=lr, foreach=False)
+        else:
+            raise RlkConfigError(f"optimizer {optimizer!r} is not one of adamw, sgd")
+        self.box: dict = {}
+        if self.r_logp:
+            self._hidden_head()
+
+    def _hidden_head(self) -> None:
+        """``output_layer`` returns its input (the final-normed hidden states) and keeps the LM-head weight:
+        the rlk logp module then runs from hidden states, never from ``[T, V]`` logits."""
+        layer, box = self.model.output_layer, self.box
+
+        def forward(input_, weight=None, runtime_gather_output=None):
+            box["hidden"], box["weight"] = input_, (layer.weight if weight is None else weight)
+            return input_, None
+
+        layer.forward = forward
+
+    # -- batches -----------------------------------------------------------------------------------
+    def micro_batches(self, samples: list[Sample]) -> list[list[int]]:
+        """Consecutive sample indices whose (padded, for sbhd) token count stays within ``micro_tokens``."""
+        out: list[list[int]] = []
+        cur: list[int] = []
+        longest = 0
+        for i, s in enumerate(samples):
+            n = len(s.prompt) + len(s.response) - 1
+            size = (max(longest, n) * (len(cur) + 1)) if not self.r_attention else (
+                sum(len(samples[j].prompt) + len(samples[j].response) - 1 for j in cur) + n)
+            if cur and size > self.micro_tokens:
+                out.append(cur)
+                cur, longest = [], 0
+            cur.append(i)
+            longest = max(longest, n)
+        if cur:
+            out.append(cur)
+        return out
+
+    def _logprobs(self, samples: list[Sample]) -> torch.Tensor:
+        """fp32 log-probs of every response token of ``samples`` (one forward, in sample order)."""
+        dev = self.device
+        seqs = [s.prompt + s.response for s in samples]
+        lens = [len(q) - 1 for q in seqs]
+        if self.r_attention:
+            from megatron.core.packed_seq_params import PackedSeqParams
+
+            ids = torch.tensor([t for q in seqs for t in q[:-1]], device=dev)[None]
+            pos = torch.cat([torch.arange(n, device=dev) for n in lens])[None]
+            cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=dev)
+            psp = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=max(lens),
+                                  max_seqlen_kv=max(lens))
+            starts = cu[:-1].tolist()
+            out = self.model(ids, pos, None, packed_seq_params=psp)
+        else:
+            s_max = max(lens)
+            ids = torch.zeros((len(seqs), s_max), dtype=torch.long, device=dev)
+            for i, q in enumerate(seqs):
+                ids[i, : lens[i]] = torch.tensor(q[:-1], device=dev)
+            pos = torch.arange(s_max, device=dev)[None].expand(len(seqs), s_max)
+            mask = torch.triu(torch.ones(s_max, s_max, dtype=torch.bool, device=dev), diagonal=1)[None, None]
+            starts = [i * s_max for i in range(len(seqs))]
+            out = self.model(ids, pos, mask.expand(len(seqs), 1, s_max, s_max))
+        rows = torch.cat([torch.arange(st + len(s.prompt) - 1, st + len(s.prompt) - 1 + len(s.response), device=dev)
+                          for st, s in zip(starts, samples, strict=True)])
+        target = torch.tensor([t for s in samples for t in s.response], device=dev)
+        if self.r_logp:
+            from rlk_megatron_provider import logp
+
+            h = self.box["hidden"]  # [s, b, H] (THD: [T, 1, H])
+            h = h.transpose(0, 1).reshape(-1, h.shape[-1])
+            return logp.vocab_parallel_logprobs(h[rows], self.box["weight"], target, self.temperature, self.group)
+        logits = out.reshape(-1, out.shape[-1])[rows]  # GPTModel returns [b, s, V/tp]
+        if self.tp > 1:
+            from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+            logits = gather_from_tensor_model_parallel_region(logits)
+        return torch.log_softmax(logits.float() / self.temperature, dim=-1).gather(-1, target[:, None])[:, 0]
+
+    # -- the step ----------------------------------------------------------------------------------
+    def step(self, samples: list[Sample]) -> MegatronStep:
+        """Recompute the log-probs (the compared numbers), then one GRPO update over all samples."""
+        t0 = time.perf_counter()
+        total = sum(len(s.response) for s in samples)
+        for p in self.params.values():
+            p.grad = None
+        per_sample: list[torch.Tensor] = []
+        loss_sum = 0.0
+        for idx in self.micro_batches(samples):
+            mb = [samples[i] for i in idx]
+            lp = self._logprobs(mb)
+            adv = torch.tensor([s.advantage for s in mb for _ in s.response], device=self.device,
+                               dtype=torch.float32)
+            ratio = torch.exp(lp - lp.detach())
+            surrogate = torch.minimum(ratio * adv, ratio.clamp(1 - self.clip_eps, 1 + self.clip_eps) * adv)
+            loss = -surrogate.sum() / total
+            loss.backward()
+            loss_sum += float(loss.detach())
+            per_sample += list(lp.detach().float().cpu().split([len(s.response) for s in mb]))
+        grads = [p.grad for p in self.params.values() if p.grad is not None]
+        grad_norm = float(torch.sqrt(sum((g.double() ** 2).sum() for g in grads))) if grads else 0.0
+        for n, p in self.params.items():
+            self.master[n].grad = None if p.grad is None else p.grad.float()
+        self.opt.step()
+        with torch.no_grad():
+            for n, p in self.params.items():
+                p.copy_(self.master[n])
+                p.grad = None
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        tokens = sum(len(s.prompt) + len(s.response) - 1 for s in samples)
+        return MegatronStep(per_sample, loss_sum, grad_norm, tokens, time.perf_counter() - t0)
+
+    def state_shards(self) -> list[dict[str, torch.Tensor]]:
+        """This model's parameters from every TP rank (all-gathered), in rank order."""
+        local = {n: p.detach() for n, p in self.params.items()}
+        if self.tp == 1:
+            return [local]
+        import torch.distributed as dist
+
+        shards: list[dict[str, torch.Tensor]] = [{} for _ in range(self.tp)]
+        for n, t in local.items():
+            parts = [torch.empty_like(t) for _ in range(self.tp)]
+            dist.all_gather(parts, t.contiguous(), group=self.group)
+            for r in range(self.tp):
+                shards[r][n] = parts[r]
+        return shards
+
+    def hf_weights(self):
+        """The current weights as ``(Hugging Face name, full tensor)`` pairs (what vLLM loads)."""
+        from rlk_megatron_provider.weights import hf_from_megatron
+
+        return hf_from_megatron(self.cfg, self.state_shards())

@@ -1,0 +1,128 @@
+"""The rollout side of ``--engine frameworks``: a real ``vllm.LLM`` with rlk-vllm-plugin.
+
+The plugin is loaded by vLLM itself (its ``vllm.general_plugins`` entry point) and reads the plan from the
+``RL_KERNEL_*`` variables the run sets before the engine starts. The engine core runs in this process
+(``VLLM_ENABLE_V1_MULTIPROCESSING=0``): the uni-process executor on one GPU, ``external_launcher`` under
+torchrun for tensor parallelism (every rank holds one engine; same prompts and seeds, so every rank samples
+the same tokens). The model starts from dummy weights and receives the trainer's before the first round
+(:mod:`rlk_vllm_plugin.weight_sync`), exactly as after every update. Sampling: ``n`` samples per prompt,
+``logprobs=0`` (the sampled token's log-prob), temperature as configured, top-p 1, top-k off, min-p 0 (the
+unfiltered distribution the trainer recomputes), one seed per prompt.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+# set before vLLM is imported or an engine starts (a variable already set by the user is kept)
+VLLM_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_USE_FLASHINFER_SAMPLER": "0", "VLLM_USE_DEEP_GEMM": "0",
+            "VLLM_NO_USAGE_STATS": "1", "HF_HUB_OFFLINE": "1", "VLLM_DISABLE_COMPILE_CACHE": "1",
+            "TOKENIZERS_PARALLELISM": "false"}
+
+
+@dataclass
+class Completion:
+    prompt_index: int
+    tokens: list[int]
+    logprobs: list[float]
+    finish_reason: str | None
+
+
+@dataclass
+class RolloutResult:
+    completions: list[Completion]  # prompt-major: all samples of prompt 0, then prompt 1, ...
+    seconds: float
+    prompt_tokens: int
+    generated: int
+
+
+def write_model_dir(path: Path, cfg) -> Path:
+    """``config.json`` only: vLLM builds the model from it with dummy weights (the trainer's follow)."""
+    path.mkdir(parents=True, exist_ok=True)
+    conf = cfg.to_hf()
+    conf["torch_dtype"] = "bfloat16"
+    (path / "config.json").write_text(json.dumps(conf, indent=2), encoding="utf-8")
+    return path
+
+
+class VllmRollout:
+    def __init__(self, model_dir: Path, *, dtype: str, seed: int, tp: int, max_model_len: int,
+                 gpu_memory_utilization: float, enforce_eager: bool, attention_r: bool, max_num_seqs: int,
+                 max_num_batched_tokens: int) -> None:
+        for k, v in VLLM_ENV.items():
+            os.environ.setdefault(k, v)
+        if os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] != "0":
+            raise RuntimeError("--engine frameworks needs vLLM's engine core in this process "
+                               "(VLLM_ENABLE_V1_MULTIPROCESSING=0): the weight update passes tensors by reference")
+        from vllm import LLM
+
+        kw: dict[str, Any] = dict(model=str(model_dir), dtype=dtype, skip_tokenizer_init=True, seed=seed,
+                                  load_format="dummy", max_model_len=max_model_len, enforce_eager=enforce_eager,
+                                  gpu_memory_utilization=gpu_memory_utilization, enable_chunked_prefill=True,
+                                  max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                                  tensor_parallel_size=tp, disable_log_stats=True)
+        if tp > 1:
+            kw["distributed_executor_backend"] = "external_launcher"
+            # vLLM 0.22's fused all-reduce + RMSNorm pass bypasses the plugin's all-reduce and norm
+            kw["compilation_config"] = {"pass_config": {"fuse_allreduce_rms": False}}
+        if attention_r:
+            kw["attention_backend"] = "CUSTOM"
+        self.kwargs = {k: v for k, v in kw.items() if k != "model"}
+        t0 = time.perf_counter()
+        self.llm = LLM(**kw)
+        self.start_seconds = time.perf_counter() - t0
+
+    def generate(self, prompts: list[list[int]], seeds: list[int], limits: list[int], n: int,
+                 temperature: float) -> RolloutResult:
+        from vllm import SamplingParams
+
+        sps = [SamplingParams(n=n, temperature=temperature, top_p=1.0, top_k=0, min_p=0.0, logprobs=0,
+                              max_tokens=lim, seed=seed, detokenize=False)
+               for seed, lim in zip(seeds, limits, strict=True)]
+        t0 = time.perf_counter()
+        outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], sps, use_tqdm=False)
+        seconds = time.perf_counter() - t0
+        comps = []
+        for i, out in enumerate(outs):
+            for c in sorted(out.outputs, key=lambda c: c.index):
+                toks = list(c.token_ids)
+                if c.logprobs is None or len(c.logprobs) != len(toks):
+                    raise RuntimeError(f"vLLM returned no log-prob for some sampled tokens of prompt {i}")
+                lps = [float(lp[t].logprob) for lp, t in zip(c.logprobs, toks, strict=True)]
+                comps.append(Completion(i, toks, lps, c.finish_reason))
+        gen = sum(len(c.tokens) for c in comps)
+        return RolloutResult(comps, seconds, sum(len(p) for p in prompts) * n, gen)
+
+    def load_weights(self, weights) -> dict[str, Any]:
+        from rlk_vllm_plugin.weight_sync import load_weights
+
+        t0 = time.perf_counter()
+        out = load_weights(self.llm, weights)
+        out["seconds"] = time.perf_counter() - t0
+        return out
+
+    def info(self) -> dict[str, Any]:
+        import vllm
+
+        out: dict[str, Any] = {"vllm": vllm.__version__, "engine_kwargs": self.kwargs,
+                               "engine_start_s": round(self.start_seconds, 1)}
+        try:
+            cfg = self.llm.llm_engine.vllm_config
+            out["attention_backend_config"] = str(cfg.attention_config.backend)
+            cc = cfg.compilation_config
+            out["compilation"] = {"mode": str(cc.mode), "cudagraph_mode": str(cc.cudagraph_mode)}
+            out["enable_prefix_caching"] = bool(cfg.cache_config.enable_prefix_caching)
+        except Exception as exc:  # informational only
+            out["config_error"] = f"{type(exc).__name__}: {exc}"
+        return out
+
+    def shutdown(self) -> None:
+        try:
+            self.llm.llm_engine.engine_core.shutdown()
+        except Exception:
+            pass
