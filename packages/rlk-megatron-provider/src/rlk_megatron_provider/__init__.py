@@ -14,7 +14,9 @@ all idempotent:
 - :func:`linear_logp` — VIME's ``--linear-logp-provider`` callable;
 - :func:`slime_spec` — slime's ``--spec rlk_megatron_provider slime_spec`` (a model provider built on the
   layer spec) and :func:`record_logprobs` — ``--custom-tis-function-path``, the per-rank train/rollout
-  log-prob records (see :mod:`rlk_megatron_provider.slime_hooks`).
+  log-prob records (see :mod:`rlk_megatron_provider.slime_hooks`);
+- :func:`invalidate_weight_caches` — after writing parameters through ``param.data`` outside an optimizer
+  step (optimizer steps invalidate the caches themselves).
 
 Strict mode (``RL_KERNEL_MODE=strict``): an R module that cannot be installed raises
 :class:`~rlk_core.errors.RlkPolicyError` naming the module and the reason; audit mode records the
@@ -135,3 +137,12 @@ def flush_readback(directory=None):
     from rlk_megatron_provider import _state
 
     return _state.get().recorder.flush(directory)
+
+
+def invalidate_weight_caches() -> None:
+    """Mark the provider's cached weight-derived operands stale (the ``[q; k; v]`` copy of each QKV weight);
+    see :func:`rlk_megatron_provider.layers.invalidate_weight_caches`. Optimizer steps do this themselves;
+    call it after writing parameters through ``param.data`` without an optimizer step."""
+    from rlk_megatron_provider import layers
+
+    layers.invalidate_weight_caches()

@@ -15,6 +15,8 @@ at each token's absolute position and then runs ``attention_varlen``. Layouts:
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 import rlk_collectives
@@ -78,7 +80,6 @@ class RlkCoreAttention(_compat.MegatronModule):
         self.head_dim = config.kv_channels
         self.scale = float(softmax_scale) if softmax_scale is not None else self.head_dim ** -0.5
         self.apply_rope = True
-        self._layouts: dict[tuple, rlk_collectives.ZigzagLayout] = {}
         problems = config_problems(config)
         if attention_type != "self":
             problems.append(f"attention_type={attention_type!r} (rlk covers causal self-attention)")
@@ -107,44 +108,80 @@ class RlkCoreAttention(_compat.MegatronModule):
             if cp > 1:
                 _unsupported("context parallelism needs packed THD batches")
             sq, b, hq, d = query.shape
-            _check_causal_mask(attention_mask, sq)
             q, k, v = (x.transpose(0, 1).reshape(b * sq, x.shape[2], d) for x in (query, key, value))
             cu = list(range(0, b * sq + 1, sq)) if sq else [0] * (b + 1)
+            with routes.scope("attention"):
+                batch = _batch_index(("sbhd", tuple(cu)), (attention_mask,),
+                                     lambda: _check_causal_mask(attention_mask, sq) or cu, cp, cp_group, q.device)
         else:
             if packed_seq_params.qkv_format != "thd":
                 _unsupported(f"packed qkv_format={packed_seq_params.qkv_format!r}")
-            cu = [int(c) for c in packed_seq_params.cu_seqlens_q.tolist()]
-            _check_packed(packed_seq_params, cu)
+            tensors = tuple(getattr(packed_seq_params, n, None) for n in _CU_FIELDS)
+            with routes.scope("attention"):
+                batch = _batch_index(("thd",), tensors, lambda: _packed_cu(packed_seq_params), cp, cp_group,
+                                     query.device)
             q, k, v = query, key, value
         with routes.scope("attention"):
-            if cp > 1:
-                layout = self._layout(cu, cp, q.device)
-                pos = layout.q_positions(cp_group.rank())
-                cu_q = torch.tensor(layout.local_cu_seqlens, dtype=torch.int32, device=q.device)
-            else:
-                pos = _positions(cu, q.device)
-                cu_q = torch.tensor(cu, dtype=torch.int32, device=q.device)
             if self.apply_rope:
-                q = routes.call("attention", "rope", q, pos, self.rope_theta)
-                k = routes.call("attention", "rope", k, pos, self.rope_theta)
+                q = routes.call("attention", "rope", q, batch.pos, self.rope_theta)
+                k = routes.call("attention", "rope", k, batch.pos, self.rope_theta)
             if cp > 1:
-                k, v = rlk_collectives.cp_all_gather_kv(k, v, layout, cp_group)
-                cu_k = torch.tensor(cu, dtype=torch.int32, device=q.device)
-                o = routes.call("attention", "attention_varlen", q, k, v, cu_q, cu_k, self.scale, causal=True,
-                                q_positions=pos)
+                k, v = rlk_collectives.cp_all_gather_kv(k, v, batch.layout, cp_group)
+                o = routes.call("attention", "attention_varlen", q, k, v, batch.cu_q, batch.cu_k, self.scale,
+                                causal=True, q_positions=batch.pos)
             else:
-                o = routes.call("attention", "attention_varlen", q, k, v, cu_q, cu_q, self.scale, causal=True)
+                o = routes.call("attention", "attention_varlen", q, k, v, batch.cu_q, batch.cu_q, self.scale,
+                                causal=True)
         if packed_seq_params is None:
             return o.reshape(b, sq, -1).transpose(0, 1)
         return o.reshape(o.shape[0], -1)
 
-    def _layout(self, cu: list[int], cp: int, device) -> rlk_collectives.ZigzagLayout:
-        key = (tuple(cu), cp, str(device))
-        layout = self._layouts.get(key)
-        if layout is None:
-            self._layouts.clear()  # one batch at a time: keep the newest only
-            layout = self._layouts[key] = rlk_collectives.ZigzagLayout.build(cu, cp, device)
-        return layout
+
+_CU_FIELDS = ("cu_seqlens_q", "cu_seqlens_kv", "cu_seqlens_q_padded", "cu_seqlens_kv_padded")
+
+
+@dataclass
+class _Batch:
+    """What every layer's core attention derives from one batch's ``cu_seqlens``: token positions (global
+    ones under CP), the int32 offsets on the device and the zigzag layout."""
+
+    key: tuple
+    tensors: tuple  # the cu_seqlens tensors the key names by identity, held so their ids stay unique
+    pos: Tensor
+    cu_q: Tensor
+    cu_k: Tensor
+    layout: rlk_collectives.ZigzagLayout | None
+
+
+_BATCH: list[_Batch] = []  # the newest batch only (all layers of a forward / backward see the same one)
+
+
+def _batch_index(kind: tuple, tensors: tuple, read_cu, cp: int, cp_group, device) -> _Batch:
+    """The :class:`_Batch` of this call, built once per batch rather than once per layer: the packed
+    ``cu_seqlens`` are read to the host (a device sync) and checked only when the tensors passed are not
+    the very ones (same objects, same version counters) of the cached batch (an sbhd batch's causal mask
+    is checked once per mask the same way)."""
+    key = (*kind, tuple((id(t), t._version) if t is not None else None for t in tensors), cp,
+           cp_group.rank() if cp > 1 else 0, str(device))
+    if _BATCH and _BATCH[0].key == key:
+        return _BATCH[0]
+    cu = read_cu()
+    if cp > 1:
+        layout = rlk_collectives.ZigzagLayout.build(cu, cp, device)
+        pos = layout.q_positions(cp_group.rank())
+        cu_q = torch.tensor(layout.local_cu_seqlens, dtype=torch.int32, device=device)
+        cu_k = torch.tensor(cu, dtype=torch.int32, device=device)
+    else:
+        layout, pos = None, _positions(cu, device)
+        cu_q = cu_k = torch.tensor(cu, dtype=torch.int32, device=device)
+    _BATCH[:] = [_Batch(key, tensors, pos, cu_q, cu_k, layout)]
+    return _BATCH[0]
+
+
+def _packed_cu(p) -> list[int]:
+    cu = [int(c) for c in p.cu_seqlens_q.tolist()]
+    _check_packed(p, cu)
+    return cu
 
 
 def _unsupported(reason: str) -> None:

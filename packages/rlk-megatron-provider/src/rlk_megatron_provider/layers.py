@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 import rlk_collectives
 from rlk_core.errors import RlkPolicyError
@@ -140,6 +141,68 @@ class RlkColumnParallelLinear(_RlkLayer, _compat.ColumnParallelLinear):
         return _state.get().routes.call(self.rlk_module, "linear", x, w)
 
 
+# -- weight-derived operands cached across calls ------------------------------------------------------
+_GENERATION = [0]
+_STEP_HOOK: list = []
+
+
+def invalidate_weight_caches() -> None:
+    """Mark every cached weight-derived operand stale (the next forward rebuilds it from the parameter).
+
+    Called automatically after every ``torch.optim.Optimizer.step`` (a global post-step hook, installed
+    with the provider's state; Megatron's optimizers wrap torch optimizers, and Megatron writes the new
+    bf16 weights through ``param.data``, which does not bump the version counter). Call it yourself after
+    writing parameters by other means outside autograd's view (``param.data.copy_``) without a step."""
+    _GENERATION[0] += 1
+
+
+def install_step_hook() -> None:
+    """Register :func:`invalidate_weight_caches` as a global optimizer post-step hook (once per process)."""
+    if not _STEP_HOOK:
+        _STEP_HOOK.append(register_optimizer_step_post_hook(
+            lambda *_args, **_kwargs: invalidate_weight_caches()))
+
+
+class _CachedRows(torch.autograd.Function):
+    """``w.index_select(0, rows)`` served from ``layer``'s cache; backward: the exact inverse gather
+    (``grad.index_select(0, inverse)``) into the parameter's gradient."""
+
+    @staticmethod
+    def forward(ctx, w, layer):
+        ctx.layer = layer
+        return layer._permuted_weight(w).view_as(w)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.index_select(0, ctx.layer._qkv_cols), None
+
+
+class _GroupedColumns(torch.autograd.Function):
+    """``[..., q | k | v]`` columns to Megatron's grouped order ``[..., G, (Hq/Hkv q heads, k, v), d]``
+    and back in the backward: exact data movement (one copy kernel per part), no index kernels."""
+
+    @staticmethod
+    def forward(ctx, y, groups, heads_per_group, d):
+        ctx.shape = (groups, heads_per_group, d)
+        lead = y.shape[:-1]
+        q, k, v = y.reshape(-1, y.shape[-1]).split([groups * heads_per_group * d, groups * d, groups * d], -1)
+        t = q.shape[0]
+        out = torch.cat([q.view(t, groups, heads_per_group * d), k.view(t, groups, d), v.view(t, groups, d)], -1)
+        return out.view(*lead, y.shape[-1])
+
+    @staticmethod
+    def backward(ctx, grad):
+        groups, hpg, d = ctx.shape
+        lead, n = grad.shape[:-1], grad.shape[-1]
+        g = grad.reshape(-1, groups, (hpg + 2) * d)
+        out = grad.new_empty((g.shape[0], n))
+        nq = groups * hpg * d
+        out[:, :nq].view(-1, groups, hpg * d).copy_(g[..., :hpg * d])
+        out[:, nq:nq + groups * d].view(-1, groups, d).copy_(g[..., hpg * d:(hpg + 1) * d])
+        out[:, nq + groups * d:].view(-1, groups, d).copy_(g[..., (hpg + 1) * d:])
+        return out.view(*lead, n), None, None, None
+
+
 class RlkQKVLinear(RlkColumnParallelLinear):
     """The attention's ``linear_qkv``: Megatron's parameter (rows grouped per KV head: ``Hq/Hkv`` query
     heads, then the key head, then the value head, per group), computed with the rows in the local
@@ -148,8 +211,10 @@ class RlkQKVLinear(RlkColumnParallelLinear):
     Both moves are exact gathers. The forward is the GEMM of the ``[q; k; v]`` weight (the same bits as the
     local trainer's), and its backward reduces ``dX = dY W`` over the rows in the ``[q; k; v]`` order, so the
     gradients below the projection equal the local trainer's bit for bit (in Megatron's row order the
-    reduction order differs, ~1e-6 in fp32). Cost: one transient copy of the local QKV weight per call.
-    Checkpoints and state dicts keep Megatron's layout."""
+    reduction order differs, ~1e-6 in fp32). The ``[q; k; v]`` copy of the weight is kept (one extra copy
+    of the local QKV weight per layer) and rebuilt only when the parameter changed: a new storage, a bumped
+    version counter, or an optimizer step (:func:`invalidate_weight_caches`). The weight gradient goes back
+    to Megatron's parameter through the inverse gather. Checkpoints and state dicts keep Megatron's layout."""
 
     def __init__(self, *args, rlk_module: str, **kwargs):
         super().__init__(*args, rlk_module=rlk_module, **kwargs)
@@ -159,17 +224,27 @@ class RlkQKVLinear(RlkColumnParallelLinear):
         if rows % ((heads_per_group + 2) * d):
             raise RlkPolicyError(f"rlk-megatron-provider, module {rlk_module!r}: linear_qkv has {rows} rows per "
                                  f"rank, not a multiple of ({heads_per_group} + 2) x {d}")
+        self._qkv_shape = (rows // ((heads_per_group + 2) * d), heads_per_group, d)
         grouped = torch.arange(rows).reshape(-1, heads_per_group + 2, d)
         order = torch.cat([grouped[:, :heads_per_group].reshape(-1), grouped[:, heads_per_group].reshape(-1),
                            grouped[:, heads_per_group + 1].reshape(-1)])
         self._qkv_rows = order  # [q; k; v] row i is Megatron's row order[i]
         self._qkv_cols = torch.argsort(order)  # Megatron's column j is [q; k; v] column inverse[j]
+        self._qkv_cache: tuple[tuple, Tensor] | None = None
 
-    def _gemm(self, x: Tensor, w: Tensor) -> Tensor:
+    def _permuted_weight(self, w: Tensor) -> Tensor:
         if self._qkv_rows.device != w.device:
             self._qkv_rows, self._qkv_cols = self._qkv_rows.to(w.device), self._qkv_cols.to(w.device)
-        y = super()._gemm(x, w.index_select(0, self._qkv_rows))
-        return y.index_select(-1, self._qkv_cols)
+        key = (id(w), w.data_ptr(), w._version, w.dtype, _GENERATION[0])
+        cached = self._qkv_cache
+        if cached is None or cached[0] != key:
+            with torch.no_grad():  # a fresh tensor: a graph that saved the old copy keeps it
+                cached = self._qkv_cache = (key, w.detach().index_select(0, self._qkv_rows))
+        return cached[1]
+
+    def _gemm(self, x: Tensor, w: Tensor) -> Tensor:
+        y = super()._gemm(x, _CachedRows.apply(w, self))
+        return _GroupedColumns.apply(y, *self._qkv_shape)
 
 
 class RlkRowParallelLinear(_RlkLayer, _compat.RowParallelLinear):

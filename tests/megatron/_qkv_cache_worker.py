@@ -1,0 +1,106 @@
+"""Worker for test_qkv_cache.py: one gloo rank, a real megatron-core GPTModel with the rlk spec (all R).
+
+``python _qkv_cache_worker.py PORT``: checks ``RlkQKVLinear``'s cached ``[q; k; v]`` weight against the
+uncached computation (``linear(x, W[rows])[..., cols]`` with autograd's own gathers) and prints one JSON
+line of facts (``torch.equal`` results) for the test to assert on.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import warnings
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _model
+
+
+def main() -> None:
+    warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not installed.*")
+    warnings.filterwarnings("ignore", message=".*Apex is not installed.*")
+    torch.set_num_threads(1)
+    from rlk_megatron_provider.testing import cpu_recipe
+
+    cpu_recipe()
+    import torch.distributed as dist
+    from megatron.core import parallel_state, tensor_parallel
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{sys.argv[1]}", rank=0, world_size=1)
+    try:
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
+        tensor_parallel.model_parallel_cuda_manual_seed(0)
+        print(json.dumps(checks()))
+    finally:
+        parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()
+
+
+def checks() -> dict:
+    import rlk_core.ops as ops
+    import rlk_megatron_provider
+    from rlk_megatron_provider import _state
+    from rlk_megatron_provider.layers import RlkQKVLinear
+
+    cfg = _model.config(False)
+    model, _ = _model.build_megatron(cfg, 1, 1)
+    _model.load(model, cfg, _model.weights(cfg), 1, 0)
+    layer = model.decoder.layers[0].self_attention.linear_qkv
+    assert isinstance(layer, RlkQKVLinear), type(layer)
+    w = layer.weight
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(6, 1, cfg.hidden_size, generator=g)
+    dy = torch.randn(6, 1, w.shape[0], generator=g)
+    routes = _state.get().routes
+
+    def cached():
+        xi = x.clone().requires_grad_()
+        w.grad = None
+        y = layer(xi)[0]
+        y.backward(dy)
+        return y.detach(), xi.grad, w.grad.clone()
+
+    def uncached():
+        xi, wi = x.clone().requires_grad_(), w.detach().clone().requires_grad_()
+        y = routes.call("ffn" if layer.rlk_module == "ffn" else layer.rlk_module, "linear", xi,
+                        wi.index_select(0, layer._qkv_rows)).index_select(-1, layer._qkv_cols)
+        y.backward(dy)
+        return y.detach(), xi.grad, wi.grad
+
+    def same(a, b):
+        return all(torch.equal(u, v) for u, v in zip(a, b))
+
+    out = {}
+    first = cached()
+    out["first_equals_uncached"] = same(first, uncached())
+    out["second_call_equals_first"] = same(cached(), first)
+    out["weight_grad_nonzero"] = bool(first[2].abs().sum() > 0)
+    # Megatron's way of applying a step: an optimizer on an fp32 master copy, then param.data.copy_ (which
+    # does not bump the parameter's version counter); the optimizer step's hook must invalidate the cache.
+    master = w.detach().clone().requires_grad_()
+    master.grad = first[2].clone()
+    version = w._version
+    torch.optim.SGD([master], lr=0.5).step()
+    w.data.copy_(master.detach())
+    out["version_unchanged_by_data_copy"] = w._version == version
+    after_step = cached()
+    out["after_step_equals_uncached"] = same(after_step, uncached())
+    out["after_step_differs_from_before"] = not torch.equal(after_step[0], first[0])
+    # in-place update through autograd's view (bumps the version counter)
+    with torch.no_grad():
+        w.mul_(0.5)
+    out["after_inplace_equals_uncached"] = same(cached(), uncached())
+    # negative control: a write the cache cannot see serves the stale operand ...
+    stale = cached()
+    w.data.copy_(w.detach() * 2)
+    out["control_stale_after_hidden_write"] = same(cached(), stale) and not same(cached(), uncached())
+    # ... until the documented call
+    rlk_megatron_provider.invalidate_weight_caches()
+    out["after_invalidate_equals_uncached"] = same(cached(), uncached())
+    return out
+
+
+if __name__ == "__main__":
+    main()
