@@ -7,6 +7,10 @@ an in-memory dict update — nothing touches the filesystem per call. :meth:`Rea
 writes ``rlk.readback.v1`` JSON atomically through the evidence formats' one writer
 (:func:`rlk_validate.evidence.write_json_atomic`) as ``<framework>-<target>-<pid>.json``; the schema id,
 vocabularies and file name come from :mod:`rlk_validate.evidence`, which the validator checks against.
+Where the directory comes from ``RL_KERNEL_READBACK_DIR`` (the one variable every process of a run, on
+every node, shares), the file goes into its ``<hostname>/`` folder — pids are unique per host only, and
+the validator reads ``readbacks/<hostname>/`` as one node's readbacks; a directory the code passes
+(``directory=``) is used as given.
 The route line is logged once per (module, op, backend).
 
 Policy: on an ``R`` side any fallback raises :class:`~rlk_core.errors.RlkPolicyError` in strict mode
@@ -96,7 +100,9 @@ class ReadbackRecorder:
         self.mode = mode if mode is not None else envs.get("RL_KERNEL_MODE")
         if self.mode not in envs.MODES:
             raise RlkConfigError(f"mode {self.mode!r} is not one of {', '.join(envs.MODES)}")
-        directory = directory if directory is not None else envs.get("RL_KERNEL_READBACK_DIR")
+        self.hostname = socket.gethostname()
+        if directory is None and envs.get("RL_KERNEL_READBACK_DIR") is not None:
+            directory = Path(envs.get("RL_KERNEL_READBACK_DIR")) / self.hostname  # shared by nodes
         self.directory = Path(directory) if directory is not None else None
         self.run_id = run_id if run_id is not None else envs.get("RL_KERNEL_RUN_ID")
         self.rank, self.world_size = rank, world_size
@@ -229,7 +235,7 @@ class ReadbackRecorder:
             "pid": self.pid,
             "rank": self.rank,
             "world_size": self.world_size,
-            "hostname": socket.gethostname(),
+            "hostname": self.hostname,
             "run_id": self.run_id,
             "mode": self.mode,
             "created_at": self.created_at,
@@ -244,7 +250,8 @@ class ReadbackRecorder:
         return evidence.readback_name(self.framework, self.target, self.pid)
 
     def flush(self, directory: str | os.PathLike[str] | None = None) -> Path | None:
-        """Write the readback atomically; returns its path (None when no directory is configured)."""
+        """Write the readback atomically into ``directory`` (default: the recorder's, see the module doc);
+        returns its path (None when no directory is configured)."""
         target_dir = Path(directory) if directory is not None else self.directory
         if target_dir is None:
             return None
