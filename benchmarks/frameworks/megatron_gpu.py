@@ -59,8 +59,8 @@ def log(msg: str) -> None:
 
 # -- report ----------------------------------------------------------------------------------------------
 class Report:
-    def __init__(self, out: str, meta: dict) -> None:
-        self.out, self.data = out, {"meta": meta, "stages": {}, "checks": []}
+    def __init__(self, out: str, meta: dict, name: str = "megatron_gpu") -> None:
+        self.out, self.name, self.data = out, name, {"meta": meta, "stages": {}, "checks": []}
         os.makedirs(out, exist_ok=True)
 
     def check(self, name: str, passed: bool, bitwise: bool = True, **numbers) -> bool:
@@ -99,7 +99,7 @@ class Report:
     def write(self) -> None:
         self.data["meta"]["elapsed_s"] = round(time.monotonic() - T0, 1)
         self.data["failed"] = self.failed()
-        path = os.path.join(self.out, "megatron_gpu.json")
+        path = os.path.join(self.out, f"{self.name}.json")
         with open(path + ".tmp", "w") as f:
             json.dump(self.data, f, indent=1, default=str)
         os.replace(path + ".tmp", path)
@@ -147,22 +147,35 @@ def _free() -> None:
 
 
 # -- environment -----------------------------------------------------------------------------------------
-def init_world(device: str) -> None:
+def init_world(device: str, tp: int = 1, cp: int = 1) -> None:
+    """A world of 1 (this process), or torchrun's world (``WORLD_SIZE`` = tp x cp) with ``--tp`` / ``--cp``."""
+    import datetime
+
     import torch
     import torch.distributed as dist
     from megatron.core import parallel_state, tensor_parallel
 
     port = int(os.environ.get("RLK_BENCH_PORT", 29000 + os.getpid() % 1000))
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world != tp * cp:
+        raise RuntimeError(f"WORLD_SIZE={world} but --tp {tp} x --cp {cp} = {tp * cp}: run under torchrun "
+                           f"--nproc-per-node {tp * cp}")
     if device == "cuda":
-        torch.cuda.set_device(0)
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         backend = "nccl"
     else:
         from rlk_megatron_provider.testing import cpu_recipe
 
         cpu_recipe()
         backend = "gloo"
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
+    timeout = datetime.timedelta(seconds=float(os.environ.get("RLK_BENCH_COLLECTIVE_TIMEOUT_S", "600")))
+    if world > 1:  # torchrun's rendezvous variables; a rank stuck in a collective errors after the timeout
+        dist.init_process_group(backend, init_method="env://", timeout=timeout)
+    else:
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1,
+                                timeout=timeout)
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=1,
+                                             context_parallel_size=cp)
     tensor_parallel.model_parallel_cuda_manual_seed(0)
     torch.manual_seed(0)
 
@@ -226,7 +239,7 @@ def make_weights(cfg, dev, seed: int = 3) -> dict:
     return out
 
 
-def transformer_config(cfg, dev, dtype):
+def transformer_config(cfg, dev, dtype, tp: int = 1, cp: int = 1):
     import torch
     import torch.nn.functional as F
     from megatron.core.transformer.transformer_config import TransformerConfig
@@ -236,21 +249,21 @@ def transformer_config(cfg, dev, dtype):
               kv_channels=cfg.head_dim, ffn_hidden_size=cfg.intermediate_size, normalization="RMSNorm",
               layernorm_epsilon=cfg.rms_norm_eps, gated_linear_unit=True, activation_func=F.silu,
               add_bias_linear=False, qk_layernorm=True, hidden_dropout=0.0, attention_dropout=0.0,
-              tensor_model_parallel_size=1, context_parallel_size=1, params_dtype=dtype,
+              tensor_model_parallel_size=tp, context_parallel_size=cp, params_dtype=dtype,
               bf16=dtype == torch.bfloat16, use_cpu_initialization=dev.type == "cpu", perform_initialization=False,
               bias_activation_fusion=False, bias_dropout_fusion=False, apply_rope_fusion=False,
               masked_softmax_fusion=False, gradient_accumulation_fusion=False, persist_layer_norm=False)
     return TransformerConfig(**kw)
 
 
-def build(cfg, dev, dtype, rlk: bool):
+def build(cfg, dev, dtype, rlk: bool, tp: int = 1, cp: int = 1):
     """``GPTModel`` with the rlk layer spec (plan from RL_KERNEL_*) or Megatron's stock local spec."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     import rlk_megatron_provider as prov
 
-    tc = transformer_config(cfg, dev, dtype)
+    tc = transformer_config(cfg, dev, dtype, tp, cp)
     spec = (prov.block_spec(tc, rope_theta=cfg.rope_theta) if rlk
             else get_gpt_layer_local_spec(qk_layernorm=True, normalization="RMSNorm"))
     with warnings.catch_warnings():
@@ -264,12 +277,12 @@ def build(cfg, dev, dtype, rlk: bool):
     return model, counts
 
 
-def load(model, cfg, w) -> dict:
-    """Load rlk-repro-layout fp32 weights through the provider's converter; returns the fp32 masters by
-    parameter name."""
+def load(model, cfg, w, tp: int = 1, rank: int = 0) -> dict:
+    """Load rlk-repro-layout fp32 weights (TP shard ``rank`` of ``tp``) through the provider's converter;
+    returns the fp32 masters by parameter name."""
     from rlk_megatron_provider.weights import to_megatron
 
-    sd = to_megatron(cfg, w, 1, 0)
+    sd = to_megatron(cfg, w, tp, rank)
     missing, unexpected = model.load_state_dict(sd, strict=False)
     missing = [k for k in missing if not k.endswith("_extra_state")]
     if missing or unexpected:
@@ -367,17 +380,17 @@ def grpo_loss(lp, adv):
     return -torch.minimum(ratio * adv, ratio.clamp(1 - CLIP, 1 + CLIP) * adv).mean()
 
 
-def rlk_logp(model, box, b: Batch):
+def rlk_logp(model, box, b: Batch, tp_group=None):
     """rlk model on the packed THD batch -> fp32 log-probs of the response rows (logp module: hidden
     states + LM head, ``rlk_megatron_provider.logp.vocab_parallel_logprobs``)."""
     from rlk_megatron_provider import logp
 
     model(b.ids[None], b.pos[None], None, packed_seq_params=b.psp())
     h = box["hidden"].reshape(-1, box["hidden"].shape[-1])  # THD: [T, 1, H]
-    return logp.vocab_parallel_logprobs(h[b.rows], box["weight"], b.target[b.rows], TEMPERATURE, None)
+    return logp.vocab_parallel_logprobs(h[b.rows], box["weight"], b.target[b.rows], TEMPERATURE, tp_group)
 
 
-def stock_logp(model, b: Batch):
+def stock_logp(model, b: Batch, tp_group=None):
     """Stock model (local spec: sbhd only) on equal-length rows -> fp32 log-probs from materialised
     logits (``log_softmax`` in fp32, the P path)."""
     import torch
@@ -387,6 +400,10 @@ def stock_logp(model, b: Batch):
     mask = torch.triu(torch.ones(s, s, dtype=torch.bool, device=b.ids.device), diagonal=1)[None, None]
     logits = model(b.ids.reshape(n, s), b.pos.reshape(n, s), mask.expand(n, 1, s, s))  # [b, s, V]
     flat = logits.reshape(-1, logits.shape[-1])[b.rows]
+    if tp_group is not None and tp_group.size() > 1:  # vocab shards: Megatron's vocab-parallel loss
+        from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+        return -vocab_parallel_cross_entropy(flat.float() / TEMPERATURE, b.target[b.rows])
     return torch.log_softmax(flat.float() / TEMPERATURE, -1).gather(-1, b.target[b.rows][:, None])[:, 0]
 
 
@@ -529,11 +546,13 @@ def stage_negative(rep: Report, rec: dict, cfg, dev, dtype, n: int, s: int) -> N
               max_abs_diff=max_abs(lp_r, ref))
 
 
-def time_steps(cfg, dev, dtype, rlk: bool, w, n: int, s: int, warmup: int, iters: int) -> dict:
+def time_steps(cfg, dev, dtype, rlk: bool, w, n: int, s: int, warmup: int, iters: int, tp: int = 1) -> dict:
     import torch
+    from megatron.core import parallel_state
 
-    model, _ = build(cfg, dev, dtype, rlk=rlk)
-    masters = load(model, cfg, w)
+    group = parallel_state.get_tensor_model_parallel_group() if tp > 1 else None
+    model, _ = build(cfg, dev, dtype, rlk=rlk, tp=tp)
+    masters = load(model, cfg, w, tp, group.rank() if group is not None else 0)
     opt = MasterAdamW(model, masters, foreach=True)
     del masters
     b = Batch(cfg, [s] * n, 1, dev, seed=17)
@@ -542,7 +561,7 @@ def time_steps(cfg, dev, dtype, rlk: bool, w, n: int, s: int, warmup: int, iters
 
     def step():
         opt.zero_grad()
-        lp = rlk_logp(model, box, b) if rlk else stock_logp(model, b)
+        lp = rlk_logp(model, box, b, group) if rlk else stock_logp(model, b, group)
         grpo_loss(lp, b.adv).backward()
         opt.step()
 
@@ -580,13 +599,14 @@ def time_steps(cfg, dev, dtype, rlk: bool, w, n: int, s: int, warmup: int, iters
     return out  # the model, optimizer and batch go with this frame
 
 
-def stage_timing(rep: Report, rec: dict, shape: str, cfg, dev, dtype, n: int, s: int, warmup: int, iters: int):
+def stage_timing(rep: Report, rec: dict, shape: str, cfg, dev, dtype, n: int, s: int, warmup: int, iters: int,
+                 tp: int = 1):
     w = make_weights(cfg, dev, seed=5)
     res = rep.data.setdefault("timing", {})[shape] = {}
     for name, rlk in (("rlk", True), ("stock", False)):
         _free()
         log(f"timing {shape} {name} ...")
-        res[name] = time_steps(cfg, dev, dtype, rlk, w, n, s, warmup, iters)
+        res[name] = time_steps(cfg, dev, dtype, rlk, w, n, s, warmup, iters, tp)
         log(f"timing {shape} {name}: {res[name]}")
         rep.write()
     r, p = res["rlk"]["median_ms"], res["stock"]["median_ms"]
@@ -642,6 +662,165 @@ def stage_logp_memory(rep: Report, rec: dict, cfg, dev, dtype, tokens: int) -> N
                   bitwise=False, rlk_extra_mib=out["rlk_extra_mib"], p_extra_mib=out["p_extra_mib"])
 
 
+# -- TP 2 / CP 2 (torchrun --nproc-per-node 2) -------------------------------------------------------------
+def _groups():
+    from megatron.core import parallel_state
+
+    return parallel_state.get_tensor_model_parallel_group(), parallel_state.get_context_parallel_group()
+
+
+def _gather_objects(obj):
+    import torch.distributed as dist
+
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def parallel_logp(model, box, b: Batch, tp_group, cp_group, cp: int):
+    """Per-token fp32 log-probs of every packed token in global order, from a TP / CP model: each CP rank
+    runs its zigzag shard (global ``cu_seqlens``), the logp module runs per rank on the local tokens with the
+    vocab shards of its TP group, and the CP shards are gathered back (exact data movement; detached: the
+    loss is taken per CP rank on its own tokens, see :func:`cp_local_loss`). Returns (global, local, layout)."""
+    import rlk_collectives
+    from rlk_megatron_provider import logp
+
+    if cp > 1:
+        layout = rlk_collectives.ZigzagLayout.build(b.cu.tolist(), cp, b.ids.device)
+        ids, tgt = layout.shard(b.ids, cp_group.rank()), layout.shard(b.target, cp_group.rank())
+    else:
+        layout, ids, tgt = None, b.ids, b.target
+    psp = b.psp()
+    if cp > 1 and hasattr(psp, "cp_group"):  # as slime passes it (Megatron's rotary setup may read it)
+        psp.cp_group = cp_group
+    model(ids[None], ids[None] * 0, None, packed_seq_params=psp)  # positions: rlk RoPE reads cu_seqlens
+    h = box["hidden"].reshape(-1, box["hidden"].shape[-1])
+    lp = logp.vocab_parallel_logprobs(h, box["weight"], tgt, TEMPERATURE, tp_group)
+    if cp == 1:
+        return lp, lp, None
+    return rlk_collectives.cp_all_gather(lp.detach(), layout, cp_group), lp, layout
+
+
+def cp_local_loss(lp_local, b: Batch, layout, cp_group):
+    """This CP rank's share of :func:`grpo_loss` (its response tokens' terms over the global count): the
+    shares sum to the loss, so the CP sum of each rank's gradients is the gradient (Megatron's CP scheme)."""
+    import torch
+
+    adv = torch.zeros(b.T, device=lp_local.device)
+    adv[b.rows] = b.adv
+    mask = torch.zeros(b.T, device=lp_local.device)
+    mask[b.rows] = 1.0
+    adv_l, mask_l = layout.shard(adv, cp_group.rank()), layout.shard(mask, cp_group.rank())
+    ratio = torch.exp(lp_local - lp_local.detach())
+    terms = torch.minimum(ratio * adv_l, ratio.clamp(1 - CLIP, 1 + CLIP) * adv_l) * mask_l
+    return -terms.sum() / b.rows.numel()
+
+
+def stage_parallel(rep: Report, rec: dict, cfg, dev, dtype, tp: int, cp: int, lengths: list[int], prompt: int):
+    """TP ``tp`` x CP ``cp`` on the same weights and batch as rlk-repro's local trainer (which the 1-GPU
+    lockstep shows equal to Megatron at TP 1 / CP 1): the same step twice (run to run), log-probs vs the local
+    trainer (bitwise required for CP; TP != TP 1 by contract in the row-parallel partial sums, reported),
+    gradients (CP: summed over the CP group with the rlk all-reduce) vs the local trainer's, per tensor."""
+    import torch
+    import torch.distributed as dist
+
+    import rlk_collectives
+    from rlk_megatron_provider.weights import to_megatron
+
+    tp_group, cp_group = _groups()
+    w = make_weights(cfg, dev)
+    model, counts = build(cfg, dev, dtype, rlk=True, tp=tp, cp=cp)
+    load(model, cfg, w, tp, tp_group.rank())
+    box = hidden_head(model)
+    b = Batch(cfg, lengths, prompt, dev, seed=11)
+    rec.update(tokens=b.T, sequences=len(lengths), rlk_layer_counts=counts, tp=tp, cp=cp)
+    runs = []
+    for _ in range(2):
+        for p in model.parameters():
+            p.grad = None
+        lp, lp_local, layout = parallel_logp(model, box, b, tp_group, cp_group, cp)
+        (grpo_loss(lp[b.rows], b.adv) if cp == 1 else cp_local_loss(lp_local, b, layout, cp_group)).backward()
+        grads = grads_of(model)
+        if cp > 1:
+            grads = {n: rlk_collectives.all_reduce(g, cp_group) for n, g in grads.items()}
+        runs.append((lp.detach().clone(), grads))
+    (lp0, g0), (lp1, g1) = runs
+    det = torch.equal(lp0, lp1) and not diff_names(g0, g1)
+    tr = local_trainer(cfg, w, dev, dtype)
+    res = tr.step(b.samples())
+    lp_ref = torch.cat(res.train_logprobs)
+    ref_grads = to_megatron(cfg, {k: v.grad for k, v in tr.master.items() if v.grad is not None}, tp, tp_group.rank())
+    lp_rows = lp1[b.rows]
+    got = {n: g.float() for n, g in g1.items()}
+    equal_t = sorted(n for n in got if n in ref_grads and torch.equal(got[n], ref_grads[n].to(got[n].device)))
+    mine = {"rank": dist.get_rank(), "tp_rank": tp_group.rank(),
+            "cp_rank": cp_group.rank(), "run_to_run": det, "logp_equal_local": torch.equal(lp_rows, lp_ref),
+            "logp_differing_tokens": int((lp_rows != lp_ref).sum()), "logp_max_abs_diff": max_abs(lp_rows, lp_ref),
+            "grads_equal_local": equal_t, "grads_differing_local": sorted(set(got) - set(equal_t)),
+            "grads_max_abs_diff": max((max_abs(got[n], ref_grads[n].to(got[n].device)) for n in got
+                                       if n in ref_grads), default=0.0)}
+    ranks = _gather_objects(mine)
+    rec["ranks"] = ranks
+    tag = f"tp{tp}_cp{cp}"
+    rep.check(f"{tag}.run_to_run_logp_and_grads", all(r["run_to_run"] for r in ranks),
+              ranks=[r["run_to_run"] for r in ranks])
+    rep.check(f"{tag}.logp_equal_local_trainer", all(r["logp_equal_local"] for r in ranks), bitwise=tp == 1,
+              tokens=int(lp_ref.numel()), differing_tokens=[r["logp_differing_tokens"] for r in ranks],
+              max_abs_diff=max(r["logp_max_abs_diff"] for r in ranks),
+              note=None if tp == 1 else "TP 2 != TP 1 by contract (row-parallel partial sums): informational")
+    rep.check(f"{tag}.grads_equal_local_trainer", all(not r["grads_differing_local"] for r in ranks), bitwise=False,
+              equal=[len(r["grads_equal_local"]) for r in ranks],
+              differing=[r["grads_differing_local"][:12] for r in ranks],
+              max_abs_diff=max(r["grads_max_abs_diff"] for r in ranks),
+              note="informational: CP sums each rank's token partial sums; TP reduces K in shards")
+    del model, tr, box
+
+
+def stage_parallel_readbacks(rep: Report, rec: dict, tp: int, cp: int) -> None:
+    """Every rank's readback (also flushed to RL_KERNEL_READBACK_DIR): rlk collectives ran on each, at
+    world size 2, and nothing fell back."""
+    import rlk_megatron_provider as prov
+    from rlk_megatron_provider import _state
+
+    prov.flush_readback()
+    doc = _state.get().recorder.to_dict()
+    want = ("all_reduce",) if tp > 1 else ("cp_all_gather_kv", "cp_all_gather")
+    mine = {"rank": doc["rank"], "world_size": doc["world_size"], "hostname": doc["hostname"], "collectives": {},
+            "fallback": any(m.get("fallback") for m in doc["modules"].values())}
+    for module, m in doc["modules"].items():
+        for op, r in m["ops"].items():
+            if any(k in op for k in ("all_reduce", "all_gather", "reduce_scatter", "cp_")):
+                mine["collectives"][f"{module}.{op}"] = {"backend_id": r["backend_id"], "calls": r["call_count"],
+                                                        "provenance": r.get("provenance", {})}
+    ranks = _gather_objects(mine)
+    rec["ranks"] = ranks
+
+    def ran(r) -> bool:
+        hits = [v for k, v in r["collectives"].items() if any(w in k for w in want)]
+        return bool(hits) and all(v["backend_id"].startswith("rlk.") and v["calls"] > 0 for v in hits)
+
+    rep.check(f"tp{tp}_cp{cp}.readbacks_rlk_collectives_every_rank", all(ran(r) and not r["fallback"] for r in ranks),
+              wanted=list(want), ranks=[sorted(r["collectives"]) for r in ranks])
+
+
+def run_parallel(args, rep: Report, dev, dtype) -> None:
+    tp, cp = args.tp, args.cp
+    main_shape = "tiny" if args.tiny else "qwen3-0.6b"
+    cfg = qwen_cfg(main_shape)
+    unit = 4 * cp  # zigzag CP: every length a multiple of 2 x cp (and of 4, so CP 1 and CP 2 see one batch)
+    total, nseq, prompt = (64, 4, 4) if args.tiny else (4096, 16, 32)
+    lengths = [max(unit, n // unit * unit) for n in varlen_lengths(nseq, total, seed=1)]
+    with rep.stage(f"tp{tp}_cp{cp}") as rec:
+        stage_parallel(rep, rec, cfg, dev, dtype, tp, cp, lengths, prompt)
+    with rep.stage(f"tp{tp}_cp{cp}_readbacks") as rec:
+        stage_parallel_readbacks(rep, rec, tp, cp)
+    if tp > 1:
+        n, s = (4, 16) if args.tiny else (16, 256)
+        warmup, iters = (1, 2) if args.tiny else (2, 5)
+        with rep.stage(f"timing_{main_shape}_tp{tp}", required=False) as rec:
+            stage_timing(rep, rec, f"{main_shape}_tp{tp}", cfg, dev, dtype, n, s, warmup, iters, tp)
+
+
 # -- main ------------------------------------------------------------------------------------------------
 def varlen_lengths(n: int, total: int, seed: int) -> list[int]:
     """``n`` lengths summing to ``total`` (between ~total/2n and ~3total/2n), deterministic."""
@@ -663,7 +842,11 @@ def main() -> int:
     ap.add_argument("--budget-s", type=float, default=300.0,
                     help="optional stages (1.7B timing) start only if elapsed < budget - their estimate")
     ap.add_argument("--skip-1p7b", action="store_true")
+    ap.add_argument("--tp", type=int, default=1, help="tensor parallel size (> 1: under torchrun; the TP/CP stages)")
+    ap.add_argument("--cp", type=int, default=1, help="context parallel size (> 1: under torchrun; the TP/CP stages)")
     args = ap.parse_args()
+    parallel = args.tp * args.cp > 1
+    rank = int(os.environ.get("RANK", "0"))
     os.environ.update(R_ENV)
     os.environ.setdefault("RL_KERNEL_READBACK_DIR", os.path.join(args.out, "readbacks"))
     warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not installed.*")
@@ -674,18 +857,23 @@ def main() -> int:
     if args.device == "cpu":
         torch.set_num_threads(min(2, os.cpu_count() or 1))
     dtype = torch.float32 if args.device == "cpu" else torch.bfloat16
-    rep = Report(args.out, meta(args))
+    rep = Report(args.out, meta(args), "megatron_gpu" if not parallel else
+                 f"megatron_gpu_tp{args.tp}_cp{args.cp}" + (f".rank{rank}" if rank else ""))
+    md_path = os.path.join(args.out, f"{rep.name}.md")
     log(f"meta: {json.dumps(rep.data['meta'], default=str)}")
     with rep.stage("init") as rec:
-        init_world(args.device)
+        init_world(args.device, args.tp, args.cp)
         import rlk_megatron_provider as prov
 
         st = prov.initialize_from_environment()
         rec["plan"] = st.plan.name
     if rep.data["stages"]["init"]["status"] != "ok":
         rep.write()
-        open(os.path.join(args.out, "megatron_gpu.md"), "w").write(rep.markdown())
+        open(md_path, "w").write(rep.markdown())
         return 1
+    if parallel:
+        run_parallel(args, rep, dev, dtype)
+        return _finish(rep, md_path, rank)
     main_shape = "tiny" if args.tiny else "qwen3-0.6b"
     cfg = qwen_cfg(main_shape)
     if args.tiny:
@@ -713,11 +901,16 @@ def main() -> int:
         else:
             with rep.stage("timing_qwen3-1.7b", required=False) as rec:
                 stage_timing(rep, rec, "qwen3-1.7b", qwen_cfg("qwen3-1.7b"), dev, dtype, eq_n, eq_s, warmup, iters)
+    return _finish(rep, md_path, rank)
+
+
+def _finish(rep: Report, md_path: str, rank: int) -> int:
     rep.write()
     md = rep.markdown()
-    with open(os.path.join(args.out, "megatron_gpu.md"), "w") as f:
+    with open(md_path, "w") as f:
         f.write(md)
-    print(md, flush=True)
+    if rank == 0:
+        print(md, flush=True)
     failed = rep.failed()
     log(f"done: {'FAILED: ' + ', '.join(failed) if failed else 'all bitwise checks passed'}")
     try:

@@ -74,6 +74,7 @@ ENGINES = {
     "bi": {"case": "P/P", "env": {"VLLM_BATCH_INVARIANT": "1"}, "backend": None, "eager": False},
     "eager": {"case": "R/R", "env": {}, "backend": "CUSTOM", "eager": True},
 }
+TP_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 ORDER = ("ckpt", "rr", "pp", "eager", "recompute", "bi")
 # per-stage wall-clock caps (s): a hung stage cannot eat the whole budget
 STAGE_CAP_S = {"ckpt": 120, "rr": 260, "pp": 170, "eager": 120, "recompute": 170, "bi": 170}
@@ -134,6 +135,16 @@ def stage_ckpt(a, work: Path) -> dict:
 # ------------------------------------------------------------------------------------------------
 # engine stages: vLLM (GPU) or rlk-repro's local rollout engine (CPU smoke)
 # ------------------------------------------------------------------------------------------------
+def _flush_worker_readback(worker) -> dict:
+    """Runs in each vLLM worker (``LLM.collective_rpc``): write its rlk readback now."""
+    import torch.distributed as dist
+
+    import rlk_vllm_plugin
+
+    rlk_vllm_plugin.flush()
+    return {"pid": os.getpid(), "rank": dist.get_rank() if dist.is_initialized() else None}
+
+
 class _VllmEngine:
     def __init__(self, a, work: Path, spec: dict) -> None:
         from vllm import LLM
@@ -145,6 +156,10 @@ class _VllmEngine:
                   disable_log_stats=True)
         if spec["backend"]:
             kw["attention_backend"] = spec["backend"]
+        if a.tp > 1:
+            kw["tensor_parallel_size"] = a.tp
+            if spec["case"] != "P/P":  # the fused all-reduce + RMSNorm pass bypasses rlk (the plugin refuses it)
+                kw["compilation_config"] = {"pass_config": {"fuse_allreduce_rms": False}}
         self.kwargs = {k: v for k, v in kw.items() if k != "model"}
         t0 = time.perf_counter()
         self.llm = LLM(**kw)
@@ -310,6 +325,11 @@ def stage_engine(a, work: Path, name: str) -> dict:
             rt = _runtime.current()
             res["plugin_in_process"] = None if rt is None else {"plan": rt.plan.name, "hooks": len(rt.hooks)}
             rlk_vllm_plugin.flush()
+        if a.tp > 1:  # TP workers are processes of their own: flush their readbacks now (also done at exit)
+            try:
+                res["worker_flush"] = engine.llm.collective_rpc(_flush_worker_readback, timeout=60)
+            except Exception as exc:
+                res["worker_flush"] = f"{type(exc).__name__}: {exc}"
     else:
         rb = Path(os.environ["RL_KERNEL_READBACK_DIR"])
         rb.mkdir(parents=True, exist_ok=True)
@@ -443,6 +463,9 @@ def _stage_env(a, work: Path, name: str) -> dict[str, str]:
     env["VLLM_CACHE_ROOT"] = str(work / f"vllm-cache-{name}")
     env["RL_KERNEL_READBACK_DIR"] = str(work / "readbacks" / name)
     env["RL_KERNEL_MODE"] = "strict"
+    if a.tp > 1:  # x2 machines: NVLink multicast off (NCCL NVLS, symmetric memory, NVSHMEM)
+        env.update(TP_ENV)
+        env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # collective_rpc of _flush_worker_readback
     spec = ENGINES.get(name)
     if spec is not None:
         for k in ROUTE_VARS:
@@ -457,7 +480,7 @@ def _meta(a) -> dict:
     import torch
     meta: dict = {"python": platform.python_version(), "torch": torch.__version__,
                   "cuda": torch.version.cuda, "device": a.device, "engine": a.engine,
-                  "RLK_COMMIT": os.environ.get("RLK_COMMIT"), "argv": sys.argv}
+                  "RLK_COMMIT": os.environ.get("RLK_COMMIT"), "argv": sys.argv, "tp": a.tp}
     if not meta["RLK_COMMIT"]:
         with contextlib.suppress(Exception):
             meta["RLK_COMMIT"] = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
@@ -498,19 +521,27 @@ def _same_records(x: list[dict], y: list[dict]) -> dict:
 
 
 def _readback_summary(rb_dir: Path) -> dict:
-    files = sorted(rb_dir.glob("*.json")) if rb_dir.is_dir() else []
+    """Modules over every readback of a stage (the recorder files them under ``<dir>/<hostname>/``) and, per
+    process, its rank and the backends of its TP all-reduces."""
+    files = sorted(rb_dir.rglob("*.json")) if rb_dir.is_dir() else []
     mods: dict = {}
     hooks: set = set()
+    procs: list = []
     for f in files:
         with contextlib.suppress(Exception):
             d = json.loads(f.read_text())
             hooks.update(h.get("name") for h in d.get("hooks") or [])
+            procs.append({"file": f.name, "rank": d.get("rank"), "world_size": d.get("world_size"),
+                          "all_reduce": {m: {"backend_id": v["ops"]["all_reduce"]["backend_id"],
+                                             "call_count": v["ops"]["all_reduce"]["call_count"]}
+                                         for m, v in (d.get("modules") or {}).items()
+                                         if "all_reduce" in (v.get("ops") or {})}})
             for m, v in (d.get("modules") or {}).items():
                 cur = mods.setdefault(m, {"backend_ids": set(), "call_count": 0, "fallback": False})
                 cur["backend_ids"].update(op["backend_id"] for op in v.get("ops", {}).values())
                 cur["call_count"] += int(v.get("call_count", 0))
                 cur["fallback"] |= bool(v.get("fallback"))
-    return {"files": [f.name for f in files], "hooks": sorted(h for h in hooks if h),
+    return {"files": [f.name for f in files], "processes": procs, "hooks": sorted(h for h in hooks if h),
             "modules": {m: {**v, "backend_ids": sorted(v["backend_ids"])} for m, v in mods.items()}}
 
 
@@ -520,8 +551,9 @@ def _evaluate(result: dict, work: Path) -> list:
     st = result["stages"]
     rc = st.get("recompute", {}).get("result") or {}
     rr = rc.get("rr") or {}
-    if "tokens" in rr:
-        _check(checks, "rr.logp_equal_trainer", rr["mismatched_tokens"] == 0 and rr["tokens"] > 0, True,
+    tp_meta = int(result.get("meta", {}).get("tp", 1) or 1)
+    if "tokens" in rr:  # the trainer recomputes at TP 1: under TP > 1 the row-parallel sums differ by contract
+        _check(checks, "rr.logp_equal_trainer", rr["mismatched_tokens"] == 0 and rr["tokens"] > 0, tp_meta == 1,
                tokens=rr["tokens"], mismatched_tokens=rr["mismatched_tokens"],
                mismatched_sequences=rr["mismatched_sequences"], max_abs_diff=rr["max_abs_diff"],
                target_100k_tokens=rr["tokens"] >= 100_000)
@@ -574,6 +606,16 @@ def _evaluate(result: dict, work: Path) -> list:
         ok = clean and bool(counted) and (counted == {"attention", "ffn", "logp"} or not need_all)
         _check(checks, f"{name}.readback_rlk", ok, True, counted_modules=sorted(counted), modules=mods,
                files=rb[name]["files"], hooks=rb[name].get("hooks"))
+    tp = int(result.get("meta", {}).get("tp", 1) or 1)
+    if tp > 1:  # every TP worker's readback shows the rlk all-reduce (custom all-reduce / fused pass not taken)
+        for name in ("rr", "eager"):
+            if rb.get(name) is None:
+                continue
+            procs = [p for p in rb[name].get("processes", []) if p.get("world_size") == tp]
+            ranks = {p["rank"] for p in procs if p["all_reduce"] and all(
+                v["backend_id"].startswith("rlk.") and v["call_count"] > 0 for v in p["all_reduce"].values())}
+            _check(checks, f"{name}.tp{tp}_rlk_all_reduce_every_worker", ranks == set(range(tp)), True,
+                   ranks_with_rlk_all_reduce=sorted(ranks), processes=procs)
     if rb.get("pp") is not None:
         mods = rb["pp"]["modules"]
         rlk_ran = [m for m, v in mods.items() if any(not b.startswith("production") for b in v["backend_ids"])]
@@ -589,7 +631,7 @@ def _evaluate(result: dict, work: Path) -> list:
                ratio=round(tps["rr"] / tps["bi"], 3), target="> 1", tok_s=tps)
     names = {c["name"] for c in checks}
     for req in REQUIRED:
-        if req not in names:
+        if req not in names and not (tp_meta > 1 and req == "rr.logp_equal_trainer"):
             _check(checks, req, False, True, error="not evaluated (its stage failed, was skipped or ran out of time)")
     return checks
 
@@ -672,7 +714,8 @@ def driver(a) -> int:
                 proc = subprocess.Popen(cmd, env=_stage_env(a, work, name), stdout=fh, stderr=subprocess.STDOUT,
                                         cwd=ROOT, start_new_session=True)
                 try:
-                    proc.wait(timeout=max(min(left - a.reserve_s, STAGE_CAP_S[name]), 30))
+                    cap = STAGE_CAP_S[name] * (1.5 if a.tp > 1 and name in ENGINES else 1)  # 2 workers to start
+                    proc.wait(timeout=max(min(left - a.reserve_s, cap), 30))
                 except subprocess.TimeoutExpired:
                     with contextlib.suppress(ProcessLookupError):
                         os.killpg(proc.pid, signal.SIGKILL)
@@ -726,7 +769,8 @@ def driver(a) -> int:
 
 _PASSED = ("tiny", "device", "engine", "seed", "prompts", "samples", "max_tokens", "prompt_min", "prompt_max",
            "alone", "eager_prompts", "warm_prompts", "control_seqs", "recompute_chunk", "gpu_mem", "max_num_seqs",
-           "max_batched_tokens", "ttft_runs", "decode_batch", "decode_steps", "gen_budget_s", "multiprocessing")
+           "max_batched_tokens", "ttft_runs", "decode_batch", "decode_steps", "gen_budget_s", "multiprocessing",
+           "tp")
 
 
 def _pass_args(a) -> list[str]:
@@ -798,6 +842,8 @@ def parse(argv=None):
     p.add_argument("--budget-s", type=float, default=400.0, help="whole run; later stages are skipped past it")
     p.add_argument("--min-stage-s", type=float, default=45.0)
     p.add_argument("--reserve-s", type=float, default=5.0)
+    p.add_argument("--tp", type=int, default=1, help="tensor_parallel_size of every engine (2 on nvidia-h200-x2; "
+                   "the trainer recompute stays TP 1, so rr.logp_equal_trainer becomes informational)")
     p.add_argument("--multiprocessing", action="store_true", help="VLLM_ENABLE_V1_MULTIPROCESSING=1 (engine core "
                    "in its own process; the plugin must load there through the dist-info on PYTHONPATH)")
     p.add_argument("--skip", default="", help="comma-separated stages to skip")
@@ -806,6 +852,8 @@ def parse(argv=None):
         a.engine = "vllm" if a.device == "cuda" else "local"
     if a.engine == "vllm" and a.device == "cpu":
         p.error("--engine vllm needs --device cuda (vLLM's paged attention and MRv2 sampler do not run on CPU)")
+    if a.tp > 1 and a.engine != "vllm":
+        p.error("--tp > 1 needs --engine vllm (the local stand-in engine has no tensor parallelism)")
     if a.tiny and a.stage is None:
         a.prompt_max = min(a.prompt_max, 24)
         a.prompt_min = min(a.prompt_min, 4)
