@@ -54,7 +54,7 @@ def load_into_model(model: torch.nn.Module, weights: Iterable[tuple[str, torch.T
         raise RuntimeError(f"rlk weight_sync: layers {stale[:4]} compute from a copy made at load time "
                            "(vLLM's CPU weight packing); an in-place update would leave it stale")
     params = dict(model.named_parameters())
-    with torch.no_grad():
+    with torch.inference_mode():  # also allowed if vLLM created its parameters as inference tensors
         before = {n: _fingerprint(p) for n, p in params.items()}
         loaded = model.load_weights(iter(weights))
         after = {n: _fingerprint(p) for n, p in params.items()}
