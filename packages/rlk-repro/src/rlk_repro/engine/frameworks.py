@@ -146,6 +146,7 @@ def run_frameworks(cfg: FrameworksRunConfig, output: str | os.PathLike[str],
     problem = requirements(cfg.tp)
     if problem:
         raise RlkConfigError(problem)
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast off (the device machines' rule)
     rank, world, device = _init_world(cfg)
     run_id, run_dir = _shared_run_dir(output, run_name, rank)
     handler = runs.open_run_log(run_dir) if rank == 0 else None

@@ -204,6 +204,10 @@ class MegatronTrainer:
             for n, p in self.params.items():
                 p.copy_(self.master[n])
                 p.grad = None
+        import rlk_megatron_provider as prov
+
+        if hasattr(prov, "invalidate_weight_caches"):  # the provider's cached [q; k; v] operand
+            prov.invalidate_weight_caches()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         tokens = sum(len(s.prompt) + len(s.response) - 1 for s in samples)
