@@ -6,6 +6,7 @@ recorded (execution mode ``graph``, ``provenance.counted = "compiled call sites"
 TorchDynamo (``backend="eager"``, ``fullgraph=True``, dynamic shapes) and the validator's readback rules."""
 
 import json
+import socket
 
 import pytest
 import torch
@@ -64,7 +65,7 @@ def test_all_p_installs_counting_only_and_vllm_computes_the_same_bits(plugin, vl
 
     rt = plugin(RL_KERNEL_READBACK_DIR=str(tmp_path / "rb"))
     assert rt is not None and {h[0] for h in rt.hooks} == COUNTING_HOOKS
-    (path,) = (tmp_path / "rb").glob("vllm-rollout-*.json")  # written at registration
+    (path,) = (tmp_path / "rb" / socket.gethostname()).glob("vllm-rollout-*.json")  # written at registration
     assert {h["name"] for h in json.loads(path.read_text())["hooks"]} == COUNTING_HOOKS
     # nothing that changes arithmetic: no RoPE, attention backend, log-prob hook or TP all-reduce
     assert sorted(op_registry_oot) == ["RMSNorm", "SiluAndMul"]
@@ -111,7 +112,7 @@ def test_all_p_installs_counting_only_and_vllm_computes_the_same_bits(plugin, vl
 def test_all_p_model_load_binds_every_layer_and_flushes(run_script, tmp_path):
     out = run_script(LOAD_ALL_P, env={"RL_KERNEL_READBACK_DIR": str(tmp_path)})
     assert "bound attention ffn logp" in out, out
-    (path,) = tmp_path.glob("vllm-rollout-*.json")
+    (path,) = (tmp_path / socket.gethostname()).glob("vllm-rollout-*.json")  # the recorder files per host
     doc = json.loads(path.read_text())
     assert {h["name"] for h in doc["hooks"]} == COUNTING_HOOKS and doc["plan"] == {
         "attention": "P/P", "ffn": "P/P", "logp": "P/P"}

@@ -98,6 +98,32 @@ def test_linear_and_lm_head_methods_route_by_prefix(plugin):
         UnquantizedLinearMethod().apply(layer, x)
 
 
+def test_bind_model_notes_each_linear_module_once(plugin):
+    """After model load the linear method reads the module bound to the layer (no regex per call); the
+    binding is what decides (a wrong binding routes wrongly: the negative control)."""
+    from vllm.model_executor.layers.linear import UnquantizedLinearMethod
+
+    from rlk_core.ops import linear
+    from rlk_vllm_plugin import layers
+
+    rt = plugin(attention="P/P", ffn="P/R", logp="P/P")
+    x, w = _bf16(6, 64), _bf16(96, 64, seed=5)
+    model = torch.nn.Module()
+    model.down = torch.nn.Module()
+    model.down.weight = torch.nn.Parameter(w, requires_grad=False)
+    model.down.prefix, model.down.quant_method = "model.layers.0.mlp.down_proj", UnquantizedLinearMethod()
+    layers.bind_model(model)
+    assert model.down._rlk_linear_module == "ffn"
+    assert torch.equal(model.down.quant_method.apply(model.down, x), linear(x, w))
+    model.down.prefix = "model.layers.0.self_attn.o_proj"  # the binding, not the prefix, decides now
+    model.down.quant_method.apply(model.down, x)
+    assert rt.recorder.to_dict()["modules"]["ffn"]["ops"]["linear"]["call_count"] == 2
+    model.down._rlk_linear_module = "attention"  # a wrong binding: attention is P, vLLM's own GEMM runs
+    model.down.cpu_linear = lambda x_, w_, b_: torch.nn.functional.linear(x_, w_, b_)
+    model.down.quant_method.apply(model.down, x)
+    assert rt.recorder.to_dict()["modules"]["attention"]["ops"]["linear"]["backend_id"].startswith("production.")
+
+
 # -- attention ---------------------------------------------------------------------------------------
 def test_custom_backend_is_registered_and_batch_invariant(plugin):
     from vllm.v1.attention.backends.registry import AttentionBackendEnum

@@ -1,6 +1,7 @@
 """Plugin loading through vLLM's own loader, VLLM_PLUGINS filtering, idempotence, and each strict refusal."""
 
 import importlib.metadata as md
+import socket
 
 import pytest
 
@@ -109,7 +110,7 @@ def test_readback_lists_the_installed_hooks(plugin, tmp_path):
     import json
 
     plugin(attention="R/R", ffn="R/R", logp="R/R", RL_KERNEL_READBACK_DIR=str(tmp_path))
-    (path,) = tmp_path.glob("*.json")
+    (path,) = (tmp_path / socket.gethostname()).glob("*.json")  # the recorder files per host
     doc = json.loads(path.read_text())
     names = {h["name"] for h in doc["hooks"]}
     assert {"oot.RMSNorm", "oot.SiluAndMul", "oot.RotaryEmbedding", "linear", "lm_head", "logprobs",

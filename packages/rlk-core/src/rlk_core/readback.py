@@ -111,6 +111,8 @@ class ReadbackRecorder:
         self.hooks: list[dict[str, Any]] = []
         self._ops: dict[str, dict[str, _OpRecord]] = {m: {} for m in MODULES}
         self._logged: set[tuple[str, str, str]] = set()
+        # reports that passed the policy, by (module, op, backend, contract, mode): a repeat only counts
+        self._checked: dict[tuple[str, str, str, str | None, str], _OpRecord] = {}
         self._lock = threading.Lock()
 
     # -- scopes and counting ----------------------------------------------------------------------
@@ -138,6 +140,12 @@ class ReadbackRecorder:
         execution_mode: str = "eager",
         provenance: dict[str, Any] | None = None,
     ) -> None:
+        if fallback_reason is None and not provenance:
+            rec = self._checked.get((module, op, backend_id, contract_id, execution_mode))
+            if rec is not None:  # this exact report passed the policy before and is the op's main record
+                with self._lock:
+                    rec.call_count += 1
+                return
         letter = self.plan.letter(module, self.side)
         is_rlk = backend_id.startswith("rlk.") or contract_id is not None
         if letter == "P" and is_rlk:
@@ -150,6 +158,7 @@ class ReadbackRecorder:
             self._violation(f"{self.framework} {self.side} side of {module} is R but op {op!r} ran the "
                             f"production implementation {backend_id!r}")
         key = (module, op, backend_id)
+        violation = (letter == "P" and is_rlk) or (letter == "R" and (fallback_reason is not None or not is_rlk))
         with self._lock:
             rec = self._ops[module].get(op)
             if rec is None or (rec.backend_id != backend_id and rec.call_count == 0):
@@ -164,6 +173,9 @@ class ReadbackRecorder:
                 rec.fallback, rec.fallback_reason = True, fallback_reason
             if provenance:
                 rec.provenance.update(provenance)
+            if not violation and fallback_reason is None and rec.backend_id == backend_id \
+                    and rec.contract_id == contract_id:
+                self._checked[(module, op, backend_id, contract_id, execution_mode)] = rec
             first = key not in self._logged
             self._logged.add(key)
         if first:

@@ -146,9 +146,18 @@ def unregister_oot() -> None:
 
 
 # -- linear layers and the LM head (class attributes) -------------------------------------------------
+def _linear_module(layer: Any) -> str | None:
+    """The module of a linear layer: bound at model load (:func:`bind_model`), else from its prefix."""
+    module = getattr(layer, "_rlk_linear_module", _UNBOUND)
+    return module_of(getattr(layer, "prefix", "") or "") if module is _UNBOUND else module
+
+
+_UNBOUND = object()
+
+
 def _linear_apply(original):
     def apply(self, layer, x, bias=None):
-        module = module_of(getattr(layer, "prefix", "") or "")
+        module = _linear_module(layer)
         _runtime.note_linear(module)
         rt = _runtime.get()
         if module is None and rt.wanted():
@@ -214,12 +223,15 @@ def uninstall() -> None:
 
 # -- binding norms / activations to modules after the model is built ----------------------------------
 def bind_model(model: torch.nn.Module) -> dict[str, str]:
-    """Name every replaced norm / activation of ``model`` after the module it belongs to; returns
-    ``{layer name: module}``. A replaced layer whose name matches no rule is left unbound (it then
-    fails closed when it runs under a plan with an R module)."""
+    """Name every replaced norm / activation of ``model`` after the module it belongs to (and note each
+    linear layer's module from its prefix, once); returns ``{layer name: module}``. A replaced layer whose
+    name matches no rule is left unbound (it then fails closed when it runs under a plan with an R module)."""
     out: dict[str, str] = {}
     classes = tuple(_CLASSES.values())
     for name, layer in model.named_modules():
+        prefix = getattr(layer, "prefix", None)
+        if isinstance(prefix, str) and hasattr(layer, "quant_method"):  # linear layers: no regex per call
+            layer._rlk_linear_module = module_of(prefix)
         if classes and isinstance(layer, classes):
             module = "attention" if layer._rlk_op == "rope" else module_of(name)
             if name.endswith((".q_norm", ".k_norm")):
