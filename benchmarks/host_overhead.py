@@ -1,6 +1,10 @@
 """Host time per call of rlk's public paths, beside the native alternative (H200 only).
 
-    python benchmarks/host_overhead.py [--profile] [--breakdown]
+    python benchmarks/host_overhead.py [--profile] [--breakdown] [--sections rowwise,linear_eager]
+
+Sections: attention, decode, linear (M=1), rowwise (rms_norm / swiglu / rope at M=64, each backend —
+``rlk.triton`` and, where built, ``rlk.cuda`` — the public op and the native torch expression),
+linear_eager (issue 21's four shapes: the op, each backend, ``F.linear``).
 
 The device benches (harness.time_fns) hide up to ~0.5 ms of host time per call behind a sleep kernel;
 this script measures that host time itself. For each path the GPU is first held busy by a long
@@ -196,16 +200,80 @@ def linear_paths() -> list[tuple[str, str, Callable[[], Any]]]:
             (case, "torch F.linear", lambda: F.linear(x, w))]
 
 
+def _backend_or_none(op: str, backend_id: str, args: tuple) -> Callable[..., Any] | None:
+    """``backend_id``'s implementation of ``op`` where it is available and takes ``args``, else None."""
+    try:
+        b = REGISTRY.get(op, backend_id)
+    except Exception:
+        return None
+    return b.fn if REGISTRY.is_available(b, "cuda")[0] and b.supports(*args)[0] else None
+
+
+def rowwise_paths(m: int = 64) -> list[tuple[str, str, Callable[[], Any]]]:
+    """rms_norm, swiglu and rope at decode-like M: each backend called directly (rlk.triton, rlk.cuda where
+    built), the public op (the registry's choice) and the native torch expression."""
+    from rlk_core.ops import rms_norm, rope, swiglu
+    from rlk_core.ops.rope import reserve_tables
+
+    hq, d, theta = 32, 128, 1e6
+    x, w = randn((m, 4096), seed=11), randn((4096,), seed=12)
+    xs = randn((m, 2 * 12288), seed=13)
+    xr = randn((m, hq, d), seed=14)
+    pos = torch.arange(m, device="cuda", dtype=torch.int64)
+    reserve_tables(xr.device, d, theta, 4096)  # no host sync per call for the table size
+    cases = [
+        ("rms_norm", f"rms_norm {m}x4096", (x, w, 1e-6), lambda: rms_norm(x, w, 1e-6),
+         ("torch F.rms_norm", lambda: F.rms_norm(x, (4096,), w, 1e-6))),
+        ("swiglu", f"swiglu {m}x12288", (xs,), lambda: swiglu(xs),
+         ("torch silu*mul", lambda: F.silu(xs[:, :12288]) * xs[:, 12288:])),
+        ("rope", f"rope {m}x32x128", (xr, pos, theta, d), lambda: rope(xr, pos, theta, d), None),
+    ]
+    out = []
+    for op, case, args, public, native in cases:
+        for bid in ("rlk.triton", "rlk.cuda"):
+            fn = _backend_or_none(op, bid, args)
+            if fn is not None:
+                out.append((case, f"{op} {bid} backend", lambda fn=fn, args=args: fn(*args)))
+        out.append((case, f"{op} op", public))
+        if native is not None:
+            out.append((case, *native))
+    return out
+
+
+def linear_eager_paths() -> list[tuple[str, str, Callable[[], Any]]]:
+    """The four shapes of issue 21 (M, K -> N): the public op (registry's choice), each backend directly, and
+    cuBLAS's F.linear; ``bench_ms`` (0.5 ms head start) is the per-call eager time compared there."""
+    out = []
+    for m, k, n in ((64, 4096, 12288), (64, 12288, 4096), (64, 1024, 3072), (4096, 1024, 3072)):
+        x, w = randn((m, k), seed=20 + k), randn((n, k), seed=21 + n)
+        case = f"linear M={m} {k}->{n}"
+        for bid in ("rlk.triton", "rlk.cuda"):
+            fn = _backend_or_none("linear", bid, (x, w, None))
+            if fn is not None:
+                out.append((case, f"linear {bid} backend", lambda fn=fn, x=x, w=w: fn(x, w, None)))
+        out += [(case, "linear op", lambda x=x, w=w: rlk_linear(x, w)),
+                (case, "torch F.linear", lambda x=x, w=w: F.linear(x, w))]
+    return out
+
+
+SECTIONS = ("attention", "decode", "linear", "rowwise", "linear_eager")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--profile", action="store_true", help="cProfile the autograd backward at L = 2048")
     ap.add_argument("--breakdown", action="store_true", help="host time of the pieces of each attention backend call")
     ap.add_argument("--lengths", default="2048,8192")
+    ap.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated subset of {SECTIONS}")
     args = ap.parse_args()
+    sections = set(args.sections.split(","))
     env = environment()
     rows = []
-    all_paths = [p for n in map(int, args.lengths.split(",")) for p in paths(n)]
-    all_paths += decode_paths(64, 4096) + linear_paths()
+    all_paths = [p for n in map(int, args.lengths.split(",")) for p in paths(n)] if "attention" in sections else []
+    all_paths += decode_paths(64, 4096) if "decode" in sections else []
+    all_paths += linear_paths() if "linear" in sections else []
+    all_paths += rowwise_paths() if "rowwise" in sections else []
+    all_paths += linear_eager_paths() if "linear_eager" in sections else []
     for case, path, fn in all_paths:
         us, syncs = host_us(fn)
         row = {"case": case, "path": path, "host_us": us, "syncs": syncs, "gpu_ms": gpu_ms(fn),

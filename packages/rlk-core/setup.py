@@ -5,10 +5,18 @@ the compiled ops in the repository's ``csrc/`` are built as ``rlk_core._C``. The
 the toolchain (``nvcc`` found, ``torch.version.cuda`` set), never from whether a GPU is present.
 Build with ``pip install --no-build-isolation`` so the installed torch is the one compiled against.
 Set ``RLK_BUILD_EXT=0`` to force a pure-Python install, ``RLK_BUILD_EXT=1`` to fail if it cannot build.
+
+With the extension, the ahead-of-time cubins of ``rlk_core.aot`` (Triton's compiler, no GPU needed) are built
+for each of ``RLK_BUILD_TARGETS`` (default ``cuda:90``) into the package data ``rlk_core/_aot/<target>/``
+(``manifest.json`` + one cubin per variant), ``RLK_BUILD_JOBS`` compiles in parallel (default: the CPU
+count). A failed variant fails the build. The variables are declared in ``rlk_core.envs`` (docs/envvars.md);
+this script reads them directly, as it runs before rlk-core is installed.
 """
 
 import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 from setuptools import setup
@@ -45,8 +53,36 @@ def _cuda_extensions():
         name="rlk_core._C",
         sources=sources,
         extra_compile_args={"cxx": ["-O3"], "nvcc": ["-O3", "-gencode=arch=compute_90a,code=sm_90a"]},
+        libraries=["dl"],
     )
-    return [ext], {"build_ext": BuildExtension}
+
+    class BuildWithCubins(BuildExtension):
+        """The extension, then the AOT cubins of every target into the package data."""
+
+        def run(self) -> None:
+            super().run()
+            root = (HERE / "src") if self.inplace else Path(self.build_lib)
+            for target in aot_targets():
+                build_cubins(target, root / "rlk_core" / "_aot" / target.replace(":", "_"))
+
+    return [ext], {"build_ext": BuildWithCubins}
+
+
+def aot_targets() -> list[str]:
+    raw = os.environ.get("RLK_BUILD_TARGETS", "") or "cuda:90"
+    return [t.strip() for t in raw.split(",") if t.strip()]
+
+
+def build_cubins(target: str, out: Path) -> None:
+    """``python -m rlk_core.aot build`` of this source tree, in a child process (the build's worker pool
+    spawns processes, which must not re-run this script)."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(HERE / "src"), *filter(None, [env.get("PYTHONPATH")])])
+    cmd = [sys.executable, "-m", "rlk_core.aot", "build", "--target", target, "--out", str(out)]
+    if os.environ.get("RLK_BUILD_JOBS"):
+        cmd += ["--jobs", os.environ["RLK_BUILD_JOBS"]]
+    print(f"rlk-core: building the AOT cubins for {target} into {out}")
+    subprocess.run(cmd, env=env, check=True)  # exits non-zero if any variant failed
 
 
 ext_modules, cmdclass = _cuda_extensions()

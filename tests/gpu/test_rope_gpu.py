@@ -22,7 +22,8 @@ def _positions(t: int, seed: int) -> torch.Tensor:
 
 def test_triton_backend_is_selected():
     x, pos = randn((3, 4, 128)), _positions(3, 0)
-    assert REGISTRY.select("rope", "cuda", (x, pos, THETA, 128), strict=True).backend.id == "rlk.triton"
+    # rlk.cuda (the same binaries, AOT-built) where rlk_core._C and the cubins are installed
+    assert REGISTRY.select("rope", "cuda", (x, pos, THETA, 128), strict=True).backend.id in ("rlk.cuda", "rlk.triton")
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])

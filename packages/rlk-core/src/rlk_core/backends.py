@@ -17,7 +17,11 @@ them); what remains per call is each candidate's ``supports(*args)``.
 Strict mode never lets a lower-priority backend stand in silently: where the preferred backend for a
 device (``rlk.triton`` on CUDA) is registered but unavailable — Triton missing, say — running the next
 one is a *fallback*, which an ``R`` side refuses in strict mode and records in audit mode. Otherwise
-one side could run ``rlk.reference`` and the other ``rlk.triton``.
+one side could run ``rlk.reference`` and the other ``rlk.triton``. A backend that runs another backend's
+very binaries (``rlk.cuda``: ``rlk.triton``'s kernels compiled ahead of time, launched from C++) declares
+``same_bits_as``: where it is unavailable or declines a call and that backend runs instead, nothing can
+change bits, so the route is not a fallback (the backend that ran is recorded as always;
+:attr:`Selection.route_reason` says why the preferred one did not).
 """
 
 from __future__ import annotations
@@ -70,6 +74,7 @@ class Backend:
     supports: Callable[..., tuple[bool, str]] = _always
     builtin: bool = False
     origin: str = "rlk-core"
+    same_bits_as: str | None = None  # id of a backend whose binaries this one launches (bitwise equal)
     contract_id: str = field(init=False)
 
     def __post_init__(self) -> None:
@@ -82,6 +87,7 @@ class Backend:
 class Selection:
     backend: Backend
     fallback_reason: str | None  # why a preferred backend did not run, or None
+    route_reason: str | None = None  # why a bitwise-equal preferred backend (same_bits_as) did not run
 
 
 class BackendRegistry:
@@ -191,8 +197,11 @@ class BackendRegistry:
             registered = [b for b in self.backends(op) if device_type in b.devices]
             available = [b for b in registered if self.is_available(b, device_type)[0]]
             missing = None
-            if registered and available and available[0] is not registered[0]:
-                first = registered[0]
+            # an unavailable backend whose bits another registered one gives is no loss: skip it
+            ids = {b.id for b in available}
+            preferred = [b for b in registered if b.id in ids or b.same_bits_as not in ids]
+            if preferred and available and available[0] is not preferred[0]:
+                first = preferred[0]
                 missing = f"{first.id} unavailable: {self.is_available(first, device_type)[1]}"
             hit = (available, missing)
         self._candidates[key] = hit
@@ -214,8 +223,12 @@ class BackendRegistry:
     def select(self, op: str, device_type: str, args: Sequence[Any], strict: bool) -> Selection:
         candidates, missing = self._ordered(op, device_type)
         reasons: list[str] = [missing] if missing else []
+        declined: list[tuple[Backend, str]] = []  # by backends that declare same_bits_as
         for backend in candidates:
             ok, why = backend.supports(*args)
+            if not ok and backend.same_bits_as is not None:
+                declined.append((backend, f"{backend.id}: {why}"))
+                continue
             if ok:
                 qualified, qwhy = self.qualify(backend, device_type)
                 if not qualified:
@@ -226,8 +239,11 @@ class BackendRegistry:
                         )
                     reasons.append(f"{backend.id}: not qualified ({qwhy})")
                     continue
-                return Selection(backend, "; ".join(reasons) or None)
+                quiet = [r for b, r in declined if b.same_bits_as == backend.id]
+                reasons += [r for b, r in declined if b.same_bits_as != backend.id]
+                return Selection(backend, "; ".join(reasons) or None, "; ".join(quiet) or None)
             reasons.append(f"{backend.id}: {why}")
+        reasons += [r for _, r in declined]
         raise RlkBackendError(
             f"no backend can run op {op!r} on {device_type}: " + ("; ".join(reasons) or "none registered")
         )

@@ -81,6 +81,20 @@ def _text(raw: str, var: EnvVar) -> str:
     return value
 
 
+def _count(raw: str, var: EnvVar) -> int:
+    value = raw.strip()
+    if not value.isdigit() or int(value) < 1:
+        raise var.error(raw)
+    return int(value)
+
+
+def _targets(raw: str, var: EnvVar) -> tuple[str, ...]:
+    items = tuple(t.strip() for t in raw.split(",") if t.strip())
+    if not all(t.count(":") == 1 and all(t.split(":")) for t in items):
+        raise var.error(raw)
+    return items
+
+
 def _backend_overrides(raw: str, var: EnvVar) -> dict[str, str]:
     out: dict[str, str] = {}
     for item in raw.split(","):
@@ -136,6 +150,21 @@ ENV_VARS: tuple[EnvVar, ...] = (
            "auto: run them when those tensors are on the CPU; on a GPU each costs a device sync per call, so "
            "they run there only with 'always' (shape, dtype and device checks always run).",
            ("auto", "always", "never")),
+    EnvVar("RLK_AOT_DIR", _path, None,
+           "rlk.cuda: the folder holding the AOT manifest.json and cubins (python -m rlk_core.aot build --out DIR). "
+           "Unset: the package data rlk_core/_aot/<target>/ installed with the extension.",
+           allowed_doc="a directory path"),
+    EnvVar("RLK_BUILD_EXT", _choice, "auto",
+           "Build time (packages/rlk-core/setup.py): build the C++ extension rlk_core._C and the AOT cubins. "
+           "auto: when torch is a CUDA build and nvcc is found; 1: fail if that is not so; 0: pure Python.",
+           ("auto", "1", "0")),
+    EnvVar("RLK_BUILD_TARGETS", _targets, ("cuda:90",),
+           "Build time: the AOT targets whose cubins setup.py builds into rlk_core/_aot/<target>/ with the "
+           "extension (rlk_core.aot.build.TARGETS); empty string: the default.",
+           allowed_doc="comma-separated targets, e.g. `cuda:90`"),
+    EnvVar("RLK_BUILD_JOBS", _count, None,
+           "Build time: parallel compiles of the AOT build. Unset: the CPU count.",
+           allowed_doc="a positive integer"),
     EnvVar("RLK_REQUIRE_GPU", _bool, False,
            "Tests: turn the skip of a 'gpu' test on a machine without a GPU into a failure.",
            ("1", "0", "true", "false")),

@@ -95,3 +95,7 @@ REGISTRY.register(Backend("rlk.reference", "linear", linear_reference, devices=(
 from rlk_core.ops._triton_common import triton_backend  # noqa: E402  (imports no Triton until used on CUDA)
 
 REGISTRY.register(triton_backend("linear"))
+
+from rlk_core.ops._cuda_common import cuda_backend  # noqa: E402  (imports neither Triton nor the extension)
+
+REGISTRY.register(cuda_backend("linear"))

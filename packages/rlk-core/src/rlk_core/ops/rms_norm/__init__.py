@@ -63,3 +63,7 @@ REGISTRY.register(Backend("rlk.reference", "rms_norm", rms_norm_reference, devic
 from rlk_core.ops._triton_common import triton_backend  # noqa: E402  (imports no Triton until used on CUDA)
 
 REGISTRY.register(triton_backend("rms_norm"))
+
+from rlk_core.ops._cuda_common import cuda_backend  # noqa: E402  (imports neither Triton nor the extension)
+
+REGISTRY.register(cuda_backend("rms_norm"))

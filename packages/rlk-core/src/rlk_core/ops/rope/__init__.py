@@ -87,3 +87,7 @@ __all__ = ["rope", "rope_cos_sin"]
 from rlk_core.ops._triton_common import triton_backend  # noqa: E402  (imports no Triton until used on CUDA)
 
 REGISTRY.register(triton_backend("rope"))
+
+from rlk_core.ops._cuda_common import cuda_backend  # noqa: E402  (imports neither Triton nor the extension)
+
+REGISTRY.register(cuda_backend("rope"))

@@ -53,3 +53,7 @@ REGISTRY.register(Backend("rlk.reference", "swiglu", swiglu_reference, devices=(
 from rlk_core.ops._triton_common import triton_backend  # noqa: E402  (imports no Triton until used on CUDA)
 
 REGISTRY.register(triton_backend("swiglu"))
+
+from rlk_core.ops._cuda_common import cuda_backend  # noqa: E402  (imports neither Triton nor the extension)
+
+REGISTRY.register(cuda_backend("swiglu"))

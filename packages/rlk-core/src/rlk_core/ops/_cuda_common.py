@@ -1,0 +1,234 @@
+"""Shared plumbing of the compiled backend ``rlk.cuda``: the AOT cubins of :mod:`rlk_core.aot` launched by
+the C++ extension ``rlk_core._C`` (``csrc/rlk_cuda.cpp``).
+
+``rlk.cuda`` runs the very binaries ``rlk.triton``'s JIT compiles — the same kernel sources, constexprs,
+launch options and layout specialisation, built ahead of time by ``triton.compile`` — so its bits are
+``rlk.triton``'s (the GPU suite compares them with ``torch.equal``). A launch is served only by a variant
+whose specialisation is the one the JIT would compile for it:
+
+- ``aligned`` — every pointer 16-byte aligned and every integer argument the kernel specialises divisible
+  by 16 (the JIT's binary for exactly that pattern);
+- ``generic`` — nothing assumed; another binary than the JIT's for a partly aligned launch, so used only
+  for ops in :data:`GENERIC_BITWISE` (elementwise kernels with no reduction, whose bits cannot depend on
+  vector width — checked bitwise on the GPU by ``tests/gpu/test_cuda_backend_gpu.py``).
+
+Every other launch (integers past int32, a layout the rule above does not cover, a shape no variant was
+built for: see the manifest's ``not_built``) is declined by ``supports`` and runs on ``rlk.triton``:
+``rlk.cuda`` declares ``same_bits_as="rlk.triton"``, so that route is recorded as the backend that ran,
+not as a fallback (the registry's strict mode refuses fallbacks that could change bits; this one cannot).
+
+The manifest is found under ``RLK_AOT_DIR`` or the package data ``rlk_core/_aot/<target>/`` that
+``setup.py`` installs with the extension. Variants are loaded on first use per device and cached.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import threading
+from pathlib import Path
+from typing import Any
+
+from rlk_core import envs
+from rlk_core.backends import Backend
+
+BACKEND_ID = "rlk.cuda"
+PRIORITY = 20  # above rlk.triton (10): preferred where it can serve
+TARGETS = {(9, 0): "cuda:90"}  # device capability -> AOT target whose cubins run there
+GENERIC_BITWISE = frozenset({"swiglu", "rope"})
+I32_MAX = 2**31 - 1
+_LOCK = threading.Lock()
+
+
+def target_dir_name(target: str) -> str:
+    """``cuda:90`` -> ``cuda_90`` (the package-data folder)."""
+    return target.replace(":", "_")
+
+
+def aot_dir(target: str) -> Path:
+    """Where the manifest and cubins of ``target`` are: ``$RLK_AOT_DIR`` (a build's output folder) or the
+    installed package data."""
+    override = envs.get("RLK_AOT_DIR")
+    if override:
+        return Path(override)
+    return Path(__file__).resolve().parent.parent / "_aot" / target_dir_name(target)
+
+
+def param_codes(entry: dict[str, Any]) -> tuple[str, list[list[int]]]:
+    """The launcher's parameter codes of a manifest entry and its descriptors' encodings.
+
+    One code per non-constexpr argument of the Triton signature, in order: ``p`` pointer, ``i`` int32,
+    ``l`` int64, ``f`` fp32, ``D`` TMA descriptor (the C++ side expands it to the ``CUtensorMap``, shape and
+    strides the cubin takes). The cubin's parameter list (``params``) is checked against that expansion,
+    the two scratch pointers last. Descriptor encodings: ``[box0, box1, swizzle, elem_size, elem_type]``
+    from ``tensordesc_meta`` (``elem_type`` in the device enum; ``rlk_core._C`` maps it as Triton does)."""
+    codes, expanded, descs = [], [], []
+    metas = iter(entry.get("tensordesc_meta") or [])
+    for arg in entry["signature"]:
+        ty = arg["type"]
+        if ty == "constexpr":
+            continue
+        if ty.startswith("*"):
+            codes.append("p")
+            expanded.append(ty)
+        elif ty in ("i32", "i64", "fp32"):
+            codes.append({"i32": "i", "i64": "l", "fp32": "f"}[ty])
+            expanded.append(ty)
+        elif ty.startswith("tensordesc"):
+            meta = next(metas)
+            if meta is None or meta.get("fp4_padded"):
+                raise ValueError(f"{entry.get('variant')}: descriptor {arg['name']} is not a plain TMA descriptor")
+            block = list(meta["block_size"])
+            if len(block) != 2:
+                raise ValueError(f"{entry.get('variant')}: only 2-D descriptors are launched, got {block}")
+            codes.append("D")
+            expanded += ["CUtensorMap", "i32", "i32", "i64", "i64"]
+            descs.append([*block, meta["swizzle"], meta["elem_size"], meta["elem_type"]])
+        else:
+            raise ValueError(f"{entry.get('variant')}: argument {arg['name']} of type {ty} has no launcher code")
+    params = [p["type"] for p in entry["params"]]
+    if params != expanded + ["*i8", "*i8"]:
+        raise ValueError(
+            f"{entry.get('variant')}: the cubin's parameters {params} are not the launcher's "
+            f"{expanded} + two scratch pointers"
+        )
+    return "".join(codes), descs
+
+
+def variant_key(kernel: str, dtype: str, layout: str, constexprs: dict[str, Any]) -> tuple:
+    return (kernel, dtype, layout, json.dumps(sorted(constexprs.items())))
+
+
+def index(manifest: dict[str, Any]) -> dict[tuple, dict[str, Any]]:
+    """The manifest's variants by :func:`variant_key`; entries that need scratch memory, clusters or a
+    parameter the launcher cannot pass are left out (those launches go to ``rlk.triton``)."""
+    out = {}
+    for e in manifest["kernels"]:
+        if e.get("global_scratch_size") or e.get("profile_scratch_size") or e.get("num_ctas", 1) != 1:
+            continue
+        try:
+            codes, descs = param_codes(e)
+        except ValueError:
+            continue
+        out[variant_key(e["kernel"], e["dtype"], e["layout"], e["constexprs"])] = {**e, "codes": codes, "descs": descs}
+    return out
+
+
+@functools.cache
+def _manifest(target: str) -> tuple[Path, dict[str, Any], dict[tuple, dict[str, Any]]]:
+    folder = aot_dir(target)
+    manifest = json.loads((folder / "manifest.json").read_text())
+    if manifest.get("target") != target:
+        raise RuntimeError(f"{folder}/manifest.json is for {manifest.get('target')}, not {target}")
+    return folder, manifest, index(manifest)
+
+
+@functools.cache
+def _device_target(device: int) -> str | None:
+    import torch
+
+    return TARGETS.get(torch.cuda.get_device_capability(device))
+
+
+def available() -> tuple[bool, str]:
+    """``(ok, reason)``: ``rlk_core._C`` importable, a CUDA device whose capability has an AOT target, that
+    target's manifest present and built by the installed Triton version's sources (a cubin of other
+    kernel sources would not be ``rlk.triton``'s binary)."""
+    import torch
+
+    if getattr(torch.version, "hip", None) or not torch.cuda.is_available():
+        return False, "no CUDA device"
+    try:
+        from rlk_core import _C  # noqa: F401
+    except ImportError as exc:
+        return False, f"rlk_core._C is not built ({exc}); install rlk-core with a CUDA toolchain"
+    cap = torch.cuda.get_device_capability()
+    target = TARGETS.get(cap)
+    if target is None:
+        return False, f"no AOT target for compute capability {cap} (built: {sorted(TARGETS.values())})"
+    folder = aot_dir(target)
+    if not (folder / "manifest.json").is_file():
+        return False, f"no AOT manifest at {folder} (set RLK_AOT_DIR or install with RLK_BUILD_TARGETS)"
+    try:
+        import triton
+
+        _, manifest, idx = _manifest(target)
+        if manifest["triton_version"] != triton.__version__:
+            return False, (
+                f"cubins built by Triton {manifest['triton_version']}, rlk.triton runs "
+                f"{triton.__version__}: not the same binaries"
+            )
+    except Exception as exc:  # a broken manifest is an unavailable backend, with the reason
+        return False, f"AOT manifest at {folder}: {type(exc).__name__}: {exc}"
+    return True, f"{len(idx)} AOT variants for {target} at {folder}"
+
+
+def lookup(device: int, kernel: str, dtype: str, layout: str, constexprs: dict[str, Any]) -> dict[str, Any] | None:
+    """The manifest entry for these constexprs on ``device``'s target, or None."""
+    target = _device_target(device)
+    if target is None:
+        return None
+    return _manifest(target)[2].get(variant_key(kernel, dtype, layout, constexprs))
+
+
+_HANDLES: dict[tuple[int, str], int] = {}
+
+
+def handle(device: int, entry: dict[str, Any]) -> int:
+    """The loaded variant's handle on ``device`` (loads the cubin on first use)."""
+    key = (device, entry["cubin"])
+    h = _HANDLES.get(key)
+    if h is None:
+        with _LOCK:
+            h = _HANDLES.get(key)
+            if h is None:
+                from rlk_core import _C
+
+                folder = _manifest(_device_target(device))[0]
+                cubin = (folder / entry["cubin"]).read_bytes()
+                h = _C.load(
+                    device,
+                    cubin,
+                    entry["function"],
+                    int(entry["shared_bytes"]),
+                    int(entry["num_warps"]),
+                    bool(entry["launch_pdl"]),
+                    entry["codes"],
+                    entry["descs"],
+                )
+                _HANDLES[key] = h
+    return h
+
+
+def aligned(*tensors_and_ints: Any) -> bool:
+    """The JIT's ``aligned`` pattern: every tensor's data pointer and every integer divisible by 16."""
+    for a in tensors_and_ints:
+        if isinstance(a, int):
+            if a % 16:
+                return False
+        elif a.data_ptr() % 16:
+            return False
+    return True
+
+
+def fits_i32(*ints: int) -> bool:
+    return all(-I32_MAX - 1 <= i <= I32_MAX for i in ints)
+
+
+def cuda_backend(op: str, module: str | None = None, fn: str = "forward", supports: str = "supports") -> Backend:
+    """The ``rlk.cuda`` :class:`Backend` of ``op`` (module default ``rlk_core.ops.<op>.cuda``), bitwise
+    ``rlk.triton``'s: where it declines a call, ``rlk.triton`` runs it and that is not a fallback."""
+    from rlk_core.ops._triton_common import _lazy
+
+    module = module or f"rlk_core.ops.{op}.cuda"
+    return Backend(
+        id=BACKEND_ID,
+        op=op,
+        fn=_lazy(module, fn),
+        devices=("cuda",),
+        priority=PRIORITY,
+        available=available,
+        supports=_lazy(module, supports),
+        builtin=True,
+        same_bits_as="rlk.triton",
+    )

@@ -1,0 +1,163 @@
+"""``linear`` on ``rlk.cuda``: ``rlk.triton``'s GEMM kernels (:mod:`rlk_core.ops.linear.triton`) from their AOT
+cubins, launched by ``rlk_core._C`` — the same tile rule (:func:`rlk_core.ops.linear.tiles.config`, through
+:func:`rlk_core.aot.specs.linear_launch_specs`, the derivation the AOT build is tested against), the same
+persistent grid, TMA descriptors encoded in C++ from the manifest's ``tensordesc_meta``, a row split's
+second launch made with programmatic dependent launch.
+
+The persistent TMA kernel's ``NUM_PROGRAMS`` is a constexpr the JIT sets to ``min(tiles, #SMs)``; the
+build has ``NUM_PROGRAMS = sms`` only (132). With at least ``sms`` tiles that is the JIT's binary; with
+fewer, each program computes one tile and stops either way, with the same per-tile code — served only
+while :data:`SMALL_GRID_BITWISE` (checked on the GPU by ``tests/gpu/test_cuda_backend_gpu.py``).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+
+from rlk_core.aot import specs as S
+from rlk_core.ops import _cuda_common as cc
+from rlk_core.ops._triton_common import has_tma
+from rlk_core.ops.linear import tiles as rule
+
+SMALL_GRID_BITWISE = True
+
+
+@functools.cache
+def _num_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+@functools.cache
+def _manifest_sms(device: int) -> int | None:
+    target = cc._device_target(device)
+    return None if target is None else cc._manifest(target)[1].get("sms")
+
+
+def _flags(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> tuple[bool, str]:
+    """``(tma, layout)`` of a call as the Triton launcher decides them, the output being a fresh contiguous
+    ``[M, N]`` allocation (16-byte aligned: the caching allocator's blocks are 512-byte aligned)."""
+    n, k = w.shape
+    esz = x.element_size()
+    tma = (
+        has_tma(x.device.index)
+        and (n * esz) % 16 == 0
+        and all(t.stride(1) == 1 and (t.stride(0) * esz) % 16 == 0 and t.data_ptr() % 16 == 0 for t in (x, w))
+    )
+    if tma:  # descriptors carry no divisibility; b_ptr (bias, or y as a placeholder), N and K do
+        return True, "aligned" if cc.aligned(n, k) and (b is None or cc.aligned(b)) else "generic"
+    ok = (
+        x.stride(1) == 1
+        and w.stride(1) == 1
+        and cc.aligned(x, w, n, k, x.stride(0), w.stride(0))
+        and (b is None or cc.aligned(b))
+    )
+    return False, "aligned" if ok else "generic"
+
+
+@functools.cache
+def _plan(
+    device: int, dtype: torch.dtype, m: int, n: int, k: int, bias: bool, tma: bool, layout: str
+) -> tuple[tuple[Any, ...], ...] | str:
+    """The launches of one call: ``(row0, row1, handle, grid, names, kind)`` per part, or why none."""
+    sms = _num_sms(device)
+    specs = S.linear_launch_specs(dtype, m, n, k, tma, sms=sms, bias=bias, layout=layout)
+    cfg = rule.config(dtype, m, n, k, tma, sms)
+    rows = cfg.get("SPLIT_ROWS", 0)
+    bounds = [(0, rows), (rows, m)] if rows else [(0, m)]
+    parts = []
+    for (r0, r1), spec in zip(bounds, specs, strict=True):
+        if spec.kernel == "_linear_tma_kernel" and _manifest_sms(device) != sms:
+            return f"the persistent GEMM is built for {_manifest_sms(device)} SMs, the device has {sms}"
+        const = {**dict(spec.constexprs), **{o: 1 for o in spec.ones}}
+        entry = cc.lookup(device, spec.kernel, spec.dtype, layout, const)
+        if entry is None:
+            return f"no AOT variant {spec.name}"
+        c = dict(spec.constexprs)
+        if spec.kernel == "_linear_tma_kernel":
+            tiles = -(-(r1 - r0) // (c["BLOCK_M"] + c["TAIL_M"])) * -(-n // c["BLOCK_N"])
+            if tiles < sms and not SMALL_GRID_BITWISE:
+                return f"{tiles} tiles < {sms} SMs: the JIT builds NUM_PROGRAMS={tiles}, the AOT set {sms}"
+            grid, kind = min(tiles, sms), "tma"
+        else:
+            grid, kind = -(-(r1 - r0) // c["BLOCK_M"]) * -(-n // c["BLOCK_N"]), "ptr"
+        names = tuple(a["name"] for a in entry["signature"] if a["type"] != "constexpr")
+        parts.append((r0, r1, cc.handle(device, entry), grid, names, kind))
+    return tuple(parts)
+
+
+def forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    lead = x.shape[:-1]
+    x2 = x.reshape(lead.numel(), x.shape[-1])
+    m, k = x2.shape
+    n = weight.shape[0]
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m and n:
+        if k == 0:
+            y.copy_(bias.float().expand(m, n) if bias is not None else torch.zeros_like(y))
+        else:
+            tma, layout = _flags(x2, weight, bias)
+            _run(x2, weight, bias, y, _plan(x.device.index, x.dtype, m, n, k, bias is not None, tma, layout))
+    return y.reshape(*lead, n)
+
+
+def _run(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, y: torch.Tensor, plan: tuple) -> None:
+    from rlk_core import _C
+
+    if isinstance(plan, str):
+        raise RuntimeError(f"rlk.cuda linear called on a launch it declines: {plan}")
+    n, k = w.shape
+    for r0, r1, hdl, grid, names, kind in plan:
+        xs, ys = (x, y) if r0 == 0 and r1 == x.shape[0] else (x[r0:r1], y[r0:r1])
+        if kind == "tma":
+            vals = {
+                "x_desc": xs,
+                "w_desc": w,
+                "y_desc": ys,
+                "xt_desc": xs,
+                "yt_desc": ys,
+                "b_ptr": b if b is not None else ys,
+                "M": r1 - r0,
+                "N": n,
+                "K": k,
+            }
+        else:
+            vals = {
+                "x_ptr": xs,
+                "w_ptr": w,
+                "b_ptr": b if b is not None else ys,
+                "y_ptr": ys,
+                "M": r1 - r0,
+                "N": n,
+                "K": k,
+                "stride_xm": xs.stride(0),
+                "stride_xk": xs.stride(1),
+                "stride_wn": w.stride(0),
+                "stride_wk": w.stride(1),
+                "stride_ym": ys.stride(0),
+                "stride_yn": ys.stride(1),
+            }
+        _C.launch(hdl, grid, 1, 1, *[vals[a] for a in names])
+
+
+def supports(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> tuple[bool, str]:
+    if x.dtype not in S.TRITON_TYPE or weight.dtype != x.dtype or (bias is not None and bias.dtype != x.dtype):
+        return False, f"no AOT variant for x {x.dtype}, weight {weight.dtype}, bias {getattr(bias, 'dtype', None)}"
+    if bias is not None and bias.stride(0) != 1:
+        return False, "bias with a non-unit stride"
+    x2 = x.reshape(x.shape[:-1].numel(), x.shape[-1])
+    m, k = x2.shape
+    n = weight.shape[0]
+    if m == 0 or n == 0 or k == 0:
+        return True, ""
+    if not cc.fits_i32(m, n, k, x2.stride(0), weight.stride(0), m * n, m * k, n * k):
+        return False, "sizes past int32 (the JIT's i64 variant)"
+    tma, layout = _flags(x2, weight, bias)
+    if layout == "generic" and "linear" not in cc.GENERIC_BITWISE:
+        return False, "operands not 16-byte aligned / sizes not multiples of 16: the JIT's own variant serves"
+    plan = _plan(x.device.index, x.dtype, m, n, k, bias is not None, tma, layout)
+    if isinstance(plan, str):
+        return False, plan
+    return True, ""

@@ -1,0 +1,60 @@
+"""``rms_norm`` on ``rlk.cuda``: ``rlk.triton``'s kernel (:mod:`rlk_core.ops.rms_norm.triton`) from its AOT
+cubin, launched by ``rlk_core._C``. Same preparation, config and grid as the Triton launcher."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from rlk_core.aot.specs import TRITON_TYPE
+from rlk_core.ops import _cuda_common as cc
+from rlk_core.ops.rms_norm import triton as tr
+
+KERNEL = "_rms_norm_fwd_kernel"
+
+
+@functools.cache
+def _variant(device: int, dtype: torch.dtype, wdtype: torch.dtype, h: int, layout: str) -> tuple[int, int] | None:
+    c = tr.config(h)
+    name = TRITON_TYPE[dtype] if wdtype == dtype else f"{TRITON_TYPE[dtype]},w={TRITON_TYPE[wdtype]}"
+    entry = cc.lookup(device, KERNEL, name, layout, {"BLOCK_H": c["BLOCK_H"], "ROWS": c["ROWS"]})
+    return None if entry is None else (cc.handle(device, entry), c["ROWS"])
+
+
+def _prepare(x: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, str]:
+    h = x.shape[-1]
+    x2 = x.reshape(-1, h)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    w = weight if weight.stride(0) == 1 else weight.contiguous()
+    return x2, w, "aligned" if cc.aligned(x2, w, h, x2.stride(0)) else "generic"
+
+
+def forward(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    x2, w, layout = _prepare(x, weight)
+    m, h = x2.shape
+    y = torch.empty((m, h), dtype=x.dtype, device=x.device)
+    if m > 0:
+        layout = layout if y.data_ptr() % 16 == 0 else "generic"
+        hdl, rows = _variant(x.device.index, x.dtype, w.dtype, h, layout)
+        from rlk_core import _C
+
+        _C.launch(hdl, -(-m // rows), 1, 1, x2, w, y, m, h, x2.stride(0), y.stride(0), eps)
+    return y.reshape(x.shape)
+
+
+def supports(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[bool, str]:
+    if x.dtype not in TRITON_TYPE or weight.dtype not in (x.dtype, torch.float32):
+        return False, f"no AOT variant for x {x.dtype}, weight {weight.dtype}"
+    h = x.shape[-1]
+    if h > tr.MAX_H:
+        return False, f"H={h} > {tr.MAX_H}"
+    x2, _, layout = _prepare(x, weight)  # the output is a fresh, 16-byte aligned allocation
+    if not cc.fits_i32(x2.shape[0], h, x2.stride(0), x2.shape[0] * h):
+        return False, "sizes past int32 (the JIT's i64 variant)"
+    if layout == "generic" and "rms_norm" not in cc.GENERIC_BITWISE:
+        return False, "operands not 16-byte aligned / H not a multiple of 16: the JIT's own variant serves"
+    if _variant(x.device.index, x.dtype, weight.dtype, h, layout) is None:
+        return False, f"no AOT variant for H={h} ({layout})"
+    return True, ""

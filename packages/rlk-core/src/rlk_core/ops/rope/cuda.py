@@ -1,0 +1,113 @@
+"""``rope`` on ``rlk.cuda``: ``rlk.triton``'s kernel (:mod:`rlk_core.ops.rope.triton`) from its AOT cubin,
+launched by ``rlk_core._C``. The same cached cos/sin tables, config and grid as the Triton launcher."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from rlk_core.aot.specs import TRITON_TYPE
+from rlk_core.errors import RlkInputError
+from rlk_core.ops import _cuda_common as cc
+from rlk_core.ops._triton_common import next_pow2
+from rlk_core.ops.rope import triton as tr
+
+KERNEL = "_rope_fwd_kernel"
+
+
+@functools.cache
+def _variant(
+    device: int, dtype: torch.dtype, pos: torch.dtype, nh: int, d: int, r: int, layout: str
+) -> tuple[int, int] | None:
+    c = tr.config(nh, r // 2)
+    const = dict(
+        HALF=r // 2,
+        D=d,
+        R=r,
+        BLOCK_H=c["BLOCK_H"],
+        BLOCK_HALF=c["BLOCK_HALF"],
+        BLOCK_PASS=next_pow2(d - r) if d > r else 0,
+    )
+    name = f"{TRITON_TYPE[dtype]},pos={'i32' if pos == torch.int32 else 'i64'}"
+    entry = cc.lookup(device, KERNEL, name, layout, const)
+    return None if entry is None else (cc.handle(device, entry), c["BLOCK_H"])
+
+
+def _layout(
+    x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, y: torch.Tensor | None
+) -> str:
+    ok = cc.aligned(x, positions, cos, sin, x.shape[1], x.stride(0), x.stride(1))
+    if y is not None:
+        ok = ok and cc.aligned(y, y.stride(0), y.stride(1))
+    return "aligned" if ok else "generic"
+
+
+def launch(
+    x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_dim: int
+) -> torch.Tensor:
+    t, nh, d = x.shape
+    y = torch.empty((t, nh, d), dtype=x.dtype, device=x.device)
+    if t == 0 or nh == 0:
+        return y
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    layout = _layout(x, positions, cos, sin, y)
+    hdl, block_h = _variant(x.device.index, x.dtype, positions.dtype, nh, d, rotary_dim, layout)
+    from rlk_core import _C
+
+    _C.launch(
+        hdl,
+        t,
+        -(-nh // block_h),
+        1,
+        x,
+        positions,
+        cos,
+        sin,
+        y,
+        t,
+        nh,
+        x.stride(0),
+        x.stride(1),
+        y.stride(0),
+        y.stride(1),
+    )
+    return y
+
+
+def forward(x: torch.Tensor, positions: torch.Tensor, theta: float, rotary_dim: int) -> torch.Tensor:
+    if x.shape[0] == 0:
+        return torch.empty_like(x)
+    reserved = tr.reserved_tables(x.device, rotary_dim, theta)
+    if reserved is not None:
+        cos, sin = reserved
+    elif torch.cuda.is_current_stream_capturing():
+        raise RlkInputError(
+            f"rope under CUDA-graph capture: no cos/sin table reserved for rotary_dim={rotary_dim}, "
+            f"theta={theta} on {x.device}; call rlk_core.ops.rope.reserve_tables(device, "
+            "rotary_dim, theta, max_positions) before capturing"
+        )
+    else:  # one host sync for the table size
+        cos, sin = tr.tables(x.device, rotary_dim, theta, int(positions.max()) + 1)
+    return launch(x, positions, cos, sin, rotary_dim)
+
+
+def supports(x: torch.Tensor, positions: torch.Tensor, theta: float, rotary_dim: int) -> tuple[bool, str]:
+    if x.dtype not in TRITON_TYPE or positions.dtype not in (torch.int32, torch.int64):
+        return False, f"no AOT variant for x {x.dtype}, positions {positions.dtype}"
+    t, nh, d = x.shape
+    if t == 0 or nh == 0:
+        return True, ""
+    xs = x if x.stride(-1) == 1 else x.contiguous()
+    if not cc.fits_i32(t, nh, xs.stride(0), xs.stride(1), t * nh * d):
+        return False, "sizes past int32 (the JIT's i64 variant)"
+    if nh >= 65535 * tr.config(nh, rotary_dim // 2)["BLOCK_H"]:
+        return False, "too many heads for the grid"
+    # the tables are 16-byte aligned allocations (rows of rotary_dim/2 fp32 start at their base)
+    layout = "aligned" if cc.aligned(xs, positions, nh, xs.stride(0), xs.stride(1)) else "generic"
+    if layout == "generic" and "rope" not in cc.GENERIC_BITWISE:
+        return False, "operands not 16-byte aligned / sizes not multiples of 16: the JIT's own variant serves"
+    if _variant(x.device.index, x.dtype, positions.dtype, nh, d, rotary_dim, layout) is None:
+        return False, f"no AOT variant for (head_dim, rotary_dim, heads) = ({d}, {rotary_dim}, {nh}) ({layout})"
+    return True, ""

@@ -1,0 +1,257 @@
+"""``rlk.cuda`` on the CPU: the manifest -> launch-table step, each op's variant lookup over every size (against
+a manifest generated from the AOT enumeration), the registry's ``same_bits_as`` routing, availability without
+the extension, and the build variables. The launches themselves are checked on the GPU
+(``tests/gpu/test_cuda_backend_gpu.py``)."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from rlk_core import envs
+from rlk_core.aot import specs as S
+from rlk_core.backends import Backend, BackendRegistry
+from rlk_core.ops import _cuda_common as cc
+from rlk_core.ops import linear as _linear_op  # noqa: F401  (registers the backends)
+
+ROOT = Path(__file__).resolve().parents[2]
+needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
+build = importlib.import_module("rlk_core.aot.build")
+
+
+def _fake_entry(spec: S.Spec) -> dict:
+    """A manifest entry as the build writes it, without compiling: the signature and the cubin's parameter
+    list from the build's own functions, a TMA encoding per descriptor (box as the Triton-level box)."""
+    sig, const, _ = build.triton_signature(spec)
+    metas = [
+        {"swizzle": 3, "elem_size": 2, "elem_type": 10, "block_size": list(box), "fp4_padded": False}
+        for name, ty in sig.items()
+        if ty.startswith("tensordesc")
+        for box in [dict(spec.descriptors)[name]]
+    ]
+    return {
+        "op": spec.op,
+        "kernel": spec.kernel,
+        "dtype": spec.dtype,
+        "layout": spec.layout,
+        "variant": spec.name,
+        "constexprs": const,
+        "signature": [{"name": k, "type": v} for k, v in sig.items()],
+        "params": build.cubin_params(sig, metas),
+        "tensordesc_meta": metas or None,
+        "cubin": f"{spec.kernel}-{abs(hash(spec.key)):x}.cubin",
+        "function": spec.kernel,
+        "num_warps": spec.num_warps,
+        "shared_bytes": 0,
+        "launch_pdl": spec.launch_pdl,
+        "global_scratch_size": 0,
+        "profile_scratch_size": 0,
+        "num_ctas": 1,
+    }
+
+
+@pytest.fixture(scope="module")
+def fake_manifest(tmp_path_factory):
+    pytest.importorskip("triton")
+    folder = tmp_path_factory.mktemp("aot")
+    kernels = [_fake_entry(s) for s in S.enumerate_specs()]
+    manifest = {"format": 1, "target": "cuda:90", "triton_version": "x", "sms": 132, "kernels": kernels}
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+    return folder, manifest
+
+
+@pytest.fixture
+def on_fake_device(fake_manifest, monkeypatch):
+    """Lookups as on an sm_90 device with 132 SMs, handles being the cubin names."""
+    monkeypatch.setenv("RLK_AOT_DIR", str(fake_manifest[0]))
+    cc._manifest.cache_clear()
+    monkeypatch.setattr(cc, "_device_target", lambda device: "cuda:90")
+    monkeypatch.setattr(cc, "handle", lambda device, entry: entry["cubin"])
+    yield fake_manifest[1]
+    cc._manifest.cache_clear()
+    for op in ("rms_norm", "swiglu", "rope"):  # their caches now hold fake handles
+        importlib.import_module(f"rlk_core.ops.{op}.cuda")._variant.cache_clear()
+
+
+def test_param_codes_of_pointer_and_descriptor_kernels():
+    rms = next(s for s in S.rms_norm_specs(torch.bfloat16) if s.layout == "aligned")
+    tma = S.linear_launch_specs(torch.bfloat16, 64, 12288, 4096, True)[0]
+    ptr_aligned = S.linear_launch_specs(torch.bfloat16, 64, 12288, 4096, False)[0]
+    ptr_generic = S.linear_launch_specs(torch.bfloat16, 64, 12288, 4096, False, layout="generic")[0]
+    pytest.importorskip("triton")
+    assert cc.param_codes(_fake_entry(rms)) == ("pppiiiif", [])
+    codes, descs = cc.param_codes(_fake_entry(tma))
+    assert codes == "DDDpiii" and [d[:2] for d in descs] == [[64, 64], [128, 64], [64, 128]]
+    assert cc.param_codes(_fake_entry(ptr_aligned))[0] == "ppppiiiiii"  # unit strides are constexprs
+    assert cc.param_codes(_fake_entry(ptr_generic))[0] == "ppppiiiiiiiii"
+
+
+@needs_triton
+def test_param_codes_refuse_a_parameter_list_they_do_not_produce():
+    entry = _fake_entry(next(iter(S.swiglu_specs(torch.bfloat16))))
+    entry["params"] = entry["params"][:-1]  # one scratch pointer missing
+    with pytest.raises(ValueError, match="scratch"):
+        cc.param_codes(entry)
+    entry = _fake_entry(S.linear_launch_specs(torch.bfloat16, 64, 12288, 4096, True)[0])
+    entry["tensordesc_meta"][0] = None  # a descriptor not lowered to TMA
+    with pytest.raises(ValueError, match="not a plain TMA descriptor"):
+        cc.param_codes(entry)
+
+
+@needs_triton
+def test_index_leaves_out_variants_the_launcher_cannot_run():
+    specs = list(S.swiglu_specs(torch.bfloat16))[:3]
+    entries = [_fake_entry(s) for s in specs]
+    entries[1]["global_scratch_size"] = 64
+    entries[2]["num_ctas"] = 2
+    idx = cc.index({"kernels": entries})
+    assert [e["cubin"] for e in idx.values()] == [entries[0]["cubin"]]
+
+
+def test_rms_norm_swiglu_rope_find_a_variant_for_every_size(on_fake_device):
+    rms = importlib.import_module("rlk_core.ops.rms_norm.cuda")
+    sw = importlib.import_module("rlk_core.ops.swiglu.cuda")
+    rp = importlib.import_module("rlk_core.ops.rope.cuda")
+    for f in (rms._variant, sw._variant, rp._variant):
+        f.cache_clear()
+    found: set[str] = set()
+    for dt in S.DTYPES:
+        for h in sorted({*range(1, 65537, 7), *(1 << i for i in range(17))}):
+            for w in {dt, torch.float32}:
+                for layout in ("aligned", "generic") if h % 16 == 0 else ("generic",):
+                    hit = rms._variant(0, dt, w, h, layout)
+                    assert hit is not None, (dt, w, h, layout)
+                    found.add(hit[0])
+        for inter in sorted({*range(1, 5000, 3), *(1 << i for i in range(13))}):
+            for layout in ("aligned", "generic") if inter % 16 == 0 else ("generic",):
+                hit = sw._variant(0, dt, inter, layout)
+                assert hit is not None, (dt, inter, layout)
+                found.add(hit[0])
+        for d, r in S.ROPE_SHAPES:
+            for nh in range(1, 300):
+                for pos in (torch.int32, torch.int64):
+                    for layout in ("aligned", "generic") if nh % 16 == 0 else ("generic",):
+                        hit = rp._variant(0, dt, pos, nh, d, r, layout)
+                        assert hit is not None, (dt, d, r, nh, layout)
+                        found.add(hit[0])
+    assert rp._variant(0, torch.bfloat16, torch.int64, 8, 96, 96, "generic") is None  # a pair not built
+    names = {e["cubin"] for e in on_fake_device["kernels"] if e["op"] in ("rms_norm", "swiglu")}
+    assert names <= found  # every built row-wise variant is reachable by some size
+
+
+def test_linear_plans_every_launch_of_the_rule(on_fake_device, monkeypatch):
+    lin = importlib.import_module("rlk_core.ops.linear.cuda")
+    monkeypatch.setattr(lin, "_num_sms", lambda index: 132)
+    lin._plan.cache_clear()
+    lin._manifest_sms.cache_clear()
+    try:
+        for dt in S.DTYPES:
+            for m in (1, 16, 64, 100, 129, 1000, 4096, 8192):
+                for n, k in ((12288, 4096), (4096, 12288), (3072, 1024), (151936, 1024), (3072, 1040)):
+                    for bias in (False, True):
+                        for tma in (False, True):
+                            plan = lin._plan(0, dt, m, n, k, bias, tma, "aligned")
+                            assert not isinstance(plan, str), (dt, m, n, k, bias, tma, plan)
+                            assert plan[0][0] == 0 and plan[-1][1] == m
+                            assert all(p[1] == q[0] for p, q in zip(plan, plan[1:]))  # contiguous row parts
+        monkeypatch.setattr(lin, "_num_sms", lambda index: 114)  # an H100 PCIe: NUM_PROGRAMS differs
+        lin._plan.cache_clear()
+        assert "132 SMs" in lin._plan(0, torch.bfloat16, 64, 12288, 4096, False, True, "aligned")
+    finally:
+        lin._plan.cache_clear()
+        lin._manifest_sms.cache_clear()
+
+
+def _registry(peer_ok: bool = True, cuda_ok: bool = True, cuda_takes: bool = True) -> BackendRegistry:
+    reg = BackendRegistry()
+    reg._plugins_loaded = True
+    reg.register(Backend("ref", "rms_norm", lambda *a: "ref", devices=("cpu",), builtin=True))
+    reg.register(
+        Backend(
+            "jit",
+            "rms_norm",
+            lambda *a: "jit",
+            devices=("cpu",),
+            priority=10,
+            builtin=True,
+            available=lambda: (peer_ok, "" if peer_ok else "no triton"),
+        )
+    )
+    reg.register(
+        Backend(
+            "aot",
+            "rms_norm",
+            lambda *a: "aot",
+            devices=("cpu",),
+            priority=20,
+            builtin=True,
+            same_bits_as="jit",
+            available=lambda: (cuda_ok, "" if cuda_ok else "no _C"),
+            supports=lambda *a: (cuda_takes, "" if cuda_takes else "H not a multiple of 16"),
+        )
+    )
+    return reg
+
+
+def test_a_bitwise_peer_taking_a_declined_call_is_no_fallback():
+    sel = _registry(cuda_takes=False).select("rms_norm", "cpu", (), strict=True)
+    assert sel.backend.id == "jit" and sel.fallback_reason is None and "H not a multiple" in sel.route_reason
+    sel = _registry(cuda_ok=False).select("rms_norm", "cpu", (), strict=True)
+    assert sel.backend.id == "jit" and sel.fallback_reason is None
+    assert _registry().select("rms_norm", "cpu", (), strict=True).backend.id == "aot"
+
+
+def test_a_route_past_the_peer_is_still_a_fallback():
+    # negative control: when the peer cannot run either, the reference runs and that is a fallback
+    sel = _registry(peer_ok=False, cuda_ok=False).select("rms_norm", "cpu", (), strict=True)
+    assert sel.backend.id == "ref" and "unavailable" in sel.fallback_reason
+    sel = _registry(peer_ok=False, cuda_takes=False).select("rms_norm", "cpu", (), strict=True)
+    assert sel.backend.id == "ref" and "H not a multiple" in sel.fallback_reason
+    # and without same_bits_as a declined call is a fallback, as before
+    reg = _registry(cuda_takes=False)
+    reg._backends["rms_norm"]["aot"].same_bits_as = None
+    assert reg.select("rms_norm", "cpu", (), strict=True).fallback_reason is not None
+
+
+def test_every_compiled_op_is_registered_beside_its_triton_backend():
+    from rlk_core.backends import REGISTRY
+
+    for op in ("linear", "rms_norm", "swiglu", "rope"):
+        cuda, jit = REGISTRY.get(op, "rlk.cuda"), REGISTRY.get(op, "rlk.triton")
+        assert cuda.contract_id == jit.contract_id and cuda.same_bits_as == "rlk.triton"
+        assert cuda.priority > jit.priority and cuda.devices == ("cuda",)
+
+
+def test_unavailable_without_a_gpu_or_without_the_extension(monkeypatch):
+    ok, why = cc.available()
+    if not torch.cuda.is_available():
+        assert not ok and "no CUDA device" in why
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setitem(__import__("sys").modules, "rlk_core._C", None)  # import fails
+    ok, why = cc.available()
+    assert not ok and "rlk_core._C" in why
+
+
+def test_build_variables_are_declared_and_setup_reads_no_other():
+    names = {v.name for v in envs.ENV_VARS}
+    read = set(re.findall(r"RLK_[A-Z_]+", (ROOT / "packages/rlk-core/setup.py").read_text()))
+    assert read and read <= names, read - names
+    assert envs.get("RLK_BUILD_TARGETS", {"RLK_BUILD_TARGETS": "cuda:90, cuda:100"}) == ("cuda:90", "cuda:100")
+    assert envs.get("RLK_BUILD_JOBS", {"RLK_BUILD_JOBS": "16"}) == 16
+    for var, bad in (("RLK_BUILD_JOBS", "0"), ("RLK_BUILD_TARGETS", "sm90"), ("RLK_BUILD_EXT", "yes")):
+        with pytest.raises(Exception, match=var):
+            envs.get(var, {var: bad})
+
+
+def test_extension_source_passes_what_the_manifest_names():
+    """The C++ launcher's parameter codes are the ones :func:`param_codes` produces."""
+    src = (ROOT / "csrc" / "rlk_cuda.cpp").read_text()
+    assert all(f"case '{c}'" in src for c in "pilfD")
+    assert "CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION" in src
+    assert "CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES" in src
