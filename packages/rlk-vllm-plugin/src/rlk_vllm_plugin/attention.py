@@ -45,12 +45,13 @@ class RlkAttentionMetadata:
 
 def _build_classes() -> dict[str, type]:
     backend_mod = _compat.module("vllm.v1.attention.backend")
-    base_backend = backend_mod.AttentionBackend
-    base_impl = backend_mod.AttentionImpl
-    base_builder = backend_mod.AttentionMetadataBuilder
-    cg = backend_mod.AttentionCGSupport
-    multiple_of = backend_mod.MultipleOf
+    impl = _impl_class(backend_mod.AttentionImpl)
+    builder = _builder_class(backend_mod.AttentionMetadataBuilder, backend_mod.AttentionCGSupport)
+    backend = _backend_class(backend_mod.AttentionBackend, backend_mod.MultipleOf, impl, builder)
+    return {"RlkAttentionBackend": backend, "RlkAttentionMetadataBuilder": builder, "RlkAttentionImpl": impl}
 
+
+def _backend_class(base_backend: type, multiple_of: Any, impl_cls: type, builder_cls: type) -> type:
     class RlkAttentionBackend(base_backend):
         """rlk's attention backend (contract ``rlk.attention.v1``)."""
 
@@ -65,11 +66,11 @@ def _build_classes() -> dict[str, type]:
 
         @staticmethod
         def get_impl_cls():
-            return RlkAttentionImpl
+            return impl_cls
 
         @staticmethod
         def get_builder_cls():
-            return RlkAttentionMetadataBuilder
+            return builder_cls
 
         # the KV layout shim: 0.22 reads these two ...
         @staticmethod
@@ -97,6 +98,10 @@ def _build_classes() -> dict[str, type]:
         def supports_batch_invariance(cls) -> bool:
             return True
 
+    return RlkAttentionBackend
+
+
+def _builder_class(base_builder: type, cg: Any) -> type:
     class RlkAttentionMetadataBuilder(base_builder):
         # FULL_DECODE_ONLY graphs (uniform single-token decode batches); PIECEWISE graphs need nothing
         # from the builder. Mixed batches run attention eagerly between the pieces.
@@ -122,6 +127,10 @@ def _build_classes() -> dict[str, type]:
         def use_cascade_attention(self, *args, **kwargs) -> bool:
             return False
 
+    return RlkAttentionMetadataBuilder
+
+
+def _impl_class(base_impl: type) -> type:
     class RlkAttentionImpl(base_impl):
         def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int | None = None,
                      alibi_slopes=None, sliding_window=None, kv_cache_dtype: str = "auto",
@@ -151,9 +160,7 @@ def _build_classes() -> dict[str, type]:
                 return output.fill_(0)
             return run(attn_metadata, self, query, key, value, kv_cache, output)
 
-    return {"RlkAttentionBackend": RlkAttentionBackend,
-            "RlkAttentionMetadataBuilder": RlkAttentionMetadataBuilder,
-            "RlkAttentionImpl": RlkAttentionImpl}
+    return RlkAttentionImpl
 
 
 def run(md: RlkAttentionMetadata, impl: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
