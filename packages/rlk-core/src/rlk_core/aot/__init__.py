@@ -1,8 +1,8 @@
-"""Ahead-of-time kernels (issue 21, build-time half): every specialisation ``rlk.triton`` can launch,
+"""Ahead-of-time kernels (issue 21): every specialisation ``rlk.triton`` can launch,
 enumerated from the launchers' own rules (:mod:`rlk_core.aot.specs`) and compiled to cubins with a
 manifest (:mod:`rlk_core.aot.build`; ``python -m rlk_core.aot build --target cuda:90 --out DIR``).
 
-Nothing launches these cubins yet: the C++ launcher and the ``rlk.cuda`` backend are the rest of issue 21
+``rlk_core._C`` (``csrc/rlk_cuda.cpp``) launches the cubins as the backend ``rlk.cuda``
 (``docs/compiled-ops.md``). Importing this package imports no Triton.
 """
 

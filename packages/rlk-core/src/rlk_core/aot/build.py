@@ -14,7 +14,7 @@ with the ptxas bundled in the Triton wheel: no GPU, no CUDA toolkit. Output, in 
   and the launches no variant serves (``not_built``). No timestamps: two builds of one tree are
   byte-identical (tested).
 
-Nothing launches these cubins yet (issue 21: the C++ launcher in ``csrc/`` is the next step).
+``rlk_core._C`` (``csrc/rlk_cuda.cpp``) launches them as the backend ``rlk.cuda`` (docs/compiled-ops.md).
 """
 
 from __future__ import annotations
@@ -211,7 +211,7 @@ def build(target: str = "cuda:90", out_dir: str | os.PathLike = "aot-build", spe
         kernels.append(entry)
     manifest = {
         "format": FORMAT, "target": target, "triton_version": triton.__version__, "sms": sms,
-        "note": "built ahead of time by rlk_core.aot; nothing launches these cubins yet (issue 21)",
+        "note": "built ahead of time by rlk_core.aot; launched by rlk_core._C as the backend rlk.cuda",
         "kernels": sorted(kernels, key=lambda e: e["cubin"]),
         "failed": sorted(failed, key=lambda e: e["variant"]),
         "not_built": not_built(sms),
