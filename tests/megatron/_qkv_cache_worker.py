@@ -39,7 +39,6 @@ def main() -> None:
 
 
 def checks() -> dict:
-    import rlk_core.ops as ops
     import rlk_megatron_provider
     from rlk_megatron_provider import _state
     from rlk_megatron_provider.layers import RlkQKVLinear
@@ -99,6 +98,39 @@ def checks() -> dict:
     # ... until the documented call
     rlk_megatron_provider.invalidate_weight_caches()
     out["after_invalidate_equals_uncached"] = same(cached(), uncached())
+    out.update(batch_checks(model, cfg))
+    return out
+
+
+def batch_checks(model, cfg) -> dict:
+    """The core attention's per-batch cache (cu_seqlens read once per batch): a new batch, or the same
+    tensor changed in place, is read again; the same batch is served from the cache."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    from rlk_megatron_provider import attention
+
+    core = model.decoder.layers[0].self_attention.core_attention
+    g = torch.Generator().manual_seed(9)
+    t, hq, hkv, d = 24, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    q, k, v = (torch.randn(t, h, d, generator=g) for h in (hq, hkv, hkv))
+
+    def psp(cu):
+        c = torch.tensor(cu, dtype=torch.int32)
+        return PackedSeqParams(qkv_format="thd", cu_seqlens_q=c, cu_seqlens_kv=c, max_seqlen_q=t, max_seqlen_kv=t)
+
+    def fresh(p):
+        attention._BATCH.clear()
+        return core(q, k, v, None, packed_seq_params=p)
+
+    a, b = psp([0, 8, 24]), psp([0, 16, 24])
+    out_a, out_b = fresh(a), fresh(b)
+    entry = attention._BATCH[0]
+    out = {"batches_differ": not torch.equal(out_a, out_b)}
+    out["same_batch_served_from_cache"] = torch.equal(core(q, k, v, None, packed_seq_params=b), out_b) and \
+        attention._BATCH[0] is entry
+    out["new_batch_read_again"] = torch.equal(core(q, k, v, None, packed_seq_params=a), out_a)
+    a.cu_seqlens_q.copy_(torch.tensor([0, 16, 24], dtype=torch.int32))  # in place: the version counter moves
+    out["inplace_change_read_again"] = torch.equal(core(q, k, v, None, packed_seq_params=a), out_b)
     return out
 
 

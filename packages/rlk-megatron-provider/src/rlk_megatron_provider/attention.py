@@ -162,7 +162,7 @@ def _batch_index(kind: tuple, tensors: tuple, read_cu, cp: int, cp_group, device
     the very ones (same objects, same version counters) of the cached batch (an sbhd batch's causal mask
     is checked once per mask the same way)."""
     key = (*kind, tuple((id(t), t._version) if t is not None else None for t in tensors), cp,
-           cp_group.rank() if cp > 1 else 0, str(device))
+           (id(cp_group), cp_group.rank()) if cp > 1 else None, str(device))
     if _BATCH and _BATCH[0].key == key:
         return _BATCH[0]
     cu = read_cu()
