@@ -29,9 +29,18 @@ deps=(
   "pydantic>=2.12" msgspec "pyzmq>=25" cloudpickle "typing_extensions>=4.10" "filelock>=3.16.1" pyyaml einops
   cbor2 pybase64 setproctitle "prometheus_client>=0.18" sentencepiece regex cachetools psutil "requests>=2.26"
   tqdm blake3 py-cpuinfo packaging "protobuf>=5.29.6,<6.30" "aiohttp>=3.13.3" "openai>=2.0" pillow
-  "fastapi>=0.115" partial-json-parser "gguf>=0.17" "compressed-tensors==0.15.0.1" "depyf==0.20.0" ijson
+  "fastapi>=0.115" partial-json-parser "gguf>=0.17" "depyf==0.20.0" ijson
   watchfiles python-json-logger diskcache==5.6.3 lark==1.2.2 "openai-harmony>=0.0.3"
 )
+# The pins that differ between the versions the plugin supports (each from that wheel's Requires-Dist).
+case "$version" in
+  0.22.*) deps+=("compressed-tensors==0.15.0.1") ;;
+  0.33.*) deps+=("compressed-tensors==0.17.0" "tokenizers>=0.23.2" "aiohttp>=3.14.4" "openai>=2.25.0"
+                 "huggingface_hub>=1.31.0" "starlette>=1.0.1" orjson "oss-harmony>=0.0.11" "xgrammar==0.2.8"
+                 "llguidance>=1.7.0,<1.8.0" "outlines_core==0.2.14" "lm-format-enforcer==0.11.3" tiktoken
+                 "jsonschema>=4.23.0") ;;
+  *) fail "no dependency pins for vLLM $version (known: 0.22.*, 0.33.*)" ;;
+esac
 
 ready() {  # vLLM of the wanted version imports and the test platform plugin is registered
   "$py" - "$version" <<'PY' >/dev/null 2>&1
@@ -50,7 +59,7 @@ fi
 start=$SECONDS
 pip=("$py" -m pip install --disable-pip-version-check -q)
 constraints="$(mktemp -t rlk-vllm-constraints.XXXXXX.txt)"
-echo "torch==$torch_before" > "$constraints"
+echo "torch==${torch_before%%+*}" > "$constraints"  # without a local label (+cu130), which pip cannot match
 [ -n "$numpy_before" ] && echo "numpy==$numpy_before" >> "$constraints"
 
 "${pip[@]}" --no-deps "vllm==$version" >>"$log" 2>&1 || fail "pip install --no-deps vllm==$version failed"
