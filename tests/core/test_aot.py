@@ -1,6 +1,7 @@
 """The ahead-of-time build (issue 21, build-time half): the enumerator covers every launch ``rlk.triton``
 can make, and the builder turns each variant into an sm_90 cubin plus a manifest, on this CPU machine,
-deterministically. These tests check what can be checked without a GPU (launches: tests/gpu/test_cuda_backend_gpu.py)."""
+deterministically. These tests check what can be checked without a GPU (the launches:
+tests/gpu/test_cuda_backend_gpu.py)."""
 
 from __future__ import annotations
 
