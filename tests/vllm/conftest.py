@@ -1,5 +1,6 @@
 """The vLLM suite: real vLLM (``scripts/install-vllm-cpu.sh``) on the CPU, through the test-only platform
-plugin ``tests/vllm/cpu_platform`` (``VLLM_TARGET_DEVICE=cpu``). Every test module is marked ``vllm``
+plugin ``tests/vllm/cpu_platform`` (``RLK_TEST_VLLM_CPU_PLATFORM=1``, ``VLLM_TARGET_DEVICE`` unset: vLLM 0.33 would
+take that as its own CPU platform and skip platform plugins). Every test module is marked ``vllm``
 (``pytestmark``) and skips where vLLM is not importable. Tests that build a model or initialise
 ``torch.distributed`` run in a fresh Python (``run_script``), so nothing they install leaks into the rest
 of the suite."""
@@ -22,7 +23,8 @@ PLAN_VARS = ("RL_KERNEL_ATTENTION_CASE", "RL_KERNEL_FFN_CASE", "RL_KERNEL_LOGP_C
 
 @pytest.fixture(autouse=True)
 def _cpu_platform(monkeypatch):
-    monkeypatch.setenv("VLLM_TARGET_DEVICE", "cpu")
+    monkeypatch.setenv("RLK_TEST_VLLM_CPU_PLATFORM", "1")
+    monkeypatch.delenv("VLLM_TARGET_DEVICE", raising=False)
     for name in PLAN_VARS:
         monkeypatch.delenv(name, raising=False)
 
@@ -60,8 +62,8 @@ def run_script(tmp_path):
     must exit 0 and print ``ok`` last. Returns stdout."""
 
     def run(body: str, env: dict[str, str] | None = None, timeout: int = 600) -> str:
-        full = {k: v for k, v in os.environ.items() if k not in PLAN_VARS}
-        full.update({"VLLM_TARGET_DEVICE": "cpu", "PYTHONWARNINGS": "ignore", **(env or {})})
+        full = {k: v for k, v in os.environ.items() if k not in PLAN_VARS and k != "VLLM_TARGET_DEVICE"}
+        full.update({"RLK_TEST_VLLM_CPU_PLATFORM": "1", "PYTHONWARNINGS": "ignore", **(env or {})})
         proc = subprocess.run([sys.executable, "-c", textwrap.dedent(body)], capture_output=True, text=True,
                               timeout=timeout, env=full, cwd=tmp_path)
         assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stdout[-4000:] + proc.stderr[-6000:]

@@ -85,19 +85,33 @@ def test_strict_refuses_a_vllm_missing_a_hook_target_and_names_it(plugin, monkey
     assert not op_registry_oot
 
 
+def _range_after(version: str) -> tuple[tuple[int, int], tuple[int, int]]:
+    """A supported range that starts just above the installed vLLM (a vLLM older than the plugin knows)."""
+    major, minor = (int(p) for p in version.split(".")[:2])
+    return (major, minor + 1), (major, minor + 9)
+
+
 def test_strict_refuses_an_unsupported_vllm_version(plugin, monkeypatch):
+    import re
+
+    import vllm
+
     from rlk_core.errors import RlkPolicyError
     from rlk_vllm_plugin import _compat
 
-    monkeypatch.setattr(_compat, "SUPPORTED", ((0, 30), (0, 34)))
-    with pytest.raises(RlkPolicyError, match=r"vLLM 0\.22\.0 is outside the supported range 0\.30"):
+    low, _ = _range_after(vllm.__version__)
+    monkeypatch.setattr(_compat, "SUPPORTED", _range_after(vllm.__version__))
+    with pytest.raises(RlkPolicyError, match=f"vLLM {re.escape(vllm.__version__)} is outside the supported range "
+                                             f"{low[0]}\\.{low[1]} <="):
         plugin(ffn="P/R")
 
 
 def test_audit_records_the_refusal_as_a_fallback_and_installs_nothing(plugin, monkeypatch):
+    import vllm
+
     from rlk_vllm_plugin import _compat
 
-    monkeypatch.setattr(_compat, "SUPPORTED", ((0, 30), (0, 34)))
+    monkeypatch.setattr(_compat, "SUPPORTED", _range_after(vllm.__version__))
     rt = plugin(ffn="P/R", mode="audit")
     doc = rt.recorder.to_dict()
     ffn = doc["modules"]["ffn"]
