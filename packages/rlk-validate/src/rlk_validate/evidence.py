@@ -91,6 +91,17 @@ def is_rlk_backend(value: Any, allowed: Any = ()) -> bool:
     return value.startswith(RLK_BACKEND_PREFIX) and len(value) > len(RLK_BACKEND_PREFIX) and value.isprintable()
 
 
+#: backend id -> the backend whose very binaries it launches (``rlk.cuda`` runs ``rlk.triton``'s kernels
+#: compiled ahead of time): the two give the same bits, so a route may mix them (rlk-core's
+#: ``Backend.same_bits_as`` reads this table).
+SAME_BITS_AS = {"rlk.cuda": "rlk.triton"}
+
+
+def bits_of(backend_id: str) -> str:
+    """The backend whose bits ``backend_id`` gives: itself, or what it declares in :data:`SAME_BITS_AS`."""
+    return SAME_BITS_AS.get(backend_id, backend_id)
+
+
 def side_letter(case: str, side: str) -> str:
     """This side's letter of an ``X/Y`` case."""
     return case[0 if side == "train" else 2]

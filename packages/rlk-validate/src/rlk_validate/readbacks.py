@@ -32,6 +32,7 @@ from .evidence import (
     RLK_BACKEND_PREFIX,
     SIDES,
     TARGET_SIDE,
+    bits_of,
     is_member,
     is_rlk_backend,
     readback_name,
@@ -449,8 +450,9 @@ def check_readbacks(
 
 
 def _op_backends(docs: list[tuple[str, dict[str, Any]]], module: str, side: str) -> dict[str, set[str]]:
-    """``{op: {backend_id, ...}}`` over every process of ``side`` for ``module`` (module-level backend
-    under the key ``""`` when a record lists no ops)."""
+    """``{op: {backend, ...}}`` over every process of ``side`` for ``module`` (module-level backend
+    under the key ``""`` when a record lists no ops), each backend as the one whose bits it gives
+    (:func:`~rlk_validate.evidence.bits_of`: ``rlk.cuda`` counts as ``rlk.triton``)."""
     out: dict[str, set[str]] = {}
     for _, doc in docs:
         rec = doc["modules"].get(module) if doc["side"] == side else None
@@ -460,7 +462,7 @@ def _op_backends(docs: list[tuple[str, dict[str, Any]]], module: str, side: str)
         items = ops.items() if isinstance(ops, dict) and ops else [("", rec)]
         for name, op in items:
             if isinstance(op, dict) and isinstance(op.get("backend_id"), str):
-                out.setdefault(name, set()).add(op["backend_id"])
+                out.setdefault(name, set()).add(bits_of(op["backend_id"]))
     return out
 
 

@@ -31,6 +31,7 @@ from typing import Any
 
 from rlk_core import envs
 from rlk_core.backends import Backend
+from rlk_validate.evidence import SAME_BITS_AS
 
 BACKEND_ID = "rlk.cuda"
 PRIORITY = 20  # above rlk.triton (10): preferred where it can serve
@@ -230,5 +231,5 @@ def cuda_backend(op: str, module: str | None = None, fn: str = "forward", suppor
         available=available,
         supports=_lazy(module, supports),
         builtin=True,
-        same_bits_as="rlk.triton",
+        same_bits_as=SAME_BITS_AS[BACKEND_ID],  # the validator reads the same table
     )
