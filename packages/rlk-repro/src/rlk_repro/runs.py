@@ -225,6 +225,27 @@ def bitwise_document(rounds: list[dict[str, Any]], require_exact: bool, fallback
     }
 
 
+def round_metrics(rnd: int, cmp: dict[str, Any], rewards: list[float], train: Any, rollout_tokens: int,
+                  generated: int, rollout_seconds: float, device: torch.device, changed: bool,
+                  samples: int) -> dict[str, Any]:
+    """The fields of one round's ``metrics.jsonl`` row that every engine writes (``train``: the trainer's
+    step result with ``loss``, ``grad_norm``, ``tokens``, ``seconds``); an engine adds its own after them."""
+    return {
+        "schema": evidence.METRICS_SCHEMA, "round": rnd, "compared_tokens": cmp["element_count"],
+        "mismatch_count": cmp["mismatch_count"], "max_abs_diff": cmp["max_abs_diff"],
+        "mean_abs_diff": cmp["mean_abs_diff"], "reward_mean": sum(rewards) / len(rewards),
+        "reward_std": float(torch.tensor(rewards, dtype=torch.float64).std(unbiased=False)),
+        "loss": train.loss, "grad_norm": train.grad_norm,
+        "rollout_tokens_per_s": rollout_tokens / max(rollout_seconds, 1e-9),
+        "rollout_generated_tokens_per_s": generated / max(rollout_seconds, 1e-9),
+        "train_tokens_per_s": train.tokens / max(train.seconds, 1e-9),
+        "rollout_seconds": rollout_seconds, "train_seconds": train.seconds,
+        "rollout_tokens": rollout_tokens, "train_tokens": train.tokens,
+        "peak_memory_bytes": peak_memory_bytes(device), "weights_changed": changed,
+        "samples": samples, "response_tokens": generated,
+    }
+
+
 def peak_memory_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         return int(torch.cuda.max_memory_allocated(device))

@@ -303,18 +303,9 @@ class _Run:
         sync = self.vllm.load_weights(self.trainer.hf_weights())
         changed = sync["changed"] > 0
         row = {
-            "schema": evidence.METRICS_SCHEMA, "round": rnd, "compared_tokens": cmp["element_count"],
-            "mismatch_count": cmp["mismatch_count"], "max_abs_diff": cmp["max_abs_diff"],
-            "mean_abs_diff": cmp["mean_abs_diff"], "reward_mean": sum(rewards) / len(rewards),
-            "reward_std": float(torch.tensor(rewards, dtype=torch.float64).std(unbiased=False)),
-            "loss": res.loss, "grad_norm": res.grad_norm,
-            "rollout_tokens_per_s": (roll.prompt_tokens + roll.generated) / max(roll.seconds, 1e-9),
-            "rollout_generated_tokens_per_s": roll.generated / max(roll.seconds, 1e-9),
-            "train_tokens_per_s": res.tokens / max(res.seconds, 1e-9),
-            "rollout_seconds": roll.seconds, "train_seconds": res.seconds, "weight_sync_seconds": sync["seconds"],
-            "rollout_tokens": roll.prompt_tokens + roll.generated, "train_tokens": res.tokens,
-            "peak_memory_bytes": runs.peak_memory_bytes(self.device), "weights_changed": changed,
-            "vllm_parameters_changed": sync["changed"], "samples": len(comps), "response_tokens": roll.generated,
+            **runs.round_metrics(rnd, cmp, rewards, res, roll.prompt_tokens + roll.generated, roll.generated,
+                                 roll.seconds, self.device, changed, len(comps)),
+            "weight_sync_seconds": sync["seconds"], "vllm_parameters_changed": sync["changed"],
             "eos_finished": sum(c.finish_reason == "stop" for c in comps),
         }
         if self.lead:

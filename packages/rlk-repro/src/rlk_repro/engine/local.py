@@ -270,18 +270,8 @@ def _round(cfg: LocalRunConfig, ses: _Session, run_dir: Path, rnd: int) -> dict[
     changed = ses.engine.load_weights(ses.trainer.export_weights())
     device = ses.trainer.device
     row = {
-        "schema": evidence.METRICS_SCHEMA, "round": rnd, "compared_tokens": cmp["element_count"],
-        "mismatch_count": cmp["mismatch_count"], "max_abs_diff": cmp["max_abs_diff"],
-        "mean_abs_diff": cmp["mean_abs_diff"], "reward_mean": sum(rewards) / len(rewards),
-        "reward_std": float(torch.tensor(rewards, dtype=torch.float64).std(unbiased=False)),
-        "loss": res.loss, "grad_norm": res.grad_norm,
-        "rollout_tokens_per_s": stats.tokens / max(stats.seconds, 1e-9),
-        "rollout_generated_tokens_per_s": stats.generated / max(stats.seconds, 1e-9),
-        "train_tokens_per_s": res.tokens / max(res.seconds, 1e-9),
-        "rollout_seconds": stats.seconds, "train_seconds": res.seconds,
-        "rollout_tokens": stats.tokens, "train_tokens": res.tokens,
-        "peak_memory_bytes": runs.peak_memory_bytes(device), "weights_changed": changed,
-        "samples": len(requests), "response_tokens": stats.generated,
+        **runs.round_metrics(rnd, cmp, rewards, res, stats.tokens, stats.generated, stats.seconds, device, changed,
+                             len(requests)),
         "rollout_steps": stats.steps, "batch_composition_changes": stats.composition_changes,
         "max_batch": stats.max_batch, "chunked_prompts": stats.chunked_prompts,
         "decode_steps": stats.decode_calls, "prefill_steps": stats.prefill_calls,
