@@ -271,3 +271,32 @@ def test_v1_runner_logprobs_are_refused_under_logp_r(plugin):
     plugin(logp="P/R")
     with pytest.raises(RlkPolicyError, match="V1 runner"):
         Sampler.compute_logprobs(torch.zeros(2, 8))
+
+
+def test_sampler_add_request_checks_the_request_with_the_installed_vllms_arguments(plugin):
+    """vLLM's Model Runner V2 calls ``Sampler.add_request(req_idx, prompt_len, sampling_params)`` in 0.22 and
+    ``add_request(req_idx, sampling_params)`` in 0.33: the wrapper finds the request's parameters by name and
+    passes every argument through unchanged."""
+    import inspect
+    from unittest import mock
+
+    from vllm import SamplingParams
+    from vllm.v1.worker.gpu.sample.sampler import Sampler
+
+    from rlk_core.errors import RlkPolicyError
+
+    plugin(logp="P/R")
+    names = list(inspect.signature(Sampler.add_request._rlk_original).parameters)[1:]  # as the runner calls it
+    assert names[0] == "req_idx" and names[-1] == "sampling_params", names
+
+    def call(sp):
+        stub = mock.MagicMock()
+        Sampler.add_request(stub, *[{"req_idx": 3, "prompt_len": 11, "sampling_params": sp}[n] for n in names])
+        return stub
+
+    with pytest.raises(RlkPolicyError, match="top_p=0.9"):
+        call(SamplingParams(top_p=0.9, logprobs=0))
+    sp = SamplingParams(temperature=0.8, logprobs=0)
+    stub = call(sp)  # accepted: vLLM's own add_request ran with the same arguments
+    stub.sampling_states.add_request.assert_called_once_with(3, sp)
+    stub.logprob_token_ids_state.add_request.assert_called_once_with(3, sp)

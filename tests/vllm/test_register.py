@@ -130,3 +130,16 @@ def test_readback_lists_the_installed_hooks(plugin, tmp_path):
     assert {"oot.RMSNorm", "oot.SiluAndMul", "oot.RotaryEmbedding", "linear", "lm_head", "logprobs",
             "tp_all_reduce", "attention_backend.CUSTOM", "model_loader"} <= names, names
     assert doc["framework"] == "vllm" and doc["side"] == "rollout"
+
+
+def test_strict_refuses_a_hook_target_whose_signature_lost_a_parameter(plugin, monkeypatch):
+    from vllm.v1.worker.gpu.sample.sampler import Sampler
+
+    from rlk_core.errors import RlkPolicyError
+
+    monkeypatch.setattr(Sampler, "add_request", lambda self, req_idx, params: None)  # a renamed parameter
+    with pytest.raises(RlkPolicyError, match=r"lacks: .*Sampler\.add_request \(signature: no parameter "
+                                             r"'sampling_params'\)"):
+        plugin(logp="P/R")
+    from vllm.model_executor.custom_op import op_registry_oot
+    assert not op_registry_oot

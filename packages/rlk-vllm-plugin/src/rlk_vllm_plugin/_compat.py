@@ -13,17 +13,28 @@ Known differences handled here (see ``shared/reference/vllm.md`` §10):
 - ``get_supported_kernel_block_sizes``: no argument in 0.22, ``(kv_cache_spec=None)`` in 0.33.
 - The batch-invariant module moved from ``layers/`` (0.22) to ``determinism/`` (0.33).
 - 0.33's ``prompt_logprob`` module binds ``compute_token_logprobs`` by name; 0.22's does not.
+- MRv2 ``Sampler.add_request``: ``(req_idx, prompt_len, sampling_params)`` in 0.22, ``(req_idx,
+  sampling_params)`` in 0.33: a wrapper finds an argument by name in the signature (:func:`argument`), and a
+  target lacking the parameter (:data:`PARAMETERS`) is a missing target.
+- ``SiluAndMul`` on the CPU platform: 0.22 forces the eager ``forward_native``; 0.33 lets ``CustomOp``
+  compile it (``maybe_compile``) when the op is disabled under a compiling config. Nothing to shim (the
+  out-of-tree class inherits the dispatch), but the readback then shows compiled call sites for it.
+- CPU platform: 0.33 packs bf16 linear weights for its sgl-kernel GEMM on any AMX CPU (0.22 only with
+  ``VLLM_CPU_SGL_KERNEL=1``); the weight is then emptied and an R linear layer is a violation (rlk cannot
+  run it). Production runs on CUDA, where neither version packs.
 """
 
 from __future__ import annotations
 
 import importlib
+import inspect
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
 
 SUPPORTED = ((0, 22), (0, 34))  # [low, high) on (major, minor)
-VERIFIED = ("0.22.0",)  # versions the CPU suite ran against (tests/vllm)
+VERIFIED = ("0.22.0", "0.33.0")  # versions the CPU suite ran against (tests/vllm; scripts/test-vllm-033.sh)
 
 # The hook targets, by the module of the route plan that needs them: "module:attribute" (a dotted
 # attribute path after the colon). A target missing from the installed vLLM is named in the refusal.
@@ -63,6 +74,11 @@ TARGETS: dict[str, tuple[str, ...]] = {
     "tp": (
         "vllm.distributed.parallel_state:GroupCoordinator._all_reduce_out_place",
     ),
+}
+
+# Parameters (by name) a wrapped target must take: a target whose signature lacks one is named as missing.
+PARAMETERS: dict[str, tuple[str, ...]] = {
+    "vllm.v1.worker.gpu.sample.sampler:Sampler.add_request": ("sampling_params",),
 }
 
 
@@ -120,12 +136,34 @@ def probe(groups: tuple[str, ...]) -> Probe:
                 p.found[target] = _resolve(target)
             except (ImportError, AttributeError) as exc:
                 p.missing.append(f"{target} ({type(exc).__name__}: {exc})")
+                continue
+            lacking = [n for n in PARAMETERS.get(target, ()) if n not in _parameters(p.found[target])]
+            if lacking:
+                del p.found[target]
+                p.missing.append(f"{target} (signature: no parameter {', '.join(map(repr, lacking))})")
     p.features = {
         "kv_cache_layout": _importable("vllm.v1.kv_cache_layout"),
         "prompt_logprob_binding": _has("vllm.v1.worker.gpu.sample.prompt_logprob", "compute_token_logprobs"),
         "bi_module_determinism": _importable("vllm.model_executor.determinism.batch_invariant"),
     }
     return p
+
+
+def _parameters(fn: Any) -> tuple[str, ...]:
+    try:
+        return tuple(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        return ()
+
+
+def argument(fn: Any, name: str) -> Callable[[tuple, dict], Any]:
+    """``get(args, kwargs)``: the value of ``fn``'s parameter ``name`` in a call ``fn(*args, **kwargs)`` (``args``
+    including ``self`` for a method), located by name in ``fn``'s signature once."""
+    index = _parameters(fn).index(name)
+
+    def get(args: tuple, kwargs: dict) -> Any:
+        return kwargs[name] if name in kwargs else args[index]
+    return get
 
 
 def _importable(name: str) -> bool:

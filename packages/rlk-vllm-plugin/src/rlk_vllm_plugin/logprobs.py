@@ -102,11 +102,15 @@ def check_request(sp: Any, rt: _runtime.Runtime) -> None:
 
 
 def _add_request(original):
-    def add_request(self, req_idx, prompt_len, sampling_params):
+    """``Sampler.add_request``: 0.22 ``(req_idx, prompt_len, sampling_params)``, 0.33 ``(req_idx,
+    sampling_params)``; the request's parameters are found by name, every argument passes through."""
+    sampling_params = _compat.argument(original, "sampling_params")
+
+    def add_request(self, *args, **kwargs):
         rt = _runtime.get()
         if rt.r("logp"):
-            check_request(sampling_params, rt)
-        return original(self, req_idx, prompt_len, sampling_params)
+            check_request(sampling_params((self, *args), kwargs), rt)
+        return original(self, *args, **kwargs)
     add_request._rlk_original = original
     return add_request
 
