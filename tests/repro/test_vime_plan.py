@@ -169,3 +169,86 @@ def test_plan_local_unchanged(capsys) -> None:
 def test_vime_module_imports_no_torch() -> None:
     code = "import sys, rlk_repro.vime; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([__import__("sys").executable, "-c", code], check=True)
+
+
+# -- step 4 of the script: gathering the nodes' readbacks and records -------------------------------------
+FAKE_REMOTE = r'''
+ssh() { cat "$NODES_ROOT/$1/hostname"; }
+scp() {  # NODE:PATH -> $NODES_ROOT/NODE/PATH (globbed, as the remote shell would), then cp with scp's flags
+  local args=() a f
+  for a in "$@"; do
+    case "$a" in
+      *:*) for f in $NODES_ROOT/${a%%:*}${a#*:}; do args+=("$f"); done ;;
+      *) args+=("$a") ;;
+    esac
+  done
+  cp "${args[@]}"
+}
+'''
+
+
+def _copy_lines(text: str) -> list[str]:
+    lines = text.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("# 4.")) + 1
+    block = lines[start:lines.index("#    then:")]
+    return [line[len("#      "):] for line in block if line.startswith("#      ")]
+
+
+def _gather(tmp_path, monkeypatch, copy: list[str]):
+    """Three nodes (head + two), each with the readback its process wrote through RL_KERNEL_READBACK_DIR
+    (one pid on all three: pids are per host) and its record files; ``copy`` run on the head."""
+    from rlk_core.plan import RoutePlan
+    from rlk_core.readback import ReadbackRecorder
+
+    run_dir = tmp_path / "head" / "run"
+    nodes_root = tmp_path / "nodes"
+    roots = {"head": run_dir} | {n: nodes_root / n / str(run_dir).lstrip("/") for n in ("nb", "nc")}
+    for i, (node, root) in enumerate(roots.items()):
+        host = f"host-{node}"
+        (root / vime.RECORDS_DIR).mkdir(parents=True)
+        if node != "head":
+            (nodes_root / node / "hostname").write_text(host + "\n")
+        monkeypatch.setenv("RL_KERNEL_READBACK_DIR", str(root / "readbacks"))
+        monkeypatch.setattr("rlk_core.readback.socket.gethostname", lambda host=host: host)
+        rec = ReadbackRecorder("megatron", "train", RoutePlan.preset("consistency"), mode="strict", rank=i,
+                               world_size=3)
+        assert rec.flush() == root / "readbacks" / host / f"megatron-training-{rec.pid}.json"
+        (root / vime.RECORDS_DIR / f"rollout-000000.rank{i}.call0.safetensors").write_bytes(b"")
+    prog = FAKE_REMOTE + f"RUN_DIR={str(run_dir)!r}\nNODES='nb nc'\nNODES_ROOT={str(nodes_root)!r}\n" + "\n".join(copy)
+    subprocess.run(["bash", "-euo", "pipefail", "-c", prog], check=True, capture_output=True, text=True)
+    return run_dir
+
+
+def _what_validation_reads(run_dir) -> tuple[list[str], int, list[str], int]:
+    from rlk_validate.readbacks import check_readbacks
+    from rlk_validate.safeio import Root
+    from rlk_validate.vime import _record_files
+
+    findings, summary = check_readbacks(Root(run_dir), {"attention": "R/R", "ffn": "R/R", "logp": "R/R"})
+    hosts = sorted(str(p.relative_to(run_dir / "readbacks").parent) for p in (run_dir / "readbacks").rglob("*.json"))
+    return hosts, summary["files"], sorted({f.code for f in findings} - {"READBACKS_MISSING"}), len(_record_files(
+        str(run_dir)))
+
+
+def test_script_gathers_every_nodes_readbacks_one_host_level(capsys, tmp_path, monkeypatch) -> None:
+    """The copy lines the script prints, run against two fake remote nodes: the head's readbacks/ then holds
+    readbacks/<hostname>/ of each node (one level), every readback is read, and the records are found."""
+    assert main(["plan", "--engine", "vime", "--run-id", "r1", "--run-dir", "/runs/r1"]) == 0
+    copy = _copy_lines(capsys.readouterr().out)
+    assert copy == list(vime.COPY_FROM_NODES)
+    hosts, files, codes, records = _what_validation_reads(_gather(tmp_path, monkeypatch, copy))
+    assert hosts == ["host-head", "host-nb", "host-nc"]
+    assert (files, records) == (3, 3)
+    assert not {"READBACK_NAME_MISMATCH", "READBACK_DUPLICATE"} & set(codes), codes
+
+
+def test_copying_into_readbacks_hostname_nests_and_loses_the_node_negative_control(tmp_path, monkeypatch) -> None:
+    """The old instruction (a node's readbacks/ into readbacks/<hostname>/) nests two host levels: the
+    validator reads one, so those nodes' readbacks are not seen."""
+    old = [line.replace('scp -rp "$NODE:$RUN_DIR/readbacks/$H" "$RUN_DIR/readbacks/"',
+                        'mkdir -p "$RUN_DIR/readbacks/$H" && scp -rp "$NODE:$RUN_DIR/readbacks/*" '
+                        '"$RUN_DIR/readbacks/$H/"') for line in vime.COPY_FROM_NODES]
+    assert old != list(vime.COPY_FROM_NODES)
+    hosts, files, _, _ = _what_validation_reads(_gather(tmp_path, monkeypatch, old))
+    assert hosts == ["host-head", "host-nb/host-nb", "host-nc/host-nc"]
+    assert files == 1

@@ -263,6 +263,17 @@ def launch(cfg: VimeConfig, command: Sequence[str] = ()) -> dict[str, Any]:
     }
 
 
+# Step 4 of the script (commented out: the node list is the user's), one shell line each; NODES holds the
+# other nodes' ssh names, $RUN_DIR is the same path on every node. tests/repro runs these lines.
+COPY_FROM_NODES = (
+    "for NODE in $NODES; do",
+    '  H=$(ssh "$NODE" hostname)',
+    '  scp -rp "$NODE:$RUN_DIR/readbacks/$H" "$RUN_DIR/readbacks/"',
+    f'  mkdir -p "$RUN_DIR/{RECORDS_DIR}/$H" && scp -p "$NODE:$RUN_DIR/{RECORDS_DIR}/*" "$RUN_DIR/{RECORDS_DIR}/$H/"',
+    "done",
+)
+
+
 def _q(s: str) -> str:
     """Shell-quote, leaving ``$VAR`` / ``$PWD`` expandable in paths the user may point at variables."""
     if s.startswith("$") and all(c.isalnum() or c in "$_/.-{}" for c in s):
@@ -309,9 +320,12 @@ def script(doc: Mapping[str, Any]) -> str:
         'echo "${PIPESTATUS[0]}" > "$RUN_DIR/exit-code"',
         "set -e",
         "",
-        "# 4. several nodes without a shared filesystem: copy each node's $RUN_DIR/readbacks/ and "
-        f"$RUN_DIR/{RECORDS_DIR}/",
-        "#    into $RUN_DIR/readbacks/<hostname>/ and $RUN_DIR/" + RECORDS_DIR + "/<hostname>/ here, then:",
+        "# 4. several nodes without a shared filesystem: every process already wrote its readback under its",
+        "#    node's $RUN_DIR/readbacks/<hostname>/. Copy that folder as it is INTO $RUN_DIR/readbacks/ here",
+        "#    (not into readbacks/<hostname>/: the validator reads one host level), and the node's",
+        f"#    $RUN_DIR/{RECORDS_DIR}/ files into $RUN_DIR/{RECORDS_DIR}/<hostname>/ here; for example:",
+        *("#      " + line for line in COPY_FROM_NODES),
+        "#    then:",
         'rlk-validate import-vime "$RUN_DIR" "$RUN_DIR.rlk"',
         'rlk-validate "$RUN_DIR.rlk" --seal' + (" --require-bitwise" if doc["exact_required"] else ""),
     ]
