@@ -116,7 +116,7 @@ def run_megatron(spec: dict) -> dict:
     from rlk_megatron_provider import _state, logp
 
     tp, cp = spec["tp"], spec["cp"]
-    cfg = config(spec["tied"])
+    cfg = config(spec["tied"], **spec.get("model", {}))
     w = weights(cfg)
     seqs = sequences(spec["lengths"], cfg.vocab_size)
     tp_group = parallel_state.get_tensor_model_parallel_group()
@@ -142,12 +142,21 @@ def run_megatron(spec: dict) -> dict:
         psp = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu_t, cu_seqlens_kv=cu_t, max_seqlen_q=max(lens),
                               max_seqlen_kv=max(lens), cp_group=cp_group if cp > 1 else None)
         pos = torch.zeros_like(ids_l)[None]  # unused by the rlk attention (RoPE positions come from cu_seqlens)
-        logits = model(ids_l[None], pos, None, packed_seq_params=psp)
+
+        def forward():
+            return model(ids_l[None], pos, None, packed_seq_params=psp)
     else:  # sbhd: equal lengths, a batch of rows
         b, s = len(seqs), lens[0]
         ids_l, tgt_l = ids, target
         mask = torch.triu(torch.ones(s, s, dtype=torch.bool), diagonal=1)[None, None].expand(b, 1, s, s)
-        logits = model(ids.reshape(b, s), torch.arange(s)[None].expand(b, s), mask)
+
+        def forward():
+            return model(ids.reshape(b, s), torch.arange(s)[None].expand(b, s), mask)
+    if spec.get("repeat"):  # a first forward in the same processes: the second must give the same bits
+        with torch.no_grad():
+            forward()
+        first = captured["hidden"].transpose(0, 1).reshape(-1, cfg.hidden_size).clone()
+    logits = forward()
     hidden = captured["hidden"].transpose(0, 1).reshape(-1, cfg.hidden_size)  # [b*s, H] row-major like ids
     out = {"counts": counts}
     if _state.get().rlk("logp"):
@@ -162,6 +171,11 @@ def run_megatron(spec: dict) -> dict:
         out["logp_gathered_vocab"] = _gather_cp(linear_logprobs(hidden.detach(), vocab, tgt_l, TEMPERATURE)[0],
                                                 cu, cp, cp_group)
         out["logp_nograd"], out["logp_logits"] = (_gather_cp(x, cu, cp, cp_group) for x in (lp_nograd, lp_logits))
+        if spec.get("repeat"):
+            with torch.no_grad():
+                lp_first = logp.vocab_parallel_logprobs(first, captured["weight"], tgt_l, TEMPERATURE, tp_group)
+            out["logp_repeat"] = _gather_cp(lp_first, cu, cp, cp_group)
+            out["repeat_equal_here"] = torch.equal(lp_first, lp_nograd)
     else:  # production: Megatron's own logits and torch.log_softmax on the gathered vocabulary
         full = torch.cat(_all_gather_list(logits.reshape(-1, logits.shape[-1]).detach(), tp_group), dim=-1)
         lp = torch.log_softmax(full.float() / TEMPERATURE, -1).gather(-1, tgt_l[:, None])[:, 0]
@@ -170,6 +184,13 @@ def run_megatron(spec: dict) -> dict:
         lp.sum().backward()
         out["grads"] = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     out["readback"] = _state.get().recorder.to_dict()
+    if spec.get("all_readbacks"):  # every rank's readback, by global rank, with its (TP, CP) coordinates
+        import torch.distributed as dist
+
+        mine = {"tp_rank": tp_rank, "cp_rank": cp_rank, "readback": out["readback"],
+                "repeat_equal": out.get("repeat_equal_here")}
+        out["readbacks"] = [None] * dist.get_world_size()
+        dist.all_gather_object(out["readbacks"], mine)
     return out
 
 

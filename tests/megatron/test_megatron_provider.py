@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import types
@@ -46,28 +47,37 @@ MEGATRON_WARNINGS = [
 pytestmark = [pytest.mark.megatron, *MEGATRON_WARNINGS]
 
 _RUNS: dict[str, dict] = {}
-_PORT = [29600 + os.getpid() % 300]
+
+
+def _free_port() -> int:
+    """A TCP port free now on 127.0.0.1 (modules importing this one keep no port counters that could meet)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def run(name: str, tp: int, cp: int, tied: bool, layout: str, env: dict, backward: bool = False,
-        via: str = "block_spec") -> dict:
-    """One worker run per scenario per session (cached)."""
+        via: str = "block_spec", lengths: list[int] | None = None, model: dict | None = None,
+        repeat: bool = False, all_readbacks: bool = False) -> dict:
+    """One worker run per scenario per session (cached). ``model``: config overrides (``_model.config``);
+    ``repeat``: a first forward before the measured one (``logp_repeat``); ``all_readbacks``: every rank's
+    readback (``readbacks``, by global rank)."""
     if name not in _RUNS:
-        _PORT[0] += 1
         out = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"rlk-megatron-{os.getpid()}-{name}.pt")
-        lengths = THD if layout == "thd" else SBHD
+        if lengths is None:
+            lengths = THD if layout == "thd" else SBHD
         spec = dict(tp=tp, cp=cp, tied=tied, lengths=lengths, layout=layout, backward=backward, env=env,
-                    port=_PORT[0], via=via)
+                    port=_free_port(), via=via, model=model or {}, repeat=repeat, all_readbacks=all_readbacks)
         proc = subprocess.run([sys.executable, os.path.join(HERE, "_worker.py"), json.dumps(spec), out],
-                              capture_output=True, text=True, timeout=120)
+                              capture_output=True, text=True, timeout=120 + 40 * tp * cp)
         assert proc.returncode == 0, proc.stderr[-4000:]
         _RUNS[name] = torch.load(out, weights_only=False)
         os.unlink(out)
     return _RUNS[name]
 
 
-def local(tied: bool, lengths: list[int]):
-    cfg = _model.config(tied)
+def local(tied: bool, lengths: list[int], **model):
+    cfg = _model.config(tied, **model)
     return _model.local_logprobs(cfg, _model.weights(cfg), _model.sequences(lengths, cfg.vocab_size))
 
 
