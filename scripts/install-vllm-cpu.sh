@@ -5,8 +5,9 @@
 # The recipe of shared/reference/vllm.md §12.1: the vLLM wheel with --no-deps (its own pins would pull a CUDA
 # torch 2.11 and ~3 GB of CUDA wheels), then the pure-Python dependencies that the imports the plugin and its
 # tests use ask for, under a constraint that holds torch and numpy at the versions the venv already has.
-# Then the test-only platform plugin (tests/vllm/cpu_platform: vllm.platform_plugins -> CpuPlatform when
-# VLLM_TARGET_DEVICE=cpu), which never ships in a production wheel.
+# Then the test-only platform plugin (tests/vllm/cpu_platform: vllm.platform_plugins -> a CpuPlatform when
+# RLK_TEST_VLLM_CPU_PLATFORM=1; vLLM 0.33 takes VLLM_TARGET_DEVICE=cpu as its own CPU platform and never asks
+# platform plugins), which never ships in a production wheel.
 # Idempotent: a second run that finds everything in place does nothing. Quiet: pip's output goes to a log
 # that is printed only when a step fails. Exits non-zero, naming the step, on any failure — including a
 # torch that changed under it.
@@ -69,11 +70,12 @@ echo "torch==${torch_before%%+*}" > "$constraints"  # without a local label (+cu
 
 torch_after="$("$py" -c 'import torch; print(torch.__version__)')"
 [ "$torch_after" = "$torch_before" ] || fail "torch changed from $torch_before to $torch_after"
-VLLM_TARGET_DEVICE=cpu "$py" - >>"$log" 2>&1 <<'PY' || fail "vLLM $version does not import next to torch $torch_before"
+env -u VLLM_TARGET_DEVICE RLK_TEST_VLLM_CPU_PLATFORM=1 "$py" - >>"$log" 2>&1 <<'PY' \
+  || fail "vLLM $version does not import next to torch $torch_before, or the test CPU platform is not selected"
 import vllm
 from vllm.model_executor.models import qwen3  # noqa: F401
 from vllm.platforms import current_platform
-assert current_platform.is_cpu(), current_platform
+assert current_platform.is_cpu() and type(current_platform).__name__ == "TestCpuPlatform", current_platform
 PY
 ready || fail "vLLM $version installed but the readiness check fails"
 echo "install-vllm-cpu: vLLM $version on torch $torch_before in $((SECONDS - start)) s"
