@@ -5,6 +5,8 @@ Shared by the tests and the GPU benchmark (``benchmarks/frameworks/megatron_gpu.
 
 from __future__ import annotations
 
+import types
+
 import torch
 import torch.nn.functional as F
 
@@ -45,6 +47,40 @@ def local_logprobs(cfg: Qwen3Config, w, seqs, plan_name: str = "consistency") ->
     return tr.forward_logprobs(seqs).detach(), tr
 
 
+def tp_reference_logprobs(cfg: Qwen3Config, w, seqs, tp: int) -> torch.Tensor:
+    """The single-process reference of TP ``tp``: the local trainer with each row-parallel linear
+    (attention output projection, MLP down projection) computed as Megatron's ranks compute it — one rlk
+    GEMM per rank on its contiguous K slice (rank r's heads / intermediate columns) — and the partial sums
+    reduced by ``rlk_collectives.reduce_reference`` (the single-process specification of the rlk
+    all-reduce). Every other op is per output element or per token, so TP does not change it."""
+    from rlk_collectives import reduce_reference
+    from rlk_core.plan import RoutePlan
+    from rlk_core.readback import ReadbackRecorder
+    from rlk_repro.engine.trainer import Trainer
+    from rlk_repro.model.ops import Ops
+
+    row_parallel = {"attention": (cfg.hidden_size, cfg.q_size), "ffn": (cfg.hidden_size, cfg.intermediate_size)}
+    others = {(cfg.q_size + 2 * cfg.kv_size, cfg.hidden_size), (2 * cfg.intermediate_size, cfg.hidden_size)}
+    if others & set(row_parallel.values()):
+        raise ValueError("this config's column- and row-parallel weights have one shape; the reference cannot "
+                         "tell them apart")
+
+    class TPOps(Ops):
+        def linear(self, module, x, weight):
+            if tuple(weight.shape) != row_parallel.get(module):
+                return super().linear(module, x, weight)
+            k = weight.shape[1] // tp
+            return reduce_reference([super(TPOps, self).linear(module, x[..., r * k:(r + 1) * k].contiguous(),
+                                                                weight[:, r * k:(r + 1) * k].contiguous())
+                                     for r in range(tp)])
+
+    plan = RoutePlan.preset("consistency")
+    ops = TPOps(plan, "train", ReadbackRecorder("local", "train", plan, mode="strict"))
+    tr = Trainer(cfg, w, ops, device=torch.device("cpu"), dtype=torch.float32, temperature=TEMPERATURE)
+    with torch.no_grad():
+        return tr.forward_logprobs(seqs)
+
+
 def transformer_config(cfg: Qwen3Config, tp: int, cp: int, **overrides):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -62,8 +98,6 @@ def transformer_config(cfg: Qwen3Config, tp: int, cp: int, **overrides):
 
 def slime_args(cfg: Qwen3Config, **overrides):
     """The Megatron/slime launch arguments slime's model builder reads, for this model."""
-    import types
-
     kw = dict(padded_vocab_size=cfg.vocab_size, max_position_embeddings=cfg.max_position_embeddings,
               rotary_base=int(cfg.rope_theta), untie_embeddings_and_output_weights=not cfg.tie_word_embeddings,
               position_embedding_type="rope", rotary_percent=1.0, use_rope_scaling=False,
@@ -171,6 +205,14 @@ def run_megatron(spec: dict) -> dict:
         out["logp_gathered_vocab"] = _gather_cp(linear_logprobs(hidden.detach(), vocab, tgt_l, TEMPERATURE)[0],
                                                 cu, cp, cp_group)
         out["logp_nograd"], out["logp_logits"] = (_gather_cp(x, cu, cp, cp_group) for x in (lp_nograd, lp_logits))
+        with torch.no_grad():  # VIME's provider ABI: hidden states + this rank's vocab shard and partition
+            v_local = captured["weight"].shape[0]
+            req = types.SimpleNamespace(
+                targets=tgt_l, tp_group=tp_group if tp > 1 else None, token_layout="zigzag" if cp > 1 else "single",
+                temperature=TEMPERATURE, context=types.SimpleNamespace(
+                    hidden=hidden, projection=captured["weight"], local_logits=None,
+                    vocab_partition=(tp_rank * v_local, (tp_rank + 1) * v_local)))
+            out["logp_vime"] = _gather_cp(logp.linear_logp(req).logp, cu, cp, cp_group)
         if spec.get("repeat"):
             with torch.no_grad():
                 lp_first = logp.vocab_parallel_logprobs(first, captured["weight"], tgt_l, TEMPERATURE, tp_group)

@@ -8,7 +8,8 @@ What the contracts make bitwise, and what they do not:
   attention contract makes the zigzag CP shard + gathered K/V identical to CP 1);
 - TP 2: the row-parallel linears (attention output projection, MLP down projection) reduce their K
   shards' partial sums over ranks (``rlk.collective.v1``), a different K order from TP 1's single GEMM,
-  so TP 2 != TP 1 in general (it is what a TP-2 rollout computes). What holds under TP 2: the logp
+  so TP 2 != TP 1 in general (it is what a TP-2 rollout computes); it equals, bitwise, the
+  single-process TP-2 reference (``_model.tp_reference_logprobs``). What holds under TP 2: the logp
   module — vocab-parallel partials + merge == ``linear_logprobs`` on the gathered vocabulary == the
   logits path, bit for bit.
 """
@@ -180,11 +181,16 @@ def test_tp2_logp_provider_equals_linear_logprobs_on_gathered_vocab():
     assert torch.equal(res["logp_nograd"], res["logp_gathered_vocab"])  # partials + gather + merge
     assert torch.equal(res["logp"], res["logp_gathered_vocab"])  # differentiable path (gathered shards)
     assert torch.equal(res["logp_logits"], res["logp_gathered_vocab"])  # slime's logits path
+    assert torch.equal(res["logp_vime"], res["logp_gathered_vocab"])  # VIME's provider ABI
     ops = res["readback"]["modules"]["logp"]["ops"]
     assert {"linear_logp_partials", "merge_logp_partials", "all_gather"} <= set(ops)
     # TP 2 is not TP 1: the row-parallel reductions change the K order (module docstring); it stays close
     ref, _ = local(True, THD)
     assert torch.allclose(res["logp"], ref, rtol=0, atol=1e-5)
+    # ... and it is the single-process reference of TP 2: per-rank K slices, rlk_collectives.reduce_reference
+    cfg = _model.config(True)
+    assert torch.equal(res["logp"], _model.tp_reference_logprobs(cfg, _model.weights(cfg),
+                                                                 _model.sequences(THD, cfg.vocab_size), 2))
 
 
 def test_native_plan_differs_from_rlk_negative_control():

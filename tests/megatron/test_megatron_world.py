@@ -5,13 +5,15 @@ TP 4 x CP 2, TP 2 x CP 4, each checked against what the contracts promise (docs/
   CP 1 does; every other op is per token) — at TP 1 CP 1 is rlk-repro's local trainer;
 - each run is deterministic: a second forward in the same processes gives the same log-probs, and the CP
   comparisons are separate runs (other processes, other groups) that must agree;
+- TP N == the single-process TP-N reference (``_model.tp_reference_logprobs``: the local trainer with the
+  row-parallel linears computed per rank's K slice and reduced by ``rlk_collectives.reduce_reference``),
+  and != another TP's reference (TP N != TP 1 by contract);
 - the logp module: vocab-parallel partials + merge == ``linear_logprobs`` on the gathered vocabulary ==
   the logits path;
 - every rank's readback names the rlk collectives (``rlk.collective.v1``) with its group's size.
 
-TP N != TP 1 by contract (row-parallel partial sums; test_megatron_provider.py). The model is the tiny
-Qwen3 shape with 8 query / 4 KV heads (divisible by TP 4) and sequence lengths that are multiples of
-2 * CP = 8. World 8 is 8 spawned processes on CI's 2 cores: those runs are marked ``slow``.
+The model is the tiny Qwen3 shape with 8 query / 4 KV heads (divisible by TP 4) and sequence lengths that
+are multiples of 2 * CP = 8. World 8 is 8 processes on CI's 2 cores: those runs are marked ``slow``.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _model
 from test_megatron_provider import MEGATRON_WARNINGS, R_ALL, local, run
 
 pytestmark = [pytest.mark.megatron, *MEGATRON_WARNINGS]
@@ -54,6 +57,21 @@ def test_cp_equals_cp1_at_the_same_tp_bitwise(tp, cp):
         assert torch.allclose(res["logp"], local(TIED, LENGTHS, **MODEL)[0], rtol=0, atol=1e-5)
 
 
+def tp_reference(tp: int) -> torch.Tensor:
+    cfg = _model.config(TIED, **MODEL)
+    return _model.tp_reference_logprobs(cfg, _model.weights(cfg), _model.sequences(LENGTHS, cfg.vocab_size), tp)
+
+
+@pytest.mark.parametrize(("tp", "cp"), _params(SCENARIOS))
+def test_equals_the_single_process_reference_of_its_tp_bitwise(tp, cp):
+    res = world_run(tp, cp)
+    assert torch.equal(res["logp"], tp_reference(tp))
+    if tp == 1:
+        assert torch.equal(tp_reference(1), local(TIED, LENGTHS, **MODEL)[0])  # the reference at TP 1: the trainer
+    # negative control: another TP's reduction order gives other bits (TP N != TP 1 by contract)
+    assert not torch.equal(res["logp"], tp_reference(2 if tp != 2 else 4))
+
+
 @pytest.mark.parametrize(("tp", "cp"), _params(SCENARIOS))
 def test_logp_provider_equals_linear_logprobs_on_gathered_vocab_and_repeats(tp, cp):
     res = world_run(tp, cp)
@@ -61,6 +79,7 @@ def test_logp_provider_equals_linear_logprobs_on_gathered_vocab_and_repeats(tp, 
     assert torch.equal(res["logp_nograd"], res["logp_gathered_vocab"])  # partials + gather + merge
     assert torch.equal(res["logp"], res["logp_gathered_vocab"])  # differentiable path (gathered shards)
     assert torch.equal(res["logp_logits"], res["logp_gathered_vocab"])  # slime's logits path
+    assert torch.equal(res["logp_vime"], res["logp_gathered_vocab"])  # VIME's provider (rank's vocab partition)
     assert torch.equal(res["logp_repeat"], res["logp_nograd"])  # a second forward: the same bits
     assert [r["repeat_equal"] for r in res["readbacks"]] == [True] * (tp * cp)  # on every rank
 
