@@ -110,11 +110,15 @@ def slime_args(cfg: Qwen3Config, **overrides):
 
 def build_megatron(cfg: Qwen3Config, tp: int, cp: int, via: str = "block_spec", **overrides):
     """The GPTModel with the provider's spec for the plan in the environment, weights not yet loaded
-    (``via="slime_spec"``: built as slime's ``--spec rlk_megatron_provider slime_spec`` builds it)."""
+    (``via="slime_spec"``: built as slime's ``--spec rlk_megatron_provider slime_spec`` builds it;
+    ``via="hybrid"``: megatron-core 0.19's HybridModel, pattern ``"*-"`` per Qwen3 layer, on the provider's
+    :func:`~rlk_megatron_provider.hybrid_stack_spec`)."""
     from megatron.core.models.gpt import GPTModel
 
     import rlk_megatron_provider as prov
 
+    if via == "hybrid":
+        return _build_hybrid(cfg, tp, cp, **overrides)
     tcfg = transformer_config(cfg, tp, cp, **overrides)
     if via == "slime_spec":
         from rlk_megatron_provider import spec as spec_mod
@@ -131,10 +135,44 @@ def build_megatron(cfg: Qwen3Config, tp: int, cp: int, via: str = "block_spec", 
     return model, counts
 
 
+def _build_hybrid(cfg: Qwen3Config, tp: int, cp: int, **overrides):
+    from megatron.core.models.hybrid.hybrid_model import HybridModel
+
+    import rlk_megatron_provider as prov
+
+    pattern = "*-" * cfg.num_hidden_layers  # a dense GPT block is two hybrid layers (attention, MLP)
+    tcfg = transformer_config(cfg, tp, cp, num_layers=len(pattern), **overrides)
+    stack = prov.hybrid_stack_spec(tcfg, rope_theta=cfg.rope_theta)
+    model = HybridModel(tcfg, hybrid_stack_spec=stack, vocab_size=cfg.vocab_size,
+                        max_sequence_length=cfg.max_position_embeddings, hybrid_layer_pattern=pattern,
+                        position_embedding_type="rope", rotary_base=int(cfg.rope_theta),
+                        share_embeddings_and_output_weights=cfg.tie_word_embeddings, pre_process=True,
+                        post_process=True, parallel_output=True)
+    return model, prov.prepare_model(model)
+
+
+def gpt_to_hybrid_keys(sd: dict) -> dict:
+    """GPTModel state-dict keys -> the ``"*-"``-pattern HybridModel's (the migration guide's pairing: GPT
+    layer i's attention -> hybrid layer 2i, its MLP -> 2i+1; ``final_layernorm`` -> ``final_norm``)."""
+    out = {}
+    for k, v in sd.items():
+        parts = k.split(".")
+        if k.startswith("decoder.layers."):
+            i, rest = int(parts[2]), parts[3:]
+            j = 2 * i + (0 if rest[0] in ("input_layernorm", "self_attention") else 1)
+            k = ".".join(["decoder", "layers", str(j), *rest])
+        elif k.startswith("decoder.final_layernorm."):
+            k = k.replace("decoder.final_layernorm.", "decoder.final_norm.")
+        out[k] = v
+    return out
+
+
 def load(model, cfg, w, tp: int, rank: int) -> None:
     from rlk_megatron_provider.weights import to_megatron
 
     sd = to_megatron(cfg, w, tp, rank)
+    if getattr(model.decoder, "layer_type_list", None) is not None:  # HybridModel
+        sd = gpt_to_hybrid_keys(sd)
     missing, unexpected = model.load_state_dict(sd, strict=False)
     missing = [k for k in missing if not k.endswith("_extra_state")]
     if missing or unexpected:

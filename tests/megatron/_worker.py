@@ -29,6 +29,10 @@ def run(rank: int, spec: dict, port: int, out: str) -> None:
     from rlk_megatron_provider.testing import cpu_recipe
 
     cpu_recipe()
+    if spec.get("via") == "hybrid":
+        from rlk_megatron_provider.testing import hybrid_final_norm_without_te
+
+        hybrid_final_norm_without_te()  # the stock final norm of a P logp is TE-only
     import torch.distributed as dist
     from megatron.core import parallel_state, tensor_parallel
 

@@ -36,11 +36,12 @@ P_ALL = {"RL_KERNEL_ATTENTION_CASE": "P/P", "RL_KERNEL_FFN_CASE": "P/P", "RL_KER
          "RL_KERNEL_MODE": "strict"}
 THD = [8, 12, 4]  # every length a multiple of 2 * cp for CP 2
 SBHD = [8, 8, 8]
-# megatron-core warns on import that TE / Apex are absent and about its own deprecated torch.jit use;
-# neither is about rlk (the CPU tests use the local spec on purpose).
+# megatron-core warns on import that TE / Apex are absent (0.19: also absl-py) and about its own deprecated
+# torch.jit use; none is about rlk (the CPU tests use the local spec on purpose).
 MEGATRON_WARNINGS = [
     pytest.mark.filterwarnings("ignore:Transformer Engine and Apex are not installed:UserWarning"),
     pytest.mark.filterwarnings("ignore:Apex is not installed:UserWarning"),
+    pytest.mark.filterwarnings("ignore:absl.logging is not installed:UserWarning"),
     pytest.mark.filterwarnings("ignore::DeprecationWarning:megatron"),
     pytest.mark.filterwarnings("ignore:.*torch.jit.script_method.*:DeprecationWarning"),
     pytest.mark.filterwarnings("ignore:.*full scope is deprecated.*:UserWarning"),

@@ -10,7 +10,8 @@ all idempotent:
 - :func:`initialize_from_environment` — the same for plain Megatron-core scripts;
 - :func:`layer_spec` / :func:`block_spec` / :func:`prepare_model` — the layer spec with rlk in the R
   modules' slots (stock slots kept for P modules) and the post-build step (see
-  :mod:`rlk_megatron_provider.spec`);
+  :mod:`rlk_megatron_provider.spec`); :func:`hybrid_stack_spec` — the same for megatron-core 0.19's
+  ``HybridModel`` (dense ``"*-"`` patterns);
 - :func:`linear_logp` — VIME's ``--linear-logp-provider`` callable;
 - :func:`slime_spec` — slime's ``--spec rlk_megatron_provider slime_spec`` (a model provider built on the
   layer spec) and :func:`record_logprobs` — ``--custom-tis-function-path``, the per-rank train/rollout
@@ -103,8 +104,18 @@ def block_spec(config, *, rope_theta: float, base=None):
     return spec.rlk_block_spec(config, rope_theta=rope_theta, base=base)
 
 
+def hybrid_stack_spec(config, *, rope_theta: float, base=None):
+    """See :func:`rlk_megatron_provider.spec.rlk_hybrid_stack_spec` (pass it as ``HybridModel``'s
+    ``hybrid_stack_spec``; megatron-core >= 0.19)."""
+    from rlk_megatron_provider import spec
+
+    initialize_from_environment()
+    return spec.rlk_hybrid_stack_spec(config, rope_theta=rope_theta, base=base)
+
+
 def prepare_model(model):
-    """See :func:`rlk_megatron_provider.spec.prepare_model`; call it on every built ``GPTModel``."""
+    """See :func:`rlk_megatron_provider.spec.prepare_model`; call it on every built ``GPTModel`` or
+    ``HybridModel``."""
     from rlk_megatron_provider import spec
 
     initialize_from_environment()

@@ -6,7 +6,9 @@ carried to the GPU machine). Differences handled here by feature detection, neve
 - the MLP slot of ``TransformerLayerSubmodules``: a ``ModuleSpec`` in 0.16, an ``MlpBuilder`` callable
   (``partial(MLP.as_mlp_submodule, submodules=...)``) in 0.19 (detected by ``MLP.as_mlp_submodule``);
 - ``transformer_block._get_block_submodules`` (the stock block spec for a layer spec): keyword set read
-  with :mod:`inspect`.
+  with :mod:`inspect`;
+- ``HybridModel`` / ``HybridStack`` (``megatron.core.models.hybrid``, new in 0.19, where ``GPTModel`` is
+  deprecated in its favour): detected by importing it (:func:`hybrid`; ``None`` on 0.16).
 
 Importing this module imports megatron.core (the package's ``__init__`` never does so eagerly).
 """
@@ -94,6 +96,23 @@ def stock_block_submodules(config, layer_spec, vp_stage: int | None = None) -> T
     params = inspect.signature(_block._get_block_submodules).parameters
     kwargs = {"vp_stage": vp_stage} if "vp_stage" in params else {}
     return _block._get_block_submodules(config, layer_spec, **kwargs)
+
+
+@functools.cache
+def hybrid():
+    """The HybridModel names (``HybridModel``, ``HybridStack``, ``HybridStackSubmodules``, ``MLPLayer``,
+    ``Symbols``) as a namespace, or ``None`` where the installed megatron-core has no HybridModel."""
+    import types
+
+    try:
+        from megatron.core.models.hybrid.hybrid_block import HybridStack, HybridStackSubmodules
+        from megatron.core.models.hybrid.hybrid_layer_allocation import Symbols
+        from megatron.core.models.hybrid.hybrid_model import HybridModel
+        from megatron.core.ssm.mlp_layer import MLPLayer
+    except ImportError:
+        return None
+    return types.SimpleNamespace(HybridModel=HybridModel, HybridStack=HybridStack,
+                                 HybridStackSubmodules=HybridStackSubmodules, MLPLayer=MLPLayer, Symbols=Symbols)
 
 
 def tp_group_of(module) -> object:

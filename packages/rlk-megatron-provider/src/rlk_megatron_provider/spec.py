@@ -82,16 +82,23 @@ def rlk_layer_spec(config, *, rope_theta: float, base: ModuleSpec | None = None)
     ``base``: the stock spec to start from (default: Megatron's local spec with qk-layernorm and
     RMSNorm, the Qwen3 shape); its P slots are kept as they are. ``rope_theta``: the model's
     ``rotary_base`` (RoPE moves into the rlk core attention for an R attention)."""
-    st = _state.get()
     if base is None:
         base = _compat.get_gpt_layer_local_spec(qk_layernorm=True, normalization="RMSNorm")
-    active = _active(config)
+    return _layer_spec(config, rope_theta, base, ("attention", "ffn"), _active(config))
+
+
+def _layer_spec(config, rope_theta: float, base, slots: tuple[str, ...], active: dict[str, bool],
+                where: str = "") -> ModuleSpec:
+    """``base`` (a ``TransformerLayer`` spec) with rlk in the slots of the ``slots`` modules that are
+    ``active`` (the others untouched). ``where``: named in refusals (e.g. the HybridStack slot)."""
+    st = _state.get()
+    active = {m: active[m] and m in slots for m in ("attention", "ffn")}
     if not (isinstance(base, ModuleSpec) and isinstance(base.module, type)
             and issubclass(base.module, _compat.TransformerLayer)
             and isinstance(base.submodules, _compat.TransformerLayerSubmodules)):
-        for m in ("attention", "ffn"):
+        for m in slots:
             if active[m]:
-                active[m] = st.refuse(m, f"the base layer spec is not a TransformerLayer spec: {base!r}")
+                active[m] = st.refuse(m, f"the base {where}layer spec is not a TransformerLayer spec: {base!r}")
     if not (active["attention"] or active["ffn"]):
         return base
     sub = base.submodules
@@ -100,10 +107,16 @@ def rlk_layer_spec(config, *, rope_theta: float, base: ModuleSpec | None = None)
         attn = sub.self_attention
         ok = isinstance(attn, ModuleSpec) and isinstance(attn.submodules, _compat.SelfAttentionSubmodules)
         if not ok:
-            active["attention"] = st.refuse("attention", f"self_attention slot {attn!r} is not a SelfAttention spec")
+            st.refuse("attention", f"{where}self_attention slot {attn!r} is not a SelfAttention spec")
         else:
             a = attn.submodules
             has_q, has_k = (_has(x) for x in (a.q_layernorm, a.k_layernorm))
+            if getattr(config, "qk_layernorm", False) and not (has_q and has_k):
+                # Megatron would build this attention without q/k norms although the config asks for them
+                # (the stock 0.19 hybrid_stack_spec has no q/k norm slots): not the model the config describes
+                st.refuse("attention", f"config.qk_layernorm=True but the base {where}self_attention spec has no "
+                                       "q_layernorm/k_layernorm slots (Megatron would run it without q/k norms)")
+        if ok and st.rlk("attention"):
             changes["input_layernorm"] = _norm("attention")
             changes["self_attention"] = ModuleSpec(
                 module=RlkSelfAttention, params=dict(attn.params),
@@ -117,11 +130,13 @@ def rlk_layer_spec(config, *, rope_theta: float, base: ModuleSpec | None = None)
     if active["ffn"]:
         cls, _ = _compat.mlp_parts(sub.mlp)
         if not (isinstance(cls, type) and issubclass(cls, _compat.MLP)):
-            active["ffn"] = st.refuse("ffn", f"the MLP slot {sub.mlp!r} is not a dense Megatron MLP")
+            st.refuse("ffn", f"the {where}MLP slot {sub.mlp!r} is not a dense Megatron MLP")
         else:
             changes["pre_mlp_layernorm"] = _norm("ffn")
             changes["mlp"] = _compat.mlp_slot(RlkMLP, _compat.MLPSubmodules(
                 linear_fc1=_linear(RlkColumnParallelLinear, "ffn"), linear_fc2=_linear(RlkRowParallelLinear, "ffn")))
+    if not changes:
+        return base
     return ModuleSpec(module=base.module, params=dict(base.params),
                       submodules=dataclasses.replace(sub, **changes))
 
@@ -140,17 +155,117 @@ def rlk_block_spec(config, *, rope_theta: float, base: ModuleSpec | None = None,
     return block
 
 
+# HybridModel (megatron-core 0.19; GPTModel is deprecated there in its favour). A dense Qwen3 block is two
+# hybrid layers, pattern "*-": a TransformerLayer with only the attention half (``attention_layer`` slot)
+# and an ``MLPLayer`` with only the MLP half (``mlp_layer`` slot). The other layer families (Mamba, GDN,
+# DSA, MLA, MoE) are not covered: their slots stay stock and a pattern that uses them is refused for the
+# module they belong to (:func:`verify_model`).
+HYBRID_COVERED = {"*": "attention", "-": "ffn"}
+HYBRID_UNCOVERED = {"M": ("attention", "Mamba"), "G": ("attention", "Gated DeltaNet"),
+                    "D": ("attention", "DeepSeek sparse attention"), "+": ("attention", "multi-latent attention"),
+                    "E": ("ffn", "MoE")}
+
+
+def local_hybrid_stack_spec() -> ModuleSpec:
+    """The dense Qwen3-shaped HybridStack spec without Transformer Engine (what a 0.19 user without TE
+    writes; the stock ``hybrid_stack_spec`` is TE-only and has no q/k norms): ``attention_layer`` = the
+    local GPT layer's attention half (input RMSNorm, SelfAttention with q/k RMSNorm), ``mlp_layer`` =
+    ``MLPLayer`` with its MLP half. Use with ``hybrid_layer_pattern="*-" * num_gpt_layers``."""
+    h = _hybrid_or_raise()
+    s = _compat.get_gpt_layer_local_spec(qk_layernorm=True, normalization="RMSNorm").submodules
+    layer_sub = _compat.TransformerLayerSubmodules
+    return ModuleSpec(module=h.HybridStack, submodules=h.HybridStackSubmodules(
+        attention_layer=ModuleSpec(module=_compat.TransformerLayer, submodules=layer_sub(
+            input_layernorm=s.input_layernorm, self_attention=s.self_attention, self_attn_bda=s.self_attn_bda)),
+        mlp_layer=ModuleSpec(module=h.MLPLayer, submodules=layer_sub(
+            pre_mlp_layernorm=s.pre_mlp_layernorm, mlp=s.mlp, mlp_bda=s.mlp_bda))))
+
+
+def _hybrid_or_raise():
+    h = _compat.hybrid()
+    if h is None:
+        raise _state.RlkPolicyError(f"megatron-core {_compat.version()} has no HybridModel "
+                                    "(megatron.core.models.hybrid, new in 0.19)")
+    return h
+
+
+def rlk_hybrid_stack_spec(config, *, rope_theta: float, base: ModuleSpec | None = None) -> ModuleSpec:
+    """``HybridModel(hybrid_stack_spec=...)`` with rlk in the R modules' slots: the ``attention_layer``
+    slot's attention half (module attention), the ``mlp_layer`` slot's MLP half (module ffn) and, for an
+    R logp, the stack's final norm (HybridStack builds it as ``TENorm`` itself, so the stack class becomes
+    a subclass that builds an rlk RMSNorm instead). ``base``: the stack spec to start from (default
+    :func:`local_hybrid_stack_spec`; Megatron's TE ``hybrid_stack_spec`` works too, its fused
+    norm+linear slots replaced by unfused rlk ones for R modules). Every other slot stays stock."""
+    h = _hybrid_or_raise()
+    st = _state.get()
+    if base is None:
+        base = local_hybrid_stack_spec()
+    active = _active(config)
+    if not (isinstance(base, ModuleSpec) and isinstance(base.module, type) and issubclass(base.module, h.HybridStack)
+            and isinstance(base.submodules, h.HybridStackSubmodules)):
+        for m in ("attention", "ffn", "logp"):
+            if active[m]:
+                st.refuse(m, f"the base hybrid stack spec is not a HybridStack spec: {base!r}")
+        return base
+    sub = base.submodules
+    changes = {
+        "attention_layer": _layer_spec(config, rope_theta, sub.attention_layer, ("attention",), active,
+                                       "HybridStack attention_layer "),
+        "mlp_layer": _layer_spec(config, rope_theta, sub.mlp_layer, ("ffn",), active, "HybridStack mlp_layer "),
+    }
+    module = _rlk_final_norm_stack(base.module) if active["logp"] else base.module
+    return ModuleSpec(module=module, params=dict(base.params), submodules=dataclasses.replace(sub, **changes))
+
+
+_FINAL_NORM_STACKS: dict[type, type] = {}
+
+
+def _rlk_final_norm_stack(cls: type) -> type:
+    """``cls`` (a HybridStack class) with its final norm an rlk RMSNorm (module logp)."""
+    if cls not in _FINAL_NORM_STACKS:
+        def __init__(self, *args, post_layer_norm: bool = True, **kwargs):
+            cls.__init__(self, *args, post_layer_norm=False, **kwargs)  # no TENorm built
+            self.post_layer_norm = post_layer_norm
+            if self.post_process and post_layer_norm:
+                self.final_norm = RlkRMSNorm(self.config, self.config.hidden_size, eps=self.config.layernorm_epsilon,
+                                             rlk_module="logp")
+
+        _FINAL_NORM_STACKS[cls] = type(f"Rlk{cls.__name__}", (cls,), {"__init__": __init__,
+                                                                      "__module__": __name__})
+    return _FINAL_NORM_STACKS[cls]
+
+
 def layer_modules(model) -> dict[str, list]:
-    """The model's layers per rlk module (what :func:`verify_model` checks)."""
+    """The model's layers per rlk module (what :func:`verify_model` checks); GPTModel and HybridModel
+    (a hybrid layer that is not a TransformerLayer, e.g. Mamba, counts as attention: a sequence mixer)."""
     out: dict[str, list] = {"attention": [], "ffn": [], "logp": []}
     decoder = getattr(model, "decoder", None)
     for layer in getattr(decoder, "layers", []):
-        out["attention"] += [layer.input_layernorm, *layer.self_attention.modules()]
-        out["ffn"] += [layer.pre_mlp_layernorm, *layer.mlp.modules()]
-    if getattr(decoder, "final_layernorm", None) is not None:
-        out["logp"].append(decoder.final_layernorm)
+        if isinstance(layer, _compat.TransformerLayer):
+            out["attention"] += [layer.input_layernorm, *layer.self_attention.modules()]
+            out["ffn"] += [layer.pre_mlp_layernorm, *layer.mlp.modules()]
+        else:
+            out["attention"] += list(layer.modules())
+    for name in ("final_layernorm", "final_norm"):  # GPT's TransformerBlock, HybridStack
+        if getattr(decoder, name, None) is not None:
+            out["logp"].append(getattr(decoder, name))
     if getattr(model, "output_layer", None) is not None:
         out["logp"].append(model.output_layer)
+    return out
+
+
+def hybrid_problems(model) -> dict[str, list[str]]:
+    """Per module, the HybridModel layer types in the built model that rlk does not cover (empty for a
+    GPTModel or a dense ``*-`` pattern)."""
+    out: dict[str, list[str]] = {"attention": [], "ffn": [], "logp": []}
+    types_ = getattr(getattr(model, "decoder", None), "layer_type_list", None) or []
+    for sym in sorted(set(types_)):
+        if sym in HYBRID_UNCOVERED:
+            module, what = HYBRID_UNCOVERED[sym]
+            out[module].append(f"HybridModel layer {sym!r} ({what}) is not covered "
+                               f"(pattern {getattr(model, 'hybrid_layer_pattern', None)!r}; rlk covers '*' and '-')")
+        elif sym not in HYBRID_COVERED:
+            out["attention"].append(f"HybridModel layer {sym!r} is not known to rlk")
     return out
 
 
@@ -159,6 +274,9 @@ def verify_model(model) -> dict[str, int]:
     no layer of a P module is. Raises (strict) or records (audit); returns rlk layer counts per module."""
     st = _state.get()
     counts = {}
+    for module, problems in hybrid_problems(model).items():
+        if problems and st.rlk(module):
+            st.refuse(module, "; ".join(problems))
     for module, mods in layer_modules(model).items():
         rlk = [m for m in mods if isinstance(m, (_RlkLayer, RlkCoreAttention))]
         active = [m for m in rlk if getattr(m, "rlk_active", True)]

@@ -15,3 +15,14 @@ def cpu_recipe() -> None:
     mrandom._set_cuda_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
     torch.cuda.get_rng_state = lambda *a, **k: torch.get_rng_state()
     torch.cuda.manual_seed = torch.manual_seed
+
+
+def hybrid_final_norm_without_te() -> None:
+    """megatron-core 0.19's ``HybridStack`` builds its final norm as ``TENorm``, which raises without
+    Transformer Engine: point that name at Megatron's local torch norm (``WrappedTorchNorm``, the norm of
+    the local spec), so that a HybridModel whose logp module is P (stock final norm) builds on a CPU. The
+    provider's own final norm (an R logp) needs no stand-in. Process-wide; tests only."""
+    import megatron.core.models.hybrid.hybrid_block as hb
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    hb.TENorm = WrappedTorchNorm
