@@ -213,3 +213,15 @@ def test_hybrid_strict_refuses_uncovered_layer_types_in_the_built_model(provider
         spec.verify_model(model)
     provider(**{module: "P/P"})  # the module is P: nothing to refuse
     assert spec.verify_model(model) == {"attention": 0, "ffn": 0, "logp": 0}
+
+
+@needs_hybrid
+def test_hybrid_audit_records_uncovered_layer_type(provider):
+    from rlk_megatron_provider import spec
+
+    st = provider("audit", ffn="P/P", logp="P/P")
+    model = types.SimpleNamespace(hybrid_layer_pattern="*-M-",
+                                  decoder=types.SimpleNamespace(layers=[], layer_type_list=list("*-M-")))
+    assert spec.verify_model(model) == {"attention": 0, "ffn": 0, "logp": 0}
+    rec = st.recorder.to_dict()["modules"]["attention"]
+    assert rec["fallback"] and "'M' (Mamba) is not covered" in rec["fallback_reason"]
