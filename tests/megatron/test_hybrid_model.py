@@ -225,3 +225,22 @@ def test_hybrid_audit_records_uncovered_layer_type(provider):
     assert spec.verify_model(model) == {"attention": 0, "ffn": 0, "logp": 0}
     rec = st.recorder.to_dict()["modules"]["attention"]
     assert rec["fallback"] and "'M' (Mamba) is not covered" in rec["fallback_reason"]
+
+
+@needs_hybrid
+def test_hybrid_world4_tp2_cp2_equals_tp2_reference_and_repeats_bitwise():
+    """World 4 (TP 2 x CP 2, the world tests' 8 query / 4 KV head model): == the single-process TP-2
+    reference (!= TP 4's), a second forward the same bits on every rank, every rank all rlk."""
+    from test_megatron_world import LENGTHS, MODEL, TIED, tp_reference
+
+    res = run("hybrid-w-tp2-cp2", 2, 2, TIED, "thd", R_ALL, lengths=LENGTHS, model=MODEL, repeat=True,
+              all_readbacks=True, via="hybrid")
+    assert torch.equal(res["logp"], tp_reference(2))
+    assert not torch.equal(res["logp"], tp_reference(4))
+    assert torch.equal(res["logp_logits"], res["logp_gathered_vocab"])
+    assert [r["repeat_equal"] for r in res["readbacks"]] == [True] * 4
+    for r in res["readbacks"]:
+        mods = r["readback"]["modules"]
+        assert {m: (mods[m]["implementation"], mods[m]["fallback"]) for m in mods} == {
+            m: ("rlk", False) for m in ("attention", "ffn", "logp")}
+        assert {"all_reduce", "cp_all_gather"} <= set(mods["attention"]["ops"])
