@@ -1,7 +1,8 @@
 """Every megatron-core name the provider uses, with the version range it was verified against.
 
-Supported: megatron-core 0.16.x (what slime/VIME pin; exercised on CPU in CI) through 0.19.x (the newest,
-carried to the GPU machine). Differences handled here by feature detection, never by version string:
+Supported: megatron-core 0.16.x (what slime/VIME pin; exercised on CPU in CI) through 0.19.x (the newest:
+the same CPU suite by ``scripts/test-megatron-019.sh``, and the GPU benchmark). Differences handled here by
+feature detection, never by version string:
 
 - the MLP slot of ``TransformerLayerSubmodules``: a ``ModuleSpec`` in 0.16, an ``MlpBuilder`` callable
   (``partial(MLP.as_mlp_submodule, submodules=...)``) in 0.19 (detected by ``MLP.as_mlp_submodule``);
