@@ -106,7 +106,7 @@ class Report:
 
     def markdown(self) -> str:
         m = self.data["meta"]
-        lines = [f"# rlk-megatron-provider on {m.get('gpu', m['device'])}",
+        lines = [f"# rlk-megatron-provider ({m.get('model', 'GPTModel')}) on {m.get('gpu', m['device'])}",
                  "", f"megatron-core {m.get('megatron_core')}, torch {m.get('torch')}, commit "
                  f"{m.get('commit')}, {m['elapsed_s']} s", "", "| check | result | numbers |", "| --- | --- | --- |"]
         for c in self.data["checks"]:
@@ -185,7 +185,7 @@ def meta(args) -> dict:
 
     out = {"device": args.device, "python": platform.python_version(), "torch": torch.__version__,
            "commit": os.environ.get("RLK_COMMIT", "unknown"), "argv": sys.argv, "temperature": TEMPERATURE,
-           "lr": LR, "tiny": args.tiny}
+           "lr": LR, "tiny": args.tiny, "model": "HybridModel" if args.hybrid else "GPTModel"}
     try:
         from rlk_megatron_provider import _compat
 
@@ -239,7 +239,7 @@ def make_weights(cfg, dev, seed: int = 3) -> dict:
     return out
 
 
-def transformer_config(cfg, dev, dtype, tp: int = 1, cp: int = 1):
+def transformer_config(cfg, dev, dtype, tp: int = 1, cp: int = 1, **overrides):
     import torch
     import torch.nn.functional as F
     from megatron.core.transformer.transformer_config import TransformerConfig
@@ -253,11 +253,97 @@ def transformer_config(cfg, dev, dtype, tp: int = 1, cp: int = 1):
               bf16=dtype == torch.bfloat16, use_cpu_initialization=dev.type == "cpu", perform_initialization=False,
               bias_activation_fusion=False, bias_dropout_fusion=False, apply_rope_fusion=False,
               masked_softmax_fusion=False, gradient_accumulation_fusion=False, persist_layer_norm=False)
+    kw.update(overrides)
     return TransformerConfig(**kw)
 
 
+# ``--hybrid``: megatron-core 0.19's HybridModel (pattern ``"*-"`` per Qwen3 layer) instead of GPTModel
+HYBRID = False
+
+
+def hybrid_available() -> bool:
+    """Whether this megatron-core has ``megatron.core.models.hybrid`` (0.19+)."""
+    from rlk_megatron_provider import _compat
+
+    return _compat.hybrid() is not None
+
+
+def to_hybrid_keys(sd: dict) -> dict:
+    """GPTModel state-dict keys -> the ``"*-"``-pattern HybridModel's: GPT layer i's attention half ->
+    hybrid layer 2i, its MLP half -> 2i+1; ``decoder.final_layernorm`` -> ``decoder.final_norm``."""
+    out = {}
+    for k, v in sd.items():
+        if k.startswith("decoder.layers."):
+            parts = k.split(".")
+            i, rest = int(parts[2]), parts[3:]
+            j = 2 * i + (0 if rest[0] in ("input_layernorm", "self_attention") else 1)
+            k = ".".join(["decoder", "layers", str(j), *rest])
+        elif k.startswith("decoder.final_layernorm."):
+            k = "decoder.final_norm." + k[len("decoder.final_layernorm."):]
+        out[k] = v
+    return out
+
+
+def to_gpt_keys(sd: dict) -> dict:
+    """The inverse of :func:`to_hybrid_keys` (identity without ``--hybrid``): the provider's converter
+    (``from_megatron``) reads GPTModel names."""
+    if not HYBRID:
+        return sd
+    out = {}
+    for k, v in sd.items():
+        if k.startswith("decoder.layers."):
+            parts = k.split(".")
+            k = ".".join(["decoder", "layers", str(int(parts[2]) // 2), *parts[3:]])
+        elif k.startswith("decoder.final_norm."):
+            k = "decoder.final_layernorm." + k[len("decoder.final_norm."):]
+        out[k] = v
+    return out
+
+
+def build_hybrid(cfg, dev, dtype, rlk: bool, tp: int = 1, cp: int = 1):
+    """``HybridModel`` (pattern ``"*-" * L``, ``num_layers = 2 L``) on the provider's ``hybrid_stack_spec``,
+    or (stock) on the provider's ``spec.local_hybrid_stack_spec()``: Megatron's local (no TE) layers
+    arranged as a HybridStack. The stock ``HybridStack`` builds its final norm as ``TENorm``; without
+    Transformer Engine that norm is pointed at Megatron's local torch norm (the provider's test stand-in,
+    ``testing.hybrid_final_norm_without_te``); the rlk stack builds its own norm and needs none."""
+    from megatron.core.models.hybrid.hybrid_model import HybridModel
+
+    import rlk_megatron_provider as prov
+    from rlk_megatron_provider import spec as spec_mod
+
+    pattern = "*-" * cfg.num_hidden_layers
+    tc = transformer_config(cfg, dev, dtype, tp, cp, num_layers=len(pattern))
+    if rlk:
+        stack = prov.hybrid_stack_spec(tc, rope_theta=cfg.rope_theta)
+    else:
+        if not _have_te():
+            from rlk_megatron_provider.testing import hybrid_final_norm_without_te
+
+            hybrid_final_norm_without_te()
+        stack = spec_mod.local_hybrid_stack_spec()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = HybridModel(tc, hybrid_stack_spec=stack, vocab_size=cfg.vocab_size,
+                            max_sequence_length=cfg.max_position_embeddings, hybrid_layer_pattern=pattern,
+                            position_embedding_type="rope", rotary_base=int(cfg.rope_theta),
+                            share_embeddings_and_output_weights=cfg.tie_word_embeddings, pre_process=True,
+                            post_process=True, parallel_output=True)
+    counts = prov.prepare_model(model) if rlk else None
+    model = model.to(device=dev, dtype=dtype)
+    return model, counts
+
+
+def _have_te() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("transformer_engine") is not None
+
+
 def build(cfg, dev, dtype, rlk: bool, tp: int = 1, cp: int = 1):
-    """``GPTModel`` with the rlk layer spec (plan from RL_KERNEL_*) or Megatron's stock local spec."""
+    """``GPTModel`` with the rlk layer spec (plan from RL_KERNEL_*) or Megatron's stock local spec
+    (``HybridModel`` with ``--hybrid``, :func:`build_hybrid`)."""
+    if HYBRID:
+        return build_hybrid(cfg, dev, dtype, rlk, tp, cp)
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
@@ -283,6 +369,8 @@ def load(model, cfg, w, tp: int = 1, rank: int = 0) -> dict:
     from rlk_megatron_provider.weights import to_megatron
 
     sd = to_megatron(cfg, w, tp, rank)
+    if HYBRID:
+        sd = to_hybrid_keys(sd)
     missing, unexpected = model.load_state_dict(sd, strict=False)
     missing = [k for k in missing if not k.endswith("_extra_state")]
     if missing or unexpected:
@@ -444,6 +532,8 @@ def stage_lockstep(rep: Report, rec: dict, cfg, dev, dtype, steps: int, lengths:
     model, counts = build(cfg, dev, dtype, rlk=True)
     masters = load(model, cfg, w)
     rec["rlk_layer_counts"] = counts
+    rec["model_class"] = type(model).__name__
+    rec["layer_pattern"] = getattr(model, "hybrid_layer_pattern", None)
     box = hidden_head(model)
     opt = MasterAdamW(model, masters, foreach=False)
     tr = local_trainer(cfg, w, dev, dtype)
@@ -492,7 +582,7 @@ def stage_lockstep(rep: Report, rec: dict, cfg, dev, dtype, steps: int, lengths:
                                     max_abs_diff=max_abs(lp_m, lp_l), tokens=int(lp_m.numel()),
                                     mean_logp=float(lp_m.mean()))
         # forward on Megatron's current weights (local trainer rebuilt from them): bitwise whatever the grads did
-        cur = from_megatron(cfg, [{n: m.detach() for n, m in opt.master.items()}])
+        cur = from_megatron(cfg, [to_gpt_keys({n: m.detach() for n, m in opt.master.items()})])
         fresh = local_trainer(cfg, cur, dev, dtype)
         with torch.no_grad():
             lp_f = fresh.forward_logprobs(b.seqs, b.rows)
@@ -501,7 +591,7 @@ def stage_lockstep(rep: Report, rec: dict, cfg, dev, dtype, steps: int, lengths:
         all_ok["synced"] &= rep.check(f"lockstep.step{step}.logp_equal_local_on_megatron_weights", eq,
                                       max_abs_diff=max_abs(lp_m, lp_f))
         if step < steps:
-            got = from_megatron(cfg, [{n: g.float() for n, g in g_m.items()}])
+            got = from_megatron(cfg, [to_gpt_keys({n: g.float() for n, g in g_m.items()})])
             ref = {k: v.grad for k, v in tr.master.items() if v.grad is not None}
             differ = [k for k in ref if not torch.equal(got[k], ref[k])]
             rep.check(f"lockstep.step{step}.grads_equal_local_trainer", not differ, bitwise=False,
@@ -844,8 +934,24 @@ def main() -> int:
     ap.add_argument("--skip-1p7b", action="store_true")
     ap.add_argument("--tp", type=int, default=1, help="tensor parallel size (> 1: under torchrun; the TP/CP stages)")
     ap.add_argument("--cp", type=int, default=1, help="context parallel size (> 1: under torchrun; the TP/CP stages)")
+    ap.add_argument("--hybrid", action="store_true",
+                    help="megatron-core 0.19's HybridModel (pattern '*-' per layer) instead of GPTModel")
     args = ap.parse_args()
     parallel = args.tp * args.cp > 1
+    if args.hybrid:
+        warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not installed.*")
+        warnings.filterwarnings("ignore", message=".*Apex is not installed.*")
+        from rlk_megatron_provider import _compat
+
+        if not hybrid_available():
+            print(f"megatron_gpu: --hybrid needs HybridModel (megatron.core.models.hybrid, megatron-core >= 0.19); "
+                  f"this is megatron-core {_compat.version()}", file=sys.stderr)
+            return 2
+        if parallel:
+            print("megatron_gpu: --hybrid runs the 1-GPU stages only (not with --tp / --cp > 1)", file=sys.stderr)
+            return 2
+        global HYBRID
+        HYBRID = True
     rank = int(os.environ.get("RANK", "0"))
     os.environ.update(R_ENV)
     os.environ.setdefault("RL_KERNEL_READBACK_DIR", os.path.join(args.out, "readbacks"))
