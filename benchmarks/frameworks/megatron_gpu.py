@@ -19,7 +19,9 @@ One command, one process, a torch.distributed world of 1 (NCCL on the GPU, gloo 
 
 Writes ``megatron_gpu.json`` (rewritten after every stage) and ``megatron_gpu.md`` to ``--out``; exits 1
 if a bitwise check failed or a stage holding one did not finish. ``--device cpu --tiny`` runs the whole
-flow on a 2-layer model on CPU (fp32, gloo) in seconds.
+flow on a 2-layer model on CPU (fp32, gloo) in seconds. ``--hybrid`` (megatron-core >= 0.19) runs stages 1-4
+on ``HybridModel`` (pattern ``"*-"`` per Qwen3 layer) instead of ``GPTModel``, the stock side on Megatron's local
+layers as a HybridStack (``spec.local_hybrid_stack_spec``).
 """
 
 from __future__ import annotations
