@@ -20,7 +20,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _model
-from test_megatron_provider import MEGATRON_WARNINGS, P_ALL, R_ALL, SBHD, THD, local, run
+from test_megatron_provider import MEGATRON_WARNINGS, P_ALL, R_ALL, SBHD, THD, _tcfg, local, run
 
 pytestmark = [pytest.mark.megatron, *MEGATRON_WARNINGS]
 
@@ -36,27 +36,6 @@ HAVE_HYBRID = _have_hybrid()
 needs_hybrid = pytest.mark.skipif(not HAVE_HYBRID, reason="this megatron-core has no HybridModel (new in 0.19)")
 # importing Megatron's stock (TE) hybrid_layer_specs without TE warns about TE's MoE support: not about rlk
 STOCK_SPEC_WARNING = pytest.mark.filterwarnings("ignore:Only transformer-engine>=1.7.0 supports MoE:UserWarning")
-
-
-@pytest.fixture
-def provider(monkeypatch):
-    from rlk_megatron_provider import _state
-
-    def make(mode: str = "strict", **cases):
-        _state.reset()
-        for m in ("attention", "ffn", "logp"):
-            monkeypatch.setenv(f"RL_KERNEL_{m.upper()}_CASE", cases.get(m, "R/R"))
-        monkeypatch.setenv("RL_KERNEL_MODE", mode)
-        import rlk_megatron_provider
-
-        return rlk_megatron_provider.initialize_from_environment()
-
-    yield make
-    _state.reset()
-
-
-def _tcfg(**overrides):
-    return _model.transformer_config(_model.config(False), 1, 1, **overrides)
 
 
 @pytest.mark.skipif(HAVE_HYBRID, reason="this megatron-core has HybridModel")

@@ -205,23 +205,6 @@ def test_native_plan_differs_from_rlk_negative_control():
 
 
 # -- fail closed (in process: no process group needed to build specs) -----------------------------------
-@pytest.fixture
-def provider(monkeypatch):
-    from rlk_megatron_provider import _state
-
-    def make(mode: str = "strict", **cases):
-        _state.reset()
-        for m in ("attention", "ffn", "logp"):
-            monkeypatch.setenv(f"RL_KERNEL_{m.upper()}_CASE", cases.get(m, "R/R"))
-        monkeypatch.setenv("RL_KERNEL_MODE", mode)
-        import rlk_megatron_provider
-
-        return rlk_megatron_provider.initialize_from_environment()
-
-    yield make
-    _state.reset()
-
-
 def _tcfg(**overrides):
     return _model.transformer_config(_model.config(False), 1, 1, **overrides)
 

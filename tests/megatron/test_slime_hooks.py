@@ -32,21 +32,6 @@ pytestmark = [pytest.mark.megatron, *MEGATRON_WARNINGS]
 MODULES = ("attention", "ffn", "logp")
 
 
-@pytest.fixture
-def provider(monkeypatch):
-    from rlk_megatron_provider import _state
-
-    def make(mode: str = "strict", **cases):
-        _state.reset()
-        for m in MODULES:
-            monkeypatch.setenv(f"RL_KERNEL_{m.upper()}_CASE", cases.get(m, "R/R"))
-        monkeypatch.setenv("RL_KERNEL_MODE", mode)
-        return rlk_megatron_provider.initialize_from_environment()
-
-    yield make
-    _state.reset()
-
-
 def _classes(obj) -> set[type]:
     """Every module class a spec slot builds (ModuleSpec trees, MLP builder partials, bare classes)."""
     from megatron.core.transformer.spec_utils import ModuleSpec
