@@ -27,6 +27,7 @@ from rlk_core.errors import RlkConfigError
 from rlk_validate import evidence
 from rlk_validate.evidence import BITWISE_SCHEMA, TRAIN_DATA_SCHEMA
 
+log = logging.getLogger("rlk_repro")
 PACKAGES = ("torch", "numpy", "safetensors", "rlk-core", "rlk-repro", "rlk-validate")
 # Exit statuses of rlk-repro; a run directory's exit-code file holds the one its process exits with.
 EXIT_OK, EXIT_MISMATCH, EXIT_USAGE, EXIT_FAILED, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
@@ -244,6 +245,26 @@ def round_metrics(rnd: int, cmp: dict[str, Any], rewards: list[float], train: An
         "peak_memory_bytes": peak_memory_bytes(device), "weights_changed": changed,
         "samples": samples, "response_tokens": generated,
     }
+
+
+def write_verdict(run_dir: Path | None, heading: str, rounds: list[dict[str, Any]], plan: Any, exact_required: bool,
+                  readback_mode: str, fallbacks: int) -> tuple[dict[str, Any], bool]:
+    """The bitwise document and the run summary (written unless ``run_dir`` is ``None``: a rank that is not
+    the lead), the verdict logged; returns ``(bitwise document, failed)``. A run fails where the plan requires
+    exact equality, strict readbacks are on and a token differs or a fallback ran."""
+    bitwise = bitwise_document(rounds, exact_required, fallbacks)
+    if run_dir is not None:
+        write_json_atomic(run_dir / "bitwise-validation.json", bitwise)
+        (run_dir / "report" / "summary.md").write_text(
+            f"# {heading}\n\n```\n" + summary_table(rounds, bitwise) + "\n```\n", encoding="utf-8")
+    failed = exact_required and readback_mode == "strict" and (bitwise["mismatch_count"] > 0 or fallbacks > 0)
+    if failed:
+        log.error("bitwise check FAILED: %d of %d compared tokens differ (plan %s requires exact equality)",
+                  bitwise["mismatch_count"], bitwise["element_count"], plan.as_dict())
+    else:
+        log.info("bitwise: %d of %d compared tokens differ (exact equality %s)", bitwise["mismatch_count"],
+                 bitwise["element_count"], "required" if exact_required else "not required")
+    return bitwise, failed
 
 
 def peak_memory_bytes(device: torch.device) -> int:

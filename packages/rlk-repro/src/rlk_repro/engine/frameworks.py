@@ -333,20 +333,10 @@ class _Run:
     def _finish(self, rounds: list[dict[str, Any]]) -> LocalRunResult:
         cfg, plan = self.cfg, self.cfg.plan
         fallbacks = self._fallbacks()
-        bitwise = runs.bitwise_document(rounds, cfg.exact_required, fallbacks)
-        if self.lead:
-            runs.write_json_atomic(self.run_dir / "bitwise-validation.json", bitwise)
-            (self.run_dir / "report" / "summary.md").write_text(
-                f"# {self.run_id}: engine frameworks, mode {cfg.mode}, plan {plan.as_dict()}, TP {cfg.tp}\n\n```\n"
-                + runs.summary_table(rounds, bitwise) + "\n```\n", encoding="utf-8")
-        failed = cfg.exact_required and cfg.readback_mode == "strict" and (
-            bitwise["mismatch_count"] > 0 or fallbacks > 0)
-        if failed:
-            log.error("bitwise check FAILED: %d of %d compared tokens differ (plan %s requires exact equality)",
-                      bitwise["mismatch_count"], bitwise["element_count"], plan.as_dict())
-        else:
-            log.info("bitwise: %d of %d compared tokens differ (exact equality %s)", bitwise["mismatch_count"],
-                     bitwise["element_count"], "required" if cfg.exact_required else "not required")
+        bitwise, failed = runs.write_verdict(
+            self.run_dir if self.lead else None,
+            f"{self.run_id}: engine frameworks, mode {cfg.mode}, plan {plan.as_dict()}, TP {cfg.tp}",
+            rounds, plan, cfg.exact_required, cfg.readback_mode, fallbacks)
         self.vllm.shutdown()
         return LocalRunResult(self.run_id, self.run_dir, rounds, bitwise,
                               runs.EXIT_MISMATCH if failed else runs.EXIT_OK,

@@ -290,17 +290,7 @@ def _finish(cfg: LocalRunConfig, ses: _Session, run_id: str, run_dir: Path, roun
     """The bitwise document, the summary and the verdict."""
     plan = cfg.plan
     fallbacks = sum(1 for rec in ses.recorders for m in rec.to_dict()["modules"].values() if m["fallback"])
-    bitwise = runs.bitwise_document(rounds, cfg.exact_required, fallbacks)
-    runs.write_json_atomic(run_dir / "bitwise-validation.json", bitwise)
-    (run_dir / "report" / "summary.md").write_text(
-        f"# {run_id}: engine local, mode {cfg.mode}, plan {plan.as_dict()}\n\n```\n"
-        + runs.summary_table(rounds, bitwise) + "\n```\n", encoding="utf-8")
-    failed = cfg.exact_required and cfg.readback_mode == "strict" and (bitwise["mismatch_count"] > 0 or fallbacks > 0)
-    if failed:
-        log.error("bitwise check FAILED: %d of %d compared tokens differ (plan %s requires exact equality)",
-                  bitwise["mismatch_count"], bitwise["element_count"], plan.as_dict())
-    else:
-        log.info("bitwise: %d of %d compared tokens differ (exact equality %s)", bitwise["mismatch_count"],
-                 bitwise["element_count"], "required" if cfg.exact_required else "not required")
+    bitwise, failed = runs.write_verdict(run_dir, f"{run_id}: engine local, mode {cfg.mode}, plan {plan.as_dict()}",
+                                         rounds, plan, cfg.exact_required, cfg.readback_mode, fallbacks)
     return LocalRunResult(run_id, run_dir, rounds, bitwise, runs.EXIT_MISMATCH if failed else runs.EXIT_OK,
                           all_changed)
