@@ -383,33 +383,6 @@ def load(model, cfg, w, tp: int = 1, rank: int = 0) -> dict:
     return {n: sd[n] for n in names}
 
 
-class MasterAdamW:
-    """fp32 master weights + AdamW for a bf16 (or fp32) model: the local trainer's scheme (fp32 masters,
-    the forward on their cast), so both sides apply the same update to the same gradients."""
-
-    def __init__(self, model, masters: dict, foreach: bool) -> None:
-        import torch
-
-        self.params = dict(model.named_parameters())
-        self.master = {n: torch.nn.Parameter(masters[n].detach().float().clone()) for n in self.params}
-        self.opt = torch.optim.AdamW([self.master[n] for n in sorted(self.master)], lr=LR, weight_decay=0.0,
-                                     foreach=foreach)
-
-    def zero_grad(self) -> None:
-        for p in self.params.values():
-            p.grad = None
-
-    def step(self) -> None:
-        import torch
-
-        for n, p in self.params.items():
-            self.master[n].grad = None if p.grad is None else p.grad.float()
-        self.opt.step()
-        with torch.no_grad():
-            for n, p in self.params.items():
-                p.copy_(self.master[n])
-
-
 def hidden_head(model) -> dict:
     """Make ``output_layer`` hand back its input (the final-normed hidden states) instead of logits, and
     keep the LM-head weight it was given: the rlk logp module then runs from hidden states, never from
@@ -537,7 +510,9 @@ def stage_lockstep(rep: Report, rec: dict, cfg, dev, dtype, steps: int, lengths:
     rec["model_class"] = type(model).__name__
     rec["layer_pattern"] = getattr(model, "hybrid_layer_pattern", None)
     box = hidden_head(model)
-    opt = MasterAdamW(model, masters, foreach=False)
+    from rlk_repro.engine.frameworks_megatron import MasterOptimizer
+
+    opt = MasterOptimizer(model, masters, lr=LR, foreach=False)
     tr = local_trainer(cfg, w, dev, dtype)
     b = Batch(cfg, lengths, prompt, dev, seed=11)
     rec.update(tokens=b.T, sequences=len(lengths), response_tokens=int(b.rows.numel()), steps=steps)
@@ -645,7 +620,9 @@ def time_steps(cfg, dev, dtype, rlk: bool, w, n: int, s: int, warmup: int, iters
     group = parallel_state.get_tensor_model_parallel_group() if tp > 1 else None
     model, _ = build(cfg, dev, dtype, rlk=rlk, tp=tp)
     masters = load(model, cfg, w, tp, group.rank() if group is not None else 0)
-    opt = MasterAdamW(model, masters, foreach=True)
+    from rlk_repro.engine.frameworks_megatron import MasterOptimizer
+
+    opt = MasterOptimizer(model, masters, lr=LR, foreach=True)
     del masters
     b = Batch(cfg, [s] * n, 1, dev, seed=17)
     box = hidden_head(model) if rlk else None

@@ -34,6 +34,38 @@ class MegatronStep:
     seconds: float
 
 
+class MasterOptimizer:
+    """fp32 master weights (copies of ``masters``, on each parameter's device) beside a bf16 (or fp32) model,
+    the local trainer's scheme: the optimizer updates the masters from the model's gradients, the model's
+    parameters are then copied from the masters (the forward runs on their cast), so both trainers apply the
+    same update to the same gradients."""
+
+    def __init__(self, model: torch.nn.Module, masters: dict[str, torch.Tensor], optimizer: str = "adamw",
+                 lr: float = 3e-4, foreach: bool = False) -> None:
+        self.params = dict(model.named_parameters())
+        self.master = {n: torch.nn.Parameter(masters[n].detach().to(device=p.device, dtype=torch.float32, copy=True))
+                       for n, p in self.params.items()}
+        ordered = [self.master[n] for n in sorted(self.master)]
+        if optimizer == "adamw":
+            self.opt: torch.optim.Optimizer = torch.optim.AdamW(ordered, lr=lr, weight_decay=0.0, foreach=foreach)
+        elif optimizer == "sgd":
+            self.opt = torch.optim.SGD(ordered, lr=lr, foreach=foreach)
+        else:
+            raise RlkConfigError(f"optimizer {optimizer!r} is not one of adamw, sgd")
+
+    def zero_grad(self) -> None:
+        for p in self.params.values():
+            p.grad = None
+
+    def step(self) -> None:
+        for n, p in self.params.items():
+            self.master[n].grad = None if p.grad is None else p.grad.float()
+        self.opt.step()
+        with torch.no_grad():
+            for n, p in self.params.items():
+                p.copy_(self.master[n])
+
+
 def init_model_parallel(tp: int, seed: int) -> None:
     """Megatron's parallel state on the already-initialised default process group (shared with vLLM)."""
     from megatron.core import parallel_state, tensor_parallel
@@ -91,16 +123,9 @@ class MegatronTrainer:
         missing = [k for k in missing if not k.endswith("_extra_state")]
         if missing or unexpected:
             raise RlkConfigError(f"Megatron state dict mismatch: missing {missing[:6]}, unexpected {unexpected[:6]}")
-        self.params = dict(self.model.named_parameters())
-        self.master = {n: torch.nn.Parameter(sd[n].to(device=device, dtype=torch.float32).clone()) for n in self.params}
+        self.optim = MasterOptimizer(self.model, sd, optimizer, lr)
+        self.params, self.master = self.optim.params, self.optim.master
         del sd
-        ordered = [self.master[n] for n in sorted(self.master)]
-        if optimizer == "adamw":
-            self.opt: torch.optim.Optimizer = torch.optim.AdamW(ordered, lr=lr, weight_decay=0.0, foreach=False)
-        elif optimizer == "sgd":
-            self.opt = torch.optim.SGD(ordered, lr=lr, foreach=False)
-        else:
-            raise RlkConfigError(f"optimizer {optimizer!r} is not one of adamw, sgd")
         self.box: dict = {}
         if self.r_logp:
             self._hidden_head()
@@ -197,13 +222,8 @@ class MegatronTrainer:
             per_sample += list(lp.detach().float().cpu().split([len(s.response) for s in mb]))
         grads = [p.grad for p in self.params.values() if p.grad is not None]
         grad_norm = float(torch.sqrt(sum((g.double() ** 2).sum() for g in grads))) if grads else 0.0
-        for n, p in self.params.items():
-            self.master[n].grad = None if p.grad is None else p.grad.float()
-        self.opt.step()
-        with torch.no_grad():
-            for n, p in self.params.items():
-                p.copy_(self.master[n])
-                p.grad = None
+        self.optim.step()
+        self.optim.zero_grad()
         import rlk_megatron_provider as prov
 
         if hasattr(prov, "invalidate_weight_caches"):  # the provider's cached [q; k; v] operand
