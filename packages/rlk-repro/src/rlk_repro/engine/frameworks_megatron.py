@@ -224,10 +224,9 @@ class MegatronTrainer:
         grad_norm = float(torch.sqrt(sum((g.double() ** 2).sum() for g in grads))) if grads else 0.0
         self.optim.step()
         self.optim.zero_grad()
-        import rlk_megatron_provider as prov
+        from rlk_megatron_provider import invalidate_weight_caches
 
-        if hasattr(prov, "invalidate_weight_caches"):  # the provider's cached [q; k; v] operand
-            prov.invalidate_weight_caches()
+        invalidate_weight_caches()  # the weights were written in place: drop the cached [q; k; v] operands
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         tokens = sum(len(s.prompt) + len(s.response) - 1 for s in samples)
