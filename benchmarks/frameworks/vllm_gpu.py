@@ -318,6 +318,8 @@ def stage_engine(a, work: Path, name: str) -> dict:
                          "decode_step_ms": round(1e3 * (tk - t1) / a.decode_steps, 3),
                          "note": "wall times of LLM.generate (front end included); decode step from "
                                  "t(max_tokens=1+K) - t(max_tokens=1) over K, prompts prefix-cached"}
+    if a.profile and name in ("rr", "pp", "bi"):
+        res["profile"] = _profile(a, engine, prompts_all, work, name)
     if a.engine == "vllm":
         with contextlib.suppress(Exception):
             import rlk_vllm_plugin
@@ -339,6 +341,52 @@ def stage_engine(a, work: Path, name: str) -> dict:
     engine = None
     gc.collect()
     return res
+
+
+def _gpu_clocks() -> str | None:
+    try:
+        return subprocess.run(["nvidia-smi", "--query-gpu=clocks.sm,clocks.mem,temperature.gpu,power.draw,"
+                               "clocks_throttle_reasons.active", "--format=csv,noheader"],
+                              capture_output=True, text=True, timeout=20).stdout.strip()
+    except Exception as exc:  # informational only
+        return f"{type(exc).__name__}: {exc}"
+
+
+def _profile(a, engine, prompts_all, work: Path, name: str) -> dict:
+    """``--profile``: torch.profiler (CPU + CUDA) over a decode run of the timing batch and over a mixed
+    run (prefill + decode, the throughput case); the tables go to ``<work>/profile-<stage>.txt`` (the driver
+    copies them to ``--out``). Where the time goes, per kernel and per host op, for R/R beside P/P."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    base = a.prompts + a.ttft_runs
+    d_idx = list(range(base, base + a.decode_batch))
+    m_idx = list(range(min(32, a.prompts)))
+    runs = {"decode": lambda: engine.generate(a, [prompts_all[i] for i in d_idx], d_idx, 1, 1 + a.decode_steps),
+            "mixed": lambda: engine.generate(a, [prompts_all[i] for i in m_idx], m_idx, a.samples, a.max_tokens)}
+    cuda = torch.cuda.is_available()
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    out: dict = {"clocks_before": _gpu_clocks()}
+    lines = [f"# profile of stage {name}", f"clocks before: {out['clocks_before']}", ""]
+    for what, fn in runs.items():
+        engine.reset_prefix_cache()
+        fn()  # same shapes once unprofiled (JIT, allocator)
+        sync()
+        with profile(activities=acts) as prof:
+            t0 = time.perf_counter()
+            fn()
+            sync()
+            wall = time.perf_counter() - t0
+        ka = prof.key_averages()
+        cuda_total = sum(e.self_device_time_total for e in ka) / 1e3
+        out[what] = {"wall_ms": round(1e3 * wall, 1), "self_cuda_ms_total": round(cuda_total, 1)}
+        lines += [f"## {what}: wall {1e3 * wall:.1f} ms, summed self CUDA time {cuda_total:.1f} ms", ""]
+        for key in ("self_cuda_time_total", "self_cpu_time_total"):
+            lines += [f"### by {key}", ka.table(sort_by=key, row_limit=30, max_name_column_width=90), ""]
+    out["clocks_after"] = _gpu_clocks()
+    (work / f"profile-{name}.txt").write_text("\n".join(lines) + "\n")
+    return out
 
 
 # ------------------------------------------------------------------------------------------------
@@ -760,6 +808,8 @@ def driver(a) -> int:
         _tar(out, "readbacks.tar.gz", work / "readbacks")
     with contextlib.suppress(Exception):
         _tar(out, "logs.tar.gz", work / "logs")
+    for prof in work.glob("profile-*.txt"):
+        shutil.copy(prof, out / prof.name)
     if not a.keep_work:
         shutil.rmtree(work, ignore_errors=True)
     print(json.dumps({"passed": result["passed"], "elapsed_s": result["elapsed_s"],
@@ -770,7 +820,7 @@ def driver(a) -> int:
 _PASSED = ("tiny", "device", "engine", "seed", "prompts", "samples", "max_tokens", "prompt_min", "prompt_max",
            "alone", "eager_prompts", "warm_prompts", "control_seqs", "recompute_chunk", "gpu_mem", "max_num_seqs",
            "max_batched_tokens", "ttft_runs", "decode_batch", "decode_steps", "gen_budget_s", "multiprocessing",
-           "tp")
+           "tp", "profile")
 
 
 def _pass_args(a) -> list[str]:
@@ -847,6 +897,8 @@ def parse(argv=None):
     p.add_argument("--multiprocessing", action="store_true", help="VLLM_ENABLE_V1_MULTIPROCESSING=1 (engine core "
                    "in its own process; the plugin must load there through the dist-info on PYTHONPATH)")
     p.add_argument("--skip", default="", help="comma-separated stages to skip")
+    p.add_argument("--profile", action="store_true", help="torch.profiler tables of a decode and a mixed run per "
+                   "engine stage (rr, pp, bi) -> profile-<stage>.txt in --out")
     a = p.parse_args(argv)
     if a.engine is None:
         a.engine = "vllm" if a.device == "cuda" else "local"
