@@ -147,6 +147,9 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--rr-cap-s", type=float, default=300)
     p.add_argument("--pp-cap-s", type=float, default=130)
+    p.add_argument("--matrix", metavar="CELLS", help="instead of the R/R + P/P loop: `rlk-repro matrix --engine "
+                   "frameworks --cells CELLS` (--rounds, --prompts, ... apply), then `rlk-repro report` on its root")
+    p.add_argument("--matrix-cap-s", type=float, default=540)
     a = p.parse_args(argv)
     out = Path(a.out).resolve()
     (out / "logs").mkdir(parents=True, exist_ok=True)
@@ -167,6 +170,8 @@ def main(argv=None) -> int:
         _dump(out / "loop_gpu.json", res)
         (out / "loop_gpu.md").write_text(_markdown(res))
 
+    if a.matrix:
+        return _matrix(a, out, env, res, save)
     found: dict[str, Path] = {}
     for name, mode, rounds, cap in (("rr", "consistency", a.rounds, a.rr_cap_s),
                                     ("pp", "native", a.native_rounds, a.pp_cap_s)):
@@ -206,6 +211,38 @@ def main(argv=None) -> int:
     res["passed"] = all(res["checks"].values())
     save()
     print(json.dumps({"passed": res["passed"], "checks": res["checks"], "ratios": res.get("ratios")}, indent=1))
+    return 0 if res["passed"] else 1
+
+
+def _matrix(a, out: Path, env: dict, res: dict, save) -> int:
+    """``--matrix CELLS``: the route matrix on the frameworks engine (one process per cell), validated by
+    ``rlk-repro matrix`` itself (``rlk-validate matrix``), plotted by ``rlk-repro report``; per cell the
+    summary of its run directory."""
+    root_parent = out / "matrix"
+    root_parent.mkdir(exist_ok=True)
+    cmd = [sys.executable, "-m", "rlk_repro", "matrix", "--engine", "frameworks", "--cells", a.matrix,
+           "--model", a.model, "--rounds", str(a.rounds), "--prompts-per-round", str(a.prompts),
+           "--samples-per-prompt", str(a.samples), "--max-new-tokens", str(a.max_new_tokens),
+           "--gpu-memory-utilization", str(a.gpu_mem), "--tp", str(a.tp), "--seed", str(a.seed),
+           "--output", str(root_parent)]
+    res["stages"]["matrix"] = _stage("matrix", cmd, env, a.matrix_cap_s, out)
+    roots = sorted(p for p in root_parent.iterdir() if p.is_dir())
+    if roots:
+        root = roots[-1]
+        res["matrix_root"] = str(root)
+        for cell in sorted(p for p in root.iterdir() if p.is_dir() and (p / "metrics.jsonl").is_file()):
+            summary = _summary(cell)
+            summary.pop("per_round")
+            res["runs"][cell.name] = summary
+        res["stages"]["report"] = _stage("report", [sys.executable, "-m", "rlk_repro", "report", str(root)], env, 120,
+                                         out)
+        for name in ("matrix-report.json",):
+            if (root / name).is_file():
+                res["matrix_validation"] = json.loads((root / name).read_text())
+    res["passed"] = res["stages"]["matrix"].get("rc") == 0
+    save()
+    print(json.dumps({"passed": res["passed"], "cells": {k: (v["compared_tokens"], v["mismatches"])
+                                                         for k, v in res["runs"].items()}}, indent=1))
     return 0 if res["passed"] else 1
 
 
