@@ -177,3 +177,67 @@ def test_forcing_a_backend_also_forces_its_companions(clean_registry, monkeypatc
     clean_registry.refresh()
     assert clean_registry.select("token_logprobs_backward", "cpu", (), strict=True).backend.id == "acme.twin"
     assert clean_registry.select("linear", "cpu", (), strict=True).backend.id == "rlk.reference"
+
+
+def test_select_asks_the_first_candidate_again_on_every_call(clean_registry):
+    """The fast path of ``select`` (the first candidate took the last call) still asks it per call: where it
+    declines, the next one runs with the declined reason; where it takes the call again, the same selection."""
+    from rlk_core.backends import Backend
+
+    reference = clean_registry.get("swiglu", "rlk.reference").fn
+    takes = {"now": True}
+    clean_registry.register(Backend("rlk.picky", "swiglu", reference, devices=("cpu",), priority=50, builtin=True,
+                                    supports=lambda x: (takes["now"], "" if takes["now"] else "not today")))
+    clean_registry.refresh()
+    first = clean_registry.select("swiglu", "cpu", (torch.randn(2, 8),), strict=True)
+    assert first.backend.id == "rlk.picky" and first.fallback_reason is None
+    assert clean_registry.select("swiglu", "cpu", (torch.randn(2, 8),), strict=True) is first
+    takes["now"] = False
+    sel = clean_registry.select("swiglu", "cpu", (torch.randn(2, 8),), strict=True)
+    assert sel.backend.id == "rlk.reference" and sel.fallback_reason == "rlk.picky: not today"
+    takes["now"] = True
+    assert clean_registry.select("swiglu", "cpu", (torch.randn(2, 8),), strict=True).backend.id == "rlk.picky"
+
+
+def test_select_requalifies_after_the_qualification_cache_is_cleared(clean_registry):
+    """A third-party backend's qualification is cached; the fast path holds only while it is."""
+    from rlk_core.backends import Backend, hookimpl
+    from rlk_core.errors import RlkBackendError
+
+    verdict = {"ok": True}
+
+    class Judge:
+        @hookimpl(tryfirst=True)
+        def rlk_qualify_backend(self, backend, device_type):
+            return (verdict["ok"], "judged") if backend.id == "acme.fast" else None
+
+    reference = clean_registry.get("swiglu", "rlk.reference").fn
+    clean_registry.add_plugin(Judge(), name="judge")
+    clean_registry.register(Backend("acme.fast", "swiglu", reference, devices=("cpu",), priority=50, origin="acme"))
+    clean_registry.refresh()
+    x = torch.randn(2, 8)
+    assert clean_registry.select("swiglu", "cpu", (x,), strict=True).backend.id == "acme.fast"
+    assert clean_registry.select("swiglu", "cpu", (x,), strict=True).backend.id == "acme.fast"
+    verdict["ok"] = False
+    assert clean_registry.select("swiglu", "cpu", (x,), strict=True).backend.id == "acme.fast"  # cached verdict
+    clean_registry._qualified.clear()
+    with pytest.raises(RlkBackendError, match="failed its invariance checks on cpu: judged"):
+        clean_registry.select("swiglu", "cpu", (x,), strict=True)
+    asked = []
+    sel = clean_registry.select("swiglu", "cpu", (x,), strict=lambda: asked.append(1) or False)
+    assert sel.backend.id == "rlk.reference" and "acme.fast: not qualified (judged)" in sel.fallback_reason
+    assert asked == [1]  # strict mode is read only where a backend fails its qualification
+
+
+def test_strict_mode_follows_the_environment_between_calls(monkeypatch):
+    """``strict_now`` (no scope) reads RL_KERNEL_MODE on every call, parsing it only when it changed."""
+    from rlk_core import readback
+
+    monkeypatch.delenv("RL_KERNEL_MODE", raising=False)
+    assert readback.strict_now()
+    monkeypatch.setenv("RL_KERNEL_MODE", "audit")
+    assert not readback.strict_now()
+    monkeypatch.setenv("RL_KERNEL_MODE", "strict")
+    assert readback.strict_now()
+    with ReadbackRecorder("local", "rollout", RoutePlan("R/R", "R/R", "R/R"), mode="audit").scope("ffn"):
+        assert not readback.strict_now()

@@ -12,7 +12,9 @@ a forced ``token_logprobs`` backend also runs ``token_logprobs_backward`` and th
 
 Selection is cheap per call: the ordered candidates of each (op, device type) and the
 ``RLK_BACKENDS`` overrides are computed once per process (:meth:`BackendRegistry.refresh` recomputes
-them); what remains per call is each candidate's ``supports(*args)``.
+them); what remains per call is each candidate's ``supports(*args)``. Where the first candidate took the
+last call and is qualified, the next call asks it alone and, when it accepts again, returns the same
+:class:`Selection` (the loop below would reach the same one: the same candidates, the same reasons).
 
 Strict mode never lets a lower-priority backend stand in silently: where the preferred backend for a
 device (``rlk.triton`` on CUDA) is registered but unavailable — Triton missing, say — running the next
@@ -96,6 +98,8 @@ class BackendRegistry:
         self._available: dict[tuple[str, str], tuple[bool, str]] = {}
         self._qualified: dict[tuple[str, str, str], tuple[bool, str]] = {}
         self._candidates: dict[tuple[str, str], tuple[list[Backend], str | None]] = {}
+        # (op, device type) -> the first candidate and the Selection it gave, for select's fast path
+        self._first: dict[tuple[str, str], tuple[Backend, Selection]] = {}
         self._forced: dict[str, str] | None = None
         self._plugins_loaded = False
         self._lock = threading.Lock()
@@ -109,16 +113,19 @@ class BackendRegistry:
             raise RlkBackendError(f"backend {backend.id!r} is already registered for op {backend.op!r}")
         self._backends[backend.op][backend.id] = backend
         self._candidates.clear()
+        self._first.clear()
         return backend
 
     def unregister(self, op: str, backend_id: str) -> None:
         self._backends[op].pop(backend_id, None)
         self._qualified = {k: v for k, v in self._qualified.items() if k[1] != backend_id}
         self._candidates.clear()
+        self._first.clear()
 
     def refresh(self) -> None:
         """Forget what was computed once per process: candidates, probes, qualifications, ``RLK_BACKENDS``."""
         self._candidates.clear()
+        self._first.clear()
         self._available.clear()
         self._qualified.clear()
         self._forced = None
@@ -135,6 +142,7 @@ class BackendRegistry:
         for name in new:
             self._register_from(self.plugin_manager.get_plugin(name))
         self._candidates.clear()
+        self._first.clear()
         return new
 
     def add_plugin(self, plugin: object, name: str | None = None) -> None:
@@ -220,19 +228,34 @@ class BackendRegistry:
                 "RLK_LOAD_PLUGINS=0 turns it off with the plug-ins)")
         return self._qualified[key]
 
-    def select(self, op: str, device_type: str, args: Sequence[Any], strict: bool) -> Selection:
+    def select(self, op: str, device_type: str, args: Sequence[Any],
+               strict: bool | Callable[[], bool]) -> Selection:
+        """The backend that runs ``op`` on these arguments. ``strict`` (or a function returning it, asked
+        only when a backend fails its qualification) says whether an unqualified backend raises."""
+        first = self._first.get((op, device_type))
+        if first is not None:
+            backend, selection = first
+            said = backend.supports(*args)
+            if said[0] and (backend.builtin or self._qualified.get(
+                    (backend.op, backend.id, device_type), (False,))[0]):
+                return selection
+            return self._select(op, device_type, args, strict, said)
+        return self._select(op, device_type, args, strict, None)
+
+    def _select(self, op: str, device_type: str, args: Sequence[Any], strict: bool | Callable[[], bool],
+                first_said: tuple[bool, str] | None) -> Selection:
         candidates, missing = self._ordered(op, device_type)
         reasons: list[str] = [missing] if missing else []
         declined: list[tuple[Backend, str]] = []  # by backends that declare same_bits_as
-        for backend in candidates:
-            ok, why = backend.supports(*args)
+        for i, backend in enumerate(candidates):
+            ok, why = first_said if i == 0 and first_said is not None else backend.supports(*args)
             if not ok and backend.same_bits_as is not None:
                 declined.append((backend, f"{backend.id}: {why}"))
                 continue
             if ok:
                 qualified, qwhy = self.qualify(backend, device_type)
                 if not qualified:
-                    if strict:
+                    if strict() if callable(strict) else strict:
                         raise RlkBackendError(
                             f"backend {backend.id!r} ({backend.origin}) claims {backend.contract_id} for op "
                             f"{op!r} but failed its invariance checks on {device_type}: {qwhy}"
@@ -241,7 +264,10 @@ class BackendRegistry:
                     continue
                 quiet = [r for b, r in declined if b.same_bits_as == backend.id]
                 reasons += [r for b, r in declined if b.same_bits_as != backend.id]
-                return Selection(backend, "; ".join(reasons) or None, "; ".join(quiet) or None)
+                selection = Selection(backend, "; ".join(reasons) or None, "; ".join(quiet) or None)
+                if i == 0:
+                    self._first[(op, device_type)] = (backend, selection)
+                return selection
             reasons.append(f"{backend.id}: {why}")
         reasons += [r for _, r in declined]
         raise RlkBackendError(

@@ -190,6 +190,38 @@ def get(name: str, env: Mapping[str, str] | None = None) -> Any:
     return var(name).parse(environ(env).get(name))
 
 
+_PARSED: dict[str, tuple[Any, Any]] = {}
+# os.environ's own mapping and key encoding (CPython): a lookup of an unset variable through it costs no
+# KeyError (os.environ.get raises and catches one); os.environ.get where the interpreter has neither.
+_DATA = getattr(os.environ, "_data", None)
+_ENCODE = getattr(os.environ, "encodekey", None)
+_DECODE = getattr(os.environ, "decodevalue", None)
+_KEYS: dict[str, Any] = {}
+
+
+def current(name: str) -> Any:
+    """:func:`get` from ``os.environ`` for a per-call reader: the environment is read on every call (so a
+    changed value is seen at once), parsed only when its text changed. For variables whose parsed value is
+    immutable (text, bool, tuple), since callers share it."""
+    if _DATA is not None and _ENCODE is not None and _DECODE is not None:
+        key = _KEYS.get(name)
+        if key is None:
+            key = _KEYS[name] = _ENCODE(var(name).name)
+        raw = _DATA.get(key)
+        hit = _PARSED.get(name)
+        if hit is not None and hit[0] == raw:
+            return hit[1]
+        text = None if raw is None else _DECODE(raw)
+    else:
+        raw = text = os.environ.get(name)
+        hit = _PARSED.get(name)
+        if hit is not None and hit[0] == raw:
+            return hit[1]
+    value = var(name).parse(text)
+    _PARSED[name] = (raw, value)
+    return value
+
+
 def snapshot(env: Mapping[str, str] | None = None) -> dict[str, Any]:
     """Parse every variable; the first bad value raises."""
     return {v.name: get(v.name, env) for v in ENV_VARS}

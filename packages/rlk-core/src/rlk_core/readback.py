@@ -281,7 +281,7 @@ def note_op_call(op: str, backend_id: str, contract_id: str, fallback_reason: st
     if scope is not None:
         scope.recorder.count(scope.module, op, backend_id, contract_id, fallback_reason=fallback_reason,
                              execution_mode=execution_mode, provenance=provenance)
-    elif fallback_reason is not None and envs.get("RL_KERNEL_MODE") == "strict":
+    elif fallback_reason is not None and envs.current("RL_KERNEL_MODE") == "strict":
         raise RlkPolicyError(f"op {op!r} fell back to {backend_id!r} in strict mode: {fallback_reason}")
 
 
@@ -292,7 +292,7 @@ def active_scope() -> tuple[ReadbackRecorder, str] | None:
 
 def strict_now() -> bool:
     scope = _ACTIVE.get()
-    return (scope.recorder.mode if scope is not None else envs.get("RL_KERNEL_MODE")) == "strict"
+    return (scope.recorder.mode if scope is not None else envs.current("RL_KERNEL_MODE")) == "strict"
 
 
 def schema() -> dict[str, Any]:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 
@@ -10,6 +10,7 @@ from rlk_core import envs
 from rlk_core.errors import RlkInputError
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+INT_DTYPES = (torch.int32, torch.int64)
 
 
 def require(cond: bool, op: str, message: str) -> None:
@@ -18,14 +19,17 @@ def require(cond: bool, op: str, message: str) -> None:
 
 
 def float_tensor(t: torch.Tensor, op: str, name: str) -> None:
+    if isinstance(t, torch.Tensor) and t.dtype in FLOAT_DTYPES:
+        return
     require(isinstance(t, torch.Tensor), op, f"{name} must be a tensor, got {type(t).__name__}")
-    require(t.dtype in FLOAT_DTYPES, op,
-            f"{name} has dtype {t.dtype}; allowed: float32, bfloat16, float16")
+    require(False, op, f"{name} has dtype {t.dtype}; allowed: float32, bfloat16, float16")
 
 
 def int_tensor(t: torch.Tensor, op: str, name: str) -> None:
+    if isinstance(t, torch.Tensor) and t.dtype in INT_DTYPES:
+        return
     require(isinstance(t, torch.Tensor), op, f"{name} must be a tensor, got {type(t).__name__}")
-    require(t.dtype in (torch.int32, torch.int64), op, f"{name} has dtype {t.dtype}; allowed: int32, int64")
+    require(False, op, f"{name} has dtype {t.dtype}; allowed: int32, int64")
 
 
 def same_device(op: str, **tensors: torch.Tensor | None) -> None:
@@ -44,8 +48,9 @@ def same_dtype(op: str, **tensors: torch.Tensor | None) -> None:
 
 def ndim(t: torch.Tensor, op: str, name: str, allowed: Iterable[int]) -> None:
     allowed = tuple(allowed)
-    require(t.dim() in allowed, op, f"{name} must have {' or '.join(map(str, allowed))} dims, got shape "
-            f"{tuple(t.shape)}")
+    if t.dim() in allowed:
+        return
+    require(False, op, f"{name} must have {' or '.join(map(str, allowed))} dims, got shape {tuple(t.shape)}")
 
 
 def values_checked(*tensors: torch.Tensor | None) -> bool:
@@ -53,10 +58,10 @@ def values_checked(*tensors: torch.Tensor | None) -> bool:
     per ``RLK_VALUE_CHECKS`` otherwise (``auto``: only when all of them are on the CPU, because reading
     GPU values syncs the device on every call)."""
     ts = [t for t in tensors if t is not None]
-    if any(t.device.type == "meta" or _is_fake(t) for t in ts):
+    if any(t.is_meta or _is_fake(t) for t in ts):
         return False
-    mode = envs.get("RLK_VALUE_CHECKS")
-    return mode == "always" or (mode == "auto" and all(t.device.type == "cpu" for t in ts))
+    mode = envs.current("RLK_VALUE_CHECKS")
+    return mode == "always" or (mode == "auto" and all(t.is_cpu for t in ts))
 
 
 def in_range(t: torch.Tensor, op: str, name: str, low: int, high: int) -> None:
@@ -68,6 +73,18 @@ def in_range(t: torch.Tensor, op: str, name: str, low: int, high: int) -> None:
 
 
 def _is_fake(t: torch.Tensor) -> bool:
-    from torch._subclasses.fake_tensor import is_fake
+    # torch._subclasses.fake_tensor.is_fake, whose answer for a tensor of plain type that wraps nothing
+    # (neither functionalization nor functorch) is False: that case without the call
+    if type(t) in _PLAIN and not torch._is_functional_tensor(t) and not _functorch_wrapped(t):
+        return False
+    global _is_fake_fn
+    if _is_fake_fn is None:
+        from torch._subclasses.fake_tensor import is_fake
 
-    return is_fake(t)
+        _is_fake_fn = is_fake
+    return _is_fake_fn(t)
+
+
+_is_fake_fn: Callable[[torch.Tensor], bool] | None = None
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+_functorch_wrapped = torch._C._functorch.is_functorch_wrapped_tensor

@@ -17,7 +17,8 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
-from torch.utils import _python_dispatch
+from torch._C import _is_torch_function_mode_enabled as _torch_function_mode_enabled
+from torch._C import _len_torch_dispatch_stack
 
 from rlk_core.backends import REGISTRY
 from rlk_core.readback import note_op_call, strict_now
@@ -28,10 +29,17 @@ _PACKETS: dict[str, Any] = {}
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
+_DEVICE_TYPES: dict[torch.device, str] = {}  # torch.device.type builds a new string per call
+
+
 def run(op: str, device: torch.device, *args: Any) -> Any:
-    selection = REGISTRY.select(op, device.type, args, strict=strict_now())
+    device_type = _DEVICE_TYPES.get(device)
+    if device_type is None:
+        device_type = _DEVICE_TYPES[device] = device.type
+    # strict mode is read only where a backend fails its qualification (select's slow path)
+    selection = REGISTRY.select(op, device_type, args, strict=strict_now)
     backend = selection.backend
-    mode = "graph" if device.type == "cuda" and torch.cuda.is_current_stream_capturing() else "eager"
+    mode = "graph" if device_type == "cuda" and torch.cuda.is_current_stream_capturing() else "eager"
     note_op_call(op, backend.id, backend.contract_id, selection.fallback_reason, mode)
     return backend.fn(*args)
 
@@ -60,21 +68,21 @@ def register_autograd(op: Any, backward: Callable[..., Any], setup_context: Call
 def _path(args: tuple[Any, ...]) -> str:
     """``"direct"`` (no autograd needed), ``"function"`` (eager autograd over plain tensors) or
     ``"dispatcher"``."""
-    if (torch.compiler.is_compiling() or torch._C._is_torch_function_mode_enabled()
-            or _python_dispatch._get_current_dispatch_mode() is not None):
+    if (torch.compiler.is_compiling() or _torch_function_mode_enabled()
+            or _len_torch_dispatch_stack() > 0):  # _python_dispatch._get_current_dispatch_mode() is not None
         return "dispatcher"
     grad = torch.is_grad_enabled()
     path = "direct"
     for arg in args:
-        listed = isinstance(arg, (list, tuple))
-        for t in arg if listed else (arg,):
-            if isinstance(t, torch.Tensor):
-                if type(t) not in _PLAIN:
+        if type(arg) in _PLAIN:
+            if grad and arg.requires_grad:
+                path = "function"
+        elif isinstance(arg, (list, tuple)):
+            for t in arg:
+                if isinstance(t, torch.Tensor) and (type(t) not in _PLAIN or (grad and t.requires_grad)):
                     return "dispatcher"
-                if grad and t.requires_grad:
-                    if listed:
-                        return "dispatcher"
-                    path = "function"
+        elif isinstance(arg, torch.Tensor):  # a subclass: fake, functional, DTensor ...
+            return "dispatcher"
     return path
 
 

@@ -12,6 +12,18 @@ from rlk_core.ops.linear.reference import linear_reference
 
 
 def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    # the common case in a few attribute tests; anything else takes the full checks (and their messages)
+    if (isinstance(x, torch.Tensor) and isinstance(weight, torch.Tensor) and x.dtype in C.FLOAT_DTYPES
+            and weight.dtype == x.dtype and weight.dim() == 2 and x.dim() >= 1 and x.shape[-1] == weight.shape[1]
+            and x.device == weight.device
+            and (bias is None or (isinstance(bias, torch.Tensor) and bias.dtype == x.dtype
+                                  and bias.device == x.device and bias.shape == (weight.shape[0],)))):
+        return
+    _check_full(x, weight, bias)
+
+
+def _check_full(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    """Every check with its message (what :func:`_check` runs where its few attribute tests do not pass)."""
     C.float_tensor(x, "linear", "x")
     C.float_tensor(weight, "linear", "weight")
     C.ndim(weight, "linear", "weight", (2,))

@@ -12,6 +12,16 @@ from rlk_core.ops.rms_norm.reference import rms_norm_backward_reference, rms_nor
 
 
 def _check(x: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
+    # the common case in a few attribute tests; anything else takes the full checks (and their messages)
+    if (isinstance(x, torch.Tensor) and isinstance(weight, torch.Tensor) and x.dtype in C.FLOAT_DTYPES
+            and weight.dtype in C.FLOAT_DTYPES and x.dim() >= 1 and weight.shape == (x.shape[-1],)
+            and x.shape[-1] > 0 and eps > 0.0 and x.device == weight.device):
+        return
+    _check_full(x, weight, eps)
+
+
+def _check_full(x: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
+    """Every check with its message (what :func:`_check` runs where its few attribute tests do not pass)."""
     C.float_tensor(x, "rms_norm", "x")
     C.float_tensor(weight, "rms_norm", "weight")
     C.require(x.dim() >= 1 and x.shape[-1] > 0, "rms_norm", f"x must be [..., H] with H > 0, got {tuple(x.shape)}")

@@ -14,6 +14,18 @@ MAX_POSITION = 1 << 24  # positions are exact in fp32 below this
 
 
 def _check(x: torch.Tensor, positions: torch.Tensor, theta: float, rotary_dim: int) -> None:
+    # the common case in a few attribute tests; anything else takes the full checks (and their messages)
+    if (isinstance(x, torch.Tensor) and isinstance(positions, torch.Tensor) and x.dtype in C.FLOAT_DTYPES
+            and x.dim() == 3 and positions.dtype in C.INT_DTYPES and positions.dim() == 1
+            and positions.shape[0] == x.shape[0] and 0 < rotary_dim <= x.shape[-1] and rotary_dim % 2 == 0
+            and theta > 0.0 and x.device == positions.device):
+        C.in_range(positions, "rope", "positions", 0, MAX_POSITION)
+        return
+    _check_full(x, positions, theta, rotary_dim)
+
+
+def _check_full(x: torch.Tensor, positions: torch.Tensor, theta: float, rotary_dim: int) -> None:
+    """Every check with its message (what :func:`_check` runs where its few attribute tests do not pass)."""
     C.float_tensor(x, "rope", "x")
     C.ndim(x, "rope", "x", (3,))
     C.int_tensor(positions, "rope", "positions")

@@ -12,6 +12,15 @@ from rlk_core.ops.swiglu.reference import swiglu_backward_reference, swiglu_refe
 
 
 def _check(x: torch.Tensor) -> None:
+    if isinstance(x, torch.Tensor) and x.dtype in C.FLOAT_DTYPES and x.dim() >= 1:
+        last = x.shape[-1]
+        if last > 0 and last % 2 == 0:
+            return
+    _check_full(x)
+
+
+def _check_full(x: torch.Tensor) -> None:
+    """Every check with its message (what :func:`_check` runs where its few attribute tests do not pass)."""
     C.float_tensor(x, "swiglu", "x")
     C.require(x.dim() >= 1 and x.shape[-1] % 2 == 0 and x.shape[-1] > 0, "swiglu",
               f"x must be [..., 2*I] (gate then up) with an even, non-zero last dim, got {tuple(x.shape)}")
