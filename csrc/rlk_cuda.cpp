@@ -13,6 +13,9 @@
 // then the two scratch pointers Triton 3.6 appends (null: variants with scratch are refused at load).
 // The launch goes to torch's current stream of the tensors' device with cuLaunchKernelEx, adding the
 // programmatic-stream-serialization attribute for launch_pdl variants.
+// `run` is `launch` with the arguments described once per call signature by a record (the bytes of
+// rlk_core.ops._cuda_common.Launch.pack): it allocates the output, takes the inputs, scalars and constants
+// the record names, launches the same way and returns the output — one call per op call on the hot path.
 
 #include <torch/extension.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -159,96 +162,187 @@ void encode(const Variant& v, const DescMeta& m, const at::Tensor& t, CUtensorMa
         "cuTensorMapEncodeTiled");
 }
 
-void launch(int64_t handle, int64_t gx, int64_t gy, int64_t gz, py::args args) {
-  const Variant* vp;
-  {
-    std::lock_guard<std::mutex> lock(g_mutex);
-    TORCH_CHECK(handle >= 0 && size_t(handle) < g_variants.size(), "bad variant handle ", handle);
-    vp = g_variants[handle];
-  }
-  const Variant& v = *vp;
-  const size_t n = v.codes.size();
-  TORCH_CHECK(size_t(args.size()) == n, "variant takes ", n, " arguments, got ", args.size());
-  TORCH_CHECK(gx > 0 && gy > 0 && gz > 0 && gx < (1ll << 31) && gy < 65536 && gz < 65536, "bad grid");
-  std::vector<Slot> slots(n + 4 * v.descs.size() + 2);
+const Variant& variant(int64_t handle) {
+  std::lock_guard<std::mutex> lock(g_mutex);
+  TORCH_CHECK(handle >= 0 && size_t(handle) < g_variants.size(), "bad variant handle ", handle);
+  return *g_variants[handle];
+}
+
+// The parameter block of one launch, filled argument by argument in the Triton signature's order.
+struct Params {
+  const Variant& v;
+  std::vector<Slot> slots;
   std::vector<void*> params;
-  params.reserve(slots.size());
   size_t s = 0, di = 0;
-  auto put = [&](const void* src, size_t bytes) {
+
+  explicit Params(const Variant& variant) : v(variant), slots(variant.codes.size() + 4 * variant.descs.size() + 2) {
+    params.reserve(slots.size());
+  }
+  void put(const void* src, size_t bytes) {
     std::memcpy(slots[s].bytes, src, bytes);
     params.push_back(slots[s].bytes);
     ++s;
-  };
+  }
+  void pointer(size_t i, const at::Tensor* t) {  // nullptr: None
+    uint64_t p = 0;
+    if (t != nullptr) {
+      TORCH_CHECK(t->is_cuda() && t->get_device() == v.device, "argument ", i, " is not on cuda:", v.device);
+      p = reinterpret_cast<uint64_t>(t->data_ptr());
+    }
+    put(&p, sizeof(p));
+  }
+  void int32(size_t i, int64_t x) {
+    TORCH_CHECK(x >= INT32_MIN && x <= INT32_MAX, "argument ", i, " = ", x, " does not fit int32");
+    int32_t y = int32_t(x);
+    put(&y, sizeof(y));
+  }
+  void int64(int64_t x) { put(&x, sizeof(x)); }
+  void fp32(double x) {
+    float f = float(x);
+    put(&f, sizeof(f));
+  }
+  void descriptor(size_t i, const at::Tensor& t) {
+    TORCH_CHECK(t.is_cuda() && t.get_device() == v.device, "descriptor ", i, " is not on cuda:", v.device);
+    encode(v, v.descs[di++], t, reinterpret_cast<CUtensorMap*>(slots[s].bytes));
+    params.push_back(slots[s].bytes);
+    ++s;
+    int32_t shape[2] = {int32_t(t.size(0)), int32_t(t.size(1))};
+    int64_t strides[2] = {t.stride(0), t.stride(1)};
+    put(&shape[0], 4);
+    put(&shape[1], 4);
+    put(&strides[0], 8);
+    put(&strides[1], 8);
+  }
+  // one argument by its parameter code: a tensor (nullptr: None) for 'p' and 'D', a scalar otherwise
+  void arg(size_t i, char c, const at::Tensor* t, py::handle a, const int64_t* constant) {
+    switch (c) {
+      case 'p':
+        TORCH_CHECK(constant == nullptr, "argument ", i, " is a pointer, the record gives an integer");
+        pointer(i, t);
+        break;
+      case 'D':
+        TORCH_CHECK(t != nullptr, "descriptor argument ", i, " must be a tensor");
+        descriptor(i, *t);
+        break;
+      case 'i':
+        int32(i, constant != nullptr ? *constant : a.cast<int64_t>());
+        break;
+      case 'l':
+        int64(constant != nullptr ? *constant : a.cast<int64_t>());
+        break;
+      case 'f':
+        fp32(constant != nullptr ? double(*constant) : a.cast<double>());
+        break;
+      default:
+        TORCH_CHECK(false, "unknown parameter code '", c, "'");
+    }
+  }
+
+  void go(int64_t gx, int64_t gy, int64_t gz) {
+    TORCH_CHECK(gx > 0 && gy > 0 && gz > 0 && gx < (1ll << 31) && gy < 65536 && gz < 65536, "bad grid");
+    uint64_t null = 0;
+    put(&null, sizeof(null));  // global_scratch
+    put(&null, sizeof(null));  // profile_scratch
+    CUlaunchAttribute attrs[1];
+    CUlaunchConfig config;
+    std::memset(&config, 0, sizeof(config));
+    config.gridDimX = unsigned(gx);
+    config.gridDimY = unsigned(gy);
+    config.gridDimZ = unsigned(gz);
+    config.blockDimX = unsigned(v.threads);
+    config.blockDimY = 1;
+    config.blockDimZ = 1;
+    config.sharedMemBytes = unsigned(v.shared);
+    config.hStream = c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(v.device)).stream();
+    config.attrs = attrs;
+    config.numAttrs = 0;
+    if (v.pdl) {
+      attrs[0].id = CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+      attrs[0].value.programmaticStreamSerializationAllowed = 1;
+      config.numAttrs = 1;
+    }
+    check(driver().launchKernelEx(&config, v.fn, params.data(), nullptr), "cuLaunchKernelEx");
+  }
+};
+
+const at::Tensor& tensor_arg(py::handle a, size_t i, char c = 'p') {
+  if (c == 'D') {
+    TORCH_CHECK(THPVariable_Check(a.ptr()), "descriptor argument ", i, " must be a tensor");
+  } else {
+    TORCH_CHECK(THPVariable_Check(a.ptr()), "argument ", i, " must be a tensor or None");
+  }
+  return THPVariable_Unpack(a.ptr());
+}
+
+void launch(int64_t handle, int64_t gx, int64_t gy, int64_t gz, py::args args) {
+  const Variant& v = variant(handle);
+  const size_t n = v.codes.size();
+  TORCH_CHECK(size_t(args.size()) == n, "variant takes ", n, " arguments, got ", args.size());
+  TORCH_CHECK(gx > 0 && gy > 0 && gz > 0 && gx < (1ll << 31) && gy < 65536 && gz < 65536, "bad grid");
+  Params p(v);
   for (size_t i = 0; i < n; ++i) {
     py::handle a = args[i];
-    switch (v.codes[i]) {
-      case 'p': {
-        uint64_t p = 0;
-        if (!a.is_none()) {
-          TORCH_CHECK(THPVariable_Check(a.ptr()), "argument ", i, " must be a tensor or None");
-          const at::Tensor& t = THPVariable_Unpack(a.ptr());
-          TORCH_CHECK(t.is_cuda() && t.get_device() == v.device, "argument ", i, " is not on cuda:", v.device);
-          p = reinterpret_cast<uint64_t>(t.data_ptr());
-        }
-        put(&p, sizeof(p));
-        break;
-      }
-      case 'i': {
-        int64_t x = a.cast<int64_t>();
-        TORCH_CHECK(x >= INT32_MIN && x <= INT32_MAX, "argument ", i, " = ", x, " does not fit int32");
-        int32_t y = int32_t(x);
-        put(&y, sizeof(y));
-        break;
-      }
-      case 'l': {
-        int64_t x = a.cast<int64_t>();
-        put(&x, sizeof(x));
-        break;
-      }
-      case 'f': {
-        float f = float(a.cast<double>());
-        put(&f, sizeof(f));
-        break;
-      }
-      case 'D': {
-        TORCH_CHECK(THPVariable_Check(a.ptr()), "descriptor argument ", i, " must be a tensor");
-        const at::Tensor& t = THPVariable_Unpack(a.ptr());
-        TORCH_CHECK(t.is_cuda() && t.get_device() == v.device, "descriptor ", i, " is not on cuda:", v.device);
-        encode(v, v.descs[di++], t, reinterpret_cast<CUtensorMap*>(slots[s].bytes));
-        params.push_back(slots[s].bytes);
-        ++s;
-        int32_t shape[2] = {int32_t(t.size(0)), int32_t(t.size(1))};
-        int64_t strides[2] = {t.stride(0), t.stride(1)};
-        put(&shape[0], 4);
-        put(&shape[1], 4);
-        put(&strides[0], 8);
-        put(&strides[1], 8);
-        break;
+    const char c = v.codes[i];
+    const bool tensor = c == 'p' || c == 'D';
+    p.arg(i, c, tensor && !(a.is_none() && c == 'p') ? &tensor_arg(a, i, c) : nullptr, a, nullptr);
+  }
+  p.go(gx, gy, gz);
+}
+
+// Kinds of a record's argument (rlk_core.ops._cuda_common: T, V, O, S, C).
+enum Kind : int64_t { kInput = 0, kInput2d = 1, kOutput = 2, kScalar = 3, kConst = 4 };
+
+// run(record, *inputs): record = int64s [handle, out_aligned, gx, gy, gz, like, n_alloc, alloc...,
+// n_final, final..., n_args, (kind, value) per kernel argument]. Returns the output viewed as `final`, or
+// None (nothing launched) where out_aligned is set and the allocation is not 16-byte aligned.
+py::object run(py::bytes record, py::args args) {
+  const char* buf = PyBytes_AS_STRING(record.ptr());
+  const size_t words = size_t(PyBytes_GET_SIZE(record.ptr())) / 8;
+  size_t at = 0;
+  auto next = [&]() {
+    TORCH_CHECK(at < words, "rlk_core._C.run: launch record too short");
+    int64_t w;
+    std::memcpy(&w, buf + 8 * at++, 8);
+    return w;
+  };
+  const int64_t handle = next(), out_aligned = next(), gx = next(), gy = next(), gz = next(), like = next();
+  c10::SmallVector<int64_t, 4> alloc, final_shape;
+  for (int64_t k = next(); k > 0; --k) alloc.push_back(next());
+  for (int64_t k = next(); k > 0; --k) final_shape.push_back(next());
+  const Variant& v = variant(handle);
+  const int64_t n = next();
+  TORCH_CHECK(size_t(n) == v.codes.size(), "variant takes ", v.codes.size(), " arguments, the record has ", n);
+  TORCH_CHECK(like >= 0 && size_t(like) < args.size(), "rlk_core._C.run: bad 'like' input ", like);
+  at::Tensor y = at::empty(alloc, tensor_arg(args[like], size_t(like)).options());
+  if (out_aligned && reinterpret_cast<uintptr_t>(y.data_ptr()) % 16 != 0) return py::none();
+  Params p(v);
+  for (size_t i = 0; i < size_t(n); ++i) {
+    const int64_t kind = next(), value = next();
+    const char c = v.codes[i];
+    if (kind == kConst) {
+      p.arg(i, c, nullptr, py::none(), &value);
+    } else if (kind == kOutput) {
+      TORCH_CHECK(c == 'p' || c == 'D', "argument ", i, " (code '", c, "') cannot take the output");
+      p.arg(i, c, &y, py::none(), nullptr);
+    } else {
+      TORCH_CHECK(value >= 0 && size_t(value) < args.size(), "rlk_core._C.run: argument ", i, " names input ", value);
+      py::handle a = args[size_t(value)];
+      if (kind == kScalar) {
+        TORCH_CHECK(c != 'p' && c != 'D', "argument ", i, " (code '", c, "') cannot take a scalar");
+        p.arg(i, c, nullptr, a, nullptr);
+      } else if (kind == kInput2d) {
+        const at::Tensor& t = tensor_arg(a, i, c);
+        const at::Tensor t2 = t.view({-1, t.size(-1)});
+        p.arg(i, c, &t2, a, nullptr);
+      } else {
+        TORCH_CHECK(kind == kInput, "rlk_core._C.run: unknown argument kind ", kind);
+        const bool tensor = c == 'p' || c == 'D';
+        p.arg(i, c, tensor && !(a.is_none() && c == 'p') ? &tensor_arg(a, i, c) : nullptr, a, nullptr);
       }
     }
   }
-  uint64_t null = 0;
-  put(&null, sizeof(null));  // global_scratch
-  put(&null, sizeof(null));  // profile_scratch
-  CUlaunchAttribute attrs[1];
-  CUlaunchConfig config;
-  std::memset(&config, 0, sizeof(config));
-  config.gridDimX = unsigned(gx);
-  config.gridDimY = unsigned(gy);
-  config.gridDimZ = unsigned(gz);
-  config.blockDimX = unsigned(v.threads);
-  config.blockDimY = 1;
-  config.blockDimZ = 1;
-  config.sharedMemBytes = unsigned(v.shared);
-  config.hStream = c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(v.device)).stream();
-  config.attrs = attrs;
-  config.numAttrs = 0;
-  if (v.pdl) {
-    attrs[0].id = CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
-    attrs[0].value.programmaticStreamSerializationAllowed = 1;
-    config.numAttrs = 1;
-  }
-  check(driver().launchKernelEx(&config, v.fn, params.data(), nullptr), "cuLaunchKernelEx");
+  p.go(gx, gy, gz);
+  return py::cast(y.view(final_shape));
 }
 
 }  // namespace
@@ -260,4 +354,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("device"), py::arg("cubin"), py::arg("name"), py::arg("shared"), py::arg("num_warps"),
         py::arg("pdl"), py::arg("codes"), py::arg("desc_meta"));
   m.def("launch", &launch, "launch a loaded variant on the current stream: launch(handle, gx, gy, gz, *args)");
+  m.def("run", &run, "launch a record's variant on the current stream, allocating its output: run(record, *inputs)");
 }

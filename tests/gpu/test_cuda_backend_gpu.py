@@ -33,17 +33,25 @@ def _pow2(n: int) -> list[int]:
 
 @pytest.fixture(scope="module")
 def ran(monkeypatch_module):
-    """Records the cubin of every ``_C.launch`` (by handle)."""
+    """Records the cubin of every ``_C.launch`` and ``_C.run`` (a launch record: its handle is the first word)."""
     from rlk_core import _C
 
     seen: set[str] = set()
-    launch = _C.launch
+    launch, run = _C.launch, _C.run
 
     def recording(handle, *args):
         seen.add(next(c for (d, c), h in cc._HANDLES.items() if h == handle))
         return launch(handle, *args)
 
+    def recording_run(packed, *inputs):
+        out = run(packed, *inputs)
+        if out is not None:  # None: nothing launched (the general code then launches, through _C.launch)
+            handle = cc.record_handle(packed)
+            seen.add(next(c for (d, c), h in cc._HANDLES.items() if h == handle))
+        return out
+
     monkeypatch_module.setattr(_C, "launch", recording)
+    monkeypatch_module.setattr(_C, "run", recording_run)
     return seen
 
 
@@ -233,13 +241,15 @@ def _unreachable(op: str) -> set[str]:
     return out
 
 
-def test_negative_control_another_specialisation_is_not_the_jits_bits(monkeypatch):
+def test_negative_control_another_specialisation_is_not_the_jits_bits(monkeypatch, request):
     """Why only the JIT's own specialisation is served for reducing kernels: rms_norm's ``generic`` binary
     (no alignment assumed), forced onto launches the JIT compiles a partly specialised variant for, gave
     other bits than ``rlk.triton`` on the H200 (measured: bf16 [37, 4096] at a misaligned address). The
     comparison therefore has teeth on real binary differences; should every launch ever match, rms_norm could
     join GENERIC_BITWISE and this test says so."""
     monkeypatch.setattr(cc, "GENERIC_BITWISE", cc.GENERIC_BITWISE | {"rms_norm"})
+    cc.clear_records()  # the kept decisions read GENERIC_BITWISE
+    request.addfinalizer(cc.clear_records)  # and those made under the patched set must not outlive it
     cuda, triton = _backends("rms_norm")
     g = torch.Generator(device="cuda").manual_seed(0)
     differ = 0
@@ -288,3 +298,32 @@ def test_launch_on_a_side_stream_and_under_graph_capture():
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, triton.fn(x))
+
+
+def test_launch_records_serve_leading_dims_and_row_slices_as_the_general_code():
+    """The launch records (``_C.run``: output allocated and arguments packed in C++) on inputs with leading
+    dims (a TMA operand viewed 2-D in C++) and row slices of wider buffers, twice (the decision, then a hit):
+    bitwise ``rlk.triton`` and the general code (``forward_general``) alike."""
+    import importlib
+
+    g = torch.Generator(device="cuda").manual_seed(7)
+
+    def rnd(*shape):
+        return torch.randn(shape, device="cuda", generator=g).to(torch.bfloat16)
+
+    wide = rnd(6, 64, 4096 + 64)
+    cases = {
+        "linear": [(rnd(2, 32, 1024), rnd(3072, 1024), None), (rnd(1, 64, 4096), rnd(12288, 4096), rnd(12288))],
+        "rms_norm": [(rnd(2, 37, 4096), rnd(4096), 1e-6), (wide[:, :, :4096], rnd(4096), 1e-6)],
+        "swiglu": [(rnd(2, 23, 6144),), (wide[..., :4096],)],
+    }
+    for op, calls in cases.items():
+        cuda, triton = _backends(op)
+        general = importlib.import_module(f"rlk_core.ops.{op}.cuda").forward_general
+        for args in calls:
+            assert cuda.supports(*args)[0], (op, [getattr(a, "shape", a) for a in args])
+            ref = triton.fn(*args)
+            for _ in range(2):
+                out = cuda.fn(*args)
+                assert out.shape == ref.shape and out.stride() == ref.stride()
+                assert torch.equal(out, ref) and torch.equal(out, general(*args)), op

@@ -19,13 +19,20 @@ not as a fallback (the registry's strict mode refuses fallbacks that could chang
 
 The manifest is found under ``RLK_AOT_DIR`` or the package data ``rlk_core/_aot/<target>/`` that
 ``setup.py`` installs with the extension. Variants are loaded on first use per device and cached.
+
+Host time: each op's ``supports`` and launch share one decision per call signature (:class:`Launch`,
+below), so a repeated call costs one dict lookup in ``supports`` and one in the launch, which is a single
+``_C.run`` (output allocation, argument packing and ``cuLaunchKernelEx`` in C++).
 """
 
 from __future__ import annotations
 
 import functools
+import importlib
 import json
 import threading
+from array import array
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -218,18 +225,120 @@ def fits_i32(*ints: int) -> bool:
 
 def cuda_backend(op: str, module: str | None = None, fn: str = "forward", supports: str = "supports") -> Backend:
     """The ``rlk.cuda`` :class:`Backend` of ``op`` (module default ``rlk_core.ops.<op>.cuda``), bitwise
-    ``rlk.triton``'s: where it declines a call, ``rlk.triton`` runs it and that is not a fallback."""
-    from rlk_core.ops._triton_common import _lazy
-
+    ``rlk.triton``'s: where it declines a call, ``rlk.triton`` runs it and that is not a fallback. ``fn`` and
+    ``supports`` import the module on first use and then put its functions in their place (no wrapper
+    call per op call)."""
     module = module or f"rlk_core.ops.{op}.cuda"
-    return Backend(
+    backend = Backend(
         id=BACKEND_ID,
         op=op,
-        fn=_lazy(module, fn),
+        fn=_binding(module, fn, "fn"),
         devices=("cuda",),
         priority=PRIORITY,
         available=available,
-        supports=_lazy(module, supports),
+        supports=_binding(module, supports, "supports"),
         builtin=True,
         same_bits_as=SAME_BITS_AS[BACKEND_ID],  # the validator reads the same table
     )
+    backend.fn.backend = backend.supports.backend = backend
+    return backend
+
+
+def _binding(module: str, attr: str, field: str) -> Callable[..., Any]:
+    """A stand-in for ``module.attr``: imports it on first call and puts it in the backend's ``field`` (where
+    the stand-in still is), so the registry's calls reach it directly; a caller holding the stand-in pays one
+    call more."""
+    bound: list[Callable[..., Any]] = []
+
+    def stand_in(*args: Any) -> Any:
+        if not bound:
+            bound.append(getattr(importlib.import_module(module), attr))
+            if getattr(stand_in.backend, field) is stand_in:
+                setattr(stand_in.backend, field, bound[0])
+        return bound[0](*args)
+
+    stand_in.__name__ = f"{module}.{attr}"
+    stand_in.backend = None
+    return stand_in
+
+
+# -- launch records: one decision per call signature -----------------------------------------------------
+# ``supports`` and the launch of each op share one decision per call signature (a tuple of shapes, strides,
+# dtypes, device and the pointers' low 4 bits: everything the decision reads), made once by the op's general
+# code and kept as ``(said, launch)``: ``said`` is ``supports``' answer, ``launch`` a :class:`Launch` where
+# the call needs no copy of its inputs, else None (the general code runs the call, as it decided).
+# A hit is then one dict lookup and one ``_C.run``.
+
+T, V, O, S, C = 0, 1, 2, 3, 4  # a launch argument: input tensor, input viewed 2-D, output, input scalar, constant
+MAX_RECORDS = 16384  # per op; past it the cache starts over (shapes of a long run with varying batch sizes)
+
+
+class Launch:
+    """One launch of one variant for one call signature, in the form ``_C.run`` takes it: the handle, the
+    grid, the output's shape at launch (``alloc``, allocated like input ``like``) and as returned (``final``,
+    a view), whether the variant assumes a 16-byte aligned output (``out_aligned``: ``_C.run`` returns None
+    where the allocation is not, and the general code runs the call) and per kernel argument ``(kind,
+    value)``: ``(T, i)`` input ``i``, ``(V, i)`` input ``i`` viewed ``[-1, last]`` (a TMA descriptor
+    operand), ``(O, 0)`` the output, ``(S, i)`` the scalar input ``i``, ``(C, v)`` the integer ``v``."""
+
+    __slots__ = ("alloc", "args", "final", "grid", "handle", "like", "out_aligned", "packed")
+
+    def __init__(self, handle: int, grid: tuple[int, int, int], alloc: tuple[int, ...], final: tuple[int, ...],
+                 like: int, out_aligned: bool, args: tuple[tuple[int, int], ...]) -> None:
+        self.handle, self.grid, self.alloc, self.final = handle, tuple(grid), tuple(alloc), tuple(final)
+        self.like, self.out_aligned, self.args = like, bool(out_aligned), tuple(args)
+        self.packed: bytes | None = None
+
+    def pack(self) -> bytes:
+        """The record as ``_C.run`` reads it: int64s ``[handle, out_aligned, gx, gy, gz, like, len(alloc),
+        *alloc, len(final), *final, len(args), *(kind, value) per argument]``."""
+        words = [self.handle, int(self.out_aligned), *self.grid, self.like, len(self.alloc), *self.alloc,
+                 len(self.final), *self.final, len(self.args)]
+        for kind, value in self.args:
+            words += [kind, value]
+        return array("q", words).tobytes()
+
+
+_EXT: list[Any] = []
+
+
+def run(launch: Launch, *inputs: Any) -> Any:
+    """``_C.run`` of ``launch`` on ``inputs``: the output (the ``final`` view), or None where the allocation
+    is not 16-byte aligned and the variant assumes it is (the caller then runs its general code)."""
+    packed = launch.packed
+    if packed is None:
+        packed = launch.packed = launch.pack()
+    if not _EXT:
+        from rlk_core import _C
+
+        _EXT.append(_C)
+    return _EXT[0].run(packed, *inputs)
+
+
+def record_handle(packed: bytes) -> int:
+    """The variant handle of a packed :class:`Launch` (what ``_C.run`` launches)."""
+    return array("q", packed[:8])[0]
+
+
+_RECORD_CACHES: list[dict] = []
+
+
+def records() -> dict:
+    """A new per-op cache of decisions, registered so that :func:`clear_records` empties it."""
+    cache: dict = {}
+    _RECORD_CACHES.append(cache)
+    return cache
+
+
+def remember(cache: dict, key: tuple, decision: tuple) -> tuple:
+    if len(cache) >= MAX_RECORDS:
+        cache.clear()
+    cache[key] = decision
+    return decision
+
+
+def clear_records() -> None:
+    """Forget every op's decisions (after changing what they depend on: :data:`GENERIC_BITWISE`, a
+    monkeypatched device or manifest in tests)."""
+    for cache in _RECORD_CACHES:
+        cache.clear()

@@ -1,5 +1,9 @@
 """``rms_norm`` on ``rlk.cuda``: ``rlk.triton``'s kernel (:mod:`rlk_core.ops.rms_norm.triton`) from its AOT
-cubin, launched by ``rlk_core._C``. Same preparation, config and grid as the Triton launcher."""
+cubin, launched by ``rlk_core._C``. Same preparation, config and grid as the Triton launcher.
+
+``supports`` and ``forward`` share one decision per call signature (:class:`~rlk_core.ops._cuda_common.Launch`):
+the general code below (:func:`supports_general`, :func:`forward_general`) decides it once; a signature seen
+before is one dict lookup and one ``_C.run``."""
 
 from __future__ import annotations
 
@@ -12,6 +16,7 @@ from rlk_core.ops import _cuda_common as cc
 from rlk_core.ops.rms_norm import triton as tr
 
 KERNEL = "_rms_norm_fwd_kernel"
+_RECORDS = cc.records()
 
 
 @functools.cache
@@ -31,7 +36,44 @@ def _prepare(x: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch
     return x2, w, "aligned" if cc.aligned(x2, w, h, x2.stride(0)) else "generic"
 
 
+def _decide(key: tuple, x: torch.Tensor, weight: torch.Tensor) -> tuple:
+    said = supports_general(x, weight)
+    launch = None
+    h = x.shape[-1]
+    if said[0] and weight.stride(0) == 1 and h > 0:
+        try:
+            x2 = x.view(-1, h)  # forward_general's reshape, where it is a view (no copy)
+        except RuntimeError:
+            x2 = None
+        if x2 is not None and x2.stride(-1) == 1 and x2.shape[0] > 0:
+            m = x2.shape[0]
+            layout = "aligned" if cc.aligned(x2, weight, h, x2.stride(0)) else "generic"
+            hdl, rows = _variant(x.device.index, x.dtype, weight.dtype, h, layout)
+            # launch(hdl, grid, x2, w, y, m, h, x2.stride(0), y.stride(0), eps); y: a fresh [m, h]
+            launch = cc.Launch(hdl, (-(-m // rows), 1, 1), (m, h), tuple(x.shape), 0, layout == "aligned",
+                               ((cc.T, 0), (cc.T, 1), (cc.O, 0), (cc.C, m), (cc.C, h), (cc.C, x2.stride(0)),
+                                (cc.C, h), (cc.S, 2)))
+    return cc.remember(_RECORDS, key, (said, launch))
+
+
 def forward(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    key = (x.shape, x.stride(), x.dtype, x.get_device(), x.data_ptr() & 15, weight.dtype, weight.stride(),
+           weight.data_ptr() & 15)
+    decision = _RECORDS.get(key) or _decide(key, x, weight)
+    if decision[1] is not None:
+        y = cc.run(decision[1], x, weight, eps)
+        if y is not None:
+            return y
+    return forward_general(x, weight, eps)
+
+
+def supports(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[bool, str]:
+    key = (x.shape, x.stride(), x.dtype, x.get_device(), x.data_ptr() & 15, weight.dtype, weight.stride(),
+           weight.data_ptr() & 15)
+    return (_RECORDS.get(key) or _decide(key, x, weight))[0]
+
+
+def forward_general(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     x2, w, layout = _prepare(x, weight)
     m, h = x2.shape
     y = torch.empty((m, h), dtype=x.dtype, device=x.device)
@@ -44,7 +86,7 @@ def forward(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return y.reshape(x.shape)
 
 
-def supports(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[bool, str]:
+def supports_general(x: torch.Tensor, weight: torch.Tensor, eps: float | None = None) -> tuple[bool, str]:
     if x.dtype not in TRITON_TYPE or weight.dtype not in (x.dtype, torch.float32):
         return False, f"no AOT variant for x {x.dtype}, weight {weight.dtype}"
     h = x.shape[-1]

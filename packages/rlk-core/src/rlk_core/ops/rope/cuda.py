@@ -1,5 +1,9 @@
 """``rope`` on ``rlk.cuda``: ``rlk.triton``'s kernel (:mod:`rlk_core.ops.rope.triton`) from its AOT cubin,
-launched by ``rlk_core._C``. The same cached cos/sin tables, config and grid as the Triton launcher."""
+launched by ``rlk_core._C``. The same cached cos/sin tables, config and grid as the Triton launcher.
+
+``supports`` and ``launch`` each keep one decision per call signature
+(:class:`~rlk_core.ops._cuda_common.Launch`): the general code below (:func:`supports_general`,
+:func:`launch_general`) decides it once; a signature seen before is one dict lookup (and one ``_C.run``)."""
 
 from __future__ import annotations
 
@@ -14,6 +18,8 @@ from rlk_core.ops._triton_common import next_pow2
 from rlk_core.ops.rope import triton as tr
 
 KERNEL = "_rope_fwd_kernel"
+_SUPPORTS = cc.records()
+_LAUNCHES = cc.records()
 
 
 @functools.cache
@@ -43,7 +49,36 @@ def _layout(
     return "aligned" if ok else "generic"
 
 
+def _decide_launch(key: tuple, x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                   rotary_dim: int) -> cc.Launch | None:
+    t, nh, d = x.shape
+    record = None
+    if t and nh and x.stride(-1) == 1:  # launch_general copies x otherwise
+        # y: a fresh [t, nh, d] (16-byte aligned: its strides alone decide here; _C.run checks the pointer)
+        ok = cc.aligned(x, positions, cos, sin, nh, x.stride(0), x.stride(1)) and cc.aligned(nh * d, d)
+        layout = "aligned" if ok else "generic"
+        hdl, block_h = _variant(x.device.index, x.dtype, positions.dtype, nh, d, rotary_dim, layout)
+        record = cc.Launch(hdl, (t, -(-nh // block_h), 1), (t, nh, d), (t, nh, d), 0, layout == "aligned",
+                           ((cc.T, 0), (cc.T, 1), (cc.T, 2), (cc.T, 3), (cc.O, 0), (cc.C, t), (cc.C, nh),
+                            (cc.C, x.stride(0)), (cc.C, x.stride(1)), (cc.C, nh * d), (cc.C, d)))
+    return cc.remember(_LAUNCHES, key, (record,))[0]
+
+
 def launch(
+    x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_dim: int
+) -> torch.Tensor:
+    key = (x.shape, x.stride(), x.dtype, x.get_device(), x.data_ptr() & 15, positions.dtype,
+           positions.data_ptr() & 15, cos.data_ptr() & 15, sin.data_ptr() & 15, rotary_dim)
+    hit = _LAUNCHES.get(key)
+    record = hit[0] if hit is not None else _decide_launch(key, x, positions, cos, sin, rotary_dim)
+    if record is not None:
+        y = cc.run(record, x, positions, cos, sin)
+        if y is not None:
+            return y
+    return launch_general(x, positions, cos, sin, rotary_dim)
+
+
+def launch_general(
     x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_dim: int
 ) -> torch.Tensor:
     t, nh, d = x.shape
@@ -94,6 +129,15 @@ def forward(x: torch.Tensor, positions: torch.Tensor, theta: float, rotary_dim: 
 
 
 def supports(x: torch.Tensor, positions: torch.Tensor, theta: float, rotary_dim: int) -> tuple[bool, str]:
+    key = (x.shape, x.stride(), x.dtype, x.get_device(), x.data_ptr() & 15, positions.dtype,
+           positions.data_ptr() & 15, rotary_dim)
+    said = _SUPPORTS.get(key)
+    if said is None:
+        said = cc.remember(_SUPPORTS, key, supports_general(x, positions, theta, rotary_dim))
+    return said
+
+
+def supports_general(x: torch.Tensor, positions: torch.Tensor, theta: float, rotary_dim: int) -> tuple[bool, str]:
     if x.dtype not in TRITON_TYPE or positions.dtype not in (torch.int32, torch.int64):
         return False, f"no AOT variant for x {x.dtype}, positions {positions.dtype}"
     t, nh, d = x.shape

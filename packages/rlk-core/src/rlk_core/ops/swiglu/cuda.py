@@ -1,5 +1,9 @@
 """``swiglu`` on ``rlk.cuda``: ``rlk.triton``'s kernel (:mod:`rlk_core.ops.swiglu.triton`) from its AOT cubin,
-launched by ``rlk_core._C``. Same preparation, config and grid as the Triton launcher."""
+launched by ``rlk_core._C``. Same preparation, config and grid as the Triton launcher.
+
+``supports`` and ``forward`` share one decision per call signature (:class:`~rlk_core.ops._cuda_common.Launch`):
+the general code below (:func:`supports_general`, :func:`forward_general`) decides it once; a signature seen
+before is one dict lookup and one ``_C.run``."""
 
 from __future__ import annotations
 
@@ -12,6 +16,7 @@ from rlk_core.ops import _cuda_common as cc
 from rlk_core.ops.swiglu import triton as tr
 
 KERNEL = "_swiglu_fwd_kernel"
+_RECORDS = cc.records()
 
 
 @functools.cache
@@ -30,7 +35,43 @@ def _prepare(x: torch.Tensor) -> tuple[torch.Tensor, int, str]:
     return x2, inter, "aligned" if cc.aligned(x2, inter, x2.stride(0)) else "generic"
 
 
+def _decide(key: tuple, x: torch.Tensor) -> tuple:
+    said = supports_general(x)
+    launch = None
+    two_i = x.shape[-1]
+    inter = two_i // 2
+    if said[0] and two_i > 0:
+        try:
+            x2 = x.view(-1, two_i)  # forward_general's reshape, where it is a view (no copy)
+        except RuntimeError:
+            x2 = None
+        if x2 is not None and x2.stride(-1) == 1 and x2.shape[0] > 0 and inter > 0:
+            m = x2.shape[0]
+            layout = "aligned" if cc.aligned(x2, inter, x2.stride(0)) else "generic"
+            hdl, block = _variant(x.device.index, x.dtype, inter, layout)
+            # launch(hdl, grid, x2, y, m, inter, x2.stride(0), y.stride(0)); y: a fresh [m, inter]
+            launch = cc.Launch(hdl, (m, -(-inter // block), 1), (m, inter), (*x.shape[:-1], inter), 0,
+                               layout == "aligned",
+                               ((cc.T, 0), (cc.O, 0), (cc.C, m), (cc.C, inter), (cc.C, x2.stride(0)), (cc.C, inter)))
+    return cc.remember(_RECORDS, key, (said, launch))
+
+
 def forward(x: torch.Tensor) -> torch.Tensor:
+    key = (x.shape, x.stride(), x.dtype, x.get_device(), x.data_ptr() & 15)
+    decision = _RECORDS.get(key) or _decide(key, x)
+    if decision[1] is not None:
+        y = cc.run(decision[1], x)
+        if y is not None:
+            return y
+    return forward_general(x)
+
+
+def supports(x: torch.Tensor) -> tuple[bool, str]:
+    key = (x.shape, x.stride(), x.dtype, x.get_device(), x.data_ptr() & 15)
+    return (_RECORDS.get(key) or _decide(key, x))[0]
+
+
+def forward_general(x: torch.Tensor) -> torch.Tensor:
     x2, inter, layout = _prepare(x)
     m = x2.shape[0]
     y = torch.empty((m, inter), dtype=x.dtype, device=x.device)
@@ -43,7 +84,7 @@ def forward(x: torch.Tensor) -> torch.Tensor:
     return y.reshape(*x.shape[:-1], inter)
 
 
-def supports(x: torch.Tensor) -> tuple[bool, str]:
+def supports_general(x: torch.Tensor) -> tuple[bool, str]:
     if x.dtype not in TRITON_TYPE:
         return False, f"no AOT variant for {x.dtype}"
     x2, inter, layout = _prepare(x)
