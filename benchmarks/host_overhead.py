@@ -1,6 +1,7 @@
 """Host time per call of rlk's public paths, beside the native alternative (H200 only).
 
     python benchmarks/host_overhead.py [--profile] [--breakdown] [--sections rowwise,linear_eager]
+    python benchmarks/host_overhead.py --op-layer      # the op layer alone, on the CPU (no GPU needed)
 
 Sections: attention, decode, linear (M=1), rowwise (rms_norm / swiglu / rope at M=64, each backend —
 ``rlk.triton`` and, where built, ``rlk.cuda`` — the public op and the native torch expression),
@@ -17,6 +18,12 @@ harness's number (0.5 ms head start, L2 flushed): ``bench_ms`` well above ``gpu_
 host-bound at that size. ``--profile`` adds a cProfile listing (top functions by own time) of the
 autograd backward to the log; ``--breakdown`` times the pieces of each attention backend call (every
 Triton launch, the TMA descriptors) by wrapping them, the rest is "other".
+
+``--op-layer`` times the public ops ``linear``, ``rms_norm``, ``swiglu`` and ``rope`` on small CPU tensors
+with a null backend (it returns its first argument) registered above every other: what remains is the op
+layer's own host time — argument checks, the path choice, backend selection, the readback report — the
+part of an op call that is the same on every backend and device. Value checks are off for it
+(``RLK_VALUE_CHECKS=never``: on a GPU, ``auto`` skips them too). It only prints.
 
 Writes ``host_overhead.json`` / ``.md`` to ``$RLK_BENCH_OUT`` (default ``benchmarks/results/h200``).
 """
@@ -206,7 +213,10 @@ def _backend_or_none(op: str, backend_id: str, args: tuple) -> Callable[..., Any
         b = REGISTRY.get(op, backend_id)
     except Exception:
         return None
-    return b.fn if REGISTRY.is_available(b, "cuda")[0] and b.supports(*args)[0] else None
+    if not (REGISTRY.is_available(b, "cuda")[0] and b.supports(*args)[0]):
+        return None
+    b.fn(*args)  # first call: rlk.cuda puts its module's function in place of the importing stand-in
+    return b.fn
 
 
 def rowwise_paths(m: int = 64) -> list[tuple[str, str, Callable[[], Any]]]:
@@ -257,6 +267,49 @@ def linear_eager_paths() -> list[tuple[str, str, Callable[[], Any]]]:
 
 
 SECTIONS = ("attention", "decode", "linear", "rowwise", "linear_eager")
+NULL_BACKEND = "bench.null"
+
+
+def op_layer_us(calls: int = 20000, loops: int = 5) -> list[tuple[str, float]]:
+    """Host microseconds per call of each public op with :data:`NULL_BACKEND` serving it on the CPU (best of
+    ``loops`` loops of ``calls`` calls; see the module docstring). The registry is restored afterwards."""
+    import os
+
+    from rlk_core.backends import Backend
+    from rlk_core.ops import rms_norm, rope, swiglu
+
+    x, w, wl = torch.randn(4, 64), torch.randn(64), torch.randn(32, 64)
+    xs, xr, pos = torch.randn(4, 128), torch.randn(4, 2, 64), torch.arange(4)
+    ops = {"linear": lambda: rlk_linear(x, wl), "rms_norm": lambda: rms_norm(x, w),
+           "swiglu": lambda: swiglu(xs), "rope": lambda: rope(xr, pos, 1e4, 64)}
+    saved = os.environ.get("RLK_VALUE_CHECKS")
+    os.environ["RLK_VALUE_CHECKS"] = "never"
+    for op in ops:
+        REGISTRY.register(Backend(NULL_BACKEND, op, lambda *a: a[0], devices=("cpu",), priority=1 << 20,
+                                  builtin=True), replace=True)
+    REGISTRY.refresh()
+    try:
+        out = []
+        for op, fn in ops.items():
+            assert REGISTRY.candidates(op, "cpu")[0].id == NULL_BACKEND
+            for _ in range(calls // 10):
+                fn()
+            best = float("inf")
+            for _ in range(loops):
+                t0 = time.perf_counter()
+                for _ in range(calls):
+                    fn()
+                best = min(best, (time.perf_counter() - t0) / calls * 1e6)
+            out.append((op, best))
+        return out
+    finally:
+        for op in ops:
+            REGISTRY.unregister(op, NULL_BACKEND)
+        REGISTRY.refresh()
+        if saved is None:
+            os.environ.pop("RLK_VALUE_CHECKS", None)
+        else:
+            os.environ["RLK_VALUE_CHECKS"] = saved
 
 
 def main() -> int:
@@ -265,7 +318,13 @@ def main() -> int:
     ap.add_argument("--breakdown", action="store_true", help="host time of the pieces of each attention backend call")
     ap.add_argument("--lengths", default="2048,8192")
     ap.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated subset of {SECTIONS}")
+    ap.add_argument("--op-layer", action="store_true",
+                    help="only the op layer's host time per call (null backend, CPU tensors; no GPU needed)")
     args = ap.parse_args()
+    if args.op_layer:
+        for op, us in op_layer_us():
+            print(f"op layer (null backend, CPU)  {op:10s} {us:6.2f} us / call", flush=True)
+        return 0
     sections = set(args.sections.split(","))
     env = environment()
     rows = []
