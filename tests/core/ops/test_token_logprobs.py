@@ -372,3 +372,49 @@ def test_triton_kernels_under_interpreter():
     proc = subprocess.run([sys.executable, "-c", _INTERPRET_SCRIPT], env=env, capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode == 0 and "INTERPRETER OK" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-4000:]
+
+
+_MERGE_TREE_SCRIPT = r'''
+import numpy as np
+import torch
+from rlk_core.ops import _logp_tree as L
+from rlk_core.ops.token_logprobs import triton as TT
+
+# equal maxima in a row make every exp factor exp(0) = 1 exactly, so the merged s is a plain fp32 sum whose
+# bits depend on the order of the adds: equal bits <=> the kernel's tree is _logp_tree's tree
+g = torch.Generator().manual_seed(1)
+t, groups, p = 37, 8, 128
+m = torch.randn(t, 1, 1, generator=g).expand(t, groups, p).contiguous()
+s = torch.rand(t, groups, p, generator=g) * torch.logspace(-3, 3, p)[torch.randperm(p, generator=g)]
+m[:, :, 75:] = float("-inf")  # padded slots: identities
+s[:, :, 75:] = 0.0
+m[3], s[3] = float("-inf"), 0.0  # a row of identities only
+gm, gs = TT.merge_blocks(m, s)
+wm, ws = L.tree_merge_halves(m, s)
+assert torch.equal(gm, wm) and torch.equal(gs, ws), "merge_blocks != the halves tree"
+other = s.view(t, groups, p // 2, 2).sum(-1)  # adjacent pairs first: another tree (negative control)
+assert not torch.equal(L.tree_merge_halves(m[..., ::2], other)[1], ws), "the control tree gave the same bits"
+for k in (8, 5, 1):
+    zt = torch.randn(t, generator=g)
+    lp, lse = TT.merge_logp_partials(gm[:, :k], gs[:, :k], zt, 1000)
+    mm, ss = L.tree_merge_groups(gm[:, :k], gs[:, :k])
+    want = torch.from_numpy(mm.numpy() + np.log(ss.numpy()))  # the interpreter's tl.log is numpy's
+    assert torch.equal(lse, want) and torch.equal(lp, zt - want), ("merge_logp_partials != the groups tree", k)
+print("MERGE TREES OK")
+'''
+
+
+def test_merge_kernels_follow_the_contract_trees_under_interpreter():
+    """``_merge_blocks_kernel`` / ``_merge_groups_kernel`` merge in exactly the trees of ``_logp_tree``
+    (halves inside a group, adjacent pairs across the 8 groups; identities are no-ops): with equal maxima
+    the merged sums are order-sensitive fp32 sums, equal bit for bit to the torch trees' (and a different
+    tree is shown to give other bits)."""
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    proc = subprocess.run([sys.executable, "-c", _MERGE_TREE_SCRIPT], env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0 and "MERGE TREES OK" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-4000:]

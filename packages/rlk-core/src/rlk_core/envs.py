@@ -146,7 +146,8 @@ ENV_VARS: tuple[EnvVar, ...] = (
            "Load backends that other packages register through the 'rlk.backends' entry-point group.",
            ("1", "0", "true", "false")),
     EnvVar("RLK_VALUE_CHECKS", _choice, "auto",
-           "Range checks on the values of index tensors (cu_seqlens, positions, block tables, slots, targets). "
+           "Range checks on the values of index tensors (cu_seqlens, positions, block tables, slots, targets) and of "
+           "log-prob temperatures. "
            "auto: run them when those tensors are on the CPU; on a GPU each costs a device sync per call, so "
            "they run there only with 'always' (shape, dtype and device checks always run).",
            ("auto", "always", "never")),

@@ -196,11 +196,11 @@ def check_rows(op: str, t: int, target: torch.Tensor, temperature: torch.Tensor,
     C.require(tuple(temperature.shape) == (t,), op,
               f"temperature must have shape ({t},) (one per row), got {tuple(temperature.shape)}")
     C.in_range(target, op, "target", 0, vocab_size)
-    if temperature.numel() and temperature.device.type != "meta" and not C._is_fake(temperature):
+    if temperature.numel() and C.values_checked(temperature):  # reading GPU values syncs: RLK_VALUE_CHECKS
         bad = ~(torch.isfinite(temperature) & (temperature > 0))
-        C.require(not bool(bad.any()), op,
-                  f"temperature must be finite and > 0; got {temperature[bad][:4].tolist()} at rows "
-                  f"{bad.nonzero()[:4, 0].tolist()}")
+        if bool(bad.any()):
+            C.require(False, op, f"temperature must be finite and > 0; got {temperature[bad][:4].tolist()} at "
+                                 f"rows {bad.nonzero()[:4, 0].tolist()}")
 
 
 def as_temperature(op: str, temperature: float | torch.Tensor, t: int, device: torch.device) -> torch.Tensor:

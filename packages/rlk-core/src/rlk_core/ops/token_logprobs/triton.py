@@ -8,9 +8,14 @@ columns ``-inf``, ``m = max(z)`` (exact in any order), ``s`` = the pairwise-halv
 ``exp(z - base(m))`` written out as 8 levels of elementwise adds on reshaped halves of the tile —
 never ``tl.sum`` — so a row's bits do not depend on the register layout or on ``BLOCK_T``. The
 program whose block holds a row's target writes ``z[target]``. The block partials land in a
-``[T, groups, P]`` buffer pre-filled with the identity ``(-inf, 0)``; the group halves tree, the
-8-group adjacent-pairs tree and ``lse = m + log(s)`` are the elementwise torch code of
-:mod:`rlk_core.ops._logp_tree` (a few launches on small tensors, elementwise, deterministic).
+``[T, groups, P]`` buffer pre-filled with the identity ``(-inf, 0)``.
+
+Merges: ``_merge_blocks_kernel`` runs the group halves tree (``[T, G, P] -> [T, G]``) and
+``_merge_groups_kernel`` the 8-group adjacent-pairs tree and ``lse = m + log(s)``, ``logp = z[target] -
+lse`` — the trees of :mod:`rlk_core.ops._logp_tree`, each level an elementwise merge of reshaped halves
+(or even/odd pairs) of a row's tile, with fp-contraction off (``enable_fp_fusion=False``: ``s1*e1 + s2*e2``
+is two rounded products, then the add). One launch each instead of ~90 small torch launches per call,
+which the sampling step of a rollout engine pays at every decoded token.
 
 Every GPU path (``token_logprobs`` with any vocab sharding, ``logp_partials`` +
 ``merge_logp_partials``, ``linear_logprobs``) produces each block partial with this one kernel and
@@ -93,6 +98,99 @@ def _logp_block_fwd_kernel(
     tl.store(zt_ptr + rows, zt, mask=mine)
 
 
+@triton.jit
+def _merge(m1, s1, m2, s2):
+    """One merge of two partials (the identity ``(-inf, 0)`` is an exact no-op; NaN propagates)."""
+    m = tl.maximum(m1, m2, propagate_nan=tl.PropagateNan.ALL)
+    base = tl.where(m == float("-inf"), 0.0, m)
+    return m, s1 * tl.exp(m1 - base) + s2 * tl.exp(m2 - base)
+
+
+@triton.jit
+def _merge_halves(m, s, R: tl.constexpr, W: tl.constexpr):
+    """``[R, W] -> [R, W/2]``: slot ``i`` merged with slot ``i + W/2`` (one level of the halves tree)."""
+    m_lo, m_hi = tl.split(tl.permute(tl.reshape(m, (R, 2, W // 2)), (0, 2, 1)))
+    s_lo, s_hi = tl.split(tl.permute(tl.reshape(s, (R, 2, W // 2)), (0, 2, 1)))
+    return _merge(m_lo, s_lo, m_hi, s_hi)
+
+
+@triton.jit
+def _merge_pairs(m, s, R: tl.constexpr, W: tl.constexpr):
+    """``[R, W] -> [R, W/2]``: slot ``2j`` merged with slot ``2j + 1`` (one level of the adjacent-pairs tree)."""
+    m_even, m_odd = tl.split(tl.reshape(m, (R, W // 2, 2)))
+    s_even, s_odd = tl.split(tl.reshape(s, (R, W // 2, 2)))
+    return _merge(m_even, s_even, m_odd, s_odd)
+
+
+@triton.jit(do_not_specialize=["T"])
+def _merge_blocks_kernel(
+    m_ptr, s_ptr, gm_ptr, gs_ptr,
+    T, stride_t, stride_g, stride_gt,
+    BLOCK_T: tl.constexpr, P: tl.constexpr,
+):
+    """Program (i, g): rows ``i*BLOCK_T ...`` of group ``g``, ``[BLOCK_T, P]`` block partials (unit slot
+    stride) -> the group partial at ``gm[row, g]`` / ``gs[row, g]`` (row stride ``stride_gt``)."""
+    pid_t = tl.program_id(0)
+    g = tl.program_id(1)
+    rows = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    row_ok = rows < T
+    off = rows[:, None].to(tl.int64) * stride_t + g * stride_g + tl.arange(0, P)[None, :]
+    m = tl.load(m_ptr + off, mask=row_ok[:, None], other=float("-inf"))
+    s = tl.load(s_ptr + off, mask=row_ok[:, None], other=0.0)
+    # the halves tree, widest level first (levels above P are skipped at compile time)
+    if P >= 4096:
+        m, s = _merge_halves(m, s, BLOCK_T, 4096)
+    if P >= 2048:
+        m, s = _merge_halves(m, s, BLOCK_T, 2048)
+    if P >= 1024:
+        m, s = _merge_halves(m, s, BLOCK_T, 1024)
+    if P >= 512:
+        m, s = _merge_halves(m, s, BLOCK_T, 512)
+    if P >= 256:
+        m, s = _merge_halves(m, s, BLOCK_T, 256)
+    if P >= 128:
+        m, s = _merge_halves(m, s, BLOCK_T, 128)
+    if P >= 64:
+        m, s = _merge_halves(m, s, BLOCK_T, 64)
+    if P >= 32:
+        m, s = _merge_halves(m, s, BLOCK_T, 32)
+    if P >= 16:
+        m, s = _merge_halves(m, s, BLOCK_T, 16)
+    if P >= 8:
+        m, s = _merge_halves(m, s, BLOCK_T, 8)
+    if P >= 4:
+        m, s = _merge_halves(m, s, BLOCK_T, 4)
+    if P >= 2:
+        m, s = _merge_halves(m, s, BLOCK_T, 2)
+    out = rows.to(tl.int64) * stride_gt + g
+    tl.store(gm_ptr + out, tl.reshape(m, (BLOCK_T,)), mask=row_ok)
+    tl.store(gs_ptr + out, tl.reshape(s, (BLOCK_T,)), mask=row_ok)
+
+
+@triton.jit(do_not_specialize=["T", "K"])
+def _merge_groups_kernel(
+    m_ptr, s_ptr, zt_ptr, logp_ptr, lse_ptr,
+    T, K, stride_mt, stride_st,
+    BLOCK_T: tl.constexpr, GROUPS: tl.constexpr,
+):
+    """``[T, K]`` group partials (``K <= GROUPS``; slots ``>= K`` are identities) -> the adjacent-pairs
+    tree over ``GROUPS = 8`` slots, then ``lse = m + log(s)`` and ``logp = z[target] - lse``."""
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    cols = tl.arange(0, GROUPS)
+    row_ok = rows < T
+    ok = row_ok[:, None] & (cols[None, :] < K)
+    r64 = rows[:, None].to(tl.int64)
+    m = tl.load(m_ptr + r64 * stride_mt + cols[None, :], mask=ok, other=float("-inf"))
+    s = tl.load(s_ptr + r64 * stride_st + cols[None, :], mask=ok, other=0.0)
+    m, s = _merge_pairs(m, s, BLOCK_T, 8)
+    m, s = _merge_pairs(m, s, BLOCK_T, 4)
+    m, s = _merge_pairs(m, s, BLOCK_T, 2)
+    lse = tl.reshape(m, (BLOCK_T,)) + tl.log(tl.reshape(s, (BLOCK_T,)))
+    zt = tl.load(zt_ptr + rows, mask=row_ok, other=0.0)
+    tl.store(lse_ptr + rows, lse, mask=row_ok)
+    tl.store(logp_ptr + rows, zt - lse, mask=row_ok)
+
+
 @triton.jit(do_not_specialize=["T"])
 def _logp_grad_kernel(
     x_ptr, out_ptr, temp_ptr, target_ptr, lse_ptr, glogp_ptr, glse_ptr,
@@ -161,9 +259,24 @@ def shard_block_partials_into(x: torch.Tensor, temperature: torch.Tensor, target
         block_partials_into(x[:, lo:hi], temperature, target, m[:, i], s[:, i], zt, bounds[g], 0)
 
 
+MERGE_BLOCK_T = 16  # rows per program of the merge kernels (a constant: never a function of T)
+MAX_PADDED_BLOCKS = 4096  # the halves tree's widest level in _merge_blocks_kernel (V up to ~8.4M)
+
+
 def merge_blocks(m: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``[T, G, P]`` block partials -> ``[T, G]`` group partials (the fixed halves tree)."""
-    return L.tree_merge_halves(m, s)
+    """``[T, G, P]`` block partials -> ``[T, G]`` group partials (the fixed halves tree), one launch."""
+    t, groups, p = m.shape
+    assert p & (p - 1) == 0 and p <= MAX_PADDED_BLOCKS, p
+    m, s = m.contiguous(), s.contiguous()
+    gm = torch.empty((t, groups), dtype=torch.float32, device=m.device)
+    gs = torch.empty((t, groups), dtype=torch.float32, device=m.device)
+    if t == 0 or groups == 0:
+        return gm, gs
+    _merge_blocks_kernel[(triton.cdiv(t, MERGE_BLOCK_T), groups)](
+        m, s, gm, gs, t, m.stride(0), m.stride(1), gm.stride(0),
+        BLOCK_T=MERGE_BLOCK_T, P=p, num_warps=NUM_WARPS, enable_fp_fusion=False,
+    )
+    return gm, gs
 
 
 def logp_partials(x: torch.Tensor, target: torch.Tensor, temperature: torch.Tensor, vocab_start: int,
@@ -177,7 +290,19 @@ def logp_partials(x: torch.Tensor, target: torch.Tensor, temperature: torch.Tens
 
 def merge_logp_partials(m: torch.Tensor, s: torch.Tensor, z_target: torch.Tensor, vocab_size: int
                         ) -> tuple[torch.Tensor, torch.Tensor]:
-    return L.finish(*L.tree_merge_groups(m, s), z_target)
+    """``[T, k]`` group partials (``k <= 8``) and ``z[target]`` -> ``(logp, lse)``, one launch."""
+    t, k = m.shape
+    assert k <= L.GROUPS, k
+    m, s, z_target = m.float().contiguous(), s.float().contiguous(), z_target.float().contiguous()
+    logp = torch.empty((t,), dtype=torch.float32, device=m.device)
+    lse = torch.empty((t,), dtype=torch.float32, device=m.device)
+    if t == 0:
+        return logp, lse
+    _merge_groups_kernel[(triton.cdiv(t, MERGE_BLOCK_T),)](
+        m, s, z_target, logp, lse, t, k, m.stride(0), s.stride(0),
+        BLOCK_T=MERGE_BLOCK_T, GROUPS=L.GROUPS, num_warps=NUM_WARPS, enable_fp_fusion=False,
+    )
+    return logp, lse
 
 
 def forward(shards: list[torch.Tensor], target: torch.Tensor, temperature: torch.Tensor
