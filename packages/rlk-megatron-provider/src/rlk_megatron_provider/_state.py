@@ -64,9 +64,6 @@ def build(plan: RoutePlan, mode: str | None, rank: int, world_size: int) -> Prov
         recorder = ReadbackRecorder("megatron", "train", plan, mode=mode, rank=rank, world_size=world_size)
         _STATE = ProviderState(plan, recorder, SideRoutes(plan, "train", recorder))
         atexit.register(_flush_at_exit)
-        from rlk_megatron_provider import layers  # the layers import this module
-
-        layers.install_step_hook()
         log.info("rlk-megatron-provider: plan %s (%s mode), R on the train side: %s", plan.name,
                  recorder.mode, ", ".join(m for m in MODULES if plan.uses_rlk(m, "train")) or "none")
         return _STATE

@@ -218,6 +218,7 @@ class RlkQKVLinear(RlkColumnParallelLinear):
 
     def __init__(self, *args, rlk_module: str, **kwargs):
         super().__init__(*args, rlk_module=rlk_module, **kwargs)
+        install_step_hook()  # an optimizer step invalidates the cached [q; k; v] copy
         c = self.config
         heads_per_group, d = c.num_attention_heads // c.num_query_groups, c.kv_channels
         rows = self.output_size_per_partition
