@@ -136,3 +136,32 @@ def test_rlk_validate_accepts_the_run(rr_run, tmp_path):
         assert not errors, proc.stdout
     else:
         assert proc.returncode == 0 and not errors, proc.stdout + proc.stderr
+
+
+def test_repo_state_of_a_git_archive_reads_the_commit_git_wrote(tmp_path):
+    """Source that is not a git checkout (a `git archive` shipped to a GPU machine) records the commit that
+    `git archive` substituted into rlk_repro/REVISION (export-subst), clean; the unsubstituted placeholder
+    (a copy made another way) leaves the revision unknown, as before."""
+    import subprocess
+
+    from rlk_repro import runs
+
+    root = ROOT
+    sha = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True)
+    if sha.returncode != 0:
+        pytest.skip("not run from a git checkout")
+    rel = "packages/rlk-repro/src/rlk_repro/REVISION"
+    tar = subprocess.run(["git", "-C", str(root), "archive", "HEAD", rel], capture_output=True, check=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(tmp_path)], input=tar, check=True)
+    extracted = tmp_path / rel
+    assert runs.archive_revision(extracted) == sha.stdout.strip()
+    assert runs.archive_revision(runs.REVISION_FILE) is None  # the checkout's own file: the placeholder
+
+    outside = tmp_path / "elsewhere"
+    outside.mkdir()
+    state = runs.repo_state(outside)
+    assert state["sha"] is None and state["dirty"] is None and "not a git checkout" in state["error"]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(runs, "REVISION_FILE", extracted)
+        state = runs.repo_state(outside)
+    assert state["sha"] == sha.stdout.strip() and state["dirty"] is False and state["source"] == "git archive"

@@ -119,6 +119,9 @@ def repo_state(path: Path) -> dict[str, Any]:
 
     top = git("rev-parse", "--show-toplevel")
     if top is None:
+        archived = archive_revision()
+        if archived is not None:  # a `git archive` of a commit: exactly that commit's files
+            return {"name": "rlk", "path": str(path), "sha": archived, "dirty": False, "source": "git archive"}
         return {"name": "rlk", "path": str(path), "sha": None, "dirty": None, "error": "not a git checkout"}
     sha = git("rev-parse", "HEAD")
     status = git("status", "--porcelain", "--untracked-files=normal")
@@ -127,6 +130,19 @@ def repo_state(path: Path) -> dict[str, Any]:
     if sha is None:
         out["error"] = "the checkout has no commit"
     return out
+
+
+REVISION_FILE = Path(__file__).resolve().parent / "REVISION"
+
+
+def archive_revision(path: Path | None = None) -> str | None:
+    """The commit ``git archive`` wrote into ``rlk_repro/REVISION`` (``export-subst`` in .gitattributes), or
+    None where the file still holds the placeholder (a checkout, or a copy made another way)."""
+    try:
+        text = (path or REVISION_FILE).read_text().strip()
+    except OSError:
+        return None
+    return text if len(text) == 40 and all(c in "0123456789abcdef" for c in text) else None
 
 
 def package_versions() -> dict[str, str]:

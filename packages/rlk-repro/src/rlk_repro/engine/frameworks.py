@@ -268,10 +268,12 @@ class _Run:
             "config": {**{k: v for k, v in asdict(cfg).items() if k not in ("plan", "command", "plan_sources")},
                        "env": plan.env(), "model_config": self.model_cfg.as_dict(),
                        "require_exact": cfg.exact_required, "max_model_len": self.max_len + 16,
-                       "world_size": self.world, "tensor_parallel": cfg.tp, "vllm": self.vllm.info(),
-                       "megatron_rlk_layers": self.trainer.layer_counts,
-                       "train_layout": "thd" if self.trainer.r_attention else "sbhd (padded; P attention)",
-                       "initial_weight_sync": self.initial_sync, "reward": "vocab_reward"},
+                       "world_size": self.world, "tensor_parallel": cfg.tp, "reward": "vocab_reward"},
+            # what the engines reported at start-up: follows from the routes (attention backend, rlk layers,
+            # THD vs padded) or is a measurement (start time), so a matrix does not compare it across cells
+            "runtime": {"vllm": self.vllm.info(), "megatron_rlk_layers": self.trainer.layer_counts,
+                        "train_layout": "thd" if self.trainer.r_attention else "sbhd (padded; P attention)",
+                        "initial_weight_sync": self.initial_sync},
         }
 
     def _requests(self, rnd: int) -> tuple[list[int], list[int], list[int]]:
