@@ -219,6 +219,50 @@ def test_a_route_past_the_peer_is_still_a_fallback():
     assert reg.select("rms_norm", "cpu", (), strict=True).fallback_reason is not None
 
 
+def test_a_peer_that_cannot_decide_declines_and_others_still_raise():
+    """A backend with ``same_bits_as`` whose ``supports`` raises on some inputs (newer torch errors on a fake
+    tensor's data pointer) declines them: its peer runs, the reason is the route's, no fallback; without
+    ``same_bits_as`` the error propagates (negative control); real inputs reach it again afterwards."""
+    def supports(x):
+        if x.is_meta:
+            raise RuntimeError("Cannot access data pointer of a meta tensor")
+        return True, ""
+
+    reg = _registry()
+    reg._backends["rms_norm"]["aot"].supports = supports
+    real, meta = torch.ones(4, 16), torch.empty(4, 16, device="meta")
+    assert reg.select("rms_norm", "cpu", (real,), strict=True).backend.id == "aot"
+    sel = reg.select("rms_norm", "cpu", (meta,), strict=True)
+    assert sel.backend.id == "jit" and sel.fallback_reason is None
+    assert "cannot decide on these inputs (RuntimeError" in sel.route_reason
+    assert reg.select("rms_norm", "cpu", (real,), strict=True).backend.id == "aot"
+    reg._backends["rms_norm"]["aot"].same_bits_as = None
+    reg.refresh()
+    with pytest.raises(RuntimeError, match="data pointer"):
+        reg.select("rms_norm", "cpu", (meta,), strict=True)
+
+
+def test_cuda_supports_declines_traced_inputs():
+    """rlk.cuda's ``supports`` never decides on fake or meta tensors (torch.compile tracing: a fake tensor's
+    ``data_ptr()`` is 0 or an error, shapes may be symbolic) — it declines before reading an address; a
+    plain tensor is not taken for a traced one."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from rlk_core.ops.linear import cuda as lc
+    from rlk_core.ops.rms_norm import cuda as rc
+    from rlk_core.ops.rope import cuda as pc
+    from rlk_core.ops.swiglu import cuda as sc
+
+    x, w, pos = torch.ones(4, 64, dtype=torch.bfloat16), torch.ones(32, 64, dtype=torch.bfloat16), torch.arange(4)
+    with FakeTensorMode() as mode:
+        fx, fw, fpos = mode.from_tensor(x), mode.from_tensor(w), mode.from_tensor(pos)
+        for said in (lc.supports(fx, fw, None), rc.supports(fx, fw[0], 1e-6), sc.supports(fx),
+                     pc.supports(fx.view(4, 1, 64), fpos, 1e6, 64)):
+            assert said == cc.NO_STORAGE
+    assert rc.supports(x.to("meta"), w[0].to("meta"), 1e-6) == cc.NO_STORAGE
+    assert not cc.without_storage(x, w, None, torch.nn.Parameter(w))
+
+
 def test_every_compiled_op_is_registered_beside_its_triton_backend():
     from rlk_core.backends import REGISTRY
 

@@ -92,6 +92,18 @@ class Selection:
     route_reason: str | None = None  # why a bitwise-equal preferred backend (same_bits_as) did not run
 
 
+def _supports(backend: Backend, args: Sequence[Any]) -> tuple[bool, str]:
+    """``backend.supports(*args)``; a backend that launches another's binaries (``same_bits_as``) and cannot
+    decide on these inputs — fake tensors at trace time have no data pointer, shapes may be symbolic —
+    declines them (the other backend, same bits, answers instead); any other backend's error propagates."""
+    try:
+        return backend.supports(*args)
+    except Exception as exc:
+        if backend.same_bits_as is None:
+            raise
+        return False, f"cannot decide on these inputs ({type(exc).__name__}: {str(exc)[:160]})"
+
+
 class BackendRegistry:
     def __init__(self) -> None:
         self._backends: dict[str, dict[str, Backend]] = {op: {} for op in OP_CONTRACTS}
@@ -235,7 +247,10 @@ class BackendRegistry:
         first = self._first.get((op, device_type))
         if first is not None:
             backend, selection = first
-            said = backend.supports(*args)
+            try:
+                said = backend.supports(*args)
+            except Exception:  # _select asks again and says what it could not decide
+                return self._select(op, device_type, args, strict, None)
             if said[0] and (backend.builtin or self._qualified.get(
                     (backend.op, backend.id, device_type), (False,))[0]):
                 return selection
@@ -248,7 +263,7 @@ class BackendRegistry:
         reasons: list[str] = [missing] if missing else []
         declined: list[tuple[Backend, str]] = []  # by backends that declare same_bits_as
         for i, backend in enumerate(candidates):
-            ok, why = first_said if i == 0 and first_said is not None else backend.supports(*args)
+            ok, why = first_said if i == 0 and first_said is not None else _supports(backend, args)
             if not ok and backend.same_bits_as is not None:
                 declined.append((backend, f"{backend.id}: {why}"))
                 continue

@@ -38,6 +38,7 @@ from typing import Any
 
 from rlk_core import envs
 from rlk_core.backends import Backend
+from rlk_core.ops._checks import _PLAIN, _is_fake
 from rlk_validate.evidence import SAME_BITS_AS
 
 BACKEND_ID = "rlk.cuda"
@@ -260,6 +261,22 @@ def _binding(module: str, attr: str, field: str) -> Callable[..., Any]:
     stand_in.__name__ = f"{module}.{attr}"
     stand_in.backend = None
     return stand_in
+
+
+# -- trace time ---------------------------------------------------------------------------------------
+NO_STORAGE = (False, "fake or meta inputs (torch.compile tracing): no data pointer to decide on; rlk.triton, "
+                     "the same bits, stands for it")
+
+
+def without_storage(*tensors: Any) -> bool:
+    """Whether any of ``tensors`` is a fake or meta tensor. ``supports`` reads data pointers (alignment) and
+    shapes as plain ints, which a traced call does not have (a fake tensor's ``data_ptr()`` is 0 with a
+    warning, or an error in newer torch; its shapes may be symbolic): it declines those calls instead of
+    deciding on a guessed address. Plain tensors cost one type test each."""
+    for t in tensors:
+        if t is not None and (t.is_meta or (type(t) not in _PLAIN and _is_fake(t))):
+            return True
+    return False
 
 
 # -- launch records: one decision per call signature -----------------------------------------------------

@@ -135,6 +135,8 @@ def forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) ->
 
 
 def supports(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> tuple[bool, str]:
+    if cc.without_storage(x, weight, bias):
+        return cc.NO_STORAGE
     key = (x.shape, x.stride(), x.dtype, x.get_device(), x.data_ptr() & 15, weight.shape, weight.stride(),
            weight.dtype, weight.data_ptr() & 15,
            None if bias is None else (bias.shape, bias.stride(), bias.dtype, bias.data_ptr() & 15))

@@ -68,6 +68,8 @@ def forward(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def supports(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[bool, str]:
+    if cc.without_storage(x, weight):
+        return cc.NO_STORAGE
     key = (x.shape, x.stride(), x.dtype, x.get_device(), x.data_ptr() & 15, weight.dtype, weight.stride(),
            weight.data_ptr() & 15)
     return (_RECORDS.get(key) or _decide(key, x, weight))[0]

@@ -129,6 +129,8 @@ def forward(x: torch.Tensor, positions: torch.Tensor, theta: float, rotary_dim: 
 
 
 def supports(x: torch.Tensor, positions: torch.Tensor, theta: float, rotary_dim: int) -> tuple[bool, str]:
+    if cc.without_storage(x, positions):
+        return cc.NO_STORAGE
     key = (x.shape, x.stride(), x.dtype, x.get_device(), x.data_ptr() & 15, positions.dtype,
            positions.data_ptr() & 15, rotary_dim)
     said = _SUPPORTS.get(key)

@@ -67,6 +67,8 @@ def forward(x: torch.Tensor) -> torch.Tensor:
 
 
 def supports(x: torch.Tensor) -> tuple[bool, str]:
+    if cc.without_storage(x):
+        return cc.NO_STORAGE
     key = (x.shape, x.stride(), x.dtype, x.get_device(), x.data_ptr() & 15)
     return (_RECORDS.get(key) or _decide(key, x))[0]
 
