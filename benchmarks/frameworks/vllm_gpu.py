@@ -156,10 +156,15 @@ class _VllmEngine:
                   disable_log_stats=True)
         if spec["backend"]:
             kw["attention_backend"] = spec["backend"]
+        compilation: dict = {}
+        if a.capture_max:  # every engine alike: the capture sizes are a setting, not a route
+            compilation["max_cudagraph_capture_size"] = a.capture_max
         if a.tp > 1:
             kw["tensor_parallel_size"] = a.tp
             if spec["case"] != "P/P":  # the fused all-reduce + RMSNorm pass bypasses rlk (the plugin refuses it)
-                kw["compilation_config"] = {"pass_config": {"fuse_allreduce_rms": False}}
+                compilation["pass_config"] = {"fuse_allreduce_rms": False}
+        if compilation:
+            kw["compilation_config"] = compilation
         self.kwargs = {k: v for k, v in kw.items() if k != "model"}
         t0 = time.perf_counter()
         self.llm = LLM(**kw)
@@ -820,7 +825,7 @@ def driver(a) -> int:
 _PASSED = ("tiny", "device", "engine", "seed", "prompts", "samples", "max_tokens", "prompt_min", "prompt_max",
            "alone", "eager_prompts", "warm_prompts", "control_seqs", "recompute_chunk", "gpu_mem", "max_num_seqs",
            "max_batched_tokens", "ttft_runs", "decode_batch", "decode_steps", "gen_budget_s", "multiprocessing",
-           "tp", "profile")
+           "tp", "profile", "capture_max")
 
 
 def _pass_args(a) -> list[str]:
@@ -897,6 +902,9 @@ def parse(argv=None):
     p.add_argument("--multiprocessing", action="store_true", help="VLLM_ENABLE_V1_MULTIPROCESSING=1 (engine core "
                    "in its own process; the plugin must load there through the dist-info on PYTHONPATH)")
     p.add_argument("--skip", default="", help="comma-separated stages to skip")
+    p.add_argument("--capture-max", type=int, default=0, help="vLLM's max_cudagraph_capture_size for every engine "
+                   "(default: vLLM's, min(2 x max_num_seqs, 512)); up to --max-batched-tokens, prefill chunks replay "
+                   "piecewise graphs instead of running every op through Python")
     p.add_argument("--profile", action="store_true", help="torch.profiler tables of a decode and a mixed run per "
                    "engine stage (rr, pp, bi) -> profile-<stage>.txt in --out")
     a = p.parse_args(argv)
