@@ -1,0 +1,120 @@
+#!/bin/bash
+# One GPU sitting with real vLLM + megatron-core: prepare on the CPU machine, move in N device calls, run stages.
+#
+#   bash benchmarks/frameworks/sitting.sh prepare     # CPU machine: prints N and the calls to make
+#   calls 1..N-1, carry [".xfer/callK"]:  bash benchmarks/frameworks/sitting.sh recv K
+#   call N, carry [".xfer/callN"]:        bash benchmarks/frameworks/sitting.sh recv-last N STAGE[:SECONDS] ...
+#   later calls (warm machine):           bash benchmarks/frameworks/sitting.sh run STAGE[:SECONDS] ...
+#
+# What moves: vLLM's stripped site (shared/tools/frameworks-on-h200/make-site.sh), megatron-core 0.19.2 and a
+# `git archive` of HEAD (so rlk_repro/REVISION names the exact commit in every manifest), as one bundle cut to fit
+# each call under the device's 64 MiB with the tracked tree. Files survive on the GPU machine only while it is warm
+# (30 s after a call): make the calls back to back. Each stage writes under /tmp/sit/<stage> and leaves ONE file,
+# $OUT/<stage>.tar.gz (the device returns a limited number of files, only shallow ones); a stage is killed at its
+# time cap (defaults below), so a sitting cannot overrun its call; the device budget is 30 min a session.
+#
+# Stages: vllm (vllm_gpu.py, every stage), vllm-capture (R/R and P/P with --capture-max 4096), loop (loop_gpu.py,
+# R/R 10 rounds + P/P), matrix-a / matrix-b (loop_gpu.py --matrix, 4 cells each, 2 rounds), hybrid
+# (megatron_gpu.py --hybrid), megatron (megatron_gpu.py), cuda (build rlk_core._C + cubins, the rlk.cuda and
+# log-prob GPU tests, host_overhead.py).
+set -u
+HERE=$(cd "$(dirname "$0")" && pwd)
+ROOT=$(cd "$HERE/../.." && pwd)
+SHIP=/tmp/ship
+declare -A CAP=([vllm]=420 [vllm-capture]=300 [loop]=420 [matrix-a]=400 [matrix-b]=400 [hybrid]=180
+                [megatron]=240 [cuda]=330)
+
+prepare() {
+    cd "$ROOT" || exit 2
+    for d in /.xfer/ /.gpu-src/; do grep -qxF "$d" .git/info/exclude || echo "$d" >> .git/info/exclude; done
+    if [ ! -d .xfer/src ]; then  # make-site.sh's output, kept once under .xfer/src
+        [ -f .xfer/1/vllm_site.tar.xz.part_00 ] || bash ../shared/tools/frameworks-on-h200/make-site.sh .xfer || exit 3
+        mkdir -p .xfer/src && mv .xfer/1/vllm_site.tar.xz.part_* .xfer/2/vllm_site.tar.xz.part_* .xfer/2/*.sha256 \
+            .xfer/2/megatron_core-0.19.2-*.whl .xfer/src/ || exit 3
+    fi
+    local b=/tmp/rlk-bundle
+    rm -rf "$b" "$b".part_* .xfer/call* && mkdir -p "$b" || exit 4
+    cat .xfer/src/vllm_site.tar.xz.part_* > "$b/vllm_site.tar.xz" && cp .xfer/src/*.sha256 .xfer/src/megatron_core-0.19.2-*.whl "$b/"
+    (cd "$b" && sha256sum -c vllm_site.tar.xz.sha256 >/dev/null) || exit 4
+    local paths
+    paths=$(git ls-files benchmarks | grep -v '^benchmarks/results/')
+    # shellcheck disable=SC2086
+    git archive --format=tar --prefix=.gpu-src/ HEAD packages tests/gpu tests/conftest.py pyproject.toml $paths \
+        | xz -6 > "$b/ship.tar.xz" || exit 4
+    local tree shared cap n=0
+    tree=$(git ls-files -z | xargs -0 du -cb 2>/dev/null | tail -1 | cut -f1)
+    shared=$(du -sbL ../shared 2>/dev/null | cut -f1)
+    cap=$(( 64 * 1048576 - tree - ${shared:-0} - 2 * 1048576 ))  # what one call can carry beside the tree
+    tar -cf - -C "$b" . | split -b "$cap" -d -a 1 - "$b.part_" || exit 4
+    for part in "$b".part_*; do
+        n=$((n + 1)); mkdir -p ".xfer/call$n" && mv "$part" ".xfer/call$n/bundle.part_$((n - 1))"
+    done
+    rm -rf "$b"
+    echo "$n calls (each <= $(( cap / 1048576 )) MiB + the $(( tree / 1048576 )) MiB tree), code $(git rev-parse --short HEAD):"
+    for k in $(seq 1 $((n - 1))); do echo "  carry [\".xfer/call$k\"]: bash benchmarks/frameworks/sitting.sh recv $k"; done
+    echo "  carry [\".xfer/call$n\"]: bash benchmarks/frameworks/sitting.sh recv-last $n STAGE[:SECONDS] ..."
+}
+
+recv() { mkdir -p /tmp/xfer && cp ".xfer/call$1/"* /tmp/xfer/ && echo "part $1 received"; }
+
+recv_last() {
+    recv "$1" || exit 3
+    (cd /tmp/xfer && cat bundle.part_* | tar -x && sha256sum -c vllm_site.tar.xz.sha256) || exit 3
+    python3 -c "import tarfile; tarfile.open('/tmp/xfer/vllm_site.tar.xz').extractall('/tmp/site')" || exit 4
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/mcore /tmp/xfer/megatron_core-0.19.2-*.whl \
+        || exit 5
+    mkdir -p "$SHIP" && tar -xJf /tmp/xfer/ship.tar.xz -C "$SHIP" || exit 6
+    echo "site, megatron-core and code ($(cat "$SHIP/.gpu-src/packages/rlk-repro/src/rlk_repro/REVISION")) in place"
+}
+
+stage() {  # stage NAME SECONDS
+    local name=$1 cap=$2 G="$SHIP/.gpu-src" out="/tmp/sit/$1"
+    local py="python3"
+    mkdir -p "$out"
+    export PYTHONPATH=/tmp/site:/tmp/mcore:$G/packages/rlk-core/src:$G/packages/rlk-validate/src:$G/packages/rlk-collectives/src:$G/packages/rlk-vllm-plugin/src:$G/packages/rlk-megatron-provider/src:$G/packages/rlk-repro/src
+    export RLK_COMMIT
+    RLK_COMMIT=$(cat "$G/packages/rlk-repro/src/rlk_repro/REVISION")
+    echo "=== $name (cap ${cap}s) $(date +%T)"
+    nvidia-smi --query-gpu=clocks.sm,temperature.gpu,power.draw --format=csv,noheader > "$out/gpu-before.txt" 2>&1
+    case $name in
+        vllm) timeout "$cap" $py "$G/benchmarks/frameworks/vllm_gpu.py" --budget-s $((cap - 15)) --out "$out" ;;
+        vllm-capture) timeout "$cap" $py "$G/benchmarks/frameworks/vllm_gpu.py" --capture-max 4096 \
+                          --skip eager,recompute,bi --budget-s $((cap - 15)) --out "$out" ;;
+        loop) timeout "$cap" $py "$G/benchmarks/frameworks/loop_gpu.py" --out "$out" --native-rounds 3 ;;
+        matrix-a) timeout "$cap" $py "$G/benchmarks/frameworks/loop_gpu.py" --out "$out" --rounds 2 --prompts 32 \
+                      --max-new-tokens 64 --matrix control-RR,native-PP,attention-RP,attention-PR \
+                      --matrix-cap-s $((cap - 20)) ;;
+        matrix-b) timeout "$cap" $py "$G/benchmarks/frameworks/loop_gpu.py" --out "$out" --rounds 2 --prompts 32 \
+                      --max-new-tokens 64 --matrix ffn-RP,ffn-PR,logp-RP,logp-PR --matrix-cap-s $((cap - 20)) ;;
+        hybrid) timeout "$cap" $py "$G/benchmarks/frameworks/megatron_gpu.py" --hybrid --out "$out" ;;
+        megatron) timeout "$cap" $py "$G/benchmarks/frameworks/megatron_gpu.py" --out "$out" ;;
+        cuda)
+            (cd "$G/packages/rlk-core" && RLK_BUILD_EXT=1 RLK_BUILD_JOBS=16 timeout 200 $py setup.py build_ext --inplace \
+                > "$out/build.log" 2>&1)
+            (cd "$G" && RLK_REQUIRE_GPU=1 timeout $((cap - 150)) $py -m pytest -q -p no:cacheprovider \
+                tests/gpu/test_cuda_backend_gpu.py tests/gpu/test_logprobs_gpu.py > "$out/gpu-tests.log" 2>&1)
+            (cd "$G/benchmarks" && RLK_BENCH_OUT="$out" timeout 100 $py host_overhead.py --sections rowwise,linear_eager \
+                > "$out/host.log" 2>&1) ;;
+        *) echo "unknown stage $name"; return 2 ;;
+    esac
+    echo "rc $? after $(date +%T)"
+    tail -5 "$out"/*.md 2>/dev/null | tail -15
+    tar -czf "$OUT/$name.tar.gz" -C /tmp/sit "$name"
+}
+
+run() {
+    for spec in "$@"; do
+        local name=${spec%%:*} cap=${spec#*:}
+        [ "$cap" = "$spec" ] && cap=${CAP[$name]:-300}
+        stage "$name" "$cap"
+    done
+}
+
+cmd=${1:-}; shift || true
+case $cmd in
+    prepare) prepare ;;
+    recv) recv "$1" ;;
+    recv-last) k=$1; shift; recv_last "$k" && run "$@" ;;
+    run) run "$@" ;;
+    *) sed -n 2,20p "$0"; exit 2 ;;
+esac
