@@ -137,3 +137,26 @@ def test_schema_rejects_broken_documents():
         mutate(bad)
         with pytest.raises(jsonschema.ValidationError):
             _validate(bad)
+
+
+def test_scopes_nest_restore_on_exit_and_on_error_and_refuse_unknown_modules():
+    from rlk_core.errors import RlkConfigError
+    from rlk_core.readback import active_scope
+
+    rec = ReadbackRecorder("vllm", "rollout", RoutePlan("R/R", "R/R", "R/R"))
+    other = ReadbackRecorder("vllm", "rollout", RoutePlan("R/R", "R/R", "R/R"))
+    assert active_scope() is None
+    with rec.scope("ffn") as entered:
+        assert entered is rec and active_scope() == (rec, "ffn")
+        with other.scope("attention"):
+            assert active_scope() == (other, "attention")
+            with rec.scope("ffn"):  # the same scope re-entered: its exit restores the outer one
+                assert active_scope() == (rec, "ffn")
+            assert active_scope() == (other, "attention")
+        assert active_scope() == (rec, "ffn")
+        with pytest.raises(ValueError), rec.scope("logp"):
+            raise ValueError("inside")
+        assert active_scope() == (rec, "ffn")
+    assert active_scope() is None
+    with pytest.raises(RlkConfigError, match="is not one of"):
+        rec.scope("mlp")

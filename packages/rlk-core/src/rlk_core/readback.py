@@ -24,7 +24,6 @@ import logging
 import os
 import socket
 import threading
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -78,6 +77,23 @@ class _Scope:
 _ACTIVE: contextvars.ContextVar[_Scope | None] = contextvars.ContextVar("rlk_readback_scope", default=None)
 
 
+class _ScopeContext:
+    """``with recorder.scope(module):`` — a plain context manager (a ``contextlib`` generator costs a few
+    microseconds per use, and frameworks open one scope per rlk op call)."""
+
+    __slots__ = ("_scope", "_token")
+
+    def __init__(self, scope: _Scope) -> None:
+        self._scope = scope
+
+    def __enter__(self) -> ReadbackRecorder:
+        self._token = _ACTIVE.set(self._scope)
+        return self._scope.recorder
+
+    def __exit__(self, *exc: object) -> None:
+        _ACTIVE.reset(self._token)
+
+
 class ReadbackRecorder:
     def __init__(
         self,
@@ -114,17 +130,15 @@ class ReadbackRecorder:
         # reports that passed the policy, by (module, op, backend, contract, mode): a repeat only counts
         self._checked: dict[tuple[str, str, str, str | None, str], _OpRecord] = {}
         self._lock = threading.Lock()
+        self._scopes = {m: _Scope(self, m) for m in MODULES}
 
     # -- scopes and counting ----------------------------------------------------------------------
-    @contextmanager
-    def scope(self, module: str):
-        if module not in MODULES:
+    def scope(self, module: str) -> _ScopeContext:
+        """Context manager: rlk ops called inside report to this recorder under ``module``."""
+        scope = self._scopes.get(module)
+        if scope is None:
             raise RlkConfigError(f"module {module!r} is not one of {', '.join(MODULES)}")
-        token = _ACTIVE.set(_Scope(self, module))
-        try:
-            yield self
-        finally:
-            _ACTIVE.reset(token)
+        return _ScopeContext(scope)
 
     def add_hook(self, name: str, target: str, kind: str, installed: bool = True) -> None:
         self.hooks.append({"name": name, "target": target, "kind": kind, "installed": installed})

@@ -106,6 +106,8 @@ class SideRoutes:
         self._rlk = {m: plan.uses_rlk(m, side) for m in MODULES}
         self._allowed = {m: ops_for(m, side) + TP_OPS.get(m, ()) for m in MODULES}
         self._fns = {n: op_function(n) for m in MODULES if self._rlk[m] for n in self._allowed[m]}
+        # what call() may run, by (module, op): one lookup per call
+        self._calls = {(m, n): self._fns[n] for m in MODULES if self._rlk[m] for n in self._allowed[m]}
 
     def rlk(self, module: str) -> bool:
         """Whether ``module`` runs rlk (letter ``R``) on this side."""
@@ -113,8 +115,8 @@ class SideRoutes:
 
     def call(self, module: str, op: str, *args: Any, **kwargs: Any) -> Any:
         """Run ``rlk_core.ops.<op>`` for ``module`` (which must be R here) inside the recorder's scope."""
-        fn = self._fns.get(op)
-        if fn is None or not self._rlk[module] or op not in self._allowed[module]:
+        fn = self._calls.get((module, op))
+        if fn is None:
             raise RlkConfigError(f"{module} on the {self.side} side does not run rlk op {op!r} under plan "
                                  f"{self.plan.name}")
         with self.recorder.scope(module):
