@@ -186,6 +186,67 @@ def test_impl_prefill_chunk_then_decode_equals_varlen_attention(plugin):
     assert torch.equal(out, attention_varlen(q, k, v, cu, cu, d**-0.5, causal=True))
 
 
+def _same_view(a, b):
+    return (a.data_ptr(), a.shape, a.stride(), a.dtype) == (b.data_ptr(), b.shape, b.stride(), b.dtype)
+
+
+@pytest.mark.parametrize("n,b,max_q", [(9, 3, 5), (3, 3, 1), (4, 3, 2), (1, 1, 1)],
+                         ids=["prefill", "decode", "mixed", "one"])
+def test_metadata_slices_once_per_step_what_run_sliced_per_layer(n, b, max_q):
+    # the views run() passes to the ops are made when the step's metadata is built: the same storage, shapes
+    # and strides as the per-layer slices of the persistent (padded) buffers they replace
+    import dataclasses
+
+    from rlk_vllm_plugin.attention import RlkAttentionMetadata
+
+    qsl, seq_lens = torch.arange(8, dtype=torch.int32), torch.arange(1, 8, dtype=torch.int32)
+    table, slots = torch.arange(7 * 4, dtype=torch.int32).view(7, 4), torch.arange(16)
+    md = RlkAttentionMetadata(n, b, max_q, qsl, seq_lens, table, slots)
+    assert _same_view(md.req_query_start_loc, qsl[: b + 1]) and _same_view(md.req_seq_lens, seq_lens[:b])
+    assert _same_view(md.req_block_table, table[:b]) and _same_view(md.token_slot_mapping, slots[:n])
+    assert md.decode == (max_q == 1 and n == b)
+    with pytest.raises(dataclasses.FrozenInstanceError):  # a changed field would leave the views stale
+        md.num_reqs = b + 1
+
+
+def test_kv_views_are_split_kv_made_once_per_cache_tensor(plugin):
+    from rlk_vllm_plugin import _compat
+    from rlk_vllm_plugin.attention import kv_views
+
+    plugin(attention="P/R")
+    from rlk_vllm_plugin.attention import RlkAttentionBackend
+    _, kv = _allocate_like_vllm_022(RlkAttentionBackend, 5, 16, 2, 8)
+    k, v = kv_views(kv, 8)
+    want_k, want_v = _compat.split_kv(kv, 8)
+    assert _same_view(k, want_k) and _same_view(v, want_v)
+    assert kv_views(kv, 8)[0] is k and kv_views(kv, 8)[1] is v  # reused by every layer call of every step
+    _, other = _allocate_like_vllm_022(RlkAttentionBackend, 5, 16, 2, 8)  # a new cache tensor: its own views
+    assert _same_view(kv_views(other, 8)[0], _compat.split_kv(other, 8)[0])
+
+
+def test_impl_on_padded_buffers_writes_only_the_actual_tokens(plugin):
+    # vLLM pads the token dimension (CUDA-graph sizes): run() reads and writes the first n rows only
+    from rlk_vllm_plugin.attention import RlkAttentionMetadata
+
+    plugin(attention="P/R")
+    from rlk_vllm_plugin.attention import RlkAttentionBackend, RlkAttentionImpl
+    hq, hkv, d, n = 4, 2, 16, 16
+    impl = RlkAttentionImpl(hq, d, d**-0.5, hkv)
+    table = torch.tensor([[3, 1], [0, 2], [4, 5]], dtype=torch.int32)
+    q, k, v = _bf16(8, hq * d, seed=1), _bf16(8, hkv * d, seed=2), _bf16(8, hkv * d, seed=3)
+    slots = torch.tensor([3 * n, 3 * n + 1, 3 * n + 2, 0, 0, 0, 0, 0])
+    md = RlkAttentionMetadata(3, 1, 3, torch.tensor([0, 3, 3, 3], dtype=torch.int32),
+                              torch.tensor([3, 0, 0], dtype=torch.int32), table, slots)
+    outs = []
+    for pad in (8, 3):  # padded buffers, and buffers of exactly n rows
+        _, kv = _allocate_like_vllm_022(RlkAttentionBackend, 6, n, hkv, d)
+        out = torch.full((pad, hq * d), 7.0, dtype=torch.bfloat16)
+        impl.forward(None, q[:pad], k[:pad], v[:pad], kv, md, out)
+        assert torch.equal(out[3:], torch.full((pad - 3, hq * d), 7.0, dtype=torch.bfloat16))
+        outs.append((out[:3].clone(), kv.clone()))
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+
+
 # -- log-probs ---------------------------------------------------------------------------------------
 def test_logprob_hook_is_rlk_token_logprobs_with_the_request_temperature(plugin):
     from vllm.v1.sample.sampler import Sampler

@@ -69,6 +69,8 @@ class Runtime:
     _recorder: ReadbackRecorder | None = None
     _routes: SideRoutes | None = None
     _sites: dict[str, Any] = field(default_factory=dict)
+    _r: dict[str, bool] = field(default_factory=dict)  # r(module) for the plan in _r_plan
+    _r_plan: RoutePlan | None = None
 
     @classmethod
     def from_env(cls) -> Runtime:
@@ -84,7 +86,13 @@ class Runtime:
         return [m for m in MODULES if self.plan.uses_rlk(m, SIDE)]
 
     def r(self, module: str | None) -> bool:
-        return module is not None and self.plan.uses_rlk(module, SIDE)
+        """Whether ``module`` is R on the rollout side (asked by every hook call: a dict lookup)."""
+        if module is None:
+            return False
+        if self._r_plan is not self.plan:
+            self._r, self._r_plan = {m: self.plan.uses_rlk(m, SIDE) for m in MODULES}, self.plan
+        r = self._r.get(module)
+        return self.plan.uses_rlk(module, SIDE) if r is None else r
 
     # -- recorder (one per process) -----------------------------------------------------------------
     @property
@@ -101,6 +109,9 @@ class Runtime:
 
     @property
     def routes(self) -> SideRoutes:
+        routes = self._routes
+        if routes is not None and self._pid == os.getpid():
+            return routes
         _ = self.recorder
         assert self._routes is not None
         return self._routes

@@ -18,7 +18,7 @@ vLLM.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -30,9 +30,15 @@ BLOCK_SIZE_MULTIPLE = 16
 _CLASSES: dict[str, type] = {}
 
 
-@dataclass
+@dataclass(frozen=True)
 class RlkAttentionMetadata:
-    """What the impl needs from one step's ``CommonAttentionMetadata`` (core fields of both versions)."""
+    """What the impl needs from one step's ``CommonAttentionMetadata`` (core fields of both versions).
+
+    One object serves every layer of the step: the views the ops take (``req_*``: the first ``num_reqs``
+    requests, ``token_slot_mapping``: the first ``num_actual_tokens`` slots) are sliced once, here, instead
+    of once per layer. They are views of the tensors passed in (vLLM's persistent buffers), exactly the
+    slices :func:`run` took before, so a CUDA graph captured with them replays with vLLM's updated values.
+    Frozen: a field changed after construction would leave the views stale."""
 
     num_actual_tokens: int
     num_reqs: int
@@ -41,6 +47,19 @@ class RlkAttentionMetadata:
     seq_lens: torch.Tensor  # [num_reqs] int32, including the new tokens
     block_table: torch.Tensor  # [num_reqs, max_blocks] int32
     slot_mapping: torch.Tensor  # [num_tokens] int64
+    req_query_start_loc: torch.Tensor = field(init=False, repr=False)  # query_start_loc[:num_reqs + 1]
+    req_seq_lens: torch.Tensor = field(init=False, repr=False)  # seq_lens[:num_reqs]
+    req_block_table: torch.Tensor = field(init=False, repr=False)  # block_table[:num_reqs]
+    token_slot_mapping: torch.Tensor = field(init=False, repr=False)  # slot_mapping[:num_actual_tokens]
+    decode: bool = field(init=False, repr=False)  # a batch of single-token decodes: attention_decode
+
+    def __post_init__(self) -> None:
+        n, b = self.num_actual_tokens, self.num_reqs
+        views = {"req_query_start_loc": self.query_start_loc[: b + 1], "req_seq_lens": self.seq_lens[:b],
+                 "req_block_table": self.block_table[:b], "token_slot_mapping": self.slot_mapping[:n],
+                 "decode": self.max_query_len == 1 and n == b}
+        for name, value in views.items():
+            object.__setattr__(self, name, value)
 
 
 def _build_classes() -> dict[str, type]:
@@ -166,19 +185,38 @@ def _impl_class(base_impl: type) -> type:
 def run(md: RlkAttentionMetadata, impl: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         kv_cache: torch.Tensor, output: torch.Tensor) -> torch.Tensor:
     """One layer's attention for one step: write the new K/V into the paged cache, then attend."""
-    n, b, d = md.num_actual_tokens, md.num_reqs, impl.head_size
-    k_cache, v_cache = _compat.split_kv(kv_cache, d)
-    q = query[:n].view(n, impl.num_heads, d)
-    _runtime.rlk("attention", "kv_cache_write", key[:n].view(n, impl.num_kv_heads, d),
-                 value[:n].view(n, impl.num_kv_heads, d), k_cache, v_cache, md.slot_mapping[:n])
-    block_table, seq_lens = md.block_table[:b], md.seq_lens[:b]
-    if md.max_query_len == 1 and n == b:
-        out = _runtime.rlk("attention", "attention_decode", q, k_cache, v_cache, block_table, seq_lens, impl.scale)
+    n, d = md.num_actual_tokens, impl.head_size
+    k_cache, v_cache = kv_views(kv_cache, d)
+    q = _first(query, n).view(n, impl.num_heads, d)
+    _runtime.rlk("attention", "kv_cache_write", _first(key, n).view(n, impl.num_kv_heads, d),
+                 _first(value, n).view(n, impl.num_kv_heads, d), k_cache, v_cache, md.token_slot_mapping)
+    if md.decode:
+        out = _runtime.rlk("attention", "attention_decode", q, k_cache, v_cache, md.req_block_table,
+                           md.req_seq_lens, impl.scale)
     else:
-        out = _runtime.rlk("attention", "attention_paged_prefill", q, k_cache, v_cache, block_table,
-                           md.query_start_loc[: b + 1], seq_lens, impl.scale)
-    output[:n].copy_(out.view(output[:n].shape))
+        out = _runtime.rlk("attention", "attention_paged_prefill", q, k_cache, v_cache, md.req_block_table,
+                           md.req_query_start_loc, md.req_seq_lens, impl.scale)
+    written = _first(output, n)
+    written.copy_(out.view(written.shape))
     return output
+
+
+def _first(x: torch.Tensor, n: int) -> torch.Tensor:
+    """``x[:n]``; ``x`` itself when it has exactly ``n`` rows (the same sizes, strides and storage offset)."""
+    return x if x.shape[0] == n else x[:n]
+
+
+def kv_views(kv_cache: torch.Tensor, head_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`rlk_vllm_plugin._compat.split_kv` of ``kv_cache``, made once per KV-cache tensor: the views are
+    kept on the tensor object (attribute ``_rlk_kv_views``), so they live exactly as long as vLLM keeps that
+    tensor, and every layer's call of every step reuses them (views of the same storage: valid across
+    CUDA-graph replays; a cache vLLM reallocates is a new tensor object, which gets its own)."""
+    cached = getattr(kv_cache, "_rlk_kv_views", None)
+    if cached is not None and cached[0] == head_size:
+        return cached[1], cached[2]
+    k_cache, v_cache = _compat.split_kv(kv_cache, head_size)
+    kv_cache._rlk_kv_views = (head_size, k_cache, v_cache)
+    return k_cache, v_cache
 
 
 def __getattr__(name: str) -> Any:

@@ -81,7 +81,7 @@ def oot_classes(probe: _compat.Probe) -> dict[str, type]:
     }
     for name, (base, op, fn) in bases.items():
         ns: dict[str, Any] = {m: _bind_forward(m, op, fn) for m in _FORWARDS}
-        ns["forward"] = _entry(op)
+        ns["forward"] = _entry(op, base)
         ns["__module__"] = __name__
         ns["_rlk_op"] = op
         if name == "RotaryEmbedding":
@@ -99,18 +99,21 @@ def _bind_forward(method: str, op: str, fn: Any):
             _unbound(self, op)
         elif _runtime.get().r(module):
             return fn(module, self, *args, **kwargs)
-        return getattr(super(type(self), self), method)(*args, **kwargs)
+        return getattr(super(type(self), self), method)(*args, **kwargs)  # a staticmethod in some classes
     forward.__name__ = method
     return forward
 
 
-def _entry(op: str):
-    """``forward``: vLLM's ``CustomOp.forward`` (its dispatch), counting one production call for a P module."""
+def _entry(op: str, base: type):
+    """``forward``: vLLM's ``CustomOp.forward`` (its dispatch), counting one production call for a P module.
+    ``base`` is the vLLM class replaced (the class's direct base)."""
+    backend_id = f"production.vllm.{base.__name__}"
+
     def forward(self, *args, **kwargs):
         module = getattr(self, "_rlk_module", None)
         if module is not None and not _runtime.get().r(module):
-            _runtime.production(module, op, f"production.vllm.{type(self).__mro__[1].__name__}")
-        return super(type(self), self).forward(*args, **kwargs)
+            _runtime.production(module, op, backend_id)
+        return base.forward(self, *args, **kwargs)
     return forward
 
 
