@@ -98,6 +98,34 @@ def test_linear_and_lm_head_methods_route_by_prefix(plugin):
         UnquantizedLinearMethod().apply(layer, x)
 
 
+def test_an_emptied_vllm_weight_is_refused_and_a_loaded_one_runs_rlk(plugin):
+    # vLLM's weights are parameter subclasses (ModelWeightParameter, with a __torch_function__): the emptiness
+    # check (CPU weight packing) reads them without it and must still see both cases
+    from vllm.model_executor.layers.linear import UnquantizedLinearMethod
+    from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
+    from vllm.model_executor.parameter import ModelWeightParameter
+
+    from rlk_core.errors import RlkPolicyError
+    from rlk_core.ops import linear
+
+    plugin(ffn="P/R", logp="P/R")
+    x, w = _bf16(6, 64), _bf16(96, 64, seed=5)
+    layer = torch.nn.Module()
+    def vllm_weight(data):  # the parameter object alone (its __init__ asks for a TP group)
+        return ModelWeightParameter.__new__(ModelWeightParameter, data=data)
+
+    layer.weight = vllm_weight(w)
+    assert type(layer.weight).__torch_function__ is not torch.nn.Parameter.__torch_function__
+    layer.prefix = "model.layers.1.mlp.gate_up_proj"
+    assert torch.equal(UnquantizedLinearMethod().apply(layer, x), linear(x, w))
+    assert torch.equal(UnquantizedEmbeddingMethod().apply(layer, x), linear(x, w))
+    layer.weight = vllm_weight(torch.empty(0, dtype=torch.bfloat16))
+    with pytest.raises(RlkPolicyError, match="replaced the weight"):
+        UnquantizedLinearMethod().apply(layer, x)
+    with pytest.raises(RlkPolicyError, match="replaced the weight"):
+        UnquantizedEmbeddingMethod().apply(layer, x)
+
+
 def test_bind_model_notes_each_linear_module_once(plugin):
     """After model load the linear method reads the module bound to the layer (no regex per call); the
     binding is what decides (a wrong binding routes wrongly: the negative control)."""
