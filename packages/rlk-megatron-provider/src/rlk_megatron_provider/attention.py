@@ -22,6 +22,7 @@ import torch
 import rlk_collectives
 from rlk_core.errors import RlkPolicyError
 from rlk_megatron_provider import _compat, _state
+from rlk_megatron_provider.layers import RlkQKVLinear
 
 Tensor = torch.Tensor
 
@@ -60,6 +61,31 @@ class RlkSelfAttention(_compat.SelfAttention):
         rotary = kwargs.pop("rotary_pos_emb", None)
         self.core_attention.apply_rope = rotary is not None
         return super().forward(hidden_states, attention_mask, rotary_pos_emb=None, **kwargs)
+
+    def get_query_key_value_tensors(self, hidden_states, key_value_states=None, output_gate: bool = False,
+                                    split_qkv: bool = True):
+        """Megatron's ``SelfAttention.get_query_key_value_tensors`` for an active rlk ``linear_qkv``
+        without its two copies: the GEMM's ``[q | k | v]`` columns are split into views (Megatron regroups
+        them per KV head, splits, and copies the query heads into a contiguous tensor; the backward moves
+        the gradient columns back). The same values in the same head order (``q`` group-major, then
+        ``k``, then ``v``), so the same bits downstream. Other configurations (an output gate, the unsplit
+        tensor, fewer KV heads than TP ranks, Megatron's test mode) take Megatron's own path."""
+        qkv = self.linear_qkv
+        if (output_gate or not split_qkv or type(qkv) is not RlkQKVLinear or not qkv.rlk_active
+                or qkv.gather_output or self.config.num_query_groups < self.world_size or self.config.test_mode):
+            return super().get_query_key_value_tensors(hidden_states, key_value_states, output_gate=output_gate,
+                                                       split_qkv=split_qkv)
+        y, _ = qkv(hidden_states, rlk_qkv_order=True)  # [sq, b, (Hq + 2 G) d], [q | k | v]
+        d, hq, g = (self.hidden_size_per_attention_head, self.num_attention_heads_per_partition,
+                    self.num_query_groups_per_partition)
+        lead = y.shape[:-1]
+        query, key, value = torch.split(y, [hq * d, g * d, g * d], dim=-1)  # one cat in the backward
+        query, key, value = query.view(*lead, hq, d), key.view(*lead, g, d), value.view(*lead, g, d)
+        if self.q_layernorm is not None:
+            query = self.q_layernorm(query)
+        if self.k_layernorm is not None:
+            key = self.k_layernorm(key)
+        return query, key, value
 
 
 def _positions(cu: list[int], device) -> Tensor:

@@ -112,6 +112,15 @@ class _RlkLayer:
         if self.rlk_active and problems:
             self.rlk_active = st.refuse(module, f"{type(self).__name__}: " + "; ".join(problems))
 
+    def _tp_group(self) -> tuple:
+        """``(group, size)`` of the layer's TP group; the size is read once per group object (a
+        ProcessGroup's ``size()`` is a C++ call per use otherwise, several per layer and step)."""
+        group = _compat.tp_group_of(self)
+        cached = self.__dict__.get("_rlk_tp")
+        if cached is None or cached[0] is not group:
+            cached = self.__dict__["_rlk_tp"] = (group, _tp(group))
+        return cached
+
     def _production(self, op: str) -> None:
         _state.get().routes.production(self.rlk_module, op, f"{_state.PRODUCTION}.{type(self).__mro__[1].__name__}")
 
@@ -128,12 +137,12 @@ class RlkColumnParallelLinear(_RlkLayer, _compat.ColumnParallelLinear):
             self._production("linear")
             return super().forward(input_, weight=weight, runtime_gather_output=runtime_gather_output)
         w = self.weight if weight is None else weight
-        group = _compat.tp_group_of(self)
-        x = copy_to_tp(input_, group, self.rlk_module)
+        group, tp = self._tp_group()
+        x = _CopyToTP.apply(input_, group, self.rlk_module) if tp > 1 else input_
         y = self._gemm(x, w)
         gather = self.gather_output if runtime_gather_output is None else runtime_gather_output
-        if gather:
-            y = gather_last_dim(y, group, self.rlk_module)
+        if gather and tp > 1:
+            y = _GatherLastDim.apply(y, group, self.rlk_module)
         return y, None
 
 
@@ -214,7 +223,9 @@ class RlkQKVLinear(RlkColumnParallelLinear):
     reduction order differs, ~1e-6 in fp32). The ``[q; k; v]`` copy of the weight is kept (one extra copy
     of the local QKV weight per layer) and rebuilt only when the parameter changed: a new storage, a bumped
     version counter, or an optimizer step (:func:`invalidate_weight_caches`). The weight gradient goes back
-    to Megatron's parameter through the inverse gather. Checkpoints and state dicts keep Megatron's layout."""
+    to Megatron's parameter through the inverse gather. Checkpoints and state dicts keep Megatron's layout.
+    Inside :class:`~rlk_megatron_provider.attention.RlkSelfAttention` the output columns are not moved back:
+    it asks for the ``[q | k | v]`` columns (``rlk_qkv_order=True``) and splits them into views."""
 
     def __init__(self, *args, rlk_module: str, **kwargs):
         super().__init__(*args, rlk_module=rlk_module, **kwargs)
@@ -243,6 +254,21 @@ class RlkQKVLinear(RlkColumnParallelLinear):
                 cached = self._qkv_cache = (key, w.detach().index_select(0, self._qkv_rows))
         return cached[1]
 
+    def forward(self, input_: Tensor, weight: Tensor | None = None, runtime_gather_output: bool | None = None,
+                *, rlk_qkv_order: bool = False):
+        """Megatron's contract (output columns grouped per KV head), or with ``rlk_qkv_order=True`` the
+        GEMM's own ``[q | k | v]`` columns (what :class:`~rlk_megatron_provider.attention.RlkSelfAttention`
+        splits into views: no regrouping copy forward, none backward)."""
+        if not rlk_qkv_order:
+            return super().forward(input_, weight=weight, runtime_gather_output=runtime_gather_output)
+        if not self.rlk_active or self.gather_output or runtime_gather_output:
+            raise RlkPolicyError("rlk-megatron-provider: linear_qkv(rlk_qkv_order=True) needs the active rlk "
+                                 "route and no gathered output")
+        w = self.weight if weight is None else weight
+        group, tp = self._tp_group()
+        x = _CopyToTP.apply(input_, group, self.rlk_module) if tp > 1 else input_
+        return RlkColumnParallelLinear._gemm(self, x, _CachedRows.apply(w, self)), None
+
     def _gemm(self, x: Tensor, w: Tensor) -> Tensor:
         y = super()._gemm(x, _CachedRows.apply(w, self))
         return _GroupedColumns.apply(y, *self._qkv_shape)
@@ -266,7 +292,8 @@ class RlkRowParallelLinear(_RlkLayer, _compat.RowParallelLinear):
             self._production("linear")
             return super().forward(input_)
         y = _state.get().routes.call(self.rlk_module, "linear", input_, self.weight)
-        return reduce_from_tp(y, _compat.tp_group_of(self), self.rlk_module), None
+        group, tp = self._tp_group()
+        return (_ReduceFromTP.apply(y, group, self.rlk_module) if tp > 1 else y), None
 
 
 class RlkRMSNorm(_RlkLayer, torch.nn.Module):

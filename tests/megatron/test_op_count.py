@@ -1,0 +1,52 @@
+"""The torch ops the provider adds around the rlk ops, counted on the CPU (the same ops launch kernels on the
+GPU): a training step's forward + backward of the tiny all-R GPTModel issues, from the provider's own code,
+exactly one kernel per layer — the gather of the QKV weight gradient back to Megatron's row order — and no
+copy of the QKV output (``RlkSelfAttention`` splits the ``[q | k | v]`` GEMM output into views instead of
+Megatron regrouping it per KV head and copying the query heads). The control puts Megatron's
+``get_query_key_value_tensors`` back: the same counter then sees the regrouping copies (a cat forward, three
+column copies backward, per layer, from the provider) and Megatron's query copy."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from test_megatron_provider import MEGATRON_WARNINGS, R_ALL  # noqa: E402
+
+pytestmark = [pytest.mark.megatron, *MEGATRON_WARNINGS]
+
+
+@pytest.fixture(scope="module")
+def counts() -> dict:
+    env = {**os.environ, **R_ALL}
+    proc = subprocess.run([sys.executable, os.path.join(HERE, "_op_count_worker.py"), str(29550 + os.getpid() % 250)],
+                          capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _by(ops: dict, who: str) -> dict:
+    return {k.split(" ", 1)[1]: v for k, v in ops.items() if k.startswith(who + " ")}
+
+
+def test_provider_issues_one_kernel_per_layer(counts):
+    n = counts["layers"]
+    assert _by(counts["fast"], "provider") == {"index_select": n}
+
+
+def test_megatron_query_copy_is_gone(counts):
+    n = counts["layers"]
+    fast, control = _by(counts["fast"], "megatron"), _by(counts["control"], "megatron")
+    assert control.get("clone", 0) - fast.get("clone", 0) == n
+    assert {k: v for k, v in control.items() if k != "clone"} == {k: v for k, v in fast.items() if k != "clone"}
+
+
+def test_control_counter_sees_the_regrouping_copies(counts):
+    n = counts["layers"]
+    assert _by(counts["control"], "provider") == {"index_select": n, "cat": n, "copy_": 3 * n}
