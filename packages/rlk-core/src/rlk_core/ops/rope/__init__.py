@@ -8,7 +8,12 @@ from rlk_core.backends import REGISTRY, Backend
 from rlk_core.ops import _checks as C
 from rlk_core.ops._dispatch import call, custom_op, run
 from rlk_core.ops._grad import closed_form_backward
-from rlk_core.ops.rope.reference import rope_backward_reference, rope_cos_sin, rope_reference
+from rlk_core.ops.rope.reference import (
+    rope_backward_reference,
+    rope_backward_with,
+    rope_cos_sin,
+    rope_reference,
+)
 
 MAX_POSITION = 1 << 24  # positions are exact in fp32 below this
 
@@ -51,7 +56,32 @@ def _(x: torch.Tensor, positions: torch.Tensor, theta: float, rotary_dim: int) -
     return torch.empty_like(x)
 
 
-closed_form_backward(_rope_op, rope_backward_reference, n_tensor_inputs=2)
+_TABLE_BACKENDS = ("rlk.triton", "rlk.cuda")  # the backends whose forward reads rlk.triton's cached table
+_TABLE_DEVICES = ("cuda",)
+
+
+def _rope_backward(x: torch.Tensor, positions: torch.Tensor, theta: float, rotary_dim: int, grad: torch.Tensor
+                   ) -> tuple[torch.Tensor, None]:
+    """The closed-form backward (:func:`rope_backward_reference`). On a GPU the cos/sin rows are gathered
+    from the table the forward used (``rlk.triton``'s cache: the same function of the position, element by
+    element, so the same bits) instead of recomputed with ~40 float64 launches per call. Only where the
+    forward ran a backend that reads that table (the registry selects the same one for the same inputs): its
+    call sized the table for these positions (tables only grow), so the gather stays inside it. Otherwise the
+    reference recomputes the rows."""
+    device_type = x.device.type
+    if device_type in _TABLE_DEVICES and REGISTRY.select("rope", device_type, (x, positions, theta, rotary_dim),
+                                                         strict=False).backend.id in _TABLE_BACKENDS:
+        from rlk_core.ops.rope import triton as rope_triton
+
+        hit = rope_triton.cached_tables(x.device, rotary_dim, theta)
+        if hit is not None:
+            rows = positions.reshape(-1)
+            return rope_backward_with(hit[0].index_select(0, rows), hit[1].index_select(0, rows), x, rotary_dim,
+                                      grad)
+    return rope_backward_reference(x, positions, theta, rotary_dim, grad)
+
+
+closed_form_backward(_rope_op, _rope_backward, n_tensor_inputs=2)
 
 
 def reserve_tables(device: torch.device | str, rotary_dim: int, theta: float, max_positions: int) -> None:

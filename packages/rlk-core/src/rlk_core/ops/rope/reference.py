@@ -76,6 +76,12 @@ def rope_backward_reference(x: torch.Tensor, positions: torch.Tensor, theta: flo
     """The inverse rotation of ``grad`` with the forward's fp32 tables: ``dx1 = g1*cos + g2*sin``,
     ``dx2 = g2*cos - g1*sin``, dims ``R..D`` passed through; elementwise, deterministic."""
     cos, sin = rope_cos_sin(positions, rotary_dim, theta)
+    return rope_backward_with(cos, sin, x, rotary_dim, grad)
+
+
+def rope_backward_with(cos: torch.Tensor, sin: torch.Tensor, x: torch.Tensor, rotary_dim: int,
+                       grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+    """:func:`rope_backward_reference` given the positions' fp32 rows ``cos, sin`` ``[T, rotary_dim/2]``."""
     cos, sin = cos[:, None, :], sin[:, None, :]
     half = rotary_dim // 2
     g = grad.float()

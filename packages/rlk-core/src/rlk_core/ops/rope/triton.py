@@ -45,6 +45,13 @@ def reserved_tables(device: torch.device, rotary_dim: int, theta: float
     return None if hit is None else (hit[1], hit[2])
 
 
+def cached_tables(device: torch.device, rotary_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The cached table as it is (any size), or None: for a caller whose positions a forward already sized
+    it for (the backward)."""
+    hit = _TABLES.get((str(device), rotary_dim, float(theta)))
+    return None if hit is None else (hit[1], hit[2])
+
+
 def tables(device: torch.device, rotary_dim: int, theta: float, need: int) -> tuple[torch.Tensor, torch.Tensor]:
     """fp32 ``(cos, sin)`` of shape ``[cap, rotary_dim/2]`` with ``cap >= need``, from the reference builder."""
     key = (str(device), rotary_dim, float(theta))
