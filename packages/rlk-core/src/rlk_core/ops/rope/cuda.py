@@ -12,7 +12,6 @@ import functools
 import torch
 
 from rlk_core.aot.specs import TRITON_TYPE
-from rlk_core.errors import RlkInputError
 from rlk_core.ops import _cuda_common as cc
 from rlk_core.ops._triton_common import next_pow2
 from rlk_core.ops.rope import triton as tr
@@ -114,18 +113,7 @@ def launch_general(
 def forward(x: torch.Tensor, positions: torch.Tensor, theta: float, rotary_dim: int) -> torch.Tensor:
     if x.shape[0] == 0:
         return torch.empty_like(x)
-    reserved = tr.reserved_tables(x.device, rotary_dim, theta)
-    if reserved is not None:
-        cos, sin = reserved
-    elif torch.cuda.is_current_stream_capturing():
-        raise RlkInputError(
-            f"rope under CUDA-graph capture: no cos/sin table reserved for rotary_dim={rotary_dim}, "
-            f"theta={theta} on {x.device}; call rlk_core.ops.rope.reserve_tables(device, "
-            "rotary_dim, theta, max_positions) before capturing"
-        )
-    else:  # one host sync for the table size
-        cos, sin = tr.tables(x.device, rotary_dim, theta, int(positions.max()) + 1)
-    return launch(x, positions, cos, sin, rotary_dim)
+    return launch(x, positions, *tr.forward_tables(x, positions, theta, rotary_dim), rotary_dim)
 
 
 def supports(x: torch.Tensor, positions: torch.Tensor, theta: float, rotary_dim: int) -> tuple[bool, str]:

@@ -119,19 +119,24 @@ def launch(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: tor
     return y
 
 
-def forward(x: torch.Tensor, positions: torch.Tensor, theta: float, rotary_dim: int) -> torch.Tensor:
-    if x.shape[0] == 0:
-        return torch.empty_like(x)
+def forward_tables(x: torch.Tensor, positions: torch.Tensor, theta: float, rotary_dim: int
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``(cos, sin)`` table a forward call reads (rlk.triton's and rlk.cuda's): the reserved one as it is,
+    else one sized from the positions (a host sync, refused under CUDA-graph capture)."""
     reserved = reserved_tables(x.device, rotary_dim, theta)
     if reserved is not None:
-        cos, sin = reserved
-    elif torch.cuda.is_current_stream_capturing():
+        return reserved
+    if torch.cuda.is_current_stream_capturing():
         raise RlkInputError(f"rope under CUDA-graph capture: no cos/sin table reserved for rotary_dim={rotary_dim}, "
                             f"theta={theta} on {x.device}; call rlk_core.ops.rope.reserve_tables(device, "
                             "rotary_dim, theta, max_positions) before capturing")
-    else:  # one host sync for the table size
-        cos, sin = tables(x.device, rotary_dim, theta, int(positions.max()) + 1)
-    return launch(x, positions, cos, sin, rotary_dim)
+    return tables(x.device, rotary_dim, theta, int(positions.max()) + 1)  # one host sync for the table size
+
+
+def forward(x: torch.Tensor, positions: torch.Tensor, theta: float, rotary_dim: int) -> torch.Tensor:
+    if x.shape[0] == 0:
+        return torch.empty_like(x)
+    return launch(x, positions, *forward_tables(x, positions, theta, rotary_dim), rotary_dim)
 
 
 def supports(x: torch.Tensor, positions: torch.Tensor, theta: float, rotary_dim: int) -> tuple[bool, str]:
