@@ -126,6 +126,35 @@ def test_an_emptied_vllm_weight_is_refused_and_a_loaded_one_runs_rlk(plugin):
         UnquantizedEmbeddingMethod().apply(layer, x)
 
 
+def test_vllm_weight_parameters_take_the_direct_path(plugin, monkeypatch):
+    """vLLM's weight parameters forward ``__torch_function__`` untouched, so once the plugin registers them an
+    eager rlk call with one skips the dispatcher (host time only: the same result); a class that overrides
+    ``__torch_function__`` again is not registered (control)."""
+    import vllm.model_executor.parameter as vparam
+
+    from rlk_core.ops import _dispatch, linear
+    from rlk_vllm_plugin import layers
+
+    monkeypatch.setattr(_dispatch, "_PLAIN", {torch.Tensor, torch.nn.Parameter})
+    x = _bf16(6, 64)
+    w = vparam.ModelWeightParameter.__new__(vparam.ModelWeightParameter, data=_bf16(96, 64, seed=5))
+    assert _dispatch._path((x, w, None)) == "dispatcher"
+    before = linear(x, w)
+
+    class Wrapping(vparam.ModelWeightParameter):
+        @classmethod
+        def __torch_function__(cls, func, types, args=(), kwargs=None):
+            return super().__torch_function__(func, types, args, kwargs)
+
+    monkeypatch.setattr(vparam, "Wrapping", Wrapping, raising=False)
+    types = layers.plain_weight_types()
+    assert vparam.ModelWeightParameter in types and vparam.PackedvLLMParameter in types and Wrapping not in types
+    assert _dispatch._path((x, w, None)) == "direct"
+    assert torch.equal(linear(x, w), before)
+    with pytest.raises(TypeError, match="tensor types"):
+        _dispatch.treat_as_plain(int)
+
+
 def test_bind_model_notes_each_linear_module_once(plugin):
     """After model load the linear method reads the module bound to the layer (no regex per call); the
     binding is what decides (a wrong binding routes wrongly: the negative control)."""

@@ -26,7 +26,18 @@ from rlk_core.readback import note_op_call, strict_now
 _IMPLS: dict[str, Callable[..., Any]] = {}
 _FUNCTIONS: dict[str, type[torch.autograd.Function]] = {}
 _PACKETS: dict[str, Any] = {}
-_PLAIN = (torch.Tensor, torch.nn.Parameter)
+_PLAIN = {torch.Tensor, torch.nn.Parameter}  # tensor types the direct path takes; see treat_as_plain
+
+
+def treat_as_plain(*types: type) -> None:
+    """Let the direct path take tensors of these exact types as it takes plain ones — for ``Parameter``
+    subclasses whose ``__torch_function__`` only passes calls through to torch (vLLM's weight parameters):
+    the implementation, backend and bits are the same on either path, only the dispatcher's host time is
+    saved. A type whose ``__torch_function__`` does anything else must not be registered."""
+    for cls in types:
+        if not (isinstance(cls, type) and issubclass(cls, torch.Tensor)):
+            raise TypeError(f"treat_as_plain takes tensor types, got {cls!r}")
+        _PLAIN.add(cls)
 
 
 _DEVICE_TYPES: dict[torch.device, str] = {}  # torch.device.type builds a new string per call
