@@ -301,6 +301,12 @@ MATRIX_CASES = [
      "MATRIX_PROVENANCE_MISMATCH", "config.rounds"),
     ("cell-routes-differ-only", _cell_manifest("ffn-PR", _ffn_env),
      P, None, None),
+    # what the engines report at start-up (attention backend, rlk layer counts, start time) follows from the
+    # routes or is a measurement: `runtime` is not compared (cell-other-config shows `config` is)
+    ("cell-runtime-differs-only", _cell_manifest("attention-RP", lambda d: d.update(
+        runtime={"vllm": {"attention_backend_config": "AttentionBackendEnum.FLASH_ATTN", "engine_start_s": 33.5},
+                 "megatron_rlk_layers": {"attention": 0, "ffn": 112, "logp": 2}})),
+     P, None, None),
     ("cell-name-lookalike", lambda root: shutil.copytree(root / "ffn-PR", root / "ffn-pr"), P,
      "MATRIX_UNKNOWN_ENTRY", "ffn-pr"),
 ]
