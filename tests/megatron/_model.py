@@ -5,7 +5,13 @@ Shared by the tests and the GPU benchmark (``benchmarks/frameworks/megatron_gpu.
 
 from __future__ import annotations
 
+import contextlib
+import json
+import os
+import subprocess
+import sys
 import types
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -292,3 +298,36 @@ def _gather_cp(x, cu, cp, group):
 
     layout = rlk_collectives.ZigzagLayout.build(cu, cp)
     return rlk_collectives.cp_all_gather(x.contiguous(), layout, group)
+
+
+# -- single-process workers (one gloo rank, TP 1) ----------------------------------------------------------
+@contextlib.contextmanager
+def single_rank(port: int):
+    """The CPU recipe, a gloo world of one rank and Megatron's model-parallel state at TP 1, torn down after."""
+    warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not installed.*")
+    warnings.filterwarnings("ignore", message=".*Apex is not installed.*")
+    torch.set_num_threads(1)
+    from rlk_megatron_provider.testing import cpu_recipe
+
+    cpu_recipe()
+    import torch.distributed as dist
+    from megatron.core import parallel_state, tensor_parallel
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
+        tensor_parallel.model_parallel_cuda_manual_seed(0)
+        yield
+    finally:
+        parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()
+
+
+def run_worker(script: str, base_port: int, env: dict[str, str]) -> dict:
+    """Run ``script PORT`` (a file beside this one) in a fresh process with ``env`` added; its last stdout
+    line, parsed as JSON."""
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), script)
+    proc = subprocess.run([sys.executable, path, str(base_port + os.getpid() % 250)], capture_output=True,
+                          text=True, timeout=120, env={**os.environ, **env})
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])

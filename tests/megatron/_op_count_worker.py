@@ -14,7 +14,6 @@ import collections
 import json
 import os
 import sys
-import warnings
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -70,19 +69,7 @@ def step(model, cfg) -> dict:
 
 
 def main() -> None:
-    warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not installed.*")
-    warnings.filterwarnings("ignore", message=".*Apex is not installed.*")
-    torch.set_num_threads(1)
-    from rlk_megatron_provider.testing import cpu_recipe
-
-    cpu_recipe()
-    import torch.distributed as dist
-    from megatron.core import parallel_state, tensor_parallel
-
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{sys.argv[1]}", rank=0, world_size=1)
-    try:
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
-        tensor_parallel.model_parallel_cuda_manual_seed(0)
+    with _model.single_rank(int(sys.argv[1])):
         from rlk_megatron_provider.attention import RlkSelfAttention
 
         cfg = _model.config(False)
@@ -92,10 +79,6 @@ def main() -> None:
         RlkSelfAttention.get_query_key_value_tensors = RlkSelfAttention.__mro__[1].get_query_key_value_tensors
         out["control"] = step(model, cfg)
         print(json.dumps(out))
-    finally:
-        parallel_state.destroy_model_parallel()
-        dist.destroy_process_group()
-
 
 if __name__ == "__main__":
     main()

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-import warnings
 
 import torch
 
@@ -19,24 +18,8 @@ import _model
 
 
 def main() -> None:
-    warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not installed.*")
-    warnings.filterwarnings("ignore", message=".*Apex is not installed.*")
-    torch.set_num_threads(1)
-    from rlk_megatron_provider.testing import cpu_recipe
-
-    cpu_recipe()
-    import torch.distributed as dist
-    from megatron.core import parallel_state, tensor_parallel
-
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{sys.argv[1]}", rank=0, world_size=1)
-    try:
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
-        tensor_parallel.model_parallel_cuda_manual_seed(0)
+    with _model.single_rank(int(sys.argv[1])):
         print(json.dumps(checks()))
-    finally:
-        parallel_state.destroy_model_parallel()
-        dist.destroy_process_group()
-
 
 def checks() -> dict:
     import rlk_megatron_provider

@@ -8,15 +8,14 @@ column copies backward, per layer, from the provider) and Megatron's query copy.
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
 import sys
 
 import pytest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
+import _model  # noqa: E402
 from test_megatron_provider import MEGATRON_WARNINGS, R_ALL  # noqa: E402
 
 pytestmark = [pytest.mark.megatron, *MEGATRON_WARNINGS]
@@ -24,11 +23,7 @@ pytestmark = [pytest.mark.megatron, *MEGATRON_WARNINGS]
 
 @pytest.fixture(scope="module")
 def counts() -> dict:
-    env = {**os.environ, **R_ALL}
-    proc = subprocess.run([sys.executable, os.path.join(HERE, "_op_count_worker.py"), str(29550 + os.getpid() % 250)],
-                          capture_output=True, text=True, timeout=120, env=env)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return _model.run_worker("_op_count_worker.py", 29550, R_ALL)
 
 
 def _by(ops: dict, who: str) -> dict:
