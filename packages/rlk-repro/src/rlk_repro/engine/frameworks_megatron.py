@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from rlk_core.errors import RlkConfigError
-from rlk_repro.engine.trainer import Sample
+from rlk_repro.engine.trainer import Sample, make_optimizer
 
 
 @dataclass
@@ -45,13 +45,7 @@ class MasterOptimizer:
         self.params = dict(model.named_parameters())
         self.master = {n: torch.nn.Parameter(masters[n].detach().to(device=p.device, dtype=torch.float32, copy=True))
                        for n, p in self.params.items()}
-        ordered = [self.master[n] for n in sorted(self.master)]
-        if optimizer == "adamw":
-            self.opt: torch.optim.Optimizer = torch.optim.AdamW(ordered, lr=lr, weight_decay=0.0, foreach=foreach)
-        elif optimizer == "sgd":
-            self.opt = torch.optim.SGD(ordered, lr=lr, foreach=foreach)
-        else:
-            raise RlkConfigError(f"optimizer {optimizer!r} is not one of adamw, sgd")
+        self.opt = make_optimizer([self.master[n] for n in sorted(self.master)], optimizer, lr, foreach)
 
     def zero_grad(self) -> None:
         for p in self.params.values():

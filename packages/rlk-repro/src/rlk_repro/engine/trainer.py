@@ -39,6 +39,17 @@ class TrainResult:
     seconds: float
 
 
+def make_optimizer(params: list[torch.Tensor], optimizer: str, lr: float, foreach: bool = False
+                   ) -> torch.optim.Optimizer:
+    """The fp32-master optimizer of both trainers (this one and the frameworks engine's Megatron one): AdamW
+    without weight decay, or SGD, over ``params`` in the order given (sorted names)."""
+    if optimizer == "adamw":
+        return torch.optim.AdamW(params, lr=lr, weight_decay=0.0, foreach=foreach)
+    if optimizer == "sgd":
+        return torch.optim.SGD(params, lr=lr, foreach=foreach)
+    raise RlkConfigError(f"optimizer {optimizer!r} is not one of adamw, sgd")
+
+
 class Trainer:
     def __init__(self, cfg: Qwen3Config, weights: Weights, ops: Ops, *, device: torch.device, dtype: torch.dtype,
                  temperature: float, optimizer: str = "adamw", lr: float = 1e-3, clip_eps: float = 0.2) -> None:
@@ -48,13 +59,7 @@ class Trainer:
         self.temperature, self.clip_eps = temperature, clip_eps
         self.master = {k: v.detach().to(device=device, dtype=torch.float32).clone().requires_grad_(True)
                        for k, v in weights.items()}
-        params = [self.master[k] for k in sorted(self.master)]
-        if optimizer == "adamw":
-            self.opt: torch.optim.Optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0, foreach=False)
-        elif optimizer == "sgd":
-            self.opt = torch.optim.SGD(params, lr=lr, foreach=False)
-        else:
-            raise RlkConfigError(f"optimizer {optimizer!r} is not one of adamw, sgd")
+        self.opt = make_optimizer([self.master[k] for k in sorted(self.master)], optimizer, lr)
 
     def export_weights(self) -> Weights:
         """The weights the rollout engine receives: the master weights cast to the compute dtype."""
