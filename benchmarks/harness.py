@@ -19,6 +19,7 @@ import os
 import statistics
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -53,6 +54,21 @@ def time_fns(fns: Sequence[Callable[[], Any]], warmup: int = 3, repeats: int = 2
     torch.cuda.synchronize()
     ms = [s.elapsed_time(e) for s, e in zip(starts, ends, strict=True)]
     return {"median_ms": statistics.median(ms), "min_ms": min(ms), "max_ms": max(ms), "repeats": repeats}
+
+
+def best_host_us(fn: Callable[[], Any], calls: int, loops: int, clock: Callable[[], float] = time.perf_counter,
+                 warmup: int | None = None) -> float:
+    """Host microseconds per call of ``fn`` (work the host does itself, no GPU wait): the best of ``loops``
+    loops of ``calls`` back-to-back calls, after ``warmup`` calls (default ``calls // 10``), on ``clock``."""
+    for _ in range(calls // 10 if warmup is None else warmup):
+        fn()
+    best = float("inf")
+    for _ in range(loops):
+        t0 = clock()
+        for _ in range(calls):
+            fn()
+        best = min(best, (clock() - t0) / calls * 1e6)
+    return best
 
 
 def copy_bandwidth(nbytes: int = 2 << 30, repeats: int = 20) -> dict[str, float]:

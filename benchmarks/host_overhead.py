@@ -43,7 +43,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from _common import randn
-from harness import copy_bandwidth, default_out_dir, environment, time_fns, write_results
+from harness import best_host_us, copy_bandwidth, default_out_dir, environment, time_fns, write_results
 
 from rlk_core.backends import REGISTRY
 from rlk_core.ops import attention as attn
@@ -292,15 +292,7 @@ def op_layer_us(calls: int = 20000, loops: int = 5) -> list[tuple[str, float]]:
         out = []
         for op, fn in ops.items():
             assert REGISTRY.candidates(op, "cpu")[0].id == NULL_BACKEND
-            for _ in range(calls // 10):
-                fn()
-            best = float("inf")
-            for _ in range(loops):
-                t0 = time.perf_counter()
-                for _ in range(calls):
-                    fn()
-                best = min(best, (time.perf_counter() - t0) / calls * 1e6)
-            out.append((op, best))
+            out.append((op, best_host_us(fn, calls, loops)))
         return out
     finally:
         for op in ops:

@@ -46,6 +46,7 @@ os.environ.pop("RL_KERNEL_READBACK_DIR", None)
 os.environ.pop("VLLM_TARGET_DEVICE", None)
 
 import torch  # noqa: E402
+from harness import best_host_us  # noqa: E402
 
 NULL_BACKEND, NULL_CONTRACT = "rlk.bench.null", "rlk.bench.null.v1"
 
@@ -171,17 +172,9 @@ def hooks(model: Any, vc: Any, tokens: int) -> dict[str, tuple[Callable[[], Any]
 
 
 def best_us(fn: Callable[[], Any], calls: int, loops: int) -> float:
-    """Best of ``loops`` loops of ``calls`` calls, in microseconds of this thread's CPU time per call (the
-    host time itself, insensitive to other processes sharing the CPU; every call here is host work)."""
-    for _ in range(max(calls // 10, 10)):
-        fn()
-    best = float("inf")
-    for _ in range(loops):
-        t0 = time.thread_time()
-        for _ in range(calls):
-            fn()
-        best = min(best, (time.thread_time() - t0) / calls * 1e6)
-    return best
+    """Microseconds of this thread's CPU time per call, best of ``loops`` loops (the host time itself,
+    insensitive to other processes sharing the CPU; every call here is host work)."""
+    return best_host_us(fn, calls, loops, clock=time.thread_time, warmup=max(calls // 10, 10))
 
 
 def main() -> int:
