@@ -124,10 +124,15 @@ def _decide(key: tuple, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
     return cc.remember(_RECORDS, key, (said, launch))
 
 
+def _signature(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> tuple:
+    """The call signature a decision is kept under: shapes, strides, dtypes, device, pointer alignment."""
+    return (x.shape, x.stride(), x.dtype, x.get_device(), x.data_ptr() & 15, weight.shape, weight.stride(),
+            weight.dtype, weight.data_ptr() & 15,
+            None if bias is None else (bias.shape, bias.stride(), bias.dtype, bias.data_ptr() & 15))
+
+
 def forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    key = (x.shape, x.stride(), x.dtype, x.get_device(), x.data_ptr() & 15, weight.shape, weight.stride(),
-           weight.dtype, weight.data_ptr() & 15,
-           None if bias is None else (bias.shape, bias.stride(), bias.dtype, bias.data_ptr() & 15))
+    key = _signature(x, weight, bias)
     decision = _RECORDS.get(key) or _decide(key, x, weight, bias)
     if decision[1] is not None:
         return cc.run(decision[1], x, weight, bias)
@@ -137,9 +142,7 @@ def forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) ->
 def supports(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> tuple[bool, str]:
     if cc.without_storage(x, weight, bias):
         return cc.NO_STORAGE
-    key = (x.shape, x.stride(), x.dtype, x.get_device(), x.data_ptr() & 15, weight.shape, weight.stride(),
-           weight.dtype, weight.data_ptr() & 15,
-           None if bias is None else (bias.shape, bias.stride(), bias.dtype, bias.data_ptr() & 15))
+    key = _signature(x, weight, bias)
     return (_RECORDS.get(key) or _decide(key, x, weight, bias))[0]
 
 

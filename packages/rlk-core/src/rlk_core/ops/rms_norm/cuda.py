@@ -56,9 +56,14 @@ def _decide(key: tuple, x: torch.Tensor, weight: torch.Tensor) -> tuple:
     return cc.remember(_RECORDS, key, (said, launch))
 
 
+def _signature(x: torch.Tensor, weight: torch.Tensor) -> tuple:
+    """The call signature a decision is kept under: shapes, strides, dtypes, device, pointer alignment."""
+    return (x.shape, x.stride(), x.dtype, x.get_device(), x.data_ptr() & 15, weight.dtype, weight.stride(),
+            weight.data_ptr() & 15)
+
+
 def forward(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    key = (x.shape, x.stride(), x.dtype, x.get_device(), x.data_ptr() & 15, weight.dtype, weight.stride(),
-           weight.data_ptr() & 15)
+    key = _signature(x, weight)
     decision = _RECORDS.get(key) or _decide(key, x, weight)
     if decision[1] is not None:
         y = cc.run(decision[1], x, weight, eps)
@@ -70,8 +75,7 @@ def forward(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 def supports(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[bool, str]:
     if cc.without_storage(x, weight):
         return cc.NO_STORAGE
-    key = (x.shape, x.stride(), x.dtype, x.get_device(), x.data_ptr() & 15, weight.dtype, weight.stride(),
-           weight.data_ptr() & 15)
+    key = _signature(x, weight)
     return (_RECORDS.get(key) or _decide(key, x, weight))[0]
 
 

@@ -56,8 +56,13 @@ def _decide(key: tuple, x: torch.Tensor) -> tuple:
     return cc.remember(_RECORDS, key, (said, launch))
 
 
+def _signature(x: torch.Tensor) -> tuple:
+    """The call signature a decision is kept under: shape, strides, dtype, device, pointer alignment."""
+    return (x.shape, x.stride(), x.dtype, x.get_device(), x.data_ptr() & 15)
+
+
 def forward(x: torch.Tensor) -> torch.Tensor:
-    key = (x.shape, x.stride(), x.dtype, x.get_device(), x.data_ptr() & 15)
+    key = _signature(x)
     decision = _RECORDS.get(key) or _decide(key, x)
     if decision[1] is not None:
         y = cc.run(decision[1], x)
@@ -69,7 +74,7 @@ def forward(x: torch.Tensor) -> torch.Tensor:
 def supports(x: torch.Tensor) -> tuple[bool, str]:
     if cc.without_storage(x):
         return cc.NO_STORAGE
-    key = (x.shape, x.stride(), x.dtype, x.get_device(), x.data_ptr() & 15)
+    key = _signature(x)
     return (_RECORDS.get(key) or _decide(key, x))[0]
 
 
