@@ -44,10 +44,15 @@ NUM_WARPS = 4
 
 
 @triton.jit
+def _halves(x, R: tl.constexpr, W: tl.constexpr):
+    """``[R, W] -> ([R, W/2], [R, W/2])``: elements ``i`` and ``i + W/2``."""
+    return tl.split(tl.permute(tl.reshape(x, (R, 2, W // 2)), (0, 2, 1)))
+
+
+@triton.jit
 def _halve(x, R: tl.constexpr, W: tl.constexpr):
     """``[R, W] -> [R, W/2]``: element ``i`` plus element ``i + W/2`` (one level of the halves tree)."""
-    y = tl.permute(tl.reshape(x, (R, 2, W // 2)), (0, 2, 1))
-    a, b = tl.split(y)
+    a, b = _halves(x, R, W)
     return a + b
 
 
@@ -109,8 +114,8 @@ def _merge(m1, s1, m2, s2):
 @triton.jit
 def _merge_halves(m, s, R: tl.constexpr, W: tl.constexpr):
     """``[R, W] -> [R, W/2]``: slot ``i`` merged with slot ``i + W/2`` (one level of the halves tree)."""
-    m_lo, m_hi = tl.split(tl.permute(tl.reshape(m, (R, 2, W // 2)), (0, 2, 1)))
-    s_lo, s_hi = tl.split(tl.permute(tl.reshape(s, (R, 2, W // 2)), (0, 2, 1)))
+    m_lo, m_hi = _halves(m, R, W)
+    s_lo, s_hi = _halves(s, R, W)
     return _merge(m_lo, s_lo, m_hi, s_hi)
 
 
