@@ -247,10 +247,7 @@ class BackendRegistry:
         first = self._first.get((op, device_type))
         if first is not None:
             backend, selection = first
-            try:
-                said = backend.supports(*args)
-            except Exception:  # _select asks again and says what it could not decide
-                return self._select(op, device_type, args, strict, None)
+            said = _supports(backend, args)
             if said[0] and (backend.builtin or self._qualified.get(
                     (backend.op, backend.id, device_type), (False,))[0]):
                 return selection
