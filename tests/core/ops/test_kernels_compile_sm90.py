@@ -255,3 +255,76 @@ def test_ptxas_check_catches_spills_and_serialised_wgmma():
                      num_warps=c["num_warps"], num_stages=c["num_stages"])
     with pytest.raises(AssertionError, match="serialises its wgmma"):
         compile_gemm_tma((128, 256, 64, 8, 8, 2, 64))
+
+
+# -- the linear backward's stored-layout GEMMs (ops/linear/triton.py: _linear_bwd_tma_kernel, _linear_bwd_kernel) --
+def compile_gemm_stored(tile, a_km, b_kn, y):
+    """The persistent stored-layout TMA GEMM for one tile: ``a_km`` the left operand stored [K, M] (dW), ``b_kn``
+    the right one stored [K, N] (dx, dW), ``y`` the output's store ("tma", or pointer stores of "bf16"/"fp32");
+    the compiled kernel."""
+    from rlk_core.ops.linear import tiles as rule
+    from rlk_core.ops.linear import triton as lt
+
+    c = rule.stored_tile_config(tile, tma=True)
+    bm, bn, bk = c["BLOCK_M"], c["BLOCK_N"], c["BLOCK_K"]
+    boxes = {"a_desc": (bk, bm) if a_km else (bm, bk), "b_desc": (bk, bn) if b_kn else (bn, bk)}
+    const = dict(A_KM=a_km, B_KN=b_kn, Y_TMA=y == "tma", NUM_PROGRAMS=132, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+                 GROUP_M=c["GROUP_M"])
+    if y == "tma":
+        boxes["y_desc"] = (bm, bn)
+    else:
+        const["y_desc"] = None
+    return compile_sm90(lt._linear_bwd_tma_kernel, const, {"y_ptr": "*" + ("bf16" if y == "tma" else y)}, boxes,
+                        num_warps=c["num_warps"], num_stages=c["num_stages"], full=True, ones=("stride_yn",))
+
+
+def _stored_tma_variants():
+    """(tile, a_km, b_kn, y) of every TMA variant :func:`stored_config` and the launcher can give: dx's layout
+    (W stored [K, N]), dW's (both operands stored [K, N]) and a transposed x alone; the output stored by TMA or,
+    where it is not TMA-compatible, by pointers; fp32 outputs (linear_2d_into) only with their own tile."""
+    from rlk_core.ops.linear import tiles as rule
+
+    layouts = ((False, True), (True, True), (True, False))
+    return [(tile, a_km, b_kn, y) for tile, ys in [*((e[0], ("tma", "bf16")) for e in rule._STORED_TMA),
+                                                   (rule._STORED_F32_OUT, ("fp32",))]
+            for a_km, b_kn in layouts for y in ys]
+
+
+@pytest.mark.parametrize("tile,a_km,b_kn,y", _stored_tma_variants())
+def test_linear_backward_tma_kernel_compiles(tile, a_km, b_kn, y):
+    """Every stored-layout TMA variant compiles to wgmma (an operand stored [K, M] or [K, N] is read M- or
+    N-major from shared memory, no transposed copy), without spills, within shared memory."""
+    compiled = compile_gemm_stored(tile, a_km, b_kn, y)
+    assert "wgmma" in compiled.asm["ptx"]
+    assert compiled.metadata.shared <= SMEM_LIMIT, compiled.metadata.shared
+
+
+def test_linear_backward_fp32_output_needs_its_smaller_tile_negative_control():
+    """The shared-memory check above can fail: the 128x256 tile with its fp32 output stored by pointers needs
+    more than an SM has (why fp32 outputs get a tile of their own)."""
+    compiled = compile_gemm_stored((128, 256, 64, 8, 8, 3), False, True, "fp32")
+    assert compiled.metadata.shared > SMEM_LIMIT, compiled.metadata.shared
+
+
+@pytest.mark.parametrize("dtype,role", [("bf16", "dx"), ("bf16", "dw"), ("bf16", "db"), ("fp32", "dw"),
+                                        ("fp32", "db")])
+def test_linear_backward_pointer_kernel_compiles(dtype, role):
+    """The pointer-load variant (what TMA cannot take: fp32, db's broadcast ones, misaligned operands) with the
+    unit strides a launch gets: dx reads dy [T, N] and W [N, K] along their rows, dW and db read dy^T as
+    stored [T, N] (unit stride along M), db's ones broadcast (stride 0 along K). M and K (the token count)
+    stay unspecialised."""
+    import torch
+
+    from rlk_core.ops.linear import tiles as rule
+    from rlk_core.ops.linear import triton as lt
+
+    tdt = {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
+    tile = (rule._STORED_NARROW if role == "db" else rule._STORED_PTR)[tdt]
+    c = rule.stored_tile_config(tile, tdt, False)
+    ones = {"dx": ("stride_ak", "stride_bn", "stride_yn"), "dw": ("stride_am", "stride_bn", "stride_yn"),
+            "db": ("stride_am", "stride_bn", "stride_yn")}[role]
+    ptx = compile_sm90(lt._linear_bwd_kernel, dict(IEEE=c["IEEE"], BLOCK_M=c["BLOCK_M"], BLOCK_N=c["BLOCK_N"],
+                                                   BLOCK_K=c["BLOCK_K"], GROUP_M=c["GROUP_M"]),
+                       {n: "*" + dtype for n in ("a_ptr", "b_ptr", "y_ptr")}, num_warps=c["num_warps"],
+                       num_stages=c["num_stages"], ones=ones)
+    assert ("wgmma" in ptx) == (dtype == "bf16")  # fp32: ieee dots (no tensor cores)

@@ -7,7 +7,6 @@ import torch
 from rlk_core.backends import REGISTRY, Backend
 from rlk_core.ops import _checks as C
 from rlk_core.ops._dispatch import call, custom_op, register_autograd, run
-from rlk_core.ops._layout import transpose_padded
 from rlk_core.ops.linear.reference import linear_reference
 
 
@@ -56,24 +55,29 @@ def _setup_context(ctx, inputs, output) -> None:
     ctx.has_bias = bias is not None
 
 
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """``t`` with unit stride along its rows — what the backward's views need to be read as stored (a copy
+    only for an unusual layout: autograd's gradients, saved inputs and parameters already have it)."""
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
 def _backward(ctx, grad):
-    # Deterministic (not batch-invariant) backward built from the same contract:
-    # dx = dy W, dW = dy^T x, db = sum_m dy — each reduction in the fixed tree order.
-    # dW and db reduce over the tokens: their operands are transposed with the token count padded (zeros)
-    # to a multiple of 64, so that the GEMM's specialisation does not change with the batch (_layout).
+    # Deterministic (not batch-invariant) backward: dx = dy W, dW = dy^T x, db = dy^T 1, each one GEMM through
+    # the op with the operands as views of their storage — W as the [K, N] operand (W.t()), dy and x transposed
+    # (the reduction over the tokens), db against a broadcast column of ones: no operand copy, no padding. On
+    # rlk.triton such views run the stored-layout kernels (triton.stored_layout), whose compiled variants do not
+    # depend on the token count; rlk.cuda declines them (not its layout), rlk.reference reduces each in its tree.
     x, weight = ctx.saved_tensors
-    g2 = grad.reshape(-1, grad.shape[-1]).to(x.dtype)
-    x2 = x.reshape(-1, x.shape[-1])
+    g2 = _rows(grad.reshape(-1, grad.shape[-1]).to(x.dtype))
     dx = dw = db = None
     if ctx.needs_input_grad[0]:
-        dx = call("linear", g2, weight.t().contiguous(), None).reshape(x.shape)
-    need_db = ctx.has_bias and ctx.needs_input_grad[2]
-    g_t = transpose_padded(g2) if ctx.needs_input_grad[1] or need_db else None
+        dx = call("linear", g2, _rows(weight).t(), None).reshape(x.shape)
     if ctx.needs_input_grad[1]:
-        dw = call("linear", g_t, transpose_padded(x2), None).to(weight.dtype)
-    if need_db:
-        ones = g2.new_ones((1, g_t.shape[1]))
-        db = call("linear", ones, g_t, None).reshape(-1).to(weight.dtype)
+        x2 = _rows(x.reshape(-1, x.shape[-1]))
+        dw = call("linear", g2.t(), x2.t(), None).to(weight.dtype)
+    if ctx.has_bias and ctx.needs_input_grad[2]:
+        ones = g2.new_ones((1, 1)).expand(1, g2.shape[0])  # stride 0: no allocation of the token count
+        db = call("linear", g2.t(), ones, None).reshape(-1).to(weight.dtype)
     return dx, dw, db
 
 

@@ -184,3 +184,68 @@ def rem_rows(m: int, block_m: int) -> int:
     if block_m != 64 or r == 0 or r >= 32:
         return 0
     return 16 if r <= 16 else 32
+
+
+# -- the stored-layout GEMMs (the backward) -----------------------------------------------------------------------
+# Tiles of the kernels that read an operand given as a transposed view in its stored layout
+# (ops/linear/triton.py: _linear_bwd_tma_kernel, _linear_bwd_kernel) — the backward's dx = dy W (W read as the
+# [K, N] operand), dW = dy^T x and db = dy^T 1 (both reduced over the tokens). The token count is the rows of dx
+# and the reduction of dW and db; it changes every step, so :func:`stored_config` never reads it (compiled variants
+# must not multiply with it): its inputs are the dtype, the output's columns, its rows where they are not the
+# token count (an operand stored [K, M]: dW's and db's rows are the weight's), whether TMA applies, the SM count.
+#
+# UNSWEPT: no backward sweep exists; the choices are reasoned from the forward's (docs/ops/gpu-kernels.md,
+# benchmarks/NOTES.md). Candidates are the forward's M > 128 TMA tiles with their full-wave rates relative to cuBLAS
+# (the rates without the weight re-read discount: both operands of dW stream over the tokens, and dx's weight is
+# read as in the forward). A fixed reduction of 4096 tokens is as long as the K >= 2048 the rates were measured at.
+# - token rows (dx): many waves at training sizes, so the tile with the least padded columns per unit of rate,
+#   cdiv(N, BLOCK_N) * BLOCK_N / rate: 128x256 for N >= 256 multiples, 128x128 or 128x64 for narrow outputs;
+# - weight rows (dW): the least estimated time, whole waves x tile area / rate (as the forward's M > 128 rule).
+# A TMA box with its K extent along the stored rows holds the same bytes as the forward's, so the forward's
+# stage counts fit shared memory (tests/core/ops/test_kernels_compile_sm90.py). Outputs of N <= 16 columns (db)
+# and everything TMA cannot take run the pointer kernel (every load masked: the token count is not specialised).
+_STORED_TMA = (((128, 256, 64, 8, 8, 3), 0.98), ((128, 128, 64, 8, 8, 4), 0.89), ((128, 64, 128, 8, 8, 4), 0.80))
+_STORED_F32_OUT = (128, 128, 64, 8, 8, 3)  # TMA loads, an fp32 output stored by pointers (linear_2d_into)
+_STORED_PTR = {torch.bfloat16: _LARGE_PTR, torch.float16: _LARGE_PTR, torch.float32: _FP32}
+_STORED_NARROW = {torch.bfloat16: (64, 16, 128, 8, 4, 3), torch.float16: (64, 16, 128, 8, 4, 3),
+                  torch.float32: (64, 16, 32, 8, 4, 3)}  # N <= 16 (db: one column)
+NARROW_N = 16
+
+
+def stored_tiles(dtype: torch.dtype = torch.bfloat16) -> list[tuple[int, ...]]:
+    """Every tile :func:`stored_config` can pick for ``dtype`` (TMA or not, any shape), sorted."""
+    tma = [] if dtype == torch.float32 else [*(e[0] for e in _STORED_TMA), _STORED_F32_OUT]
+    return sorted({*tma, _STORED_PTR[dtype], _STORED_NARROW[dtype]})
+
+
+def _stored_time(m: int | None, n: int, sms: int, entry) -> float:
+    tile, rate = entry
+    if m is None:  # the rows are the token count: per row block, the padded columns over the rate
+        return _cdiv(n, tile[1]) * tile[1] / rate
+    return _cdiv(_tiles(m, n, tile), sms) * tile[0] * tile[1] / (128 * 256) / rate
+
+
+@functools.lru_cache(maxsize=1024)
+def stored_config(dtype: torch.dtype, m: int | None, n: int, tma: bool = False, sms: int = 132,
+                  f32_out: bool = False) -> dict[str, Any]:
+    """The launch configuration of the stored-layout kernels: ``m`` the output's rows where they are not the
+    token count (an operand stored ``[K, M]``: dW, db), None where they are (dx: never read); ``n`` its columns;
+    ``tma`` whether the TMA kernel applies (bf16/fp16, both operands TMA-compatible as stored); ``f32_out`` an
+    fp32 output (stored by pointers, a smaller tile). A speed choice only, of no input the token count changes."""
+    tma = tma and dtype != torch.float32 and n > NARROW_N
+    if not tma:
+        tile = (_STORED_NARROW if n <= NARROW_N else _STORED_PTR)[dtype]
+    elif f32_out:
+        tile = _STORED_F32_OUT
+    else:
+        tile = min(_STORED_TMA, key=lambda e: _stored_time(m, n, sms, e))[0]
+    return stored_tile_config(tile, dtype, tma)
+
+
+def stored_tile_config(tile: tuple[int, ...], dtype: torch.dtype = torch.bfloat16, tma: bool = False
+                       ) -> dict[str, int | bool]:
+    """Launch arguments of one tile ``(BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages)`` for the
+    stored-layout kernels (no ``EVEN_K``: every K loop is masked; ``tma`` selects the persistent TMA kernel)."""
+    bm, bn, bk, gm, warps, stages = tile
+    return {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": gm, "num_warps": warps, "num_stages": stages,
+            "IEEE": dtype == torch.float32, "TMA": tma}

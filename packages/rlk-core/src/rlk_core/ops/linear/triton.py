@@ -33,9 +33,10 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from rlk_core.ops._triton_common import has_tma
-from rlk_core.ops.linear.tiles import DTYPES, config, rem_rows, tile_config
+from rlk_core.ops.linear.tiles import DTYPES, config, rem_rows, stored_config, stored_tile_config, tile_config
 
-__all__ = ["DTYPES", "config", "forward", "linear_2d", "linear_2d_into", "rem_rows", "supports", "tile_config"]
+__all__ = ["DTYPES", "config", "forward", "linear_2d", "linear_2d_into", "rem_rows", "stored_config", "stored_layout",
+           "stored_tile_config", "supports", "tile_config"]
 
 
 @functools.cache
@@ -180,6 +181,94 @@ def _linear_fwd_kernel(
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & (cols[None, :] < N))
 
 
+@triton.jit
+def _stored_a(a_desc, off_m, k, A_KM: tl.constexpr):
+    """The ``[ROWS, BLOCK_K]`` block of the left operand: stored ``[M, K]``, or ``[K, M]`` (``A_KM``) and
+    transposed in shared memory (the MMA reads it M-major; no copy in memory)."""
+    if A_KM:  # a static branch (one return: Triton types a return after a constexpr `if` too)
+        a = a_desc.load([k, off_m]).T
+    else:
+        a = a_desc.load([off_m, k])
+    return a
+
+
+@triton.jit
+def _stored_b(b_desc, off_n, k, B_KN: tl.constexpr):
+    """The ``[BLOCK_K, BLOCK_N]`` block of the right operand: stored ``[K, N]`` (``B_KN``), or ``[N, K]``."""
+    if B_KN:
+        b = b_desc.load([k, off_n])
+    else:
+        b = b_desc.load([off_n, k]).T
+    return b
+
+
+@triton.jit
+def _store_tile(y_ptr, acc, rows, cols, M, N, stride_ym, stride_yn):
+    """Round ``acc`` once to ``y``'s dtype and store the rows < M, columns < N."""
+    ptrs = y_ptr + rows[:, None].to(tl.int64) * stride_ym + cols[None, :].to(tl.int64) * stride_yn
+    tl.store(ptrs, acc.to(y_ptr.dtype.element_ty), mask=(rows[:, None] < M) & (cols[None, :] < N))
+
+
+@triton.jit(do_not_specialize=["M", "K"])
+def _linear_bwd_tma_kernel(
+    a_desc, b_desc, y_desc, y_ptr, M, N, K, stride_ym, stride_yn,
+    A_KM: tl.constexpr, B_KN: tl.constexpr, Y_TMA: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    """``y[M, N] = a @ b`` with each operand read by TMA in its stored layout (``A_KM``: a stored ``[K, M]``;
+    ``B_KN``: b stored ``[K, N]``), zero-filled past M, N and K — the backward's dx (``B_KN``) and dW (both),
+    with no transposed copy and no padding. Persistent over the tiles like ``_linear_tma_kernel``
+    (``NUM_PROGRAMS`` is the SM count, never the tile count: the launch's grid is ``min(tiles, SMs)``); each
+    tile's K loop is one fp32 accumulator carried through the MMA k-steps in increasing k, one rounding.
+    ``M`` and ``K`` are not specialised: either can be the token count. ``Y_TMA``: the store by a TMA
+    descriptor (output in the input dtype), otherwise by masked pointer stores (an fp32 output)."""
+    num_tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    for tile in tl.range(tl.program_id(0), num_tiles, NUM_PROGRAMS, flatten=True):
+        pid_m, pid_n = _tile_coords(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+        off_m = pid_m * BLOCK_M
+        off_n = pid_n * BLOCK_N
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for kb in range(k_tiles):
+            k = kb * BLOCK_K
+            acc = tl.dot(_stored_a(a_desc, off_m, k, A_KM), _stored_b(b_desc, off_n, k, B_KN), acc)
+        if Y_TMA:
+            y_desc.store([off_m, off_n], acc.to(y_desc.dtype))
+        else:
+            _store_tile(y_ptr, acc, off_m + tl.arange(0, BLOCK_M), off_n + tl.arange(0, BLOCK_N), M, N,
+                        stride_ym, stride_yn)
+
+
+@triton.jit(do_not_specialize=["M", "K"])
+def _linear_bwd_kernel(
+    a_ptr, b_ptr, y_ptr, M, N, K, stride_am, stride_ak, stride_bk, stride_bn, stride_ym, stride_yn,
+    IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):
+    """``y[M, N] = a @ b`` by pointer loads at any strides (``a[m, k]`` at ``m * stride_am + k * stride_ak``,
+    ``b[k, n]`` at ``k * stride_bk + n * stride_bn``; a zero stride broadcasts, as db's column of ones does):
+    what the TMA kernel cannot take (fp32, misaligned or broadcast operands, no TMA). One program per tile;
+    every load masked (no ``EVEN_K``), ``M`` and ``K`` not specialised — either can be the token count; the
+    same fixed K loop (one fp32 accumulator, increasing k) and one rounding."""
+    pid_m, pid_n = _tile_coords(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + rows[:, None].to(tl.int64) * stride_am + offs_k[None, :] * stride_ak
+    b_ptrs = b_ptr + cols[None, :].to(tl.int64) * stride_bn + offs_k[:, None] * stride_bk
+    row_ok = rows[:, None] < M
+    col_ok = cols[None, :] < N
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for kb in range(0, tl.cdiv(K, BLOCK_K)):
+        k_left = K - kb * BLOCK_K
+        a = tl.load(a_ptrs, mask=row_ok & (offs_k[None, :] < k_left), other=0.0)
+        b = tl.load(b_ptrs, mask=(offs_k[:, None] < k_left) & col_ok, other=0.0)
+        acc = _dot(a, b, acc, IEEE)
+        a_ptrs += BLOCK_K * stride_ak
+        b_ptrs += BLOCK_K * stride_bk
+    _store_tile(y_ptr, acc, rows, cols, M, N, stride_ym, stride_yn)
+
+
 def _config_for(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> dict[str, int | bool]:
     dev = x.device.index or 0
     # TMA only for an output in the input dtype: an fp32 output tile would not fit shared memory
@@ -228,10 +317,71 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ou
     )
 
 
+def _transposed(t: torch.Tensor) -> bool:
+    """A 2-D operand given as a transposed view: unit stride along its rows (its storage holds ``t.t()``)."""
+    return t.stride(0) == 1 and t.stride(1) != 1
+
+
+def stored_layout(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Whether a call runs the stored-layout kernels: ``x`` or ``weight`` a transposed view, no bias — the
+    backward's dx (``weight.t()``), dW and db (``dy.t()``). Everything else runs the forward's kernels."""
+    return bias is None and (_transposed(x) or _transposed(weight))
+
+
+def _stored_config_for(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> dict[str, int | bool]:
+    dev = x.device.index or 0
+    a_km = _transposed(x)
+    a, b = (x.t() if a_km else x), (weight.t() if _transposed(weight) else weight)
+    tma = x.is_cuda and has_tma(dev) and _tma_compatible(a, b)
+    # the output's rows are read only where they are not the token count (x stored [K, M]: dW, db)
+    return stored_config(x.dtype, x.shape[0] if a_km else None, weight.shape[0], tma,
+                         _num_sms(dev) if x.is_cuda else 132, out.dtype != x.dtype)
+
+
+def _launch_stored(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, cfg: dict[str, int | bool]) -> None:
+    """``out = x @ weight^T`` by the stored-layout kernels, each operand read as its storage holds it."""
+    m, k = x.shape
+    n = weight.shape[0]
+    bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
+    tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
+    common = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg["GROUP_M"], num_warps=cfg["num_warps"],
+                  num_stages=cfg["num_stages"])
+    if cfg["TMA"]:
+        a_km, b_kn = _transposed(x), _transposed(weight)
+        a, b = (x.t() if a_km else x), (weight.t() if b_kn else weight)
+        y_tma = out.dtype == x.dtype and _tma_compatible(out)
+        # NUM_PROGRAMS, a constexpr, is the SM count whatever the tile count (on the interpreter 3, so that
+        # programs walk several tiles); a grid of fewer programs leaves each one tile
+        programs = _num_sms(x.device.index or 0) if x.is_cuda else 3
+        _linear_bwd_tma_kernel[(min(tiles, programs),)](
+            TensorDescriptor.from_tensor(a, [bk, bm] if a_km else [bm, bk]),
+            TensorDescriptor.from_tensor(b, [bk, bn] if b_kn else [bn, bk]),
+            TensorDescriptor.from_tensor(out, [bm, bn]) if y_tma else None, out,
+            m, n, k, out.stride(0), out.stride(1),
+            A_KM=a_km, B_KN=b_kn, Y_TMA=y_tma, NUM_PROGRAMS=programs, **common,
+        )
+        return
+    _linear_bwd_kernel[(tiles,)](
+        x, weight, out, m, n, k, x.stride(0), x.stride(1), weight.stride(1), weight.stride(0),
+        out.stride(0), out.stride(1), IEEE=cfg["IEEE"], **common,
+    )
+
+
+def _gemm_into(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
+               cfg: dict[str, int | bool] | None) -> torch.Tensor:
+    """``out = x @ weight^T (+ bias)`` for ``K > 0`` by the kernel family the operands' layout selects."""
+    if stored_layout(x, weight, bias):
+        _launch_stored(x, weight, out, cfg or _stored_config_for(x, weight, out))
+    else:
+        _launch(x, weight, bias, out, cfg or _config_for(x, weight, out))
+    return out
+
+
 def linear_2d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
               cfg: dict[str, int | bool] | None = None) -> torch.Tensor:
     """``x [M, K] @ weight[N, K]^T (+ bias)`` with the contract configuration (``cfg`` is for
-    exploratory benchmarks only; anything but :func:`config` is outside the contract)."""
+    exploratory benchmarks only; anything but :func:`config` / :func:`stored_config` is outside the
+    contract). Operands given as transposed views (:func:`stored_layout`) are read as stored."""
     m, k = x.shape
     n = weight.shape[0]
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
@@ -239,8 +389,7 @@ def linear_2d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
         return y
     if k == 0:
         return y.copy_(bias.float().expand(m, n) if bias is not None else torch.zeros_like(y))
-    _launch(x, weight, bias, y, cfg or _config_for(x, weight, y))
-    return y
+    return _gemm_into(x, weight, bias, y, cfg)
 
 
 def forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -257,8 +406,8 @@ def supports(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -
 
 def linear_2d_into(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """Internal: ``out[M, N] = x[M, K] @ weight[N, K]^T`` with the contract configuration of
-    ``x.dtype``, any strides on all three (transposed views need no copy), rounded once to
-    ``out.dtype`` (an fp32 ``out`` keeps the fp32 accumulator). The same kernel and arithmetic as
+    ``x.dtype``, any strides on all three (transposed views need no copy: :func:`stored_layout`), rounded
+    once to ``out.dtype`` (an fp32 ``out`` keeps the fp32 accumulator). The same kernels and arithmetic as
     :func:`linear_2d`; used by the log-prob backward GEMMs."""
     m, k = x.shape
     n = weight.shape[0]
@@ -267,5 +416,4 @@ def linear_2d_into(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> 
         return out
     if k == 0:
         return out.zero_()
-    _launch(x, weight, None, out, _config_for(x, weight, out))
-    return out
+    return _gemm_into(x, weight, None, out, None)
