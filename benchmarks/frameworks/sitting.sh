@@ -6,6 +6,11 @@
 #   call N, carry [".xfer/callN"]:        bash benchmarks/frameworks/sitting.sh recv-last N STAGE[:SECONDS] ...
 #   later calls (warm machine):           bash benchmarks/frameworks/sitting.sh run STAGE[:SECONDS] ...
 #
+# Light sitting (no vLLM: megatron-core 0.19.2 + a `git archive` of HEAD in ONE call; stages cuda, megatron,
+# hybrid, local):
+#   bash benchmarks/frameworks/sitting.sh prepare-lite       # CPU machine
+#   carry [".xfer/lite"]:  bash benchmarks/frameworks/sitting.sh recv-lite STAGE[:SECONDS] ...
+#
 # What moves: vLLM's stripped site (shared/tools/frameworks-on-h200/make-site.sh), megatron-core 0.19.2 and a
 # `git archive` of HEAD (so rlk_repro/REVISION names the exact commit in every manifest), as one bundle cut to fit
 # each call under the device's 64 MiB with the tracked tree. Files survive on the GPU machine only while it is warm
@@ -16,13 +21,14 @@
 # Stages: vllm (vllm_gpu.py, every stage), vllm-capture (R/R and P/P with --capture-max 4096), loop (loop_gpu.py,
 # R/R 10 rounds + P/P), matrix-a / matrix-b (loop_gpu.py --matrix, 4 cells each, 2 rounds), hybrid
 # (megatron_gpu.py --hybrid), megatron (megatron_gpu.py), cuda (build rlk_core._C + cubins, the rlk.cuda and
-# log-prob GPU tests, host_overhead.py).
+# log-prob GPU tests — or the files in $GPU_TESTS —, host_overhead.py), local (bench_local_engine.py: the local
+# engine R/R and P/P, 8 rounds, per-round throughput).
 set -u
 HERE=$(cd "$(dirname "$0")" && pwd)
 ROOT=$(cd "$HERE/../.." && pwd)
 SHIP=/tmp/ship
 declare -A CAP=([vllm]=420 [vllm-capture]=300 [loop]=420 [matrix-a]=400 [matrix-b]=400 [hybrid]=180
-                [megatron]=240 [cuda]=330)
+                [megatron]=240 [cuda]=330 [local]=420)
 
 prepare() {
     cd "$ROOT" || exit 2
@@ -36,11 +42,7 @@ prepare() {
     rm -rf "$b" "$b".part_* .xfer/call* && mkdir -p "$b" || exit 4
     cat .xfer/src/vllm_site.tar.xz.part_* > "$b/vllm_site.tar.xz" && cp .xfer/src/*.sha256 .xfer/src/megatron_core-0.19.2-*.whl "$b/"
     (cd "$b" && sha256sum -c vllm_site.tar.xz.sha256 >/dev/null) || exit 4
-    local paths
-    paths=$(git ls-files benchmarks | grep -v '^benchmarks/results/')
-    # shellcheck disable=SC2086
-    git archive --format=tar --prefix=.gpu-src/ HEAD packages tests/gpu tests/conftest.py pyproject.toml $paths \
-        | xz -6 > "$b/ship.tar.xz" || exit 4
+    ship_archive "$b/ship.tar.xz" || exit 4
     local tree shared cap n=0
     tree=$(git ls-files -z | xargs -0 du -cb 2>/dev/null | tail -1 | cut -f1)
     shared=$(du -sbL ../shared 2>/dev/null | cut -f1)
@@ -53,6 +55,33 @@ prepare() {
     echo "$n calls (each <= $(( cap / 1048576 )) MiB + the $(( tree / 1048576 )) MiB tree), code $(git rev-parse --short HEAD):"
     for k in $(seq 1 $((n - 1))); do echo "  carry [\".xfer/call$k\"]: bash benchmarks/frameworks/sitting.sh recv $k"; done
     echo "  carry [\".xfer/call$n\"]: bash benchmarks/frameworks/sitting.sh recv-last $n STAGE[:SECONDS] ..."
+}
+
+ship_archive() {  # ship_archive OUT.tar.xz: the code of HEAD as stages run it (REVISION filled by export-subst)
+    local paths
+    paths=$(git ls-files benchmarks | grep -v '^benchmarks/results/')
+    # shellcheck disable=SC2086
+    git archive --format=tar --prefix=.gpu-src/ HEAD packages tests/gpu tests/conftest.py pyproject.toml $paths \
+        | xz -6 > "$1"
+}
+
+prepare_lite() {
+    cd "$ROOT" || exit 2
+    grep -qxF /.xfer/ .git/info/exclude || echo /.xfer/ >> .git/info/exclude
+    local whl
+    whl=$(ls .xfer/src/megatron_core-0.19.2-*.whl .xfer/2/megatron_core-0.19.2-*.whl 2>/dev/null | head -1)
+    [ -n "$whl" ] || { echo "no megatron-core 0.19.2 wheel: run prepare (or make-site.sh) first"; exit 3; }
+    rm -rf .xfer/lite && mkdir -p .xfer/lite && cp "$whl" .xfer/lite/ || exit 4
+    ship_archive .xfer/lite/ship.tar.xz || exit 4
+    echo "1 call, code $(git rev-parse --short HEAD), $(du -sh .xfer/lite | cut -f1):"
+    echo "  carry [\".xfer/lite\"]: bash benchmarks/frameworks/sitting.sh recv-lite STAGE[:SECONDS] ..."
+}
+
+recv_lite() {
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/mcore .xfer/lite/megatron_core-0.19.2-*.whl \
+        || exit 5
+    mkdir -p "$SHIP" && tar -xJf .xfer/lite/ship.tar.xz -C "$SHIP" || exit 6
+    echo "megatron-core and code ($(cat "$SHIP/.gpu-src/packages/rlk-repro/src/rlk_repro/REVISION")) in place"
 }
 
 recv() { mkdir -p /tmp/xfer && cp ".xfer/call$1/"* /tmp/xfer/ && echo "part $1 received"; }
@@ -91,10 +120,15 @@ stage() {  # stage NAME SECONDS
         cuda)
             (cd "$G/packages/rlk-core" && RLK_BUILD_EXT=1 RLK_BUILD_JOBS=16 timeout 200 $py setup.py build_ext --inplace \
                 > "$out/build.log" 2>&1)
-            (cd "$G" && RLK_REQUIRE_GPU=1 timeout $((cap - 150)) $py -m pytest -q -p no:cacheprovider \
-                tests/gpu/test_cuda_backend_gpu.py tests/gpu/test_logprobs_gpu.py > "$out/gpu-tests.log" 2>&1)
+            # shellcheck disable=SC2086
+            (cd "$G" && RLK_REQUIRE_GPU=1 timeout $((cap - 150)) $py -m pytest -q -p no:cacheprovider --durations=10 \
+                ${GPU_TESTS:-tests/gpu/test_cuda_backend_gpu.py tests/gpu/test_logprobs_gpu.py} > "$out/gpu-tests.log" 2>&1)
+            tail -25 "$out/gpu-tests.log"
             (cd "$G/benchmarks" && RLK_BENCH_OUT="$out" timeout 100 $py host_overhead.py --sections rowwise,linear_eager \
                 > "$out/host.log" 2>&1) ;;
+        local) (cd "$G/benchmarks" && RLK_BENCH_OUT="$out" timeout "$cap" $py bench_local_engine.py --device cuda \
+                   --model qwen3-0.6b --rounds 8 --prompts 32 --samples 8 --max-new-tokens 60 --max-num-seqs 256 \
+                   --chunk-size 16 --page-size 16 > "$out/local.log" 2>&1) ;;
         *) echo "unknown stage $name"; return 2 ;;
     esac
     echo "rc $? after $(date +%T)"
@@ -115,6 +149,8 @@ case $cmd in
     prepare) prepare ;;
     recv) recv "$1" ;;
     recv-last) k=$1; shift; recv_last "$k" && run "$@" ;;
+    prepare-lite) prepare_lite ;;
+    recv-lite) recv_lite && run "$@" ;;
     run) run "$@" ;;
-    *) sed -n 2,20p "$0"; exit 2 ;;
+    *) sed -n "2,/^set -u/p" "$0" | sed "$d"; exit 2 ;;
 esac
