@@ -152,5 +152,5 @@ case $cmd in
     prepare-lite) prepare_lite ;;
     recv-lite) recv_lite && run "$@" ;;
     run) run "$@" ;;
-    *) sed -n "2,/^set -u/p" "$0" | sed "$d"; exit 2 ;;
+    *) sed -n '2,/^set -u/p' "$0" | grep -v '^set -u'; exit 2 ;;
 esac
