@@ -6,15 +6,15 @@ One training step (forward + backward of the GRPO loss, no optimizer) of a ``GPT
 ``benchmarks/frameworks/megatron_gpu.py`` builds it (rlk layer spec, every module R, strict; or the stock
 local spec), on the CPU (fp32, gloo, a world of 1). Two measurements, each on its own step:
 
-1. **ops**: a ``TorchDispatchMode`` sees every top-level op the step issues — an rlk op (``rlk::linear``,
-   ``rlk::rms_norm`` ...) counts as one, its own inner kernels are not seen — and charges each to the
-   innermost Python frame outside torch that issued it: ``provider`` (rlk_megatron_provider), ``rlk_core``
-   (an rlk op's Python around its kernel, e.g. the linear backward's transposes), ``rlk_ref`` (the
-   insides of a CPU reference kernel, e.g. a backward written in torch ops: one Triton / CUDA kernel on
-   the GPU instead), ``collectives``, ``megatron``, ``harness`` (this script's loss) or ``autograd``
-   (C++ backward formulas of torch ops, gradient accumulation). Each is split into kernels (ops that
-   launch work), allocations and views. The same torch ops run on the GPU outside ``rlk_ref``, so those
-   counts are the GPU's launches around the rlk kernels.
+1. **ops**: ``rlk_megatron_provider.opcount.OpCounter`` (a ``TorchDispatchMode``) sees every top-level op
+   the step issues — an rlk op (``rlk::linear``, ``rlk::rms_norm`` ...) counts as one, its own inner kernels
+   are not seen — and charges each to the innermost Python frame outside torch that issued it: ``provider``
+   (rlk_megatron_provider), ``rlk_core`` (an rlk op's Python around its kernel, e.g. the linear backward's
+   transposes), ``rlk_ref`` (the insides of a CPU reference kernel, e.g. a backward written in torch ops: one
+   Triton / CUDA kernel on the GPU instead), ``collectives``, ``megatron``, ``harness`` (this script's loss)
+   or ``autograd`` (C++ backward formulas of torch ops, gradient accumulation). Each is split into kernels
+   (ops that launch work), allocations and views. The same torch ops run on the GPU outside ``rlk_ref``, so
+   those counts are the GPU's launches around the rlk kernels.
 2. **python**: cProfile of a step without the mode (the mode sends rlk ops through the dispatcher): the
    time of the provider's functions themselves plus the torch C calls they make directly.
 
@@ -37,77 +37,6 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "frameworks"))
-
-OWNERS = (("rlk_megatron_provider", "provider"), ("rlk_core", "rlk_core"), ("rlk_collectives", "collectives"),
-          ("megatron", "megatron"))
-
-
-# ops that launch no kernel: views and metadata (``alias``/``detach``), and allocations (no kernel, the allocator)
-VIEWS = frozenset("view _unsafe_view alias t transpose permute slice select split split_with_sizes unsqueeze "
-                  "squeeze expand as_strided detach narrow unbind view_as _reshape_alias lift_fresh".split())
-ALLOCS = frozenset("empty new_empty empty_strided empty_like new_empty_strided".split())
-
-
-def kind(op: str) -> str:
-    """``rlk`` (an rlk op), ``view``, ``alloc`` or ``kernel`` (a torch op that launches work)."""
-    ns, _, name = op.partition("::")
-    if ns == "rlk":
-        return "rlk"
-    return "view" if name in VIEWS else "alloc" if name in ALLOCS else "kernel"
-
-
-def _owner(filename: str) -> str | None:
-    f = filename.replace("\\", "/")
-    if "/rlk_core/" in f and ("reference" in os.path.basename(f) or f.endswith(("/_fixed.py", "/_logp_tree.py"))):
-        return "rlk_ref"  # a CPU reference kernel's insides: on the GPU one Triton / CUDA kernel instead
-    for key, name in OWNERS:
-        if f"/{key}/" in f:
-            return name
-    if "/torch/" in f or f.startswith("<"):
-        return None
-    return "harness"
-
-
-class OpCounter:
-    """A dispatch mode counting top-level ops by (owner, op name) and by (owner, provider function)."""
-
-    def __init__(self) -> None:
-        import torch
-        from torch.utils._python_dispatch import TorchDispatchMode
-
-        counts = self.counts = collections.Counter()
-        where = self.where = collections.Counter()
-
-        class Mode(TorchDispatchMode):
-            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-                f = sys._getframe(1)
-                owner, site = "autograd", None
-                while f is not None:
-                    if f.f_code.co_name == "_engine_run_backward":
-                        break  # C++ backward formulas of torch ops, gradient accumulation
-                    o = _owner(f.f_code.co_filename)
-                    if o is not None:
-                        owner = o
-                        site = f"{os.path.basename(f.f_code.co_filename)}:{f.f_code.co_name}:{f.f_lineno}"
-                        break
-                    f = f.f_back
-                name = str(func.overloadpacket.__name__) if hasattr(func, "overloadpacket") else str(func)
-                ns = func.namespace if hasattr(func, "namespace") else "aten"
-                counts[(owner, f"{ns}::{name}")] += 1
-                if owner in ("provider", "rlk_core"):
-                    where[(owner, site, f"{ns}::{name}")] += 1
-                return func(*args, **(kwargs or {}))
-
-        self.mode = Mode
-        self.torch = torch
-
-    def __enter__(self):
-        self._m = self.mode()
-        self._m.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        self._m.__exit__(*exc)
 
 
 def provider_python(prof: cProfile.Profile) -> dict:
@@ -154,6 +83,7 @@ def main() -> int:
     import megatron_gpu as mg
     import torch
 
+    from rlk_megatron_provider.opcount import OpCounter, kind
     from rlk_repro.model.config import Qwen3Config
 
     torch.set_num_threads(max(1, os.cpu_count() or 1))

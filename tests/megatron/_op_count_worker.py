@@ -1,6 +1,6 @@
 """Worker for test_op_count.py: one gloo rank, the tiny rlk GPTModel (all R), one forward + backward on a
-packed THD batch under a ``TorchDispatchMode`` that counts the torch ops launching work (views, metadata
-and allocations left out) by the code that issued them: the provider (``rlk_megatron_provider``) or
+packed THD batch under :class:`rlk_megatron_provider.opcount.OpCounter`, keeping the torch ops that launch
+work (views, metadata and allocations left out) issued by the provider (``rlk_megatron_provider``) or
 Megatron (``megatron``). rlk ops count as one op each; their insides are not seen.
 
 ``python _op_count_worker.py PORT``: prints one JSON line: ``{"fast": counts, "control": counts}``, the
@@ -10,41 +10,16 @@ columns, Megatron's query copy) — the extra copies this test guards against, s
 
 from __future__ import annotations
 
-import collections
 import json
 import os
 import sys
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _model
 
-NO_WORK = frozenset("view _unsafe_view alias t transpose permute slice select split split_with_sizes unsqueeze "
-                    "squeeze expand as_strided detach narrow unbind view_as _reshape_alias lift_fresh empty "
-                    "new_empty empty_strided empty_like".split())
-
-
-class Count(TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops: collections.Counter = collections.Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = func.overloadpacket.__name__
-        if func.namespace == "aten" and name not in NO_WORK:
-            f = sys._getframe(1)
-            while f is not None and f.f_code.co_name != "_engine_run_backward":
-                path = f.f_code.co_filename.replace("\\", "/")
-                if "/rlk_megatron_provider/" in path or "/megatron/core/" in path:
-                    who = "provider" if "/rlk_megatron_provider/" in path else "megatron"
-                    self.ops[f"{who} {name}"] += 1
-                    break
-                if "/torch/" not in path:
-                    break
-                f = f.f_back
-        return func(*args, **(kwargs or {}))
+from rlk_megatron_provider.opcount import OpCounter, kind
 
 
 def step(model, cfg) -> dict:
@@ -63,9 +38,10 @@ def step(model, cfg) -> dict:
         out.float().square().mean().backward()
 
     run()  # caches (the [q; k; v] weight, the batch index) as from a training loop's second step on
-    with Count() as c:
+    with OpCounter() as c:
         run()
-    return dict(c.ops)
+    return {f"{owner} {op.partition('::')[2]}": n for (owner, op), n in c.counts.items()
+            if owner in ("provider", "megatron") and kind(op) == "kernel"}
 
 
 def main() -> None:
