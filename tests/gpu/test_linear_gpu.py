@@ -196,3 +196,91 @@ def test_linear_opcheck():
     x, w = linear_inputs(5, 48, 64)
     b = randn((48,), seed=9)
     torch.library.opcheck(torch.ops.rlk.linear.default, (x, w, b))
+
+
+# -- the backward's stored-layout GEMMs (dx = dy W, dW = dy^T x, db = dy^T 1; no operand copies) --------------------
+# (N, K) of the Qwen3-0.6B projections at TP 1 (qkv, o, gate_up, down) and an awkward one (rows of 666 / 2000 bytes:
+# TMA-compatible, no tile multiple); T: the profile's 4096 tokens, a ragged count, one token
+BWD_SHAPES = [(4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072), (333, 1000)]
+
+
+def _backward(x0, w0, b0, g):
+    x, w = x0.detach().clone().requires_grad_(), w0.detach().clone().requires_grad_()
+    b = None if b0 is None else b0.detach().clone().requires_grad_()
+    linear(x, w, b).backward(g)
+    return x.grad, w.grad, None if b is None else b.grad
+
+
+def _bwd_inputs(t, n, k, dtype=torch.bfloat16, bias=True):
+    x, w = linear_inputs(t, n, k, dtype, seed=21)
+    return x, w, randn((n,), dtype, seed=22) if bias else None, randn((t, n), dtype, seed=23)
+
+
+@pytest.mark.parametrize("n,k", BWD_SHAPES)
+@pytest.mark.parametrize("t", [4096, 1017])
+def test_backward_bitwise_run_to_run(t, n, k):
+    x, w, b, g = _bwd_inputs(t, n, k)
+    ok, detail = check_run_to_run(lambda: _backward(x, w, b, g), repeats=5)
+    assert ok, detail
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("t,n,k", [(4096, 1024, 3072), (1017, 333, 1000), (17, 1536, 1024), (1, 64, 96)])
+def test_backward_matches_float64_products(t, n, k, dtype):
+    x, w, b, g = _bwd_inputs(t, n, k, dtype)
+    dx, dw, db = _backward(x, w, b, g)
+    g64, x64, w64 = g.double(), x.double(), w.double()
+    assert_close_dot(dx, g64 @ w64, g64.abs() @ w64.abs(), dtype, "dx vs float64")
+    assert_close_dot(dw, g64.T @ x64, g64.abs().T @ x64.abs(), dtype, "dW vs float64")
+    assert_close_dot(db, g64.sum(0), g64.abs().sum(0), dtype, "db vs float64")
+
+
+def test_backward_gemms_run_on_rlk_triton():
+    """The backward's views (W.t(), dy.t(), x.t(), the stride-0 ones) are not rlk.cuda's layout: the registry runs
+    rlk.triton's stored-layout kernels (recorded as rlk.triton, not as a fallback)."""
+    from rlk_core.ops.linear import triton as lt
+
+    x, w, _, g = _bwd_inputs(64, 256, 512)
+    ones = g.new_ones(1).as_strided((1, 64), (1, 0))
+    for args in ((g, w.t(), None), (g.t(), x.t(), None), (g.t(), ones, None)):
+        sel = REGISTRY.select("linear", "cuda", args, strict=True)
+        assert sel.backend.id == "rlk.triton" and sel.fallback_reason is None
+        assert lt.stored_layout(*args)
+
+
+def _cache_entries(*kernels) -> int:
+    dev = torch.cuda.current_device()
+    return sum(len(k.device_caches[dev][0]) for k in kernels if dev in k.device_caches)
+
+
+def test_backward_compiles_nothing_new_when_the_token_count_changes():
+    """After one backward at T = 1000, backwards at other token counts (ragged, divisible by 16 / 64 / 128 or
+    not, one token) add no entry to the stored-layout kernels' JIT caches."""
+    from rlk_core.ops.linear import triton as lt
+
+    kernels = (lt._linear_bwd_tma_kernel, lt._linear_bwd_kernel)
+    n, k = 1536, 1024
+    _backward(*_bwd_inputs(1000, n, k))
+    torch.cuda.synchronize()
+    before = _cache_entries(*kernels)
+    assert before >= 2  # dx + dW (TMA) and db (pointer) compiled
+    for t in (1017, 4096, 4097, 64, 17, 1):
+        _backward(*_bwd_inputs(t, n, k))
+    torch.cuda.synchronize()
+    assert _cache_entries(*kernels) == before
+
+
+def test_cache_count_sees_new_variants_negative_control():
+    """The count above can fail: dW by the forward's kernels on contiguous transposed operands (K = the token
+    count, unpadded) compiles new variants as T's divisibility by 16 and TMA eligibility change."""
+    from rlk_core.ops.linear import triton as lt
+
+    kernels = (lt._linear_tma_kernel, lt._linear_fwd_kernel)
+    g, x = randn((2048, 1536), seed=1), randn((2048, 1024), seed=2)
+    lt.linear_2d(g[:1024].t().contiguous(), x[:1024].t().contiguous(), None)
+    torch.cuda.synchronize()
+    before = _cache_entries(*kernels)
+    for t in (1032, 1017):  # K not divisible by 16 (TMA rows still aligned); rows of 2034 bytes: no TMA
+        lt.linear_2d(g[:t].t().contiguous(), x[:t].t().contiguous(), None)
+    torch.cuda.synchronize()
+    assert _cache_entries(*kernels) > before

@@ -81,3 +81,32 @@ def test_last_box_rows():
     assert [lt.rem_rows(m, 64) for m in (1, 16, 17, 31, 32, 63, 64, 65, 80, 81, 95, 96, 127)] == [
         16, 16, 32, 32, 0, 0, 0, 16, 16, 32, 32, 0, 0]
     assert all(lt.rem_rows(m, 128) == 0 for m in range(1, 513))
+
+
+def _stored(m, n, tma=True, dtype=torch.bfloat16, f32_out=False):
+    c = lt.stored_config(dtype, m, n, tma, 132, f32_out)
+    return ("tma" if c["TMA"] else "ptr", c["BLOCK_M"], c["BLOCK_N"], c["BLOCK_K"])
+
+
+@pytest.mark.parametrize("m,n,want", [
+    # dx (rows = the token count, never read): the least padded columns per unit of rate
+    (None, 1024, ("tma", 128, 256, 64)), (None, 3072, ("tma", 128, 256, 64)), (None, 2048, ("tma", 128, 256, 64)),
+    (None, 320, ("tma", 128, 64, 128)), (None, 100, ("tma", 128, 128, 64)),
+    # dW of the 0.6B projections at TP 1 (rows: the weight's): the least estimated time in whole waves
+    (4096, 1024, ("tma", 128, 256, 64)),   # qkv: 128 tiles of 128x256, one wave
+    (1024, 2048, ("tma", 128, 128, 64)),   # o: 64 tiles of 128x256 would leave half the SMs idle
+    (6144, 1024, ("tma", 128, 128, 64)),   # gate_up: 2.9 waves of 128x128 beat 1.45 (counted 2) of 128x256
+    (1024, 3072, ("tma", 128, 64, 128)),   # down: 384 tiles of 128x64 in 2.9 waves
+    (1024, 1, ("ptr", 64, 16, 128)),       # db: one column, pointer kernel
+])
+def test_stored_layout_choices(m, n, want):
+    assert _stored(m, n) == want
+
+
+def test_stored_layout_pointer_and_fp32_and_fp32_outputs():
+    assert _stored(None, 1024, tma=False) == ("ptr", 128, 128, 64)
+    assert _stored(4096, 1024, dtype=torch.float32) == ("ptr", 64, 64, 32)
+    assert _stored(4096, 16, dtype=torch.float32) == ("ptr", 64, 16, 32)
+    assert _stored(None, 1024, f32_out=True) == ("tma", 128, 128, 64)  # 128x256 with an fp32 output: too big
+    assert lt.stored_config(torch.float32, None, 1024, True)["IEEE"]
+    assert set(lt.stored_tiles(torch.bfloat16)) >= {e[0] for e in lt._STORED_TMA}
