@@ -12,6 +12,9 @@ Tiles are tuples ``(BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages[, 
 the H200 sweeps (``benchmarks/results/h200/sweep/``; the numbers behind each choice are in
 ``docs/ops/gpu-kernels.md`` and ``benchmarks/NOTES.md``). TMA = the persistent TMA-descriptor kernel
 (sm_90+, operands with unit last stride and 16-byte aligned rows); otherwise the pointer-load kernel.
+
+:func:`stored_config` is the rule of the stored-layout kernels (operands given as transposed views: the
+backward's GEMMs), a fixed rule of dtype and the shape that never reads the token count (below; unswept).
 """
 
 from __future__ import annotations

@@ -20,6 +20,13 @@ clipped), never stored.
 bf16/fp16 use tensor cores (wgmma on sm_90); fp32 uses ``input_precision="ieee"`` (no tf32), so it
 stays within fp32 tolerance of the reference. Compared with the reference (pairwise-tree K order) the
 result is equal within ``dtype_tols``, not bitwise: the K order differs by construction.
+
+Stored-layout kernels (``_linear_bwd_tma_kernel``, ``_linear_bwd_kernel``): a call whose ``x`` or ``weight``
+is a transposed view (:func:`stored_layout`; the backward's ``W.t()``, ``dy.t()``, ``x.t()``) reads that operand
+as its storage holds it — no copy, no padding — with the same K loop (one fp32 accumulator through the MMA
+k-steps in increasing k, one rounding). Either M or K may be the token count, so neither is specialised, no
+flag depends on them, and their tile rule (:func:`~rlk_core.ops.linear.tiles.stored_config`) reads neither
+where it is the token count: a training run compiles each variant once (``docs/ops/linear.md``, Backward).
 """
 
 from __future__ import annotations
@@ -328,11 +335,16 @@ def stored_layout(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return bias is None and (_transposed(x) or _transposed(weight))
 
 
+def _device_tma(x: torch.Tensor) -> bool:
+    """Whether ``x``'s device has TMA (a CUDA sm_90+ device)."""
+    return x.is_cuda and has_tma(x.device.index or 0)
+
+
 def _stored_config_for(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> dict[str, int | bool]:
     dev = x.device.index or 0
     a_km = _transposed(x)
     a, b = (x.t() if a_km else x), (weight.t() if _transposed(weight) else weight)
-    tma = x.is_cuda and has_tma(dev) and _tma_compatible(a, b)
+    tma = _device_tma(x) and _tma_compatible(a, b)
     # the output's rows are read only where they are not the token count (x stored [K, M]: dW, db)
     return stored_config(x.dtype, x.shape[0] if a_km else None, weight.shape[0], tma,
                          _num_sms(dev) if x.is_cuda else 132, out.dtype != x.dtype)
