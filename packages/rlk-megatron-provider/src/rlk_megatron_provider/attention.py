@@ -11,6 +11,14 @@ at each token's absolute position and then runs ``attention_varlen``. Layouts:
   through :func:`rlk_collectives.cp_all_gather_kv` (their gradients come back through the rlk
   reduce-scatter) and each query carries its global position (``q_positions``). The attention contract
   makes CP k bitwise equal to CP 1.
+
+Host syncs: none per layer. A packed batch's ``cu_seqlens_q`` are read to the host once per batch (one
+device-to-host copy, checked there: offsets, ``cu_seqlens_kv`` / ``*_padded`` when they are other
+tensors, the longest sequence against the model's maximum length); positions and the int32 offsets are
+built on the device from the given tensors. RoPE's cos/sin table is reserved for the model's
+``max_sequence_length`` (set by :func:`rlk_megatron_provider.prepare_model`) at the first forward on a
+device, so ``rlk_core.ops.rope`` does not size it from each call's positions (a sync per call); a batch
+longer than that maximum is refused, naming both lengths.
 """
 
 from __future__ import annotations
@@ -21,6 +29,7 @@ import torch
 
 import rlk_collectives
 from rlk_core.errors import RlkPolicyError
+from rlk_core.ops.rope import reserve_tables
 from rlk_megatron_provider import _compat, _state
 from rlk_megatron_provider.layers import RlkQKVLinear
 
@@ -88,9 +97,13 @@ class RlkSelfAttention(_compat.SelfAttention):
         return query, key, value
 
 
-def _positions(cu: list[int], device) -> Tensor:
-    return torch.cat([torch.arange(e - s, device=device) for s, e in zip(cu[:-1], cu[1:])]) if cu[-1] else \
-        torch.zeros(0, dtype=torch.int64, device=device)
+def _positions(cu: Tensor, total: int) -> Tensor:
+    """int64 ``[total]``: each packed token's position inside its sequence, from the offsets on the device
+    (token ``t`` of sequence ``b = #{ends <= t}`` is at ``t - cu[b]``; zero-length sequences included):
+    five kernels, no host round trip."""
+    cu64 = cu.long()
+    t = torch.arange(total, device=cu.device)
+    return t - cu64.index_select(0, torch.searchsorted(cu64[1:], t, right=True))
 
 
 class RlkCoreAttention(_compat.MegatronModule):
@@ -106,6 +119,8 @@ class RlkCoreAttention(_compat.MegatronModule):
         self.head_dim = config.kv_channels
         self.scale = float(softmax_scale) if softmax_scale is not None else self.head_dim ** -0.5
         self.apply_rope = True
+        self.max_positions: int | None = None  # the model's max_sequence_length (prepare_model sets it)
+        self._rope_device = None  # the device whose cos/sin table was reserved
         problems = config_problems(config)
         if attention_type != "self":
             problems.append(f"attention_type={attention_type!r} (rlk covers causal self-attention)")
@@ -135,20 +150,21 @@ class RlkCoreAttention(_compat.MegatronModule):
                 _unsupported("context parallelism needs packed THD batches")
             sq, b, hq, d = query.shape
             q, k, v = (x.transpose(0, 1).reshape(b * sq, x.shape[2], d) for x in (query, key, value))
-            cu = list(range(0, b * sq + 1, sq)) if sq else [0] * (b + 1)
             with routes.scope("attention"):
-                batch = _batch_index(("sbhd", tuple(cu)), (attention_mask,),
-                                     lambda: _check_causal_mask(attention_mask, sq) or cu, cp, cp_group, q.device)
+                batch = _batch_index(("sbhd", b, sq), (attention_mask,),
+                                     lambda: _sbhd_batch(attention_mask, b, sq, q.device), cp, cp_group, q.device)
         else:
             if packed_seq_params.qkv_format != "thd":
                 _unsupported(f"packed qkv_format={packed_seq_params.qkv_format!r}")
             tensors = tuple(getattr(packed_seq_params, n, None) for n in _CU_FIELDS)
             with routes.scope("attention"):
-                batch = _batch_index(("thd",), tensors, lambda: _packed_cu(packed_seq_params), cp, cp_group,
-                                     query.device)
+                batch = _batch_index(("thd",), tensors, lambda: _packed_batch(packed_seq_params, query.shape[0], cp,
+                                                                               cp_group, query.device),
+                                     cp, cp_group, query.device)
             q, k, v = query, key, value
         with routes.scope("attention"):
             if self.apply_rope:
+                self._check_rope(q, batch.longest)
                 q = routes.call("attention", "rope", q, batch.pos, self.rope_theta)
                 k = routes.call("attention", "rope", k, batch.pos, self.rope_theta)
             if cp > 1:
@@ -161,6 +177,23 @@ class RlkCoreAttention(_compat.MegatronModule):
         if packed_seq_params is None:
             return o.reshape(b, sq, -1).transpose(0, 1)
         return o.reshape(o.shape[0], -1)
+
+    def _check_rope(self, q: Tensor, longest: int) -> None:
+        """Refuse a batch longer than the model's maximum length; on the first call on a device, reserve the
+        rope table for that length (then no rope call sizes it from the positions: no host sync)."""
+        if self.max_positions is None:
+            if self._rope_device is None:
+                self._rope_device = "unreserved"
+                _state.log.warning("rlk-megatron-provider: RlkCoreAttention without max_positions (prepare_model "
+                                   "was not called on the model): rope sizes its cos/sin table from the positions "
+                                   "of every call, one host sync each")
+            return
+        if longest > self.max_positions:
+            _unsupported(f"a sequence of {longest} tokens is longer than the model's max_sequence_length "
+                         f"{self.max_positions} (the rope table is reserved for that many positions)")
+        if self._rope_device != q.device:
+            reserve_tables(q.device, q.shape[-1], self.rope_theta, self.max_positions)
+            self._rope_device = q.device
 
 
 _CU_FIELDS = ("cu_seqlens_q", "cu_seqlens_kv", "cu_seqlens_q_padded", "cu_seqlens_kv_padded")
@@ -177,37 +210,48 @@ class _Batch:
     cu_q: Tensor
     cu_k: Tensor
     layout: rlk_collectives.ZigzagLayout | None
+    longest: int  # the longest sequence (tokens): the rope table must cover its positions
 
 
 _BATCH: list[_Batch] = []  # the newest batch only (all layers of a forward / backward see the same one)
 
 
-def _batch_index(kind: tuple, tensors: tuple, read_cu, cp: int, cp_group, device) -> _Batch:
-    """The :class:`_Batch` of this call, built once per batch rather than once per layer: the packed
-    ``cu_seqlens`` are read to the host (a device sync) and checked only when the tensors passed are not
-    the very ones (same objects, same version counters) of the cached batch (an sbhd batch's causal mask
-    is checked once per mask the same way)."""
+def _batch_index(kind: tuple, tensors: tuple, build, cp: int, cp_group, device) -> _Batch:
+    """The :class:`_Batch` of this call, built (``build()``: positions, offsets, layout, longest sequence)
+    once per batch rather than once per layer: only when the tensors passed are not the very ones (same
+    objects, same version counters) of the cached batch."""
     key = (*kind, tuple((id(t), t._version) if t is not None else None for t in tensors), cp,
            (id(cp_group), cp_group.rank()) if cp > 1 else None, str(device))
     if _BATCH and _BATCH[0].key == key:
         return _BATCH[0]
-    cu = read_cu()
-    if cp > 1:
-        layout = rlk_collectives.ZigzagLayout.build(cu, cp, device)
-        pos = layout.q_positions(cp_group.rank())
-        cu_q = torch.tensor(layout.local_cu_seqlens, dtype=torch.int32, device=device)
-        cu_k = torch.tensor(cu, dtype=torch.int32, device=device)
-    else:
-        layout, pos = None, _positions(cu, device)
-        cu_q = cu_k = torch.tensor(cu, dtype=torch.int32, device=device)
-    _BATCH[:] = [_Batch(key, tensors, pos, cu_q, cu_k, layout)]
+    pos, cu_q, cu_k, layout, longest = build()
+    _BATCH[:] = [_Batch(key, tensors, pos, cu_q, cu_k, layout, longest)]
     return _BATCH[0]
 
 
-def _packed_cu(p) -> list[int]:
+def _sbhd_batch(mask: Tensor | None, b: int, sq: int, device) -> tuple:
+    """``b`` rows of ``sq`` tokens, each a sequence from position 0: offsets and positions made on the device
+    (no host data to copy); the causal mask checked (one host read per mask object)."""
+    _check_causal_mask(mask, sq)
+    cu = torch.arange(0, b * sq + 1, sq, dtype=torch.int32, device=device) if sq else \
+        torch.zeros(b + 1, dtype=torch.int32, device=device)
+    pos = torch.arange(sq, device=device).repeat(b)
+    return pos, cu, cu, None, sq
+
+
+def _packed_batch(p, total: int, cp: int, cp_group, device) -> tuple:
+    """A packed THD batch: ``cu_seqlens_q`` read to the host once (the batch's one host sync) and checked
+    there; positions and offsets built on the device from the given tensor."""
     cu = [int(c) for c in p.cu_seqlens_q.tolist()]
-    _check_packed(p, cu)
-    return cu
+    _check_packed(p, cu, total * cp)
+    longest = max((e - s for s, e in zip(cu[:-1], cu[1:])), default=0)
+    given = p.cu_seqlens_q
+    cu_k = given if given.device == device and given.dtype == torch.int32 and given.is_contiguous() else \
+        given.to(device=device, dtype=torch.int32, non_blocking=given.is_pinned()).contiguous()
+    if cp > 1:
+        layout = rlk_collectives.ZigzagLayout.build(cu, cp, device)
+        return layout.q_positions(cp_group.rank()), torch.div(cu_k, cp, rounding_mode="floor"), cu_k, layout, longest
+    return _positions(cu_k, total), cu_k, cu_k, None, longest
 
 
 def _unsupported(reason: str) -> None:
@@ -232,11 +276,18 @@ def _check_causal_mask(mask: Tensor | None, sq: int) -> None:
                                          "covered; pack the batch as THD instead)")
 
 
-def _check_packed(p, cu: list[int]) -> None:
-    kv = p.cu_seqlens_kv
-    if kv is not None and [int(c) for c in kv.tolist()] != cu:
-        _unsupported("cu_seqlens_kv != cu_seqlens_q (cross/prefix attention) is not covered")
-    for name in ("cu_seqlens_q_padded", "cu_seqlens_kv_padded"):
+def _check_packed(p, cu: list[int], total: int) -> None:
+    """``cu`` (``cu_seqlens_q`` on the host): offsets from 0, non-decreasing, ending at the batch's
+    ``total`` tokens (global ones under CP); the other offset fields, where they are other tensors (each one
+    more host read), equal to it."""
+    if not cu or cu[0] != 0 or cu[-1] != total or any(b < a for a, b in zip(cu[:-1], cu[1:])):
+        _unsupported(f"cu_seqlens_q must run from 0 to the {total} packed tokens, non-decreasing; got "
+                     f"{cu[:6]}{'...' if len(cu) > 6 else ''}{cu[-1:] if len(cu) > 6 else ''}")
+    for name in ("cu_seqlens_kv", "cu_seqlens_q_padded", "cu_seqlens_kv_padded"):
         t = getattr(p, name, None)
-        if t is not None and [int(c) for c in t.tolist()] != cu:
-            _unsupported(f"{name} differs from cu_seqlens_q (padded THD) and is not covered")
+        if t is None or t is p.cu_seqlens_q:
+            continue
+        if [int(c) for c in t.tolist()] != cu:
+            _unsupported("cu_seqlens_kv != cu_seqlens_q (cross/prefix attention) is not covered"
+                         if name == "cu_seqlens_kv" else
+                         f"{name} differs from cu_seqlens_q (padded THD) and is not covered")

@@ -194,10 +194,16 @@ def cp_response_ranges(total_length: int, response_length: int, cp_size: int,
     return out
 
 
-def _flat(parts, dtype) -> torch.Tensor:
+def _host_fp32(*groups) -> list[torch.Tensor]:
+    """Each group (a list of tensors) flattened, concatenated and cast to fp32, on the host — in one
+    device-to-host copy for all groups together where they share a device (one host sync per record, not
+    one per group); the cast is exact or the same rounding on either side."""
+    sizes = [sum(p.numel() for p in g) for g in groups]
+    parts = [p.detach().reshape(-1).float() for g in groups for p in g]
     if not parts:
-        return torch.zeros(0, dtype=dtype)
-    return torch.cat([p.detach().reshape(-1) for p in parts]).to("cpu", dtype)
+        return [torch.zeros(0, dtype=torch.float32) for _ in groups]
+    flat = torch.cat(parts).cpu() if len({p.device for p in parts}) == 1 else torch.cat([p.cpu() for p in parts])
+    return list(flat.split(sizes))
 
 
 def record_tensors(train_log_probs, rollout_log_probs, loss_masks, total_lengths=None, response_lengths=None,
@@ -220,10 +226,9 @@ def record_tensors(train_log_probs, rollout_log_probs, loss_masks, total_lengths
         if m.numel() != n:
             raise RlkConfigError(f"record_logprobs: sample {i} has {n} log-probs and a loss mask of {m.numel()}")
         masks[i] = m
-    return {"train_logprobs": _flat(train_log_probs, torch.float32),
-            "rollout_logprobs": _flat(rollout_log_probs, torch.float32),
-            "loss_mask": (_flat(masks, torch.float32) != 0).to(torch.uint8),
-            "response_lengths": torch.tensor(lengths, dtype=torch.int64)}
+    train, rollout, mask = _host_fp32(train_log_probs, rollout_log_probs, masks)
+    return {"train_logprobs": train.clone(), "rollout_logprobs": rollout.clone(),
+            "loss_mask": (mask != 0).to(torch.uint8), "response_lengths": torch.tensor(lengths, dtype=torch.int64)}
 
 
 def record_logprobs(args=None, *, pg_loss, train_log_probs, rollout_log_probs, loss_masks, total_lengths=None,

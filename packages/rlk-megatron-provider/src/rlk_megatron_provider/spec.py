@@ -300,8 +300,13 @@ def _is_compute(m) -> bool:
 
 def prepare_model(model) -> dict[str, int]:
     """Finish a built ``GPTModel`` (idempotent): rlk LM head for an R logp, production recording on P
-    modules' layers, then :func:`verify_model`."""
+    modules' layers, the model's maximum length on every rlk core attention (its rope table is reserved for
+    it and longer batches are refused), then :func:`verify_model`."""
     st = _state.get()
+    longest = getattr(model, "max_sequence_length", None) or getattr(model, "max_position_embeddings", None)
+    for m in model.modules():
+        if isinstance(m, RlkCoreAttention):
+            m.max_positions = int(longest) if longest else None
     if st.rlk("logp") and getattr(model, "output_layer", None) is not None:
         problems = model_problems(model.config)["logp"]
         if not problems or st.refuse("logp", "; ".join(problems)):
