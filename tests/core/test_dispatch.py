@@ -101,6 +101,19 @@ def test_autograd_and_dispatch_modes_still_see_the_custom_op():
     assert any("rlk.swiglu" in name for name in spy.ops), spy.ops[:5]
 
 
+def test_a_public_op_under_a_dispatch_mode_goes_through_the_dispatcher_and_reports_its_backend():
+    x, w = torch.randn(4, 16), torch.randn(6, 16)
+    rec = ReadbackRecorder("local", "rollout", RoutePlan("R/R", "R/R", "R/R"), mode="strict")
+    spy = _Spy()
+    with rec.scope("ffn"), spy:
+        got = ops.swiglu(ops.linear(x, w))
+    assert spy.ops == ["rlk.linear.default", "rlk.swiglu.default"]
+    assert_bitwise_equal(got, ops.swiglu(ops.linear(x, w)))
+    seen = rec.to_dict()["modules"]["ffn"]["ops"]
+    for op in ("linear", "swiglu"):
+        assert (seen[op]["backend_id"], seen[op]["call_count"], seen[op]["fallback"]) == ("rlk.reference", 1, False)
+
+
 # -- one selection path: every public op, forward and backward, reports to the recorder -------------------------
 def _recorded(rec, module="logp"):
     return rec.to_dict()["modules"][module]["ops"]

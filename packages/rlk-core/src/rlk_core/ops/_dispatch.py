@@ -1,14 +1,29 @@
 """Backend choice inside an op: select from the registry, run, report to the readback scope.
 
-Every public op is a ``torch.library`` custom op (``torch.ops.rlk.<name>``: autograd, fake tensors,
-``torch.compile``). :func:`call` runs the op's implementation directly when the dispatcher has nothing
-to add — plain tensors, no autograd needed, no tracing, no dispatch or function mode — which saves the
-dispatcher's ~80 us of host time per call (a decode step makes hundreds of calls). When autograd is
-needed but nothing else is (eager training), an op registered with :func:`register_autograd` runs as a
+Every public op is an operator of the PyTorch dispatcher (``torch.ops.rlk.<name>``: autograd, fake tensors,
+``torch.compile``), registered by :func:`custom_op` with ``torch.library.Library`` directly rather than
+through ``torch.library.custom_op``, whose per-call Python wrappers (an aliasing check and a dynamo guard
+around the kernel, an autograd kernel that re-enters the dispatcher) cost ~10 us of host time per
+``torch.ops`` call on the CPU — the calls Inductor's generated code makes in every vLLM step that is not a
+CUDA-graph replay. :func:`call` runs the op's implementation directly when the dispatcher has nothing to
+add — plain tensors, no autograd needed, no tracing, no dispatch or function mode — which saves the
+dispatcher's host time per call (a decode step makes hundreds of calls). When autograd is needed but nothing
+else is (eager training), an op registered with :func:`register_autograd` runs as a
 ``torch.autograd.Function`` built from the same implementation, ``setup_context`` and backward: the
-custom op's autograd wrapper cost ~180 us of host time per forward and ~150 us per backward on the H200
+dispatcher's autograd wrapper cost ~180 us of host time per forward and ~150 us per backward on the H200
 machine (``benchmarks/host_overhead.py``). The implementation, and therefore the backend and the bits,
 are the same on every path.
+
+What :func:`custom_op` registers for ``rlk::<name>`` (what ``torch.library.custom_op`` registered, less the
+wrappers): the schema ``torch.library.infer_schema`` gives the implementation's signature (alias
+annotations for ``mutates_args``), tagged ``pt2_compliant_tag``; the implementation as the CPU and CUDA
+kernel; the fake implementation (:meth:`Op.register_fake`, also the Meta kernel); for an op that mutates
+arguments, an ADInplaceOrView kernel that bumps their version counters; and an Autograd kernel
+(:func:`_autograd_kernel`) that runs ``torch``'s own custom-op autograd (the registered backward, or an
+error at backward where none is) when grad mode is on and an input requires grad, and otherwise runs the
+implementation at once where nothing below autograd is left to run (plain CPU or CUDA tensors) — else it
+re-enters the dispatcher below autograd (fake, functional, meta tensors; dispatch modes). Under
+``torch.inference_mode`` (vLLM) the dispatcher skips the Autograd kernel altogether.
 """
 
 from __future__ import annotations
@@ -19,14 +34,17 @@ from typing import Any
 import torch
 from torch._C import _is_torch_function_mode_enabled as _torch_function_mode_enabled
 from torch._C import _len_torch_dispatch_stack
+from torch._library.autograd import make_autograd_impl
 
 from rlk_core.backends import REGISTRY
 from rlk_core.readback import note_op_call, strict_now
 
 _IMPLS: dict[str, Callable[..., Any]] = {}
+_MUTATES: dict[str, tuple[str, ...]] = {}  # name -> the arguments its implementation writes (custom_op's)
 _FUNCTIONS: dict[str, type[torch.autograd.Function]] = {}
 _PACKETS: dict[str, Any] = {}
 _PLAIN = {torch.Tensor, torch.nn.Parameter}  # tensor types the direct path takes; see treat_as_plain
+_LIB = torch.library.Library("rlk", "FRAGMENT")  # every op custom_op defines (kept alive with the module)
 
 
 def treat_as_plain(*types: type) -> None:
@@ -55,17 +73,116 @@ def run(op: str, device: torch.device, *args: Any) -> Any:
     return backend.fn(*args)
 
 
-def custom_op(name: str, mutates_args: Iterable[str] = ()) -> Callable[[Callable[..., Any]], Any]:
-    """``torch.library.custom_op("rlk::<name>")`` that also keeps the undecorated implementation for
-    :func:`call`."""
-    def wrap(fn: Callable[..., Any]) -> Any:
+# -- registration ---------------------------------------------------------------------------------------
+_AFTER_AUTOGRAD = torch._C._after_autograd_keyset
+_AFTER_AD_INPLACE = torch._C._after_ADInplaceOrView_keyset
+_DK = torch._C.DispatchKey
+# what is left below autograd for plain CPU / CUDA tensors (inference tensors have no ADInplaceOrView key)
+_PLAIN_BELOW = frozenset(
+    torch._C.DispatchKeySet(backend).add(extra).raw_repr() if extra is not None
+    else torch._C.DispatchKeySet(backend).raw_repr()
+    for backend in (_DK.CPU, _DK.CUDA) for extra in (_DK.ADInplaceOrView, None))
+_BELOW_IS_PLAIN: dict[int, bool] = {}  # a call's whole dispatch key set (raw) -> nothing but a backend below autograd
+
+
+def _below_is_plain(keyset: torch._C.DispatchKeySet) -> bool:
+    """Whether the dispatcher, entered below autograd with ``keyset``, would run nothing but the CPU or CUDA
+    kernel (ADInplaceOrView is a fallthrough for a functional op): no Python key (dispatch mode, tensor
+    subclass, fake tensor), no functionalization, no meta tensor, no conjugate/negative view, no functorch
+    layer. Cached per key set."""
+    raw = keyset.raw_repr()
+    plain = _BELOW_IS_PLAIN.get(raw)
+    if plain is None:
+        plain = _BELOW_IS_PLAIN[raw] = (keyset & _AFTER_AUTOGRAD).raw_repr() in _PLAIN_BELOW
+    return plain
+
+
+class Op:
+    """The operator ``rlk::<name>`` that :func:`custom_op` registered; ``op(*args)`` calls it through the
+    dispatcher. Holds what ``torch``'s custom-op autograd reads (``_backward_fn``, ``_setup_context_fn``)."""
+
+    def __init__(self, name: str, fn: Callable[..., Any], mutates_args: tuple[str, ...]) -> None:
+        self._name = name
+        self._qualname = f"rlk::{name}"
+        self._backward_fn: Callable[..., Any] | None = None
+        self._setup_context_fn: Callable[..., Any] | None = None
+        schema = torch.library.infer_schema(fn, mutates_args=mutates_args)
+        _LIB.define(name + schema, tags=(torch.Tag.pt2_compliant_tag,))
+        self._opoverload = getattr(torch.ops.rlk, name).default
+        for key in ("CPU", "CUDA"):
+            _LIB.impl(name, fn, key)
+        args = self._opoverload._schema.arguments
+        self._mutated = tuple(i for i, a in enumerate(args) if a.alias_info is not None and a.alias_info.is_write)
+        if self._mutated:
+            _LIB.impl(name, _version_bump_kernel(self._opoverload, self._mutated), "ADInplaceOrView",
+                      with_keyset=True)
+        _LIB.impl(name, _autograd_kernel(self, fn), "Autograd", with_keyset=True)
+
+    def __repr__(self) -> str:
+        return f"<rlk op {self._qualname}>"
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._opoverload(*args, **kwargs)
+
+    def register_fake(self, fn: Callable[..., Any], /) -> Callable[..., Any]:
+        """The fake implementation (shapes, dtypes, devices of the outputs; also the Meta kernel); a decorator."""
+        torch.library.register_fake(self._qualname, fn, lib=_LIB, _stacklevel=2)
+        return fn
+
+    def register_autograd(self, backward: Callable[..., Any], /, *,
+                          setup_context: Callable[..., None] | None = None) -> None:
+        """The backward of the dispatcher path, as ``torch.library.custom_op``'s ``register_autograd``:
+        ``setup_context(ctx, inputs, output)`` in the forward, ``backward(ctx, *grads)``."""
+        if self._mutated:
+            raise RuntimeError(f"{self._qualname} mutates its arguments: no autograd formula can be registered "
+                               "for it (make a functional op for that)")
+        self._backward_fn, self._setup_context_fn = backward, setup_context
+
+
+def _version_bump_kernel(overload: Any, mutated: tuple[int, ...]) -> Callable[..., Any]:
+    """ADInplaceOrView: the mutated arguments' version counters go up (autograd's in-place checks see the
+    write), then the call goes on below (``torch.library.custom_op`` registers the same)."""
+    def kernel(keyset: torch._C.DispatchKeySet, *args: Any) -> Any:
+        torch._C._increment_version(tuple(args[i] for i in mutated))
+        return overload.redispatch(keyset & _AFTER_AD_INPLACE, *args)
+    return kernel
+
+
+def _autograd_kernel(op: Op, fn: Callable[..., Any]) -> Callable[..., Any]:
+    """The Autograd kernel of ``op`` (see the module docstring). Where an input requires grad it is
+    ``torch``'s own custom-op autograd kernel (what ``torch.library.custom_op`` and
+    ``torch.library.register_autograd`` register: an ``autograd.Function`` whose forward runs the op below
+    autograd and calls ``setup_context``, tensor lists included); otherwise ``fn`` itself where nothing is left
+    to run below autograd but the CPU or CUDA kernel, which is ``fn`` (with the mutated arguments' versions
+    bumped as ADInplaceOrView would), else the dispatcher below autograd."""
+    overload, mutated = op._opoverload, op._mutated
+    with_grad = make_autograd_impl(overload, op)
+    grad_enabled, any_requires_grad = torch._C.is_grad_enabled, torch._C._any_requires_grad
+    increment_version = torch._C._increment_version
+
+    def kernel(keyset: torch._C.DispatchKeySet, *args: Any) -> Any:
+        if grad_enabled() and any_requires_grad(*args):
+            return with_grad(keyset, *args)
+        if _below_is_plain(keyset):
+            if mutated:
+                increment_version(tuple(args[i] for i in mutated))
+            return fn(*args)
+        return overload.redispatch(keyset & _AFTER_AUTOGRAD, *args)
+    return kernel
+
+
+def custom_op(name: str, mutates_args: Iterable[str] = ()) -> Callable[[Callable[..., Any]], Op]:
+    """Register ``fn`` as the operator ``rlk::<name>`` (see the module docstring) and keep it for :func:`call`;
+    returns the :class:`Op` (``register_fake``, ``register_autograd``)."""
+    def wrap(fn: Callable[..., Any]) -> Op:
         _IMPLS[name] = fn
-        return torch.library.custom_op(f"rlk::{name}", mutates_args=tuple(mutates_args))(fn)
+        _MUTATES[name] = tuple(mutates_args)
+        return Op(name, fn, _MUTATES[name])
 
     return wrap
 
 
-def register_autograd(op: Any, backward: Callable[..., Any], setup_context: Callable[..., None]) -> None:
+def register_autograd(op: Op, backward: Callable[..., Any], setup_context: Callable[..., None]) -> None:
     """``op.register_autograd(backward, setup_context=...)`` for the dispatcher path, and the same pair as
     a ``torch.autograd.Function`` for eager calls through :func:`call`. Only for ops whose tensor inputs
     are direct arguments (``autograd.Function`` does not track tensors inside lists)."""
