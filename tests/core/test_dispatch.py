@@ -114,6 +114,28 @@ def test_a_public_op_under_a_dispatch_mode_goes_through_the_dispatcher_and_repor
         assert (seen[op]["backend_id"], seen[op]["call_count"], seen[op]["fallback"]) == ("rlk.reference", 1, False)
 
 
+def test_eager_autograd_applies_the_function_without_binding_its_signature(monkeypatch):
+    """``Function.apply`` binds the arguments to the forward's signature (``inspect.signature``) on every call;
+    the eager path applies the same Function without that step (all arguments are positional, none defaulted) —
+    same graph node, outputs and gradients — and leaves the full ``apply`` to functorch transforms."""
+    import inspect
+
+    x, w = torch.randn(3, 8), torch.randn(5, 8)
+    want_out, want_grads = _grads(lambda *t: D._FUNCTIONS["linear"].apply(*t, None), (x, w))
+    signatures = []
+    real = inspect.signature
+    monkeypatch.setattr(inspect, "signature", lambda *a, **k: signatures.append(a) or real(*a, **k))
+    out, grads = _grads(lambda *t: ops.linear(*t), (x, w))
+    assert signatures == []
+    assert_bitwise_equal(out, want_out)
+    for a, b in zip(grads, want_grads, strict=True):
+        assert_bitwise_equal(a, b)
+    got = torch.func.grad(lambda t: ops.swiglu(t).sum())(torch.randn(2, 8))
+    assert signatures and got.shape == (2, 8)  # under torch.func the Function's own apply (custom_function_call)
+    leaf = x.clone().requires_grad_()
+    assert type(ops.linear(leaf, w).grad_fn) is type(D._FUNCTIONS["linear"].apply(leaf, w, None).grad_fn)
+
+
 # -- one selection path: every public op, forward and backward, reports to the recorder -------------------------
 def _recorded(rec, module="logp"):
     return rec.to_dict()["modules"][module]["ops"]

@@ -11,8 +11,11 @@ dispatcher's host time per call (a decode step makes hundreds of calls). When au
 else is (eager training), an op registered with :func:`register_autograd` runs as a
 ``torch.autograd.Function`` built from the same implementation, ``setup_context`` and backward: the
 dispatcher's autograd wrapper cost ~180 us of host time per forward and ~150 us per backward on the H200
-machine (``benchmarks/host_overhead.py``). The implementation, and therefore the backend and the bits,
-are the same on every path.
+machine (``benchmarks/host_overhead.py``); that Function is applied through its C ``apply`` (what
+``Function.apply`` does after binding the arguments to the forward's signature with ``inspect.signature``,
+the identity for positional arguments, and ~10-30 us of host time per forward on the CPU), the full
+``Function.apply`` only under functorch transforms. The implementation, and therefore the backend and the
+bits, are the same on every path.
 
 What :func:`custom_op` registers for ``rlk::<name>`` (what ``torch.library.custom_op`` registered, less the
 wrappers): the schema ``torch.library.infer_schema`` gives the implementation's signature (alias
@@ -28,12 +31,15 @@ re-enters the dispatcher below autograd (fake, functional, meta tensors; dispatc
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
+from torch._C import _are_functorch_transforms_active as _functorch_transforms_active
 from torch._C import _is_torch_function_mode_enabled as _torch_function_mode_enabled
 from torch._C import _len_torch_dispatch_stack
+from torch._functorch.utils import unwrap_dead_wrappers as _unwrap_dead_wrappers
 from torch._library.autograd import make_autograd_impl
 
 from rlk_core.backends import REGISTRY
@@ -66,7 +72,7 @@ def run(op: str, device: torch.device, *args: Any) -> Any:
     if device_type is None:
         device_type = _DEVICE_TYPES[device] = device.type
     # strict mode is read only where a backend fails its qualification (select's slow path)
-    selection = REGISTRY.select(op, device_type, args, strict=strict_now)
+    selection = REGISTRY.select(op, device_type, args, strict_now)
     backend = selection.backend
     mode = "graph" if device_type == "cuda" and torch.cuda.is_current_stream_capturing() else "eager"
     note_op_call(op, backend.id, backend.contract_id, selection.fallback_reason, mode)
@@ -188,9 +194,18 @@ def register_autograd(op: Op, backward: Callable[..., Any], setup_context: Calla
     are direct arguments (``autograd.Function`` does not track tensors inside lists)."""
     op.register_autograd(backward, setup_context=setup_context)
     impl = _IMPLS[op._name]
-    _FUNCTIONS[op._name] = type(f"{op._name}_function", (torch.autograd.Function,), {
+    function = _FUNCTIONS[op._name] = type(f"{op._name}_function", (torch.autograd.Function,), {
         "forward": staticmethod(impl), "setup_context": staticmethod(setup_context),
         "backward": staticmethod(backward)})
+    params = inspect.signature(impl).parameters.values()
+    if all(p.kind is p.POSITIONAL_OR_KEYWORD and p.default is p.empty for p in params):
+        _APPLY[op._name] = (super(torch.autograd.Function, function).apply, len(params))
+
+
+# name -> (the C ``apply`` of its autograd.Function, the implementation's parameter count): what
+# ``Function.apply`` runs after binding the arguments to the forward's signature (``inspect.signature`` on
+# every call, ~10 us on the CPU), which for all of them passed positionally, none defaulted, is the identity
+_APPLY: dict[str, tuple[Callable[..., Any], int]] = {}
 
 
 def _path(args: tuple[Any, ...]) -> str:
@@ -220,8 +235,12 @@ def call(name: str, *args: Any) -> Any:
     path = _path(args)
     if path == "direct":
         return _IMPLS[name](*args)
-    if path == "function" and name in _FUNCTIONS:
-        return _FUNCTIONS[name].apply(*args)
+    if path == "function":
+        fast = _APPLY.get(name)
+        if fast is not None and len(args) == fast[1] and not _functorch_transforms_active():
+            return fast[0](*_unwrap_dead_wrappers(args))  # Function.apply, less the signature binding
+        if name in _FUNCTIONS:
+            return _FUNCTIONS[name].apply(*args)
     packet = _PACKETS.get(name)
     if packet is None:
         packet = _PACKETS[name] = getattr(torch.ops.rlk, name)
