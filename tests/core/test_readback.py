@@ -62,6 +62,30 @@ def test_audit_mode_records_the_fallback_with_its_reason(tmp_path):
     assert doc["target"] == "rollout" and doc["mode"] == "audit"
 
 
+def test_repeated_reports_count_per_mode_and_the_policy_still_sees_what_changes(caplog):
+    """A report that passed the policy before is only counted again (note_op_call's first step); a new execution
+    mode, provenance or a fallback still goes through :meth:`ReadbackRecorder.count`, and a report that violates
+    the policy is never taken for a repeat."""
+    from rlk_core.readback import note_op_call
+
+    rec = ReadbackRecorder("vllm", "rollout", RoutePlan("R/R", "R/R", "R/R"), mode="strict")
+    with rec.scope("ffn"):
+        for mode in ("eager", "eager", "graph", "eager", "graph"):
+            note_op_call("linear", "rlk.reference", "rlk.gemm.bi.v1", None, mode)
+        note_op_call("linear", "rlk.reference", "rlk.gemm.bi.v1", None, "eager", {"world_size": 2})
+        with pytest.raises(RlkPolicyError, match="fell back"):
+            note_op_call("linear", "rlk.reference", "rlk.gemm.bi.v1", "rlk.triton: no", "eager")
+    r = rec.to_dict()["modules"]["ffn"]["ops"]["linear"]
+    assert (r["call_count"], r["execution_mode"], r["provenance"], r["fallback"]) == (6, "mixed", {"world_size": 2},
+                                                                                      False)
+    audit = ReadbackRecorder("vllm", "rollout", RoutePlan("R/R", "P/P", "R/R"), mode="audit")
+    with caplog.at_level("WARNING", logger="rlk"), audit.scope("ffn"):
+        for _ in range(3):
+            note_op_call("linear", "rlk.reference", "rlk.gemm.bi.v1", None, "eager")
+    assert sum("rlk audit" in m for m in caplog.messages) == 3
+    assert audit.to_dict()["modules"]["ffn"]["ops"]["linear"]["call_count"] == 3
+
+
 def test_counting_touches_no_filesystem(tmp_path, monkeypatch):
     rec = ReadbackRecorder("local", "train", RoutePlan("R/R", "R/R", "R/R"), directory=tmp_path)
 

@@ -154,12 +154,9 @@ class ReadbackRecorder:
         execution_mode: str = "eager",
         provenance: dict[str, Any] | None = None,
     ) -> None:
-        if fallback_reason is None and not provenance:
-            rec = self._checked.get((module, op, backend_id, contract_id, execution_mode))
-            if rec is not None:  # this exact report passed the policy before and is the op's main record
-                with self._lock:
-                    rec.call_count += 1
-                return
+        if fallback_reason is None and not provenance and self._repeat(module, op, backend_id, contract_id,
+                                                                        execution_mode):
+            return
         letter = self.plan.letter(module, self.side)
         is_rlk = backend_id.startswith("rlk.") or contract_id is not None
         if letter == "P" and is_rlk:
@@ -196,6 +193,16 @@ class ReadbackRecorder:
             log.info("rlk route: %s/%s %s.%s [%s] -> %s (%s)%s", self.framework, self.side, module, op, letter,
                      backend_id, contract_id or "production",
                      f" FALLBACK: {fallback_reason}" if fallback_reason else "")
+
+    def _repeat(self, module: str, op: str, backend_id: str, contract_id: str | None, execution_mode: str) -> bool:
+        """Count a report (no fallback, no provenance) that passed the policy before and is the op's main
+        record — nothing else changes — and say so; False where :meth:`count` has to look at it."""
+        rec = self._checked.get((module, op, backend_id, contract_id, execution_mode))
+        if rec is None:
+            return False
+        with self._lock:
+            rec.call_count += 1
+        return True
 
     def count_compiled(self, module: str, op: str, backend_id: str, contract_id: str | None, *,
                        fallback_reason: str | None = None) -> None:
@@ -293,8 +300,12 @@ def note_op_call(op: str, backend_id: str, contract_id: str, fallback_reason: st
     ``provenance`` such as a collective's world size), apply the policy."""
     scope = _ACTIVE.get()
     if scope is not None:
-        scope.recorder.count(scope.module, op, backend_id, contract_id, fallback_reason=fallback_reason,
-                             execution_mode=execution_mode, provenance=provenance)
+        recorder = scope.recorder
+        if fallback_reason is None and provenance is None and recorder._repeat(scope.module, op, backend_id,
+                                                                               contract_id, execution_mode):
+            return  # count's first step without its keyword arguments (once per op call)
+        recorder.count(scope.module, op, backend_id, contract_id, fallback_reason=fallback_reason,
+                       execution_mode=execution_mode, provenance=provenance)
     elif fallback_reason is not None and envs.current("RL_KERNEL_MODE") == "strict":
         raise RlkPolicyError(f"op {op!r} fell back to {backend_id!r} in strict mode: {fallback_reason}")
 

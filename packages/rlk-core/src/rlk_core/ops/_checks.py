@@ -32,18 +32,31 @@ def int_tensor(t: torch.Tensor, op: str, name: str) -> None:
     require(False, op, f"{name} has dtype {t.dtype}; allowed: int32, int64")
 
 
+def _one(tensors: dict[str, torch.Tensor | None], attr: str) -> bool:
+    """Whether the tensors (None skipped) agree on ``attr`` (the check per call; the message only on failure)."""
+    first = None
+    for t in tensors.values():
+        if t is not None:
+            value = getattr(t, attr)
+            if first is None:
+                first = value
+            elif value != first:
+                return False
+    return True
+
+
 def same_device(op: str, **tensors: torch.Tensor | None) -> None:
-    devices = {name: t.device for name, t in tensors.items() if t is not None}
-    if len(set(devices.values())) > 1:
-        desc = ", ".join(f"{n} on {d}" for n, d in devices.items())
-        raise RlkInputError(f"rlk.{op}: all tensors must be on one device; got {desc}")
+    if _one(tensors, "device"):
+        return
+    desc = ", ".join(f"{n} on {t.device}" for n, t in tensors.items() if t is not None)
+    raise RlkInputError(f"rlk.{op}: all tensors must be on one device; got {desc}")
 
 
 def same_dtype(op: str, **tensors: torch.Tensor | None) -> None:
-    dtypes = {name: t.dtype for name, t in tensors.items() if t is not None}
-    if len(set(dtypes.values())) > 1:
-        desc = ", ".join(f"{n} {d}" for n, d in dtypes.items())
-        raise RlkInputError(f"rlk.{op}: dtypes must match; got {desc}")
+    if _one(tensors, "dtype"):
+        return
+    desc = ", ".join(f"{n} {t.dtype}" for n, t in tensors.items() if t is not None)
+    raise RlkInputError(f"rlk.{op}: dtypes must match; got {desc}")
 
 
 def ndim(t: torch.Tensor, op: str, name: str, allowed: Iterable[int]) -> None:
@@ -57,11 +70,14 @@ def values_checked(*tensors: torch.Tensor | None) -> bool:
     """Whether range checks on these tensors' values run: never for meta/fake tensors (no values);
     per ``RLK_VALUE_CHECKS`` otherwise (``auto``: only when all of them are on the CPU, because reading
     GPU values syncs the device on every call)."""
-    ts = [t for t in tensors if t is not None]
-    if any(t.is_meta or _is_fake(t) for t in ts):
-        return False
+    cpu = True
+    for t in tensors:
+        if t is not None:
+            if t.is_meta or _is_fake(t):
+                return False
+            cpu = cpu and t.is_cpu
     mode = envs.current("RLK_VALUE_CHECKS")
-    return mode == "always" or (mode == "auto" and all(t.is_cpu for t in ts))
+    return mode == "always" or (mode == "auto" and cpu)
 
 
 def in_range(t: torch.Tensor, op: str, name: str, low: int, high: int) -> None:
