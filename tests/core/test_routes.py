@@ -62,6 +62,7 @@ def test_side_routes_call_reports_and_refuses_a_p_module():
 def test_rlk_ops_of_a_plan():
     plan = RoutePlan("R/P", "P/R", "R/R")
     assert routes.rlk_ops(plan, "train", backward=True) == {"linear", "rms_norm", "rope", "attention_varlen",
+                                                           "rms_norm_backward", "rope_backward",
                                                            "attention_varlen_backward", "linear_logprobs",
                                                            "linear_logprobs_backward", "token_logprobs",
                                                            "token_logprobs_backward"}

@@ -230,6 +230,42 @@ def test_rowwise_kernels_compile():
                  {"pos_ptr": "*i64", "cos_ptr": "*fp32", "sin_ptr": "*fp32"}, num_warps=c["num_warps"])
 
 
+@pytest.mark.parametrize("h", [128, 1000, 1024, 4096, 8192])
+@pytest.mark.parametrize("wdtype", ["*bf16", "*fp32"])
+def test_rms_norm_backward_kernels_compile(h, wdtype):
+    """dx and the dweight partials (the q/k-norm width 128, Qwen3-0.6B's 1024, 8B's 4096) and the merge of the
+    partials, bf16 activations with a bf16 or fp32 weight: no register spills."""
+    from rlk_core.ops.rms_norm import triton as rms
+
+    c = rms.config(h)
+    compile_sm90(rms._rms_norm_bwd_kernel, {"BLOCK_H": c["BLOCK_H"], "ROWS": c["ROWS"]},
+                 {"w_ptr": wdtype, "part_ptr": "*fp32"}, floats=("eps",), num_warps=c["num_warps"])
+    compile_sm90(rms._rms_norm_bwd_dw_kernel, {"BLOCK_P": rms.DW_BLOCK_P, "BLOCK_N": rms.DW_BLOCK_N},
+                 {"part_ptr": "*fp32", "dw_ptr": wdtype}, num_warps=rms.DW_WARPS)
+
+
+@pytest.mark.parametrize("inter", [3072, 12288, 100])
+def test_swiglu_backward_kernel_compiles(inter):
+    from rlk_core.ops.swiglu import triton as swiglu
+
+    c = swiglu.config(inter)
+    compile_sm90(swiglu._swiglu_bwd_kernel, {"BLOCK": c["BLOCK"]}, num_warps=c["num_warps"])
+
+
+@pytest.mark.parametrize("kernel", ["_rope_fwd_kernel", "_rope_bwd_kernel"])
+@pytest.mark.parametrize("heads,d,rd", [(16, 128, 128), (32, 128, 128), (8, 128, 64)])
+def test_rope_kernels_compile(kernel, heads, d, rd):
+    """The forward and the backward (the forward's code with sin negated), with the table-row bound N_POS; the
+    launches pass enable_fp_fusion=False, which only splits FMAs (this helper compiles with Triton's defaults)."""
+    from rlk_core.ops._triton_common import next_pow2
+    from rlk_core.ops.rope import triton as rope
+
+    c = rope.config(heads, rd // 2)
+    compile_sm90(getattr(rope, kernel), dict(HALF=rd // 2, D=d, R=rd, BLOCK_H=c["BLOCK_H"],
+                                             BLOCK_HALF=c["BLOCK_HALF"], BLOCK_PASS=next_pow2(d - rd) if d > rd else 0),
+                 {"pos_ptr": "*i64", "cos_ptr": "*fp32", "sin_ptr": "*fp32"}, num_warps=c["num_warps"])
+
+
 def test_logprob_kernels_compile():
     from rlk_core.ops.token_logprobs import triton as tt
 

@@ -7,7 +7,7 @@ import torch
 
 import rlk_core.ops as ops
 from rlk_core.errors import RlkInputError
-from rlk_core.ops.rope.reference import rope_backward_reference, sincos64
+from rlk_core.ops.rope.reference import sincos64
 from rlk_core.testing import assert_bitwise_equal, assert_close_to_formula, check_batch_invariance, check_run_to_run
 
 
@@ -124,58 +124,3 @@ def test_a_reserved_table_is_used_without_reading_the_positions():
     assert cos.shape == sin.shape == (8192, 16) and cos.dtype == torch.float32
     kernels.tables(dev, 32, 777.0, 100)  # a smaller later need keeps the reserved table
     assert kernels.reserved_tables(dev, 32, 777.0)[0] is cos
-
-
-def test_backward_from_the_cached_table_rows_is_the_reference_backward_bit_for_bit():
-    """The GPU backward gathers cos/sin rows from the forward's cached table instead of recomputing them: the
-    table is the same elementwise function of the position, so the gathered rows and the backward equal the
-    reference's bit for bit (here on the CPU, with a table built as rlk.triton builds it; a table of another
-    theta is caught as a negative control)."""
-    pytest.importorskip("triton")
-    from rlk_core.ops.rope import triton as rope_triton
-    from rlk_core.ops.rope.reference import rope_backward_with
-
-    g = torch.Generator().manual_seed(3)
-    rd, theta = 64, 1e6
-    positions = torch.randint(0, 3000, (37,), generator=g)
-    x = torch.randn(37, 4, 128, generator=g).to(torch.bfloat16)
-    grad = torch.randn(37, 4, 128, generator=g).to(torch.bfloat16)
-    cos, sin = rope_triton.tables(torch.device("cpu"), rd, theta, 3000)
-    assert rope_triton.cached_tables(torch.device("cpu"), rd, theta)[0] is cos
-    want = rope_backward_reference(x, positions, theta, rd, grad)[0]
-    got = rope_backward_with(cos.index_select(0, positions), sin.index_select(0, positions), x, rd, grad)[0]
-    assert torch.equal(got, want)
-    other_cos, other_sin = rope_triton.tables(torch.device("cpu"), rd, 1e4, 3000)
-    control = rope_backward_with(other_cos.index_select(0, positions), other_sin.index_select(0, positions), x, rd,
-                                 grad)[0]
-    assert not torch.equal(control, want)
-
-
-def test_backward_takes_the_table_path_where_the_forward_read_the_table(monkeypatch):
-    """The autograd backward's table branch, run on the CPU by declaring the CPU a table device and
-    rlk.reference a table backend: the gradient equals the reference backward's bit for bit; with no cached
-    table for that theta the branch is not taken (the reference recomputes)."""
-    pytest.importorskip("triton")
-    import importlib
-
-    rope_mod = importlib.import_module("rlk_core.ops.rope")
-    from rlk_core.ops.rope import triton as rope_triton
-
-    g = torch.Generator().manual_seed(4)
-    x = torch.randn(21, 2, 64, generator=g, requires_grad=True)
-    positions = torch.randint(0, 500, (21,), generator=g)
-    grad = torch.randn(21, 2, 64, generator=g)
-    want = rope_backward_reference(x.detach(), positions, 5e5, 64, grad)[0]
-    taken = []
-    real_cached = rope_triton.cached_tables
-    monkeypatch.setattr(rope_triton, "cached_tables", lambda *a: taken.append(a) or real_cached(*a))
-    monkeypatch.setattr(rope_mod, "_TABLE_DEVICES", ("cuda", "cpu"))
-    monkeypatch.setattr(rope_mod, "_TABLE_BACKENDS", ("rlk.triton", "rlk.cuda", "rlk.reference"))
-    rope_triton.tables(torch.device("cpu"), 64, 5e5, 500)
-    ops.rope(x, positions, 5e5, 64).backward(grad)
-    assert taken and torch.equal(x.grad, want)
-    monkeypatch.setattr(rope_mod, "_TABLE_BACKENDS", ("rlk.triton", "rlk.cuda"))  # the forward read no table
-    taken.clear()
-    x.grad = None
-    ops.rope(x, positions, 5e5, 64).backward(grad)
-    assert not taken and torch.equal(x.grad, want)

@@ -14,8 +14,11 @@ from __future__ import annotations
 OP_CONTRACTS: dict[str, str] = {
     "linear": "rlk.gemm.bi.v1",
     "rms_norm": "rlk.rms_norm.v1",
+    "rms_norm_backward": "rlk.rms_norm.v1",
     "swiglu": "rlk.swiglu.v1",
+    "swiglu_backward": "rlk.swiglu.v1",
     "rope": "rlk.rope.v1",
+    "rope_backward": "rlk.rope.v1",
     "attention_varlen": "rlk.attention.v1",
     "attention_varlen_backward": "rlk.attention.v1",
     "attention_paged_prefill": "rlk.attention.v1",
@@ -33,6 +36,9 @@ OP_CONTRACTS: dict[str, str] = {
 # ops that belong to another op's arithmetic (its backward, its vocab-parallel halves): a backend forced
 # for the main op with RLK_BACKENDS runs them too, so the pieces of one computation never mix backends
 COMPANION_OF: dict[str, str] = {
+    "rms_norm_backward": "rms_norm",
+    "swiglu_backward": "swiglu",
+    "rope_backward": "rope",
     "attention_varlen_backward": "attention_varlen",
     "token_logprobs_backward": "token_logprobs",
     "logp_partials": "token_logprobs",

@@ -50,6 +50,9 @@ TP_OPS: dict[str, tuple[str, ...]] = {
 }
 # Ops whose backward is a registry op of its own (training runs it; it reports like a forward op).
 BACKWARD_OPS: dict[str, str] = {
+    "rms_norm": "rms_norm_backward",
+    "swiglu": "swiglu_backward",
+    "rope": "rope_backward",
     "attention_varlen": "attention_varlen_backward",
     "linear_logprobs": "linear_logprobs_backward",
     "token_logprobs": "token_logprobs_backward",

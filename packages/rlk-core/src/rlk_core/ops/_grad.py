@@ -1,30 +1,36 @@
-"""Deterministic backward passes for the elementwise/row-wise ops.
+"""The autograd backward of the row-wise ops as a registry op of its own (a companion op).
 
-:func:`closed_form_backward` registers an op's backward as a closed-form function of the saved inputs
-(``<op>_backward_reference``): elementwise fp32 operations and single torch reductions over a fixed
-shape, which are deterministic run to run on the CPU and on CUDA (no atomics) and cost a handful of
-kernels — unlike autograd through the reference forward, which launches one kernel per step of its
-reduction trees.
+:func:`backward_companion` registers an op's backward as a call of ``<op>_backward`` — ``rms_norm_backward``,
+``swiglu_backward``, ``rope_backward`` — so the backward is selected, run and reported like a forward op:
+``rlk.reference`` (the closed form in plain torch, CPU and CUDA) or ``rlk.triton`` (one or two fused
+kernels), forced together with the main op by ``RLK_BACKENDS`` (``rlk_core.contracts.COMPANION_OF``). The
+call goes through :func:`~rlk_core.ops._dispatch.call`, which runs the implementation directly inside a
+backward pass (no autograd needed there), so a backward costs its kernels and one registry selection.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 
-from rlk_core.ops._dispatch import register_autograd
+from rlk_core.ops._dispatch import call, register_autograd
 
 
-def closed_form_backward(op, backward: Callable[..., tuple[torch.Tensor | None, ...]], n_tensor_inputs: int) -> None:
-    """``backward(*saved_tensor_inputs, *non_tensor_inputs, grad)`` returns one gradient per tensor input."""
+def backward_companion(op, backward_op: str, n_tensor_inputs: int, saved: tuple[int, ...] | None = None) -> None:
+    """Register ``op``'s backward as ``backward_op(grad, *saved tensor inputs, *non-tensor inputs)``, which
+    returns the gradient of the op's first input, or a tuple of the gradients of its first inputs.
+    ``saved``: the indices of the tensor inputs the backward reads (default: all of them)."""
+    keep = tuple(range(n_tensor_inputs)) if saved is None else tuple(saved)
+
     def setup_context(ctx, inputs, output) -> None:
-        ctx.save_for_backward(*inputs[:n_tensor_inputs])
+        ctx.save_for_backward(*(inputs[i] for i in keep))
         ctx.rest = inputs[n_tensor_inputs:]
 
     def _backward(ctx, grad):
-        grads = backward(*ctx.saved_tensors, *ctx.rest, grad)
-        result = [g if need else None for g, need in zip(grads, ctx.needs_input_grad, strict=False)]
-        return (*result, *([None] * len(ctx.rest)))
+        grads = call(backward_op, grad, *ctx.saved_tensors, *ctx.rest)
+        if isinstance(grads, torch.Tensor):
+            grads = (grads,)
+        needs = ctx.needs_input_grad
+        grads = (*grads, *([None] * (len(needs) - len(grads))))
+        return tuple(g if need else None for g, need in zip(grads, needs, strict=True))
 
     register_autograd(op, _backward, setup_context)

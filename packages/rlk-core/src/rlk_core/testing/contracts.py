@@ -179,6 +179,56 @@ def _rope_offset_invariance(subject: Subject, device: str) -> Result:
     return _each_dtype(one)
 
 
+# -- the row-wise ops' backward companions: rms_norm_backward, swiglu_backward, rope_backward ------------------
+def _backward_rows(op: str, device: str, dtype: torch.dtype, gen: torch.Generator):
+    """``(rows, call(fn) -> callable of the rows returning the op's outputs as a tuple)``; the rows are
+    ``(grad, x)`` or, for rope, ``(grad, positions)``, indexed together along dim 0."""
+    if op == "rms_norm_backward":
+        w = _randn(gen, device, dtype, 256)
+        rows = (_randn(gen, device, dtype, 64, 256), _randn(gen, device, dtype, 64, 256))
+        return rows, lambda f: (lambda g, x: tuple(f(g, x, w, 1e-6)))
+    if op == "swiglu_backward":
+        rows = (_randn(gen, device, dtype, 64, 128), _randn(gen, device, dtype, 64, 256, scale=3.0))
+        return rows, lambda f: (lambda g, x: (f(g, x),))
+    pos = torch.randint(0, 8192, (64,), generator=gen).to(device)
+    return (_randn(gen, device, dtype, 64, 4, 64), pos), lambda f: (lambda g, p: (f(g, p, 1e6, 64),))
+
+
+def _backward_dx_batch_invariance(subject: Subject, device: str) -> Result:
+    """dx of a row depends on that row alone (rms_norm's dweight sums every row: not checked here)."""
+    def one(dtype, gen):
+        rows, call = _backward_rows(subject.op, device, dtype, gen)
+        fn = call(subject.fn())
+        return check_batch_invariance(lambda *r: fn(*r)[0], rows)
+    return _each_dtype(one)
+
+
+def _backward_run_to_run(subject: Subject, device: str) -> Result:
+    def one(dtype, gen):
+        rows, call = _backward_rows(subject.op, device, dtype, gen)
+        fn = call(subject.fn())
+        return check_run_to_run(lambda: fn(*rows), repeats=5)
+    return _each_dtype(one)
+
+
+def _backward_matches_reference(subject: Subject, device: str) -> Result:
+    def one(dtype, gen):
+        rows, call = _backward_rows(subject.op, device, dtype, gen)
+        got, want = call(subject.fn())(*rows), call(_reference(subject.op))(*rows)
+        names = ("dx", "dweight")
+        for name, a, b in zip(names, got, want, strict=False):
+            ok, detail = _close(a, b, f"{subject.op} {name}")
+            if not ok:
+                return False, detail
+        return True, f"{', '.join(names[:len(got)])} within tolerance (norm-relative) of the reference backward"
+    return _each_dtype(one)
+
+
+def _backward_suite() -> list[Check]:
+    return [Check("dx_batch_invariance", _backward_dx_batch_invariance), Check("run_to_run", _backward_run_to_run),
+            Check("matches_reference", _backward_matches_reference)]
+
+
 def _linear_every_tile_same_bits(subject: Subject, device: str) -> Result:
     """Every tile the rule can pick (TMA kernel where the operands allow it, and the pointer kernel) gives
     the bits of the shipped choice, at M where the rule picks different tiles."""
@@ -540,6 +590,7 @@ SUITES: dict[str, list[Check]] = {
     "rms_norm": list(_ROWS),
     "swiglu": list(_ROWS),
     "rope": [*_ROWS, Check("offset_invariance", _rope_offset_invariance)],
+    **{f"{op}_backward": _backward_suite() for op in ("rms_norm", "swiglu", "rope")},
     **{op: _ATTENTION for op in ATTENTION_FORWARD},  # one family, one suite
     "kv_cache_write": [Check("exact_write", _kv_cache_write_exact)],
     "attention_varlen_backward": [Check("run_to_run", _attention_backward_run_to_run),
@@ -554,8 +605,8 @@ SUITES: dict[str, list[Check]] = {
                         Check("backward_run_to_run", _fused_backward_run_to_run, dispatched_only=True)],
 }
 # the ops whose suite rlk-selfcheck runs (the attention family's suite once, under attention_varlen)
-SELFCHECK_OPS = ("linear", "rms_norm", "swiglu", "rope", "attention_varlen", "kv_cache_write",
-                 "attention_varlen_backward", "token_logprobs", "linear_logprobs")
+SELFCHECK_OPS = ("linear", "rms_norm", "swiglu", "rope", "rms_norm_backward", "swiglu_backward", "rope_backward",
+                 "attention_varlen", "kv_cache_write", "attention_varlen_backward", "token_logprobs", "linear_logprobs")
 
 
 def checks(subject: Subject, device: str) -> list[Check]:

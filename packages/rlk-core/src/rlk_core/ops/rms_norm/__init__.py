@@ -6,8 +6,8 @@ import torch
 
 from rlk_core.backends import REGISTRY, Backend
 from rlk_core.ops import _checks as C
-from rlk_core.ops._dispatch import call, custom_op, run
-from rlk_core.ops._grad import closed_form_backward
+from rlk_core.ops._dispatch import call, companion, custom_op, run
+from rlk_core.ops._grad import backward_companion
 from rlk_core.ops.rms_norm.reference import rms_norm_backward_reference, rms_norm_reference
 
 
@@ -43,7 +43,29 @@ def _(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return torch.empty_like(x)
 
 
-closed_form_backward(_rms_norm_op, rms_norm_backward_reference, n_tensor_inputs=2)
+@custom_op("rms_norm_backward")
+def _rms_norm_backward_op(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
+    _check_backward(grad, x, weight, eps)
+    return run("rms_norm_backward", x.device, grad, x, weight, eps)
+
+
+@_rms_norm_backward_op.register_fake
+def _(grad, x, weight, eps):
+    _check_backward(grad, x, weight, eps)
+    return torch.empty_like(x, memory_format=torch.contiguous_format), torch.empty_like(weight)
+
+
+def _check_backward(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
+    _check(x, weight, eps)
+    if not (isinstance(grad, torch.Tensor) and grad.shape == x.shape and grad.dtype in C.FLOAT_DTYPES):
+        C.float_tensor(grad, "rms_norm_backward", "grad")
+        C.require(False, "rms_norm_backward", f"grad must have x's shape {tuple(x.shape)}, got {tuple(grad.shape)}")
+    C.same_device("rms_norm_backward", grad=grad, x=x)
+
+
+# autograd: rms_norm_backward(grad, x, weight, eps) -> (dx, dweight), a registry op (reported, forced with rms_norm)
+backward_companion(_rms_norm_op, "rms_norm_backward", n_tensor_inputs=2)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -62,17 +84,25 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.
 
     Contract ``rlk.rms_norm.v1``: a row's result depends only on that row, ``weight`` and ``eps``; the
     sum of squares is reduced in a fixed order (reference: pairwise-halves tree over H), ``x * inv``
-    is multiplied before ``* weight``, one rounding. Backward is deterministic.
+    is multiplied before ``* weight``, one rounding.
+
+    Backward (op ``rms_norm_backward``, same contract id): with ``inv`` as above, ``xhat = f32(x) * inv``,
+    ``gw = f32(grad) * f32(w)``: ``dx = inv * (gw - xhat * mean(gw * xhat))`` per row, from that row alone,
+    rounded once to x's dtype; ``dweight = sum over rows of f32(grad) * xhat`` in fp32, reduced in an order
+    fixed by the shape (no atomics), rounded once to the weight's dtype. Deterministic run to run.
     """
     return call("rms_norm", x, weight, float(eps))
 
 
 REGISTRY.register(Backend("rlk.reference", "rms_norm", rms_norm_reference, devices=("cpu", "cuda"),
                           builtin=True))
+REGISTRY.register(Backend("rlk.reference", "rms_norm_backward", rms_norm_backward_reference,
+                          devices=("cpu", "cuda"), builtin=True))
 
 from rlk_core.ops._triton_common import triton_backend  # noqa: E402  (imports no Triton until used on CUDA)
 
 REGISTRY.register(triton_backend("rms_norm"))
+REGISTRY.register(companion(triton_backend, "rms_norm_backward", "backward", lambda grad, x, w, eps: (x, w, eps)))
 
 from rlk_core.ops._cuda_common import cuda_backend  # noqa: E402  (imports neither Triton nor the extension)
 

@@ -21,7 +21,7 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tor
     return ((xf * inv[..., None]) * weight.float()).to(x.dtype)
 
 
-def rms_norm_backward_reference(x: torch.Tensor, weight: torch.Tensor, eps: float, grad: torch.Tensor
+def rms_norm_backward_reference(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float
                                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(dx, dweight)`` of ``rms_norm`` in fp32, rounded once to the input dtypes: with
     ``xhat = f32(x) * inv`` and ``gw = f32(grad) * f32(w)``, ``dx = inv * (gw - xhat * mean(gw * xhat))``,

@@ -9,6 +9,15 @@ function of H: several short rows per program keep q/k-norm rows of 128 from bei
 each row is still reduced on its own, by the same instructions, wherever it sits. M is not
 specialised on, so every M runs the same binary. Equal to the reference (pairwise-tree order)
 within ``dtype_tols``, not bitwise.
+
+Backward (:func:`backward`, two launches): ``_rms_norm_bwd_kernel`` walks a fixed block of rows per
+program, ``ROWS`` rows side by side per step as the forward, and computes each row's ``dx`` from that
+row alone (``inv`` recomputed by the forward's ``tl.sum``, ``mean(gw * xhat)`` by one more), rounded once
+to x's dtype; it adds the step's ``tl.sum`` over its rows of ``g * xhat`` to a per-program fp32 partial of
+``dweight``, steps in increasing row order, and writes the partial (no atomics).
+``_rms_norm_bwd_dw_kernel`` sums the ``[P, H]`` partials over P in blocks of ``DW_BLOCK_P`` in increasing
+order (a ``tl.sum`` per block) and rounds once to the weight's dtype. The rows per program are a function
+of (M, H) only (:func:`partition`), so every run of one shape reduces ``dweight`` in the same order.
 """
 
 from __future__ import annotations
@@ -43,6 +52,96 @@ def _rms_norm_fwd_kernel(x_ptr, w_ptr, y_ptr, M, H, stride_xm, stride_ym, eps,
     w = tl.load(w_ptr + cols, mask=cols < H, other=0.0).to(tl.float32)
     y = (x * inv[:, None]) * w[None, :]
     tl.store(y_ptr + rows64[:, None] * stride_ym + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+MAX_PROGRAMS = 512  # backward: at most this many programs, i.e. rows of fp32 dweight partials
+MIN_STEPS = 4  # backward: a program walks at least this many steps of ROWS rows (fewer partials at small M)
+DW_BLOCK_P, DW_BLOCK_N = 64, 32  # the dweight merge: partials per step, columns per program
+DW_WARPS = 4
+
+
+def partition(m: int, h: int) -> tuple[int, int]:
+    """``(rows_per_program, programs)`` of the backward: a pure function of the shape (M rows of H)."""
+    rows = config(h)["ROWS"]
+    steps = max(MIN_STEPS, triton.cdiv(triton.cdiv(m, rows), MAX_PROGRAMS))
+    return rows * steps, triton.cdiv(m, rows * steps)
+
+
+@triton.jit(do_not_specialize=["M", "NH", "RPP"])
+def _rms_norm_bwd_kernel(x_ptr, w_ptr, g_ptr, dx_ptr, part_ptr, M, H, NH, RPP,
+                         stride_x0, stride_x1, stride_g0, stride_g1, eps,
+                         BLOCK_H: tl.constexpr, ROWS: tl.constexpr):
+    # row r of the [M, H] view is (r // NH, r % NH) of x and g seen as [M / NH, NH, H] with unit last stride
+    # (the q/k-norm input is such a view of the QKV output); dx is a fresh contiguous [M, H]
+    pid = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_H)
+    cmask = cols < H
+    w = tl.load(w_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
+    acc = tl.zeros([BLOCK_H], dtype=tl.float32)
+    first = pid * RPP
+    for step in range(0, RPP, ROWS):
+        rows = first + step + tl.arange(0, ROWS)
+        mask = (rows[:, None] < M) & cmask[None, :]
+        outer, inner = (rows // NH).to(tl.int64), (rows % NH).to(tl.int64)
+        xo = outer * stride_x0 + inner * stride_x1
+        go = outer * stride_g0 + inner * stride_g1
+        x = tl.load(x_ptr + xo[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        g = tl.load(g_ptr + go[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        inv = tl.math.rsqrt(tl.sum(x * x, axis=1) / H + eps)
+        xhat = x * inv[:, None]
+        gw = g * w[None, :]
+        mean = tl.sum(gw * xhat, axis=1) / H
+        dx = inv[:, None] * (gw - xhat * mean[:, None])
+        tl.store(dx_ptr + rows.to(tl.int64)[:, None] * H + cols[None, :], dx.to(dx_ptr.dtype.element_ty), mask=mask)
+        acc += tl.sum(g * xhat, axis=0)
+    tl.store(part_ptr + pid.to(tl.int64) * H + cols, acc, mask=cmask)
+
+
+@triton.jit(do_not_specialize=["P"])
+def _rms_norm_bwd_dw_kernel(part_ptr, dw_ptr, P, H, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cmask = cols < H
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for p0 in range(0, P, BLOCK_P):
+        p = p0 + tl.arange(0, BLOCK_P)
+        tile = tl.load(part_ptr + p.to(tl.int64)[:, None] * H + cols[None, :],
+                       mask=(p[:, None] < P) & cmask[None, :], other=0.0)
+        acc += tl.sum(tile, axis=0)
+    tl.store(dw_ptr + cols, acc.to(dw_ptr.dtype.element_ty), mask=cmask)
+
+
+def rows_view(t: torch.Tensor) -> torch.Tensor:
+    """``t [..., H]`` as ``[A, NH, H]`` (``NH = t.shape[-2]``, 1 for a vector) with a unit last stride: a view
+    where one exists (a [T, heads, D] slice of a wider tensor is one), else a contiguous copy."""
+    h = t.shape[-1]
+    nh = t.shape[-2] if t.dim() >= 2 else 1
+    try:
+        t3 = t.view(-1, nh, h)
+    except RuntimeError:
+        t3 = None
+    if t3 is None or (h > 1 and t3.stride(2) != 1):
+        t3 = t.contiguous().view(-1, nh, h)
+    return t3
+
+
+def backward(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(dx, dweight)`` (see the module docstring): dx in x's dtype, dweight in the weight's."""
+    h = x.shape[-1]
+    m = x.numel() // h
+    dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if m == 0:
+        return dx, torch.zeros((h,), dtype=weight.dtype, device=weight.device)
+    x3, g3 = rows_view(x), rows_view(grad)
+    w = weight if weight.stride(0) == 1 else weight.contiguous()
+    rpp, programs = partition(m, h)
+    part = torch.empty((programs, h), dtype=torch.float32, device=x.device)
+    _rms_norm_bwd_kernel[(programs,)](x3, w, g3, dx, part, m, h, x3.shape[1], rpp, x3.stride(0), x3.stride(1),
+                                      g3.stride(0), g3.stride(1), float(eps), **config(h))
+    dw = torch.empty((h,), dtype=weight.dtype, device=weight.device)
+    _rms_norm_bwd_dw_kernel[(triton.cdiv(h, DW_BLOCK_N),)](part, dw, programs, h, BLOCK_P=DW_BLOCK_P,
+                                                           BLOCK_N=DW_BLOCK_N, num_warps=DW_WARPS)
+    return dx, dw
 
 
 def forward(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

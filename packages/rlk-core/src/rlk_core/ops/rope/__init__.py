@@ -6,14 +6,9 @@ import torch
 
 from rlk_core.backends import REGISTRY, Backend
 from rlk_core.ops import _checks as C
-from rlk_core.ops._dispatch import call, custom_op, run
-from rlk_core.ops._grad import closed_form_backward
-from rlk_core.ops.rope.reference import (
-    rope_backward_reference,
-    rope_backward_with,
-    rope_cos_sin,
-    rope_reference,
-)
+from rlk_core.ops._dispatch import call, companion, custom_op, run
+from rlk_core.ops._grad import backward_companion
+from rlk_core.ops.rope.reference import rope_backward_reference, rope_cos_sin, rope_reference
 
 MAX_POSITION = 1 << 24  # positions are exact in fp32 below this
 
@@ -56,39 +51,34 @@ def _(x: torch.Tensor, positions: torch.Tensor, theta: float, rotary_dim: int) -
     return torch.empty_like(x)
 
 
-_TABLE_BACKENDS = ("rlk.triton", "rlk.cuda")  # the backends whose forward reads rlk.triton's cached table
-_TABLE_DEVICES = ("cuda",)
+@custom_op("rope_backward")
+def _rope_backward_op(grad: torch.Tensor, positions: torch.Tensor, theta: float, rotary_dim: int) -> torch.Tensor:
+    _check(grad, positions, theta, rotary_dim)
+    return run("rope_backward", grad.device, grad, positions, theta, rotary_dim)
 
 
-def _rope_backward(x: torch.Tensor, positions: torch.Tensor, theta: float, rotary_dim: int, grad: torch.Tensor
-                   ) -> tuple[torch.Tensor, None]:
-    """The closed-form backward (:func:`rope_backward_reference`). On a GPU the cos/sin rows are gathered
-    from the table the forward used (``rlk.triton``'s cache: the same function of the position, element by
-    element, so the same bits) instead of recomputed with ~40 float64 launches per call. Only where the
-    forward ran a backend that reads that table (the registry selects the same one for the same inputs): its
-    call sized the table for these positions (tables only grow), so the gather stays inside it. Otherwise the
-    reference recomputes the rows."""
-    device_type = x.device.type
-    if device_type in _TABLE_DEVICES and REGISTRY.select("rope", device_type, (x, positions, theta, rotary_dim),
-                                                         strict=False).backend.id in _TABLE_BACKENDS:
-        from rlk_core.ops.rope import triton as rope_triton
-
-        hit = rope_triton.cached_tables(x.device, rotary_dim, theta)
-        if hit is not None:
-            rows = positions.reshape(-1)
-            return rope_backward_with(hit[0].index_select(0, rows), hit[1].index_select(0, rows), x, rotary_dim,
-                                      grad)
-    return rope_backward_reference(x, positions, theta, rotary_dim, grad)
+@_rope_backward_op.register_fake
+def _(grad: torch.Tensor, positions: torch.Tensor, theta: float, rotary_dim: int) -> torch.Tensor:
+    _check(grad, positions, theta, rotary_dim)
+    return torch.empty_like(grad, memory_format=torch.contiguous_format)
 
 
-closed_form_backward(_rope_op, _rope_backward, n_tensor_inputs=2)
+# autograd: rope_backward(grad, positions, theta, rotary_dim) -> dx, a registry op (reported, forced with rope);
+# only the positions are saved (the rotation does not read x)
+backward_companion(_rope_op, "rope_backward", n_tensor_inputs=2, saved=(1,))
 
 
 def reserve_tables(device: torch.device | str, rotary_dim: int, theta: float, max_positions: int) -> None:
     """Build the cached fp32 cos/sin tables of ``rlk.triton``'s rope for positions ``[0, max_positions)``
-    now. A rope call under CUDA-graph capture cannot size its table from the positions (that needs a host
-    sync) and must not see it replaced later, so a launcher that captures graphs (vLLM) reserves the model's
-    maximum length first. Does nothing where ``rlk.triton`` does not run rope (CPU, no Triton)."""
+    now, and use them as they are from then on. A rope call under CUDA-graph capture cannot size its table
+    from the positions (that needs a host sync), so a launcher that captures graphs (vLLM) reserves the
+    model's maximum length first; a trainer reserves at model build so that no forward syncs the host
+    (otherwise one ``positions.max()`` per call). Safe beside another reservation in the same process (a
+    colocated vLLM): the table only grows, and a table it replaces stays allocated for the graphs captured
+    on it (at most twice one table's memory, see :mod:`rlk_core.ops.rope.triton`). A token whose position
+    is past the reserved rows gets NaN outputs (never an out-of-bounds read); under
+    ``RLK_VALUE_CHECKS=always`` the forward raises instead. Does nothing where ``rlk.triton`` does not run
+    rope (CPU, no Triton)."""
     dev = torch.device(device)
     C.require(max_positions > 0 and max_positions <= MAX_POSITION, "rope",
               f"max_positions must be in (0, {MAX_POSITION}], got {max_positions}")
@@ -118,17 +108,24 @@ def rope(x: torch.Tensor, positions: torch.Tensor, theta: float, rotary_dim: int
     Contract ``rlk.rope.v1``: each element depends only on its value, its partner in the rotate-half
     pair and its absolute position; cos/sin tables are built in fp32 by :func:`rope_cos_sin` (the same
     builder on both sides, never rounded to bf16); one rounding of the rotated values.
+
+    Backward (op ``rope_backward``, same contract id): the rotation by ``-angle`` with the same table rows,
+    ``dx1 = g1*cos + g2*sin``, ``dx2 = g2*cos - g1*sin`` in fp32 (products first), one rounding; dims past
+    ``rotary_dim`` pass the gradient through. Elementwise: deterministic run to run.
     """
     return call("rope", x, positions, float(theta), int(rotary_dim or x.shape[-1]))
 
 
 REGISTRY.register(Backend("rlk.reference", "rope", rope_reference, devices=("cpu", "cuda"), builtin=True))
+REGISTRY.register(Backend("rlk.reference", "rope_backward", rope_backward_reference, devices=("cpu", "cuda"),
+                          builtin=True))
 
 __all__ = ["rope", "rope_cos_sin"]
 
 from rlk_core.ops._triton_common import triton_backend  # noqa: E402  (imports no Triton until used on CUDA)
 
 REGISTRY.register(triton_backend("rope"))
+REGISTRY.register(companion(triton_backend, "rope_backward", "backward", lambda *args: args))
 
 from rlk_core.ops._cuda_common import cuda_backend  # noqa: E402  (imports neither Triton nor the extension)
 

@@ -1,5 +1,6 @@
 """``rope`` on ``rlk.cuda``: ``rlk.triton``'s kernel (:mod:`rlk_core.ops.rope.triton`) from its AOT cubin,
-launched by ``rlk_core._C``. The same cached cos/sin tables, config and grid as the Triton launcher.
+launched by ``rlk_core._C``. The same cached cos/sin tables, config and grid as the Triton launcher; the
+table's row count is passed per call (``N_POS``: positions past it give NaN, never an out-of-bounds read).
 
 ``supports`` and ``launch`` each keep one decision per call signature
 (:class:`~rlk_core.ops._cuda_common.Launch`): the general code below (:func:`supports_general`,
@@ -59,7 +60,7 @@ def _decide_launch(key: tuple, x: torch.Tensor, positions: torch.Tensor, cos: to
         hdl, block_h = _variant(x.device.index, x.dtype, positions.dtype, nh, d, rotary_dim, layout)
         record = cc.Launch(hdl, (t, -(-nh // block_h), 1), (t, nh, d), (t, nh, d), 0, layout == "aligned",
                            ((cc.T, 0), (cc.T, 1), (cc.T, 2), (cc.T, 3), (cc.O, 0), (cc.C, t), (cc.C, nh),
-                            (cc.C, x.stride(0)), (cc.C, x.stride(1)), (cc.C, nh * d), (cc.C, d)))
+                            (cc.S, 4), (cc.C, x.stride(0)), (cc.C, x.stride(1)), (cc.C, nh * d), (cc.C, d)))
     return cc.remember(_LAUNCHES, key, (record,))[0]
 
 
@@ -71,7 +72,7 @@ def launch(
     hit = _LAUNCHES.get(key)
     record = hit[0] if hit is not None else _decide_launch(key, x, positions, cos, sin, rotary_dim)
     if record is not None:
-        y = cc.run(record, x, positions, cos, sin)
+        y = cc.run(record, x, positions, cos, sin, cos.shape[0])  # the table's rows: N_POS
         if y is not None:
             return y
     return launch_general(x, positions, cos, sin, rotary_dim)
@@ -102,6 +103,7 @@ def launch_general(
         y,
         t,
         nh,
+        cos.shape[0],
         x.stride(0),
         x.stride(1),
         y.stride(0),

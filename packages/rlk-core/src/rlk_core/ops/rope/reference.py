@@ -71,21 +71,16 @@ def rope_reference(x: torch.Tensor, positions: torch.Tensor, theta: float, rotar
     return torch.cat([out1.to(x.dtype), out2.to(x.dtype), x[..., rotary_dim:]], dim=-1)
 
 
-def rope_backward_reference(x: torch.Tensor, positions: torch.Tensor, theta: float, rotary_dim: int,
-                            grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-    """The inverse rotation of ``grad`` with the forward's fp32 tables: ``dx1 = g1*cos + g2*sin``,
-    ``dx2 = g2*cos - g1*sin``, dims ``R..D`` passed through; elementwise, deterministic."""
+def rope_backward_reference(grad: torch.Tensor, positions: torch.Tensor, theta: float, rotary_dim: int
+                            ) -> torch.Tensor:
+    """``dx`` of ``rope``: the inverse rotation of ``grad [T, H, D]`` with the forward's fp32 tables,
+    ``dx1 = g1*cos + g2*sin``, ``dx2 = g2*cos - g1*sin`` (products first), rounded once to grad's dtype (the
+    forward's output dtype, x's); dims ``R..D`` passed through. Elementwise, deterministic."""
     cos, sin = rope_cos_sin(positions, rotary_dim, theta)
-    return rope_backward_with(cos, sin, x, rotary_dim, grad)
-
-
-def rope_backward_with(cos: torch.Tensor, sin: torch.Tensor, x: torch.Tensor, rotary_dim: int,
-                       grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-    """:func:`rope_backward_reference` given the positions' fp32 rows ``cos, sin`` ``[T, rotary_dim/2]``."""
     cos, sin = cos[:, None, :], sin[:, None, :]
     half = rotary_dim // 2
     g = grad.float()
     g1, g2 = g[..., :half], g[..., half:rotary_dim]
     dx1 = g1 * cos + g2 * sin
     dx2 = g2 * cos - g1 * sin
-    return torch.cat([dx1.to(x.dtype), dx2.to(x.dtype), grad[..., rotary_dim:].to(x.dtype)], dim=-1), None
+    return torch.cat([dx1.to(grad.dtype), dx2.to(grad.dtype), grad[..., rotary_dim:]], dim=-1)

@@ -8,6 +8,23 @@ identical tables. The kernel gathers the row of each token's position and comput
 fp-contraction off (``enable_fp_fusion=False``: products rounded, then the add/subtract, exactly the
 reference's arithmetic), ``out1 = x1*cos - x2*sin``, ``out2 = x2*cos + x1*sin``, one rounding;
 dims ``R..D`` are copied. Expected bitwise equal to the reference on the same device.
+
+Backward (:func:`backward`): the rotation by ``-theta`` with the same table rows, ``_rope_bwd_kernel`` — the
+forward's code with ``sin`` negated (an exact operation), so ``dx1 = g1*cos + g2*sin``, ``dx2 = g2*cos -
+g1*sin`` exactly as the reference backward computes them (bitwise equal to it on the same device, like the
+forward); dims ``R..D`` of the gradient pass through.
+
+**Positions past the table.** Both kernels take the table's row count and never read past it: a token
+whose position is outside ``[0, rows)`` gets NaN in every output dim (rotated and passed-through), so a
+reserved table too short for the model is loud, not an out-of-bounds read. Under
+``RLK_VALUE_CHECKS=always`` a forward on a reserved table raises instead (a host sync per call).
+
+**Table lifetime.** A table that grows is replaced in the cache, but the tensors it replaces are kept alive
+(:data:`_RETIRED`) for the life of the process: a CUDA graph captured on an earlier table (vLLM's, colocated
+with a trainer that reserves a longer one) keeps reading valid memory. Tables grow by doubling from
+``MIN_CAP``, so the retired ones together are smaller than the live one: at most twice a table's memory,
+``2 * cap * rotary_dim * 4`` bytes (cos and sin, fp32) per ``(device, rotary_dim, theta)``; 64 MiB for a
+reserved 65536-position table of rotary dim 128.
 """
 
 from __future__ import annotations
@@ -19,12 +36,14 @@ import triton
 import triton.language as tl
 
 from rlk_core.errors import RlkInputError
+from rlk_core.ops import _checks as C
 from rlk_core.ops._triton_common import next_pow2
 from rlk_core.ops.rope.reference import rope_cos_sin
 
 MIN_CAP = 4096
 _TABLES: dict[tuple[str, int, float], tuple[int, torch.Tensor, torch.Tensor]] = {}
 _RESERVED: set[tuple[str, int, float]] = set()  # tables reserved for a model's whole length (reserve_tables)
+_RETIRED: list[tuple[torch.Tensor, torch.Tensor]] = []  # replaced tables, kept alive (see the module docstring)
 _LOCK = threading.Lock()
 
 
@@ -38,22 +57,23 @@ def reserved_tables(device: torch.device, rotary_dim: int, theta: float
                     ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """The table reserved for every position the model can see (:func:`rlk_core.ops.rope.reserve_tables`), or
     None. A reserved table is used as it is: no host sync to size it from the positions (which CUDA-graph
-    capture forbids and which stalls every eager call), and it is never replaced, so a captured graph never
-    reads freed memory. A table only sized by earlier calls is not trusted under capture."""
+    capture forbids and which stalls every eager call). Where a later reservation grows it, the grown table
+    is used from then on and the earlier one stays alive for the graphs that read it. A table only sized by
+    earlier calls is not trusted under capture."""
     key = (str(device), rotary_dim, float(theta))
     hit = _TABLES.get(key) if key in _RESERVED else None
     return None if hit is None else (hit[1], hit[2])
 
 
 def cached_tables(device: torch.device, rotary_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """The cached table as it is (any size), or None: for a caller whose positions a forward already sized
-    it for (the backward)."""
+    """The cached table as it is (any size), or None."""
     hit = _TABLES.get((str(device), rotary_dim, float(theta)))
     return None if hit is None else (hit[1], hit[2])
 
 
 def tables(device: torch.device, rotary_dim: int, theta: float, need: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp32 ``(cos, sin)`` of shape ``[cap, rotary_dim/2]`` with ``cap >= need``, from the reference builder."""
+    """fp32 ``(cos, sin)`` of shape ``[cap, rotary_dim/2]`` with ``cap >= need``, from the reference builder. A
+    table too small is replaced by a larger one; the replaced tensors are retired, never freed."""
     key = (str(device), rotary_dim, float(theta))
     with _LOCK:
         hit = _TABLES.get(key)
@@ -61,6 +81,8 @@ def tables(device: torch.device, rotary_dim: int, theta: float, need: int) -> tu
             cap = max(MIN_CAP, next_pow2(need))
             pos = torch.arange(cap, dtype=torch.int64, device=device)
             cos, sin = rope_cos_sin(pos, rotary_dim, theta)
+            if hit is not None:
+                _RETIRED.append((hit[1], hit[2]))
             hit = (cap, cos.contiguous(), sin.contiguous())
             _TABLES[key] = hit
     return hit[1], hit[2]
@@ -73,17 +95,21 @@ def config(n_heads: int, half: int) -> dict[str, int]:
             "num_warps": max(1, min(8, block_h * block_half // 256))}
 
 
-@triton.jit(do_not_specialize=["T"])
-def _rope_fwd_kernel(x_ptr, pos_ptr, cos_ptr, sin_ptr, y_ptr, T, NH,
-                     stride_xt, stride_xh, stride_yt, stride_yh,
-                     HALF: tl.constexpr, D: tl.constexpr, R: tl.constexpr,
-                     BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_PASS: tl.constexpr):
+@triton.jit
+def _rotate(x_ptr, pos_ptr, cos_ptr, sin_ptr, y_ptr, NH, N_POS, stride_xt, stride_xh, stride_yt, stride_yh,
+            HALF: tl.constexpr, D: tl.constexpr, R: tl.constexpr, BLOCK_H: tl.constexpr,
+            BLOCK_HALF: tl.constexpr, BLOCK_PASS: tl.constexpr, NEGATE_SIN: tl.constexpr):
+    """One token's heads ``[BLOCK_H]``: rotated by the angle of its position (by minus it: ``NEGATE_SIN``)."""
     t = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     i = tl.arange(0, BLOCK_HALF)
     pos = tl.load(pos_ptr + t).to(tl.int64)
-    cos = tl.load(cos_ptr + pos * HALF + i, mask=i < HALF, other=0.0)
-    sin = tl.load(sin_ptr + pos * HALF + i, mask=i < HALF, other=0.0)
+    inside = (pos >= 0) & (pos < N_POS)  # a position past the table reads nothing and writes NaN
+    row = tl.where(inside, pos, 0)
+    cos = tl.load(cos_ptr + row * HALF + i, mask=(i < HALF) & inside, other=float("nan"))
+    sin = tl.load(sin_ptr + row * HALF + i, mask=(i < HALF) & inside, other=float("nan"))
+    if NEGATE_SIN:
+        sin = -sin
     mask = (heads[:, None] < NH) & (i[None, :] < HALF)
     xb = x_ptr + t * stride_xt + heads[:, None] * stride_xh
     yb = y_ptr + t * stride_yt + heads[:, None] * stride_yh
@@ -96,13 +122,32 @@ def _rope_fwd_kernel(x_ptr, pos_ptr, cos_ptr, sin_ptr, y_ptr, T, NH,
     if BLOCK_PASS > 0:
         j = tl.arange(0, BLOCK_PASS)
         pmask = (heads[:, None] < NH) & (j[None, :] < D - R)
-        rest = tl.load(xb + R + j[None, :], mask=pmask, other=0.0)
-        tl.store(yb + R + j[None, :], rest, mask=pmask)
+        rest = tl.load(xb + R + j[None, :], mask=pmask, other=0.0).to(tl.float32)  # exact for every input dtype
+        tl.store(yb + R + j[None, :], tl.where(inside, rest, float("nan")).to(y_ptr.dtype.element_ty), mask=pmask)
+
+
+@triton.jit(do_not_specialize=["T", "N_POS"])
+def _rope_fwd_kernel(x_ptr, pos_ptr, cos_ptr, sin_ptr, y_ptr, T, NH, N_POS,
+                     stride_xt, stride_xh, stride_yt, stride_yh,
+                     HALF: tl.constexpr, D: tl.constexpr, R: tl.constexpr,
+                     BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_PASS: tl.constexpr):
+    _rotate(x_ptr, pos_ptr, cos_ptr, sin_ptr, y_ptr, NH, N_POS, stride_xt, stride_xh, stride_yt, stride_yh,
+            HALF, D, R, BLOCK_H, BLOCK_HALF, BLOCK_PASS, False)
+
+
+@triton.jit(do_not_specialize=["T", "N_POS"])
+def _rope_bwd_kernel(g_ptr, pos_ptr, cos_ptr, sin_ptr, dx_ptr, T, NH, N_POS,
+                     stride_gt, stride_gh, stride_dxt, stride_dxh,
+                     HALF: tl.constexpr, D: tl.constexpr, R: tl.constexpr,
+                     BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_PASS: tl.constexpr):
+    _rotate(g_ptr, pos_ptr, cos_ptr, sin_ptr, dx_ptr, NH, N_POS, stride_gt, stride_gh, stride_dxt, stride_dxh,
+            HALF, D, R, BLOCK_H, BLOCK_HALF, BLOCK_PASS, True)
 
 
 def launch(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-           rotary_dim: int) -> torch.Tensor:
-    """Run the kernel with tables from :func:`tables` (rows must cover every position)."""
+           rotary_dim: int, kernel=_rope_fwd_kernel) -> torch.Tensor:
+    """Run ``kernel`` (the forward, or :data:`_rope_bwd_kernel` on a gradient) with tables from :func:`tables`;
+    tokens whose position is past the table's rows get NaN."""
     t, nh, d = x.shape
     y = torch.empty((t, nh, d), dtype=x.dtype, device=x.device)
     if t == 0 or nh == 0:
@@ -112,19 +157,24 @@ def launch(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: tor
     c = config(nh, rotary_dim // 2)
     block_pass = next_pow2(d - rotary_dim) if d > rotary_dim else 0
     grid = (t, triton.cdiv(nh, c["BLOCK_H"]))
-    _rope_fwd_kernel[grid](x, positions, cos, sin, y, t, nh,
-                           x.stride(0), x.stride(1), y.stride(0), y.stride(1),
-                           HALF=rotary_dim // 2, D=d, R=rotary_dim, BLOCK_PASS=block_pass,
-                           enable_fp_fusion=False, **c)
+    kernel[grid](x, positions, cos, sin, y, t, nh, cos.shape[0],
+                 x.stride(0), x.stride(1), y.stride(0), y.stride(1),
+                 HALF=rotary_dim // 2, D=d, R=rotary_dim, BLOCK_PASS=block_pass,
+                 enable_fp_fusion=False, **c)
     return y
 
 
 def forward_tables(x: torch.Tensor, positions: torch.Tensor, theta: float, rotary_dim: int
                    ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The ``(cos, sin)`` table a forward call reads (rlk.triton's and rlk.cuda's): the reserved one as it is,
-    else one sized from the positions (a host sync, refused under CUDA-graph capture)."""
+    """The ``(cos, sin)`` table a forward call reads (rlk.triton's and rlk.cuda's): the reserved one as it is
+    (no host sync; under ``RLK_VALUE_CHECKS=always`` positions past it raise), else one sized from the
+    positions (a host sync, refused under CUDA-graph capture)."""
     reserved = reserved_tables(x.device, rotary_dim, theta)
     if reserved is not None:
+        if positions.numel() and C.values_checked(positions):
+            hi, rows = int(positions.max()), reserved[0].shape[0]
+            C.require(hi < rows, "rope", f"position {hi} is past the reserved cos/sin table of {rows} rows "
+                      f"(rotary_dim={rotary_dim}, theta={theta}); reserve_tables a longer one")
         return reserved
     if torch.cuda.is_current_stream_capturing():
         raise RlkInputError(f"rope under CUDA-graph capture: no cos/sin table reserved for rotary_dim={rotary_dim}, "
@@ -133,10 +183,27 @@ def forward_tables(x: torch.Tensor, positions: torch.Tensor, theta: float, rotar
     return tables(x.device, rotary_dim, theta, int(positions.max()) + 1)  # one host sync for the table size
 
 
+def backward_tables(grad: torch.Tensor, positions: torch.Tensor, theta: float, rotary_dim: int
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The table a backward call reads: the cached one as it is — the forward's (a forward on this device
+    reserved it or sized it for these positions, and tables only grow) — with no host sync; where none is
+    cached (the forward read no table), one built from the positions (a host sync)."""
+    hit = cached_tables(grad.device, rotary_dim, theta)
+    return hit if hit is not None else tables(grad.device, rotary_dim, theta, int(positions.max()) + 1)
+
+
 def forward(x: torch.Tensor, positions: torch.Tensor, theta: float, rotary_dim: int) -> torch.Tensor:
     if x.shape[0] == 0:
         return torch.empty_like(x)
     return launch(x, positions, *forward_tables(x, positions, theta, rotary_dim), rotary_dim)
+
+
+def backward(grad: torch.Tensor, positions: torch.Tensor, theta: float, rotary_dim: int) -> torch.Tensor:
+    """``dx`` of ``rope`` for the output gradient ``grad [T, H, D]`` (see the module docstring)."""
+    if grad.shape[0] == 0:
+        return torch.empty_like(grad)
+    return launch(grad, positions, *backward_tables(grad, positions, theta, rotary_dim), rotary_dim,
+                  kernel=_rope_bwd_kernel)
 
 
 def supports(x: torch.Tensor, positions: torch.Tensor, theta: float, rotary_dim: int) -> tuple[bool, str]:

@@ -6,8 +6,8 @@ import torch
 
 from rlk_core.backends import REGISTRY, Backend
 from rlk_core.ops import _checks as C
-from rlk_core.ops._dispatch import call, custom_op, run
-from rlk_core.ops._grad import closed_form_backward
+from rlk_core.ops._dispatch import call, companion, custom_op, run
+from rlk_core.ops._grad import backward_companion
 from rlk_core.ops.swiglu.reference import swiglu_backward_reference, swiglu_reference
 
 
@@ -38,7 +38,29 @@ def _(x: torch.Tensor) -> torch.Tensor:
     return x.new_empty((*x.shape[:-1], x.shape[-1] // 2))
 
 
-closed_form_backward(_swiglu_op, swiglu_backward_reference, n_tensor_inputs=1)
+@custom_op("swiglu_backward")
+def _swiglu_backward_op(grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    _check_backward(grad, x)
+    return run("swiglu_backward", x.device, grad, x)
+
+
+@_swiglu_backward_op.register_fake
+def _(grad, x):
+    _check_backward(grad, x)
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+def _check_backward(grad: torch.Tensor, x: torch.Tensor) -> None:
+    _check(x)
+    want = (*x.shape[:-1], x.shape[-1] // 2)
+    if not (isinstance(grad, torch.Tensor) and grad.shape == want and grad.dtype in C.FLOAT_DTYPES):
+        C.float_tensor(grad, "swiglu_backward", "grad")
+        C.require(False, "swiglu_backward", f"grad must have shape {want}, got {tuple(grad.shape)}")
+    C.same_device("swiglu_backward", grad=grad, x=x)
+
+
+# autograd: swiglu_backward(grad, x) -> dx, a registry op (reported, forced with swiglu)
+backward_companion(_swiglu_op, "swiglu_backward", n_tensor_inputs=1)
 
 
 def swiglu(x: torch.Tensor) -> torch.Tensor:
@@ -53,15 +75,22 @@ def swiglu(x: torch.Tensor) -> torch.Tensor:
     Tensor ``[..., I]``, dtype of ``x``: ``gate / (1 + exp(-gate)) * up`` in fp32, rounded once.
 
     Contract ``rlk.swiglu.v1``: each output element depends only on its gate and up elements.
+
+    Backward (op ``swiglu_backward``, same contract id): with ``s = 1 / (1 + exp(-g))`` in fp32,
+    ``dgate = dy * u * s * (1 + g * (1 - s))``, ``dup = dy * (g * s)``, each element from its own gate, up
+    and output gradient, rounded once to x's dtype. Deterministic run to run (elementwise, no reduction).
     """
     return call("swiglu", x)
 
 
 REGISTRY.register(Backend("rlk.reference", "swiglu", swiglu_reference, devices=("cpu", "cuda"), builtin=True))
+REGISTRY.register(Backend("rlk.reference", "swiglu_backward", swiglu_backward_reference, devices=("cpu", "cuda"),
+                          builtin=True))
 
 from rlk_core.ops._triton_common import triton_backend  # noqa: E402  (imports no Triton until used on CUDA)
 
 REGISTRY.register(triton_backend("swiglu"))
+REGISTRY.register(companion(triton_backend, "swiglu_backward", "backward", lambda grad, x: (x,)))
 
 from rlk_core.ops._cuda_common import cuda_backend  # noqa: E402  (imports neither Triton nor the extension)
 

@@ -19,7 +19,7 @@ def swiglu_reference(x: torch.Tensor) -> torch.Tensor:
     return ((g / (torch.exp(-g) + 1.0)) * u).to(x.dtype)
 
 
-def swiglu_backward_reference(x: torch.Tensor, grad: torch.Tensor) -> tuple[torch.Tensor]:
+def swiglu_backward_reference(grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """``dx = [dgate | dup]`` in fp32, rounded once to ``x.dtype``: ``s = 1 / (1 + exp(-g))``,
     ``dup = grad * g * s``, ``dgate = grad * u * s * (1 + g * (1 - s))``; elementwise, deterministic."""
     half = x.shape[-1] // 2
@@ -29,4 +29,4 @@ def swiglu_backward_reference(x: torch.Tensor, grad: torch.Tensor) -> tuple[torc
     s = 1.0 / (torch.exp(-g) + 1.0)
     dgate = dy * u * s * (1.0 + g * (1.0 - s))
     dup = dy * (g * s)
-    return (torch.cat([dgate, dup], dim=-1).to(x.dtype),)
+    return torch.cat([dgate, dup], dim=-1).to(x.dtype)

@@ -4,6 +4,10 @@
 ``x = [gate | up]``: elementwise, one rounding. ``exp`` is Triton's ``tl.exp`` and ``/`` its fp32
 division (both the fast hardware forms, portable to HIP); the result is equal to the reference
 within ``dtype_tols``, not bitwise, and depends only on the element (no reduction, M not specialised).
+
+Backward (:func:`backward`, one launch of ``_swiglu_bwd_kernel`` on the forward's grid): per element, in
+fp32, ``s = 1 / (1 + exp(-g))``, ``dgate = dy * u * s * (1 + g * (1 - s))``, ``dup = dy * (g * s)`` (the
+reference's expressions, left to right), each rounded once to x's dtype into ``dx = [dgate | dup]``.
 """
 
 from __future__ import annotations
@@ -29,6 +33,40 @@ def _swiglu_fwd_kernel(x_ptr, y_ptr, M, INTER, stride_xm, stride_ym, BLOCK: tl.c
     u = tl.load(x_ptr + row * stride_xm + INTER + cols, mask=mask, other=0.0).to(tl.float32)
     y = (g / (tl.exp(-g) + 1.0)) * u
     tl.store(y_ptr + row * stride_ym + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _swiglu_bwd_kernel(x_ptr, g_ptr, dx_ptr, M, INTER, stride_xm, stride_gm, stride_dxm, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < INTER
+    a = tl.load(x_ptr + row * stride_xm + cols, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(x_ptr + row * stride_xm + INTER + cols, mask=mask, other=0.0).to(tl.float32)
+    dy = tl.load(g_ptr + row * stride_gm + cols, mask=mask, other=0.0).to(tl.float32)
+    s = 1.0 / (tl.exp(-a) + 1.0)
+    dgate = dy * u * s * (1.0 + a * (1.0 - s))
+    dup = dy * (a * s)
+    tl.store(dx_ptr + row * stride_dxm + cols, dgate.to(dx_ptr.dtype.element_ty), mask=mask)
+    tl.store(dx_ptr + row * stride_dxm + INTER + cols, dup.to(dx_ptr.dtype.element_ty), mask=mask)
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    t2 = t.reshape(-1, t.shape[-1])
+    return t2 if t2.stride(-1) == 1 else t2.contiguous()
+
+
+def backward(grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """``dx = [dgate | dup]`` of ``x [..., 2I]`` for ``grad [..., I]`` (see the module docstring)."""
+    two_i = x.shape[-1]
+    inter = two_i // 2
+    x2, g2 = _rows(x), _rows(grad)
+    m = x2.shape[0]
+    dx = torch.empty((m, two_i), dtype=x.dtype, device=x.device)
+    if m > 0:
+        c = config(inter)
+        grid = (m, triton.cdiv(inter, c["BLOCK"]))
+        _swiglu_bwd_kernel[grid](x2, g2, dx, m, inter, x2.stride(0), g2.stride(0), dx.stride(0), **c)
+    return dx.reshape(x.shape)
 
 
 def forward(x: torch.Tensor) -> torch.Tensor:
