@@ -16,6 +16,18 @@ What remains, on the provider's path:
 - slime's log-prob record (``slime_hooks.record_tensors``, evidence runs only): one copy to the host per
   record (train, rollout log-probs and masks together; was one per group).
 
+At TP 2 / CP 2 (``_sync_count_world_worker.py``, two gloo ranks each; the same model, the metadata
+check of rlk_collectives modelled as on NCCL: an upload and a read of a small vector per checked call):
+
+- TP: the rlk all-reduces / all-gathers check rank agreement in the first layer only
+  (``spec.check_collectives_once``): 4 calls (QKV and fc1 input gradients, output projection and fc2 sums)
+  plus the LM-head vocab gather, 2 syncs each, whatever the depth (every layer checking: 4 per layer + 1);
+  Megatron's own ``VocabParallelEmbedding`` adds 3 (boolean-mask assignments of out-of-shard ids, forward
+  and backward: the stock model has them too);
+- CP: the K/V all-gather checks in the first layer only (1 call, 2 syncs); per batch, rlk_collectives'
+  ``ZigzagLayout.build`` uploads its two index tensors and ``q_positions`` reads the local rows back and
+  uploads the positions (4; listed for rlk_collectives in the report).
+
 Not counted here: syncs inside an rlk op (one kernel on the GPU; none in rlk_core's GPU forward / backward
 kernels once the rope table is reserved, which the provider now does at the first forward: without it,
 ``rlk_core/ops/rope/triton.py:forward_tables`` reads ``int(positions.max())`` per call), and the CPU path of the
@@ -49,6 +61,11 @@ PACKED_READ = "provider attention.py:_packed_batch tolist (d2h)"
 @pytest.fixture(scope="module")
 def runs() -> dict:
     return _model.run_worker("_sync_count_worker.py", 29810, R_ALL)
+
+
+@pytest.fixture(scope="module")
+def world() -> dict:
+    return _model.run_worker("_sync_count_world_worker.py", 30110, R_ALL)
 
 
 def _gpu_syncs(run: dict) -> dict[str, int]:
@@ -138,3 +155,24 @@ def test_a_logprob_record_costs_one_host_sync():
     assert torch.equal(rec["train_logprobs"], torch.cat(train))
     assert torch.equal(rec["rollout_logprobs"], torch.cat(rollout))
     assert rec["loss_mask"].tolist() == [1, 1, 1, 0, 0] and rec["response_lengths"].tolist() == [3, 2]
+
+
+CHECK_UP, CHECK_READ = ("collectives _group.py:check_agreement tensor(data, device=...) (h2d)",
+                        "collectives _group.py:check_agreement tolist (d2h)")
+EMBEDDING_MASKS = {"megatron layers.py:forward aten::index_put_ (shape)": 2, "autograd None aten::index_put (shape)": 1}
+
+
+def test_tp2_collectives_check_in_the_first_layer_only(world):
+    tp, n = world["tp2"], world["tp2"]["layers"]
+    assert _gpu_syncs({"syncs": tp["fresh"]}) == {PACKED_READ: 1, CHECK_UP: 5, CHECK_READ: 5, **EMBEDDING_MASKS}
+    # control: every layer checking (the same batch again: no batch read)
+    assert _gpu_syncs({"syncs": tp["every_layer_checking"]}) == {CHECK_UP: 4 * n + 1, CHECK_READ: 4 * n + 1,
+                                                                  **EMBEDDING_MASKS}
+
+
+def test_cp2_kv_gather_checks_in_the_first_layer_only(world):
+    cp, n = world["cp2"], world["cp2"]["layers"]
+    assert _gpu_syncs({"syncs": cp["fresh"]}) == {
+        PACKED_READ: 1, CHECK_UP: 1, CHECK_READ: 1, "collectives cp.py:build to(device) (h2d)": 2,
+        "collectives cp.py:q_positions cpu (d2h)": 1, "collectives cp.py:q_positions to(device) (h2d)": 1}
+    assert _gpu_syncs({"syncs": cp["every_layer_checking"]}) == {CHECK_UP: n, CHECK_READ: n}

@@ -108,7 +108,10 @@ def _positions(cu: Tensor, total: int) -> Tensor:
 
 class RlkCoreAttention(_compat.MegatronModule):
     """The spec's ``core_attention``: constructed and called as Megatron's core attentions are
-    (unknown keyword arguments accepted and ignored), plus ``rope_theta`` from the spec's params."""
+    (unknown keyword arguments accepted and ignored), plus ``rope_theta`` from the spec's params.
+    ``rlk_check_collectives``: as for the rlk linears (the CP K/V all-gather's metadata exchange)."""
+
+    rlk_check_collectives = True
 
     def __init__(self, config, layer_number: int, attn_mask_type=None, attention_type: str = "self",
                  attention_dropout: float | None = None, softmax_scale: float | None = None,
@@ -168,7 +171,7 @@ class RlkCoreAttention(_compat.MegatronModule):
                 q = routes.call("attention", "rope", q, batch.pos, self.rope_theta)
                 k = routes.call("attention", "rope", k, batch.pos, self.rope_theta)
             if cp > 1:
-                k, v = rlk_collectives.cp_all_gather_kv(k, v, batch.layout, cp_group)
+                k, v = rlk_collectives.cp_all_gather_kv(k, v, batch.layout, cp_group, check=self.rlk_check_collectives)
                 o = routes.call("attention", "attention_varlen", q, k, v, batch.cu_q, batch.cu_k, self.scale,
                                 causal=True, q_positions=batch.pos)
             else:

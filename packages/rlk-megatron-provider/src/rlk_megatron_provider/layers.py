@@ -38,38 +38,38 @@ def _tp(group) -> int:
 
 class _CopyToTP(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group, module):
-        ctx.group, ctx.module = group, module
+    def forward(ctx, x, group, module, check=True):
+        ctx.group, ctx.module, ctx.check = group, module, check
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad):
         with _state.get().routes.scope(ctx.module):
-            return rlk_collectives.all_reduce(grad.detach(), ctx.group), None, None
+            return rlk_collectives.all_reduce(grad.detach(), ctx.group, check=ctx.check), None, None, None
 
 
 class _ReduceFromTP(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group, module):
+    def forward(ctx, x, group, module, check=True):
         with _state.get().routes.scope(module):
-            return rlk_collectives.all_reduce(x.detach(), group)
+            return rlk_collectives.all_reduce(x.detach(), group, check=check)
 
     @staticmethod
     def backward(ctx, grad):
-        return grad, None, None
+        return grad, None, None, None
 
 
 class _GatherLastDim(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group, module):
+    def forward(ctx, x, group, module, check=True):
         ctx.rank, ctx.width = group.rank(), x.shape[-1]
         with _state.get().routes.scope(module):
-            return rlk_collectives.all_gather(x.detach(), group, dim=-1)
+            return rlk_collectives.all_gather(x.detach(), group, dim=-1, check=check)
 
     @staticmethod
     def backward(ctx, grad):
         start = ctx.rank * ctx.width
-        return grad[..., start:start + ctx.width].contiguous(), None, None
+        return grad[..., start:start + ctx.width].contiguous(), None, None, None
 
 
 def copy_to_tp(x: Tensor, group, module: str) -> Tensor:
@@ -103,7 +103,14 @@ def linear_problems(layer, config) -> list[str]:
 
 
 class _RlkLayer:
-    """Shared bookkeeping: which module the layer belongs to and whether it runs rlk."""
+    """Shared bookkeeping: which module the layer belongs to and whether it runs rlk.
+
+    ``rlk_check_collectives``: whether this layer's rlk TP collectives exchange metadata across the ranks
+    first (``check=True``: a small all-gather and a host read, two host syncs, per call). On by default;
+    :func:`rlk_megatron_provider.spec.prepare_model` leaves it on only in the first layer of each kind (see
+    :func:`rlk_megatron_provider.spec.check_collectives_once`)."""
+
+    rlk_check_collectives = True
 
     def _rlk_setup(self, module: str, problems: list[str]) -> None:
         st = _state.get()
@@ -138,11 +145,11 @@ class RlkColumnParallelLinear(_RlkLayer, _compat.ColumnParallelLinear):
             return super().forward(input_, weight=weight, runtime_gather_output=runtime_gather_output)
         w = self.weight if weight is None else weight
         group, tp = self._tp_group()
-        x = _CopyToTP.apply(input_, group, self.rlk_module) if tp > 1 else input_
+        x = _CopyToTP.apply(input_, group, self.rlk_module, self.rlk_check_collectives) if tp > 1 else input_
         y = self._gemm(x, w)
         gather = self.gather_output if runtime_gather_output is None else runtime_gather_output
         if gather and tp > 1:
-            y = _GatherLastDim.apply(y, group, self.rlk_module)
+            y = _GatherLastDim.apply(y, group, self.rlk_module, self.rlk_check_collectives)
         return y, None
 
 
@@ -266,7 +273,7 @@ class RlkQKVLinear(RlkColumnParallelLinear):
                                  "route and no gathered output")
         w = self.weight if weight is None else weight
         group, tp = self._tp_group()
-        x = _CopyToTP.apply(input_, group, self.rlk_module) if tp > 1 else input_
+        x = _CopyToTP.apply(input_, group, self.rlk_module, self.rlk_check_collectives) if tp > 1 else input_
         return RlkColumnParallelLinear._gemm(self, x, _CachedRows.apply(w, self)), None
 
     def _gemm(self, x: Tensor, w: Tensor) -> Tensor:
@@ -293,7 +300,7 @@ class RlkRowParallelLinear(_RlkLayer, _compat.RowParallelLinear):
             return super().forward(input_)
         y = _state.get().routes.call(self.rlk_module, "linear", input_, self.weight)
         group, tp = self._tp_group()
-        return (_ReduceFromTP.apply(y, group, self.rlk_module) if tp > 1 else y), None
+        return (_ReduceFromTP.apply(y, group, self.rlk_module, self.rlk_check_collectives) if tp > 1 else y), None
 
 
 class RlkRMSNorm(_RlkLayer, torch.nn.Module):

@@ -312,4 +312,24 @@ def prepare_model(model) -> dict[str, int]:
         if not problems or st.refuse("logp", "; ".join(problems)):
             patches.use_rlk_output_layer(model.output_layer)
     patches.record_production_calls(model, layer_modules(model), st)
+    check_collectives_once(model)
     return verify_model(model)
+
+
+def check_collectives_once(model) -> int:
+    """Keep the cross-rank metadata check of rlk's TP / CP collectives (``check=True``: an all-gather of a
+    small vector and a host read — two host syncs per call, four calls per layer at TP > 1) in the first
+    layer of each kind only (first in module order: the first TransformerLayer's QKV, output projection,
+    fc1, fc2 and core attention; the LM head); every later layer calls them with ``check=False``. As strong
+    as checking every layer: the metadata a call site exchanges (dtype, widths, the step's token count) is
+    the same in every layer of a step, so ranks that disagree disagree in the first layer already, whose
+    calls still raise the same error on every rank. Every rank holds the same layers in the same order, so
+    all make the same choice (a check on one rank and none on another would pair mismatched collectives).
+    Returns the number of layers left checking."""
+    first: set[tuple] = set()
+    for m in model.modules():
+        if isinstance(m, (_RlkLayer, RlkCoreAttention)):
+            kind = (type(m), getattr(m, "rlk_module", "attention"))
+            m.rlk_check_collectives = kind not in first
+            first.add(kind)
+    return len(first)
