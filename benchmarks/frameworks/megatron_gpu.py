@@ -13,7 +13,11 @@ One command, one process, a torch.distributed world of 1 (NCCL on the GPU, gloo 
 2. ``negative_control``: the stock local spec (all P) on the same weights differs from the local trainer.
 3. ``timing_<shape>``: a training step (forward + backward + AdamW) of the rlk model vs the stock model,
    16 x 256 tokens (4096 packed; THD for rlk, sbhd for the stock spec, whose local attention refuses THD),
-   CUDA events, median after warm-up; the 1.7B shape if the time budget allows.
+   CUDA events, median after warm-up; then, per model, one step under torch's sync debug mode (the host
+   syncs, each with the Python line that made it) and two under ``torch.profiler`` (kernels launched and
+   their device time, CUDA synchronize calls, copies per step: :func:`device_profile`); the 1.7B shape if
+   the time budget allows. On the CPU the host syncs are ``rlk_megatron_provider.opcount.SyncCounter``'s
+   model of the GPU run.
 4. ``logp_memory``: the rlk logp module's peak memory (hidden states + LM head -> log-probs, forward and
    backward) vs the P path's materialised logits + log_softmax.
 
@@ -129,6 +133,18 @@ class Report:
                 r, p = v.get("rlk", {}), v.get("stock", {})
                 lines.append(f"| {shape} | {r.get('median_ms')} | {p.get('median_ms')} | {v.get('speed_ratio')} | "
                              f"{r.get('peak_gib')} | {p.get('peak_gib')} |")
+            lines += ["", "| shape | model | wall ms | kernel ms | kernels | launch calls | host syncs | "
+                          "cudaStreamSynchronize | DtoH copies | HtoD copies |",
+                      "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+            for shape, v in t.items():
+                for name in ("rlk", "stock"):
+                    r = v.get(name, {})
+                    pr = r.get("profile", {})
+                    lines.append(f"| {shape} | {name} | {r.get('median_wall_ms')} | {pr.get('kernel_ms_per_step')} | "
+                                 f"{pr.get('kernels_per_step')} | {pr.get('launch_calls_per_step')} | "
+                                 f"{r.get('host_syncs', {}).get('per_step')} | "
+                                 f"{pr.get('cuda_stream_synchronize_per_step')} | {pr.get('memcpy_dtoh_per_step')} | "
+                                 f"{pr.get('memcpy_htod_per_step')} |")
         mem = self.data.get("logp_memory")
         if mem:
             lines += ["", f"logp module peak (fwd+bwd, T={mem['tokens']}, V={mem['vocab']}): rlk "
@@ -613,7 +629,8 @@ def stage_negative(rep: Report, rec: dict, cfg, dev, dtype, n: int, s: int) -> N
               max_abs_diff=max_abs(lp_r, ref))
 
 
-def time_steps(cfg, dev, dtype, rlk: bool, w, n: int, s: int, warmup: int, iters: int, tp: int = 1) -> dict:
+def time_steps(cfg, dev, dtype, rlk: bool, w, n: int, s: int, warmup: int, iters: int, tp: int = 1,
+               profile_steps: int = 2) -> dict:
     import torch
     from megatron.core import parallel_state
 
@@ -665,7 +682,97 @@ def time_steps(cfg, dev, dtype, rlk: bool, w, n: int, s: int, warmup: int, iters
                    peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2))
     else:
         out["median_ms"] = out["median_wall_ms"]
+    out["host_syncs"] = host_syncs(step, cuda, [st["step"] for st in opt.opt.state.values() if "step" in st])
+    if cuda and profile_steps:
+        out["profile"] = device_profile(step, profile_steps)
     return out  # the model, optimizer and batch go with this frame
+
+
+SYNC_WARNING = "called a synchronizing CUDA operation"
+LAUNCH_APIS = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx")
+
+
+def host_syncs(step, cuda: bool, host_tensors=()) -> dict:
+    """The host syncs of one ``step()``: on CUDA, torch's sync debug mode (``warn``: one warning per
+    synchronizing call — copies to and from the host, ``.item()``, ``nonzero`` ...; torch's list is not
+    exhaustive, the profiler's synchronize counts are the cross-check), each charged to the Python line that
+    made it; on the CPU, ``rlk_megatron_provider.opcount.SyncCounter``'s model of the GPU run (``host_tensors``:
+    made before the step and on the host on the GPU too — the AdamW step counters)."""
+    import collections
+
+    import torch
+
+    if not cuda:
+        from rlk_megatron_provider.opcount import SyncCounter
+
+        with SyncCounter().declare_host(*host_tensors) as c:
+            step()
+        gpu = c.gpu_path()
+        return {"per_step": len(gpu), "method": "opcount.SyncCounter (CPU model of the GPU run)",
+                "sites": dict(list(c.by_site(gpu).items())[:12]),
+                "cpu_reference_only": len(c.syncs) - len(gpu)}
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    hits = [w for w in caught if SYNC_WARNING in str(w.message)]
+    sites = collections.Counter(f"{_short_path(w.filename)}:{w.lineno}" for w in hits)
+    return {"per_step": len(hits), "method": "torch.cuda.set_sync_debug_mode('warn')",
+            "sites": dict(sites.most_common(12))}
+
+
+def _short_path(path: str) -> str:
+    """A source path from its package on (``site-packages/`` and the checkout's ``packages/*/src/`` off)."""
+    for mark in ("site-packages/", "/src/"):
+        if mark in path:
+            return path.split(mark)[-1]
+    return os.path.basename(path)
+
+
+def device_profile(step, steps: int = 2) -> dict:
+    """``torch.profiler`` over ``steps`` steps, per step: the kernels that ran and their summed device time
+    (copies, memsets and user annotations such as ``Optimizer.step`` apart), the host's launch calls, the
+    CUDA runtime's synchronising calls and the copies each way; the top kernels and host ops."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()  # one cudaDeviceSynchronize of its own, taken off below
+    events = prof.key_averages()
+    on_device = [e for e in events if e.device_type.name == "CUDA" and not getattr(e, "is_user_annotation", False)]
+    copies = [e for e in on_device if e.key.startswith(("Memcpy", "Memset"))]
+    kernels = [e for e in on_device if not e.key.startswith(("Memcpy", "Memset"))]
+    host = {e.key: e.count for e in events if e.device_type.name == "CPU"}
+
+    def per(n) -> float:
+        return round(n / steps, 1)
+
+    return {
+        "steps": steps,
+        "kernels_per_step": per(sum(e.count for e in kernels)),
+        "kernel_ms_per_step": round(sum(e.self_device_time_total for e in kernels) / steps / 1e3, 2),
+        "launch_calls_per_step": per(sum(host.get(k, 0) for k in LAUNCH_APIS)),
+        "cuda_stream_synchronize_per_step": per(host.get("cudaStreamSynchronize", 0)),
+        "cuda_event_synchronize_per_step": per(host.get("cudaEventSynchronize", 0)),
+        "cuda_device_synchronize_per_step": per(max(host.get("cudaDeviceSynchronize", 0) - 1, 0)),
+        "memcpy_dtoh_per_step": per(sum(e.count for e in copies if "DtoH" in e.key)),
+        "memcpy_htod_per_step": per(sum(e.count for e in copies if "HtoD" in e.key)),
+        "top_kernels": [{"name": e.key[:100], "ms_per_step": round(e.self_device_time_total / 1e3 / steps, 3),
+                         "calls_per_step": per(e.count)}
+                        for e in sorted(kernels, key=lambda e: -e.self_device_time_total)[:8]],
+        "top_host_ops": [{"name": e.key[:100], "self_cpu_ms_per_step": round(e.self_cpu_time_total / 1e3 / steps, 3),
+                          "calls_per_step": per(e.count)}
+                         for e in sorted((e for e in events if e.device_type.name == "CPU"),
+                                         key=lambda e: -e.self_cpu_time_total)[:8]],
+    }
 
 
 def stage_timing(rep: Report, rec: dict, shape: str, cfg, dev, dtype, n: int, s: int, warmup: int, iters: int,
@@ -676,7 +783,10 @@ def stage_timing(rep: Report, rec: dict, shape: str, cfg, dev, dtype, n: int, s:
         _free()
         log(f"timing {shape} {name} ...")
         res[name] = time_steps(cfg, dev, dtype, rlk, w, n, s, warmup, iters, tp)
-        log(f"timing {shape} {name}: {res[name]}")
+        r = res[name]
+        log(f"timing {shape} {name}: median {r['median_ms']} ms (wall {r['median_wall_ms']}), host syncs "
+            f"{r['host_syncs']['per_step']} {r['host_syncs']['sites']}, profile "
+            f"{ {k: v for k, v in r.get('profile', {}).items() if not k.startswith('top_')} }")
         rep.write()
     r, p = res["rlk"]["median_ms"], res["stock"]["median_ms"]
     res["speed_ratio"] = round(p / r, 3)  # >= 0.9 asked: rlk step time at most ~1.11x stock
@@ -908,8 +1018,9 @@ def main() -> int:
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     ap.add_argument("--tiny", action="store_true", help="2-layer model, small batch (CPU smoke test)")
     ap.add_argument("--steps", type=int, default=3)
-    ap.add_argument("--budget-s", type=float, default=300.0,
-                    help="optional stages (1.7B timing) start only if elapsed < budget - their estimate")
+    ap.add_argument("--budget-s", type=float, default=200.0,
+                    help="optional stages (1.7B timing) start only if elapsed < budget - their estimate "
+                         "(sitting.sh caps the whole megatron stage at 240 s)")
     ap.add_argument("--skip-1p7b", action="store_true")
     ap.add_argument("--tp", type=int, default=1, help="tensor parallel size (> 1: under torchrun; the TP/CP stages)")
     ap.add_argument("--cp", type=int, default=1, help="context parallel size (> 1: under torchrun; the TP/CP stages)")

@@ -232,6 +232,12 @@ class SyncCounter:
     def is_host(self, t) -> bool:
         return t in self._host
 
+    def declare_host(self, *tensors) -> SyncCounter:
+        """Tensors made before the counter that the GPU run keeps on the host too (e.g. a torch optimizer's
+        ``step`` counters, host tensors unless it is capturable or fused)."""
+        self._place(list(tensors), host=True)
+        return self
+
     def _place(self, out, host: bool):
         for t in _tensors(out):
             if host:
@@ -323,12 +329,18 @@ class SyncCounter:
             self._record(kind, f"aten::{name}", sys._getframe(2))
 
     # -- results
+    def gpu_path(self) -> list[Sync]:
+        """The syncs the GPU run makes too: all but those inside rlk_core's CPU reference kernels (``rlk_ref``,
+        e.g. the rope backward's frequency upload: on the GPU the op's backward gathers the forward's table)."""
+        return [s for s in self.syncs if s.owner != "rlk_ref"]
+
     def by_owner(self) -> dict[str, int]:
         return dict(collections.Counter(s.owner for s in self.syncs))
 
-    def by_site(self) -> dict[str, int]:
-        """``"owner site op (kind)"`` -> count, most frequent first."""
-        c = collections.Counter(f"{s.owner} {s.site} {s.op} ({s.kind})" for s in self.syncs)
+    def by_site(self, syncs: list[Sync] | None = None) -> dict[str, int]:
+        """``"owner site op (kind)"`` -> count, most frequent first (of ``syncs``, default all)."""
+        c = collections.Counter(f"{s.owner} {s.site} {s.op} ({s.kind})" for s in (self.syncs if syncs is None
+                                                                                   else syncs))
         return dict(c.most_common())
 
     def __enter__(self):
