@@ -14,7 +14,8 @@ One command, one process, a torch.distributed world of 1 (NCCL on the GPU, gloo 
 3. ``timing_<shape>``: a training step (forward + backward + AdamW) of the rlk model vs the stock model,
    16 x 256 tokens (4096 packed; THD for rlk, sbhd for the stock spec, whose local attention refuses THD),
    CUDA events, median after warm-up; then, per model, one step under torch's sync debug mode (the host
-   syncs, each with the Python line that made it) and two under ``torch.profiler`` (kernels launched and
+   syncs, each with the Python line that made it; on the batch in new tensors, as a training loop's next
+   batch) and two under ``torch.profiler`` (kernels launched and
    their device time, CUDA synchronize calls, copies per step: :func:`device_profile`); the 1.7B shape if
    the time budget allows. On the CPU the host syncs are ``rlk_megatron_provider.opcount.SyncCounter``'s
    model of the GPU run.
@@ -32,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import gc
 import json
 import os
@@ -645,10 +647,10 @@ def time_steps(cfg, dev, dtype, rlk: bool, w, n: int, s: int, warmup: int, iters
     box = hidden_head(model) if rlk else None
     cuda = dev.type == "cuda"
 
-    def step():
+    def step(batch=b):
         opt.zero_grad()
-        lp = rlk_logp(model, box, b, group) if rlk else stock_logp(model, b, group)
-        grpo_loss(lp, b.adv).backward()
+        lp = rlk_logp(model, box, batch, group) if rlk else stock_logp(model, batch, group)
+        grpo_loss(lp, batch.adv).backward()
         opt.step()
 
     t = time.monotonic()
@@ -682,7 +684,10 @@ def time_steps(cfg, dev, dtype, rlk: bool, w, n: int, s: int, warmup: int, iters
                    peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2))
     else:
         out["median_ms"] = out["median_wall_ms"]
-    out["host_syncs"] = host_syncs(step, cuda, [st["step"] for st in opt.opt.state.values() if "step" in st])
+    fresh = copy.copy(b)  # the same values in new tensors, as a training loop's next batch: built again
+    fresh.cu = b.cu.clone()
+    out["host_syncs"] = host_syncs(lambda: step(fresh), cuda,
+                                   [st["step"] for st in opt.opt.state.values() if "step" in st])
     if cuda and profile_steps:
         out["profile"] = device_profile(step, profile_steps)
     return out  # the model, optimizer and batch go with this frame
