@@ -5,7 +5,9 @@
 
 Sections: attention, decode, linear (M=1), rowwise (rms_norm / swiglu / rope at M=64, each backend —
 ``rlk.triton`` and, where built, ``rlk.cuda`` — the public op and the native torch expression),
-linear_eager (issue 21's four shapes: the op, each backend, ``F.linear``).
+linear_eager (issue 21's four shapes: the op, each backend, ``F.linear``), attention_step (the per-layer attention
+calls of a vLLM step on vLLM's cache layout: kv_cache_write, decode, chunked prefill; each backend and the op),
+logprobs (token_logprobs, logp_partials, merge_logp_partials; each backend and the op).
 
 The device benches (harness.time_fns) hide up to ~0.5 ms of host time per call behind a sleep kernel;
 this script measures that host time itself. For each path the GPU is first held busy by a long
@@ -23,7 +25,10 @@ Triton launch, the TMA descriptors) by wrapping them, the rest is "other".
 with a null backend (it returns its first argument) registered above every other: what remains is the op
 layer's own host time — argument checks, the path choice, backend selection, the readback report — the
 part of an op call that is the same on every backend and device. Value checks are off for it
-(``RLK_VALUE_CHECKS=never``: on a GPU, ``auto`` skips them too). It only prints.
+(``RLK_VALUE_CHECKS=never``: on a GPU, ``auto`` skips them too). Then the same ops (and ``attention_decode``)
+through the PyTorch dispatcher, ``torch.ops.rlk.<op>.default`` as Inductor's generated code calls them, with
+grad on, under ``no_grad`` and under ``inference_mode``, and eager autograd forward (+ backward) through the
+public op and through the dispatcher (:func:`dispatch_us`), each with its Python calls per call. It only prints.
 
 Writes ``host_overhead.json`` / ``.md`` to ``$RLK_BENCH_OUT`` (default ``benchmarks/results/h200``).
 """
@@ -32,12 +37,13 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import cProfile
 import io
 import pstats
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -266,42 +272,202 @@ def linear_eager_paths() -> list[tuple[str, str, Callable[[], Any]]]:
     return out
 
 
-SECTIONS = ("attention", "decode", "linear", "rowwise", "linear_eager")
+def _backends_and_op(op: str, case: str, args: tuple, public: Callable[[], Any]
+                     ) -> list[tuple[str, str, Callable[[], Any]]]:
+    """``op``'s backends called directly (rlk.triton, rlk.cuda where built and taking ``args``), then the public op."""
+    out = []
+    for bid in ("rlk.triton", "rlk.cuda"):
+        fn = _backend_or_none(op, bid, args)
+        if fn is not None:
+            out.append((case, f"{op} {bid} backend", lambda fn=fn, args=args: fn(*args)))
+    return [*out, (case, f"{op} op", public)]
+
+
+def attention_step_paths(b: int = 64, ctx: int = 4096) -> list[tuple[str, str, Callable[[], Any]]]:
+    """The attention calls vLLM's piecewise-graph mode runs eagerly per layer and step, on vLLM's layout (K/V the
+    halves of one ``[blocks, page, Hkv, 2D]`` cache, q/k/v views of the QKV output): ``kv_cache_write`` of a decode
+    step's ``b`` tokens, ``attention_decode`` (``b`` x ``ctx``), a chunked prefill (4 sequences x 32 new tokens at
+    ``ctx``); each backend directly and the public op."""
+    hq, hkv, d, page = 32, 8, 128, 16
+    pages = b * ctx // page
+    scale = d ** -0.5
+    cache = randn((pages, page, hkv, 2 * d), seed=31)
+    kc, vc = cache[..., :d], cache[..., d:]
+    qkv = randn((b, hq + 2 * hkv, d), seed=32)
+    q, k, v = qkv[:, :hq], qkv[:, hq:hq + hkv], qkv[:, hq + hkv:]
+    table = torch.randperm(pages, device="cuda", dtype=torch.int32).view(b, ctx // page)
+    lens = torch.full((b,), ctx, dtype=torch.int32, device="cuda")
+    slots = table[:, -1].long() * page + page - 1  # each sequence's last position
+    qp = randn((128, hq, d), seed=33)
+    cu = torch.arange(0, 129, 32, dtype=torch.int32, device="cuda")
+    calls = [("kv_cache_write", f"kv_cache_write {b} tokens", (k, v, kc, vc, slots),
+              lambda: attn.kv_cache_write(k, v, kc, vc, slots)),
+             ("attention_decode", f"decode {b}x{ctx} vLLM layout", (q, kc, vc, table, lens, scale),
+              lambda: attn.attention_decode(q, kc, vc, table, lens, scale)),
+             ("attention_paged_prefill", f"chunked prefill 4x32 at {ctx}", (qp, kc, vc, table[:4], cu, lens[:4], scale),
+              lambda: attn.attention_paged_prefill(qp, kc, vc, table[:4], cu, lens[:4], scale))]
+    return [p for op, case, args, public in calls for p in _backends_and_op(op, case, args, public)]
+
+
+def logprob_paths(t: int = 64, vocab: int = 151936) -> list[tuple[str, str, Callable[[], Any]]]:
+    """The sampler's ``token_logprobs`` on ``[t, vocab]`` bf16 logits (one temperature per row), and the
+    vocab-parallel halves at TP 8 (``logp_partials`` of one shard, ``merge_logp_partials`` of the gathered
+    partials): each backend directly and the public op."""
+    from rlk_core.ops import token_logprobs as tl
+
+    logits = randn((t, vocab), seed=41)
+    target = torch.randint(0, vocab, (t,), device="cuda")
+    temp = torch.full((t,), 0.7, device="cuda")
+    shard = logits[:, : vocab // 8].contiguous()
+    m, s, zt = tl.logp_partials(shard, target, temp, 0, vocab)
+    gm, gs = m.repeat(1, 8).contiguous(), s.repeat(1, 8).contiguous()
+    calls = [("token_logprobs", f"token_logprobs {t}x{vocab}", ([logits], target, temp),
+              lambda: tl.token_logprobs(logits, target, temp)),
+             ("logp_partials", f"logp_partials {t}x{vocab // 8} (TP 8)", (shard, target, temp, 0, vocab),
+              lambda: tl.logp_partials(shard, target, temp, 0, vocab)),
+             ("merge_logp_partials", f"merge_logp_partials {t}x8", (gm, gs, zt, vocab),
+              lambda: tl.merge_logp_partials(gm, gs, zt, vocab))]
+    return [p for op, case, args, public in calls for p in _backends_and_op(op, case, args, public)]
+
+
+SECTIONS = ("attention", "decode", "linear", "rowwise", "linear_eager", "attention_step", "logprobs")
 NULL_BACKEND = "bench.null"
 
 
-def op_layer_us(calls: int = 20000, loops: int = 5) -> list[tuple[str, float]]:
-    """Host microseconds per call of each public op with :data:`NULL_BACKEND` serving it on the CPU (best of
-    ``loops`` loops of ``calls`` calls; see the module docstring). The registry is restored afterwards."""
+@contextlib.contextmanager
+def _null_served(nulls: dict[str, Callable[..., Any]]) -> Iterator[None]:
+    """Each op of ``nulls`` served on the CPU by its function as :data:`NULL_BACKEND`, registered above every
+    other, with value checks off; the registry and ``RLK_VALUE_CHECKS`` are restored afterwards."""
     import os
 
     from rlk_core.backends import Backend
-    from rlk_core.ops import rms_norm, rope, swiglu
 
-    x, w, wl = torch.randn(4, 64), torch.randn(64), torch.randn(32, 64)
-    xs, xr, pos = torch.randn(4, 128), torch.randn(4, 2, 64), torch.arange(4)
-    ops = {"linear": lambda: rlk_linear(x, wl), "rms_norm": lambda: rms_norm(x, w),
-           "swiglu": lambda: swiglu(xs), "rope": lambda: rope(xr, pos, 1e4, 64)}
     saved = os.environ.get("RLK_VALUE_CHECKS")
     os.environ["RLK_VALUE_CHECKS"] = "never"
-    for op in ops:
-        REGISTRY.register(Backend(NULL_BACKEND, op, lambda *a: a[0], devices=("cpu",), priority=1 << 20,
-                                  builtin=True), replace=True)
+    for op, fn in nulls.items():
+        REGISTRY.register(Backend(NULL_BACKEND, op, fn, devices=("cpu",), priority=1 << 20, builtin=True),
+                          replace=True)
     REGISTRY.refresh()
     try:
-        out = []
-        for op, fn in ops.items():
+        for op in nulls:
             assert REGISTRY.candidates(op, "cpu")[0].id == NULL_BACKEND
-            out.append((op, best_host_us(fn, calls, loops)))
-        return out
+        yield
     finally:
-        for op in ops:
+        for op in nulls:
             REGISTRY.unregister(op, NULL_BACKEND)
         REGISTRY.refresh()
         if saved is None:
             os.environ.pop("RLK_VALUE_CHECKS", None)
         else:
             os.environ["RLK_VALUE_CHECKS"] = saved
+
+
+def _op_layer_args() -> dict[str, tuple]:
+    """Small CPU arguments of the ops the op-layer sections time (``torch.ops.rlk.<op>``'s positional form)."""
+    x, w, wl = torch.randn(4, 64), torch.randn(64), torch.randn(32, 64)
+    xs, xr, pos = torch.randn(4, 128), torch.randn(4, 2, 64), torch.arange(4)
+    q, cache = torch.randn(3, 4, 16), torch.randn(6, 16, 2, 16)
+    table, lens = torch.arange(6, dtype=torch.int32).view(3, 2), torch.tensor([5, 17, 32], dtype=torch.int32)
+    return {"linear": (x, wl, None), "rms_norm": (x, w, 1e-6), "swiglu": (xs,), "rope": (xr, pos, 1e4, 64),
+            "attention_decode": (q, cache, cache, table, lens, 0.25)}
+
+
+def op_layer_us(calls: int = 20000, loops: int = 5) -> list[tuple[str, float]]:
+    """Host microseconds per call of each public op with :data:`NULL_BACKEND` (it returns its first argument)
+    serving it on the CPU (best of ``loops`` loops of ``calls`` calls; see the module docstring)."""
+    from rlk_core.ops import rms_norm, rope, swiglu
+
+    a = _op_layer_args()
+    ops = {"linear": lambda: rlk_linear(*a["linear"][:2]), "rms_norm": lambda: rms_norm(*a["rms_norm"]),
+           "swiglu": lambda: swiglu(*a["swiglu"]), "rope": lambda: rope(*a["rope"])}
+    with _null_served({op: lambda *args: args[0] for op in ops}):
+        return [(op, best_host_us(fn, calls, loops, clock=time.thread_time)) for op, fn in ops.items()]
+
+
+_SHAPES: dict[str, Callable[..., tuple]] = {  # the output shape of each op in _op_layer_args
+    "linear": lambda x, w, b: (*x.shape[:-1], w.shape[0]), "rms_norm": lambda x, *a: tuple(x.shape),
+    "swiglu": lambda x: (*x.shape[:-1], x.shape[-1] // 2), "rope": lambda x, *a: tuple(x.shape),
+    "attention_decode": lambda q, *a: tuple(q.shape)}
+
+
+def _null_outputs(op: str) -> Callable[..., torch.Tensor]:
+    """A null backend for ``op`` that returns a cached tensor of the output's shape for these argument shapes,
+    never an argument (the ops' schemas say their outputs alias no input; ``torch.library.custom_op``, which
+    registered them before, refused such outputs on its dispatcher path)."""
+    outs: dict[tuple, torch.Tensor] = {}
+    shape_of = _SHAPES[op]
+
+    def fn(*args: Any) -> torch.Tensor:
+        key = (args[0].shape, args[1].shape if isinstance(args[1], torch.Tensor) else None) if len(args) > 1 \
+            else args[0].shape
+        out = outs.get(key)
+        if out is None:
+            out = outs[key] = args[0].new_zeros(shape_of(*args))
+        return out
+    return fn
+
+
+def _python_calls(fn: Callable[[], Any]) -> int:
+    """Python and builtin function calls one call of ``fn`` makes (``sys.setprofile``): a count that, unlike a
+    time, does not move with the machine's load."""
+    import sys
+
+    fn()
+    n = [0]
+
+    def count(frame: Any, event: str, arg: Any) -> None:
+        if event in ("call", "c_call"):
+            n[0] += 1
+    sys.setprofile(count)
+    try:
+        fn()
+    finally:
+        sys.setprofile(None)
+    return n[0] - 1  # less the profiler's own sys.setprofile(None)
+
+
+def dispatch_us(calls: int = 5000, loops: int = 5) -> list[tuple[str, str, float, int]]:
+    """(op, path, host microseconds per call, Python calls per call) of each op through the PyTorch dispatcher
+    (``torch.ops.rlk.<op>.default``: what Inductor's generated code calls) with grad mode on, under
+    ``torch.no_grad`` and under ``torch.inference_mode`` (vLLM's), beside the public op (the direct path);
+    and, for the ops with a backward, on inputs that require grad: the forward, and forward + backward, through
+    the public op (eager autograd: the op's ``autograd.Function``) and through the dispatcher (the op's
+    autograd kernel). Null backends (:func:`_null_outputs`) serve the ops on the CPU: what is timed is the op
+    layer and the dispatcher, not arithmetic (the elementwise ops' closed-form backwards still compute, on tiny
+    tensors). Thread CPU time (best of ``loops`` loops of ``calls`` calls): other processes on the machine do
+    not count; the call count (:func:`_python_calls`) does not depend on the machine at all."""
+    from rlk_core import ops as rlk_ops
+
+    def row(op: str, path: str, fn: Callable[[], Any], n: int = calls) -> tuple[str, str, float, int]:
+        return op, path, best_host_us(fn, n, loops, clock=time.thread_time), _python_calls(fn)
+
+    args = _op_layer_args()
+    public = {"linear": rlk_ops.linear, "rms_norm": rlk_ops.rms_norm, "swiglu": rlk_ops.swiglu,
+              "rope": rlk_ops.rope, "attention_decode": rlk_ops.attention_decode}
+    out = []
+    with _null_served({op: _null_outputs(op) for op in args}):
+        for op, a in args.items():
+            packet = getattr(torch.ops.rlk, op).default
+
+            def dispatched(a=a, packet=packet):
+                return packet(*a)
+            out += [row(op, "public op", lambda a=a, f=public[op]: f(*a)), row(op, "torch.ops", dispatched)]
+            with torch.no_grad():
+                out.append(row(op, "torch.ops no_grad", dispatched))
+            with torch.inference_mode():
+                out.append(row(op, "torch.ops inference_mode", dispatched))
+            if op == "attention_decode":
+                continue
+            leaves = [t.detach().clone().requires_grad_(t.is_floating_point()) if isinstance(t, torch.Tensor)
+                      else t for t in a]
+            inputs = [t for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad]
+            grad = torch.ones(_SHAPES[op](*a))
+            for name, f in (("public op", public[op]), ("torch.ops", packet)):
+                def step(f=f, leaves=leaves, inputs=inputs, grad=grad):
+                    return torch.autograd.grad(f(*leaves), inputs, grad)
+                out += [row(op, f"{name} fwd (grad)", lambda f=f, leaves=leaves: f(*leaves)),
+                        row(op, f"{name} fwd+bwd", step, calls // 5)]
+    return out
 
 
 def main() -> int:
@@ -316,6 +482,9 @@ def main() -> int:
     if args.op_layer:
         for op, us in op_layer_us():
             print(f"op layer (null backend, CPU)  {op:10s} {us:6.2f} us / call", flush=True)
+        for op, path, us, n in dispatch_us():
+            print(f"op layer dispatch (null backend, CPU)  {op:16s} {path:26s} {us:7.2f} us / call  "
+                  f"{n:4d} Python calls", flush=True)
         return 0
     sections = set(args.sections.split(","))
     env = environment()
@@ -325,6 +494,8 @@ def main() -> int:
     all_paths += linear_paths() if "linear" in sections else []
     all_paths += rowwise_paths() if "rowwise" in sections else []
     all_paths += linear_eager_paths() if "linear_eager" in sections else []
+    all_paths += attention_step_paths() if "attention_step" in sections else []
+    all_paths += logprob_paths() if "logprobs" in sections else []
     for case, path, fn in all_paths:
         us, syncs = host_us(fn)
         row = {"case": case, "path": path, "host_us": us, "syncs": syncs, "gpu_ms": gpu_ms(fn),
