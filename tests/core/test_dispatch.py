@@ -6,7 +6,6 @@ from __future__ import annotations
 import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from rlk_core import ops
 from rlk_core.ops import _dispatch as D
@@ -14,15 +13,7 @@ from rlk_core.plan import RoutePlan
 from rlk_core.readback import ReadbackRecorder
 from rlk_core.testing import assert_bitwise_equal
 
-
-class _Spy(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.ops = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops.append(str(func))
-        return func(*args, **(kwargs or {}))
+from ._modes import Spy as _Spy
 
 
 def test_path_direct_only_when_the_dispatcher_has_nothing_to_add():

@@ -8,7 +8,6 @@ from __future__ import annotations
 import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from rlk_core import ops
 from rlk_core.backends import Backend
@@ -16,6 +15,8 @@ from rlk_core.ops import _dispatch as D
 from rlk_core.plan import RoutePlan
 from rlk_core.readback import ReadbackRecorder
 from rlk_core.testing import assert_bitwise_equal
+
+from ._modes import Spy as _Spy
 
 # The schema of every rlk op as torch.library.custom_op inferred it (recorded at cf9ba2e, torch 2.13), tags
 # pt2_compliant_tag; ops added since are checked against what custom_op would infer (the next test).
@@ -91,15 +92,6 @@ def _cache_args():
     k = torch.randn(3, 2, 8)
     return k, k + 1, torch.zeros(4, 2, 2, 8), torch.zeros(4, 2, 2, 8), torch.tensor([0, 5, -1])
 
-
-class _Spy(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.ops = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops.append(str(func))
-        return func(*args, **(kwargs or {}))
 
 
 def test_kv_cache_write_schema_marks_the_caches_written_and_bumps_their_versions(clean_registry):
