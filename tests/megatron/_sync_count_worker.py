@@ -68,6 +68,10 @@ def rlk_runs(cfg, w, out: dict) -> None:
         out["too_long"] = None
     except RlkPolicyError as exc:
         out["too_long"] = str(exc)
+    for m in cores:  # a model prepare_model never saw: runs, rope unreserved (a warning, once)
+        m.max_positions = None
+    long = mg.Batch(cfg, [48, 16], 1, DEV, seed=5)
+    out["unreserved"] = measured(lambda: step(long))
     for m in cores:
         m.max_positions = cfg.max_position_embeddings
     fresh = mg.Batch(cfg, LENGTHS, 1, DEV, seed=2)

@@ -113,6 +113,8 @@ def test_rope_table_reserved_once_per_layer_for_the_model_length(runs):
 def test_a_batch_longer_than_the_model_is_refused(runs):
     assert runs["too_long"] is not None
     assert "48 tokens" in runs["too_long"] and "max_sequence_length 32" in runs["too_long"]
+    # without a maximum (prepare_model not called) the same batch runs: rope unreserved, nothing refused
+    assert _gpu_syncs(runs["unreserved"]) == {PACKED_READ: 1}
 
 
 def test_control_injected_syncs_are_counted_with_their_frame(runs):

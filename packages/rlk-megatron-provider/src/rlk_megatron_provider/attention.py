@@ -185,8 +185,8 @@ class RlkCoreAttention(_compat.MegatronModule):
         """Refuse a batch longer than the model's maximum length; on the first call on a device, reserve the
         rope table for that length (then no rope call sizes it from the positions: no host sync)."""
         if self.max_positions is None:
-            if self._rope_device is None:
-                self._rope_device = "unreserved"
+            if not _UNRESERVED_NOTED:
+                _UNRESERVED_NOTED.append(True)
                 _state.log.warning("rlk-megatron-provider: RlkCoreAttention without max_positions (prepare_model "
                                    "was not called on the model): rope sizes its cos/sin table from the positions "
                                    "of every call, one host sync each")
@@ -200,6 +200,7 @@ class RlkCoreAttention(_compat.MegatronModule):
 
 
 _CU_FIELDS = ("cu_seqlens_q", "cu_seqlens_kv", "cu_seqlens_q_padded", "cu_seqlens_kv_padded")
+_UNRESERVED_NOTED: list[bool] = []  # the warning for a model without max_positions: once per process
 
 
 @dataclass
@@ -248,9 +249,8 @@ def _packed_batch(p, total: int, cp: int, cp_group, device) -> tuple:
     cu = [int(c) for c in p.cu_seqlens_q.tolist()]
     _check_packed(p, cu, total * cp)
     longest = max((e - s for s, e in zip(cu[:-1], cu[1:])), default=0)
-    given = p.cu_seqlens_q
-    cu_k = given if given.device == device and given.dtype == torch.int32 and given.is_contiguous() else \
-        given.to(device=device, dtype=torch.int32, non_blocking=given.is_pinned()).contiguous()
+    given = p.cu_seqlens_q  # copied on the device (one kernel, no sync): the caller may reuse its buffer in place
+    cu_k = given.to(device=device, dtype=torch.int32, non_blocking=given.is_pinned(), copy=True).contiguous()
     if cp > 1:
         layout = rlk_collectives.ZigzagLayout.build(cu, cp, device)
         return layout.q_positions(cp_group.rank()), torch.div(cu_k, cp, rounding_mode="floor"), cu_k, layout, longest
