@@ -218,7 +218,7 @@ class SyncCounter:
                 if ins and all(counter.is_host(t) for t in ins):
                     for t in _tensors(out):
                         counter._host[t] = True
-                elif ins and func.overloadpacket.__name__ not in _MOVING_OPS:
+                elif ins and _op_name(func)[1] not in _MOVING_OPS:
                     big_host = [t for t in ins if counter.is_host(t) and t.dim() > 0 and t.numel() > 1]
                     if big_host:
                         counter.mixed[(_op_name(func)[1], issuer(sys._getframe(1))[1])] += 1
