@@ -30,10 +30,10 @@ check of rlk_collectives modelled as on NCCL: an upload and a read of a small ve
 
 Not counted here: syncs inside an rlk op (one kernel on the GPU; none in rlk_core's GPU forward / backward
 kernels once the rope table is reserved, which the provider now does at the first forward: without it,
-``rlk_core/ops/rope/triton.py:forward_tables`` reads ``int(positions.max())`` per call), and the CPU path of the
-rope backward (``rlk_ref``: ``rope_cos_sin`` copies its frequencies to the device each call; on the GPU the
-backward gathers the forward's cached table instead). The GPU benchmark counts the real syncs
-(``megatron_gpu.py`` timing stage, ``host_syncs``).
+``rlk_core/ops/rope/triton.py:forward_tables`` reads ``int(positions.max())`` per call), and syncs in rlk_core's
+CPU reference code outside an op (``rlk_ref``: the CPU path, not the GPU's — e.g. a reference backward
+uploading its constants; none with today's rlk_core). The GPU benchmark counts the real syncs
+(``megatron_gpu.py`` timing stage, ``host_syncs``; ``test_host_syncs_gpu.py``).
 
 Controls: syncs injected into the provider's layers are counted, each once per call, with the injecting
 frame — a device scalar read in every RMSNorm forward, an upload ``torch.tensor(..., device=x.device)`` there,

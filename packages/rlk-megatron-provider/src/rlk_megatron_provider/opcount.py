@@ -330,8 +330,8 @@ class SyncCounter:
 
     # -- results
     def gpu_path(self) -> list[Sync]:
-        """The syncs the GPU run makes too: all but those inside rlk_core's CPU reference kernels (``rlk_ref``,
-        e.g. the rope backward's frequency upload: on the GPU the op's backward gathers the forward's table)."""
+        """The syncs the GPU run makes too: all but those in rlk_core's CPU reference code (``rlk_ref``: on the
+        GPU a kernel runs instead, e.g. a reference backward's constant upload)."""
         return [s for s in self.syncs if s.owner != "rlk_ref"]
 
     def by_owner(self) -> dict[str, int]:
