@@ -15,8 +15,11 @@
 // programmatic-stream-serialization attribute for launch_pdl variants.
 // TMA descriptors are kept by their encoding's inputs (a hit copies the same bytes; see DescKey).
 // `run` is `launch` with the arguments described once per call signature by a record (the bytes of
-// rlk_core.ops._cuda_common.Launch.pack): it allocates the output, takes the inputs, scalars and constants
-// the record names, launches the same way and returns the output — one call per op call on the hot path.
+// rlk_core.ops._cuda_common.Launch.pack): it allocates the output (or none, for a kernel that writes into its
+// inputs), takes the inputs, views of them, scalars and constants the record names, launches the same way and
+// returns the output — one call per op call on the hot path. `run_program` (rlk_core.ops._cuda_common.Program)
+// does the same for an op made of several launches: it allocates (and fills) the buffers the record names,
+// launches each kernel in order on pointers into inputs and buffers, and returns the output buffers.
 
 #include <torch/extension.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -25,7 +28,9 @@
 #include <cuda_runtime.h>
 #include <dlfcn.h>
 
+#include <algorithm>
 #include <cstring>
+#include <limits>
 #include <mutex>
 #include <string>
 #include <vector>
@@ -237,6 +242,13 @@ struct Params {
     }
     put(&p, sizeof(p));
   }
+  void pointer_at(size_t i, const at::Tensor& t, int64_t byte_offset) {  // a slice's first element
+    TORCH_CHECK(t.is_cuda() && t.get_device() == v.device, "argument ", i, " is not on cuda:", v.device);
+    TORCH_CHECK(byte_offset >= 0 && byte_offset < std::max<int64_t>(t.numel(), 1) * int64_t(t.element_size()),
+                "argument ", i, ": offset ", byte_offset, " bytes past the tensor");
+    uint64_t p = reinterpret_cast<uint64_t>(t.data_ptr()) + uint64_t(byte_offset);
+    put(&p, sizeof(p));
+  }
   void int32(size_t i, int64_t x) {
     TORCH_CHECK(x >= INT32_MIN && x <= INT32_MAX, "argument ", i, " = ", x, " does not fit int32");
     int32_t y = int32_t(x);
@@ -335,60 +347,168 @@ void launch(int64_t handle, int64_t gx, int64_t gy, int64_t gz, py::args args) {
   p.go(gx, gy, gz);
 }
 
-// Kinds of a record's argument (rlk_core.ops._cuda_common: T, V, O, S, C).
-enum Kind : int64_t { kInput = 0, kInput2d = 1, kOutput = 2, kScalar = 3, kConst = 4 };
+// Kinds of a record's argument (rlk_core.ops._cuda_common: T, V, O, S, C, F, R, B, TA, BA).
+enum Kind : int64_t {
+  kInput = 0,      // input `value`: a tensor (or None for a pointer) or a scalar
+  kInput2d = 1,    // input `value` viewed [-1, last] (a TMA descriptor operand with leading dims)
+  kOutput = 2,     // run: the output it allocates (buffer 0)
+  kScalar = 3,     // input `value`, a Python scalar
+  kConst = 4,      // the integer `value`
+  kConstF = 5,     // the double whose bits are `value` (passed as fp32: exact for fp32-representable values)
+  kInputRows = 6,  // input `value` viewed [size(0), -1] (a TMA descriptor over rows of several heads)
+  kBuffer = 7,     // run_program: buffer `value`
+  kInputAt = 8,    // pointer of input (value & 255) plus (value >> 8) bytes (a column or row slice)
+  kBufferAt = 9,   // pointer of buffer (value & 255) plus (value >> 8) bytes
+};
 
-// run(record, *inputs): record = int64s [handle, out_aligned, gx, gy, gz, like, n_alloc, alloc...,
-// n_final, final..., n_args, (kind, value) per kernel argument]. Returns the output viewed as `final`, or
-// None (nothing launched) where out_aligned is set and the allocation is not 16-byte aligned.
-py::object run(py::bytes record, py::args args) {
-  const char* buf = PyBytes_AS_STRING(record.ptr());
-  const size_t words = size_t(PyBytes_GET_SIZE(record.ptr())) / 8;
-  size_t at = 0;
-  auto next = [&]() {
-    TORCH_CHECK(at < words, "rlk_core._C.run: launch record too short");
+// Reads a packed record: int64 words.
+struct Words {
+  const char* buf;
+  size_t n, at = 0;
+  explicit Words(const py::bytes& record)
+      : buf(PyBytes_AS_STRING(record.ptr())), n(size_t(PyBytes_GET_SIZE(record.ptr())) / 8) {}
+  int64_t next() {
+    TORCH_CHECK(at < n, "rlk_core._C: launch record too short");
     int64_t w;
     std::memcpy(&w, buf + 8 * at++, 8);
     return w;
-  };
-  const int64_t handle = next(), out_aligned = next(), gx = next(), gy = next(), gz = next(), like = next();
-  c10::SmallVector<int64_t, 4> alloc, final_shape;
-  for (int64_t k = next(); k > 0; --k) alloc.push_back(next());
-  for (int64_t k = next(); k > 0; --k) final_shape.push_back(next());
-  const Variant& v = variant(handle);
-  const int64_t n = next();
+  }
+};
+
+const at::Tensor& input_tensor(const py::args& args, int64_t index, size_t i, char c) {
+  TORCH_CHECK(index >= 0 && size_t(index) < args.size(), "rlk_core._C: argument ", i, " names input ", index);
+  return tensor_arg(args[size_t(index)], i, c);
+}
+
+const at::Tensor& buffer(const std::vector<at::Tensor>& bufs, int64_t index, size_t i) {
+  TORCH_CHECK(index >= 0 && size_t(index) < bufs.size(), "rlk_core._C: argument ", i, " names buffer ", index);
+  return bufs[size_t(index)];
+}
+
+// One kernel argument of a record: `i` its position, `c` its parameter code, (kind, value) from the record,
+// `bufs` the tensors the record allocated (run: the output, buffer 0).
+void record_arg(Params& p, size_t i, char c, int64_t kind, int64_t value, const py::args& args,
+                const std::vector<at::Tensor>& bufs) {
+  const bool tensor = c == 'p' || c == 'D';
+  switch (kind) {
+    case kConst:
+      p.arg(i, c, nullptr, py::none(), &value);
+      return;
+    case kConstF: {
+      TORCH_CHECK(c == 'f', "argument ", i, " (code '", c, "') cannot take a float constant");
+      double x;
+      std::memcpy(&x, &value, 8);
+      p.fp32(x);
+      return;
+    }
+    case kOutput:
+    case kBuffer:
+      TORCH_CHECK(tensor, "argument ", i, " (code '", c, "') cannot take a buffer");
+      p.arg(i, c, &buffer(bufs, kind == kOutput ? 0 : value, i), py::none(), nullptr);
+      return;
+    case kScalar: {
+      TORCH_CHECK(!tensor, "argument ", i, " (code '", c, "') cannot take a scalar");
+      TORCH_CHECK(value >= 0 && size_t(value) < args.size(), "rlk_core._C: argument ", i, " names input ", value);
+      p.arg(i, c, nullptr, args[size_t(value)], nullptr);
+      return;
+    }
+    case kInput2d:
+    case kInputRows: {
+      const at::Tensor& t = input_tensor(args, value, i, c);
+      const at::Tensor t2 = kind == kInput2d ? t.view({-1, t.size(-1)}) : t.view({t.size(0), -1});
+      p.arg(i, c, &t2, py::none(), nullptr);
+      return;
+    }
+    case kInputAt:
+    case kBufferAt: {
+      TORCH_CHECK(c == 'p', "argument ", i, " (code '", c, "') is not a pointer");
+      const at::Tensor& t = kind == kInputAt ? input_tensor(args, value & 255, i, c) : buffer(bufs, value & 255, i);
+      p.pointer_at(i, t, value >> 8);
+      return;
+    }
+    case kInput: {
+      TORCH_CHECK(value >= 0 && size_t(value) < args.size(), "rlk_core._C: argument ", i, " names input ", value);
+      py::handle a = args[size_t(value)];
+      p.arg(i, c, tensor && !(a.is_none() && c == 'p') ? &tensor_arg(a, i, c) : nullptr, a, nullptr);
+      return;
+    }
+    default:
+      TORCH_CHECK(false, "rlk_core._C: unknown argument kind ", kind);
+  }
+}
+
+// One launch of a record: its variant's arguments, (kind, value) each, then the launch.
+void record_launch(Words& w, const Variant& v, int64_t gx, int64_t gy, int64_t gz, const py::args& args,
+                   const std::vector<at::Tensor>& bufs) {
+  const int64_t n = w.next();
   TORCH_CHECK(size_t(n) == v.codes.size(), "variant takes ", v.codes.size(), " arguments, the record has ", n);
-  TORCH_CHECK(like >= 0 && size_t(like) < args.size(), "rlk_core._C.run: bad 'like' input ", like);
-  at::Tensor y = at::empty(alloc, tensor_arg(args[like], size_t(like)).options());
-  if (out_aligned && reinterpret_cast<uintptr_t>(y.data_ptr()) % 16 != 0) return py::none();
   Params p(v);
   for (size_t i = 0; i < size_t(n); ++i) {
-    const int64_t kind = next(), value = next();
-    const char c = v.codes[i];
-    if (kind == kConst) {
-      p.arg(i, c, nullptr, py::none(), &value);
-    } else if (kind == kOutput) {
-      TORCH_CHECK(c == 'p' || c == 'D', "argument ", i, " (code '", c, "') cannot take the output");
-      p.arg(i, c, &y, py::none(), nullptr);
-    } else {
-      TORCH_CHECK(value >= 0 && size_t(value) < args.size(), "rlk_core._C.run: argument ", i, " names input ", value);
-      py::handle a = args[size_t(value)];
-      if (kind == kScalar) {
-        TORCH_CHECK(c != 'p' && c != 'D', "argument ", i, " (code '", c, "') cannot take a scalar");
-        p.arg(i, c, nullptr, a, nullptr);
-      } else if (kind == kInput2d) {
-        const at::Tensor& t = tensor_arg(a, i, c);
-        const at::Tensor t2 = t.view({-1, t.size(-1)});
-        p.arg(i, c, &t2, a, nullptr);
-      } else {
-        TORCH_CHECK(kind == kInput, "rlk_core._C.run: unknown argument kind ", kind);
-        const bool tensor = c == 'p' || c == 'D';
-        p.arg(i, c, tensor && !(a.is_none() && c == 'p') ? &tensor_arg(a, i, c) : nullptr, a, nullptr);
-      }
-    }
+    const int64_t kind = w.next(), value = w.next();
+    record_arg(p, i, v.codes[i], kind, value, args, bufs);
   }
   p.go(gx, gy, gz);
-  return py::cast(y.view(final_shape));
+}
+
+// run(record, *inputs): record = int64s [handle, out_aligned, gx, gy, gz, like, n_alloc, alloc...,
+// n_final, final..., n_args, (kind, value) per kernel argument]. Returns the output viewed as `final`, or
+// None (nothing launched) where out_aligned is set and the allocation is not 16-byte aligned. n_alloc = -1:
+// the kernel writes no output of its own (only its inputs, e.g. a KV cache): nothing is allocated, the launch
+// always happens and None is returned.
+py::object run(py::bytes record, py::args args) {
+  Words w(record);
+  const int64_t handle = w.next(), out_aligned = w.next(), gx = w.next(), gy = w.next(), gz = w.next(),
+                like = w.next();
+  const int64_t n_alloc = w.next();
+  c10::SmallVector<int64_t, 4> alloc, final_shape;
+  for (int64_t k = n_alloc; k > 0; --k) alloc.push_back(w.next());
+  for (int64_t k = w.next(); k > 0; --k) final_shape.push_back(w.next());
+  const Variant& v = variant(handle);
+  std::vector<at::Tensor> bufs;
+  if (n_alloc >= 0) {
+    bufs.push_back(at::empty(alloc, input_tensor(args, like, 0, 'p').options()));
+    if (out_aligned && reinterpret_cast<uintptr_t>(bufs[0].data_ptr()) % 16 != 0) return py::none();
+  } else {
+    TORCH_CHECK(!out_aligned && final_shape.empty(), "rlk_core._C.run: a record without output returns none");
+  }
+  record_launch(w, v, gx, gy, gz, args, bufs);
+  return n_alloc >= 0 ? py::cast(bufs[0].view(final_shape)) : py::none();
+}
+
+// run_program(record, *inputs): several launches over buffers it allocates, for an op made of a few kernels.
+// record = int64s [like, n_bufs, per buffer (scalar type, fill, ndim, sizes...), n_launches, per launch
+// (handle, gx, gy, gz, n_args, (kind, value) per argument), n_outs, buffer index per output]; fill 0: none,
+// 1: -inf, 2: zeros (as torch.full / torch.zeros would: on the current stream). Buffers are allocated like
+// input `like` (its device); returns the output buffers as a tuple, or None (nothing launched) where a buffer
+// is not 16-byte aligned (the variants assume it: the caller's general code then runs the call).
+py::object run_program(py::bytes record, py::args args) {
+  Words w(record);
+  const at::TensorOptions options = input_tensor(args, w.next(), 0, 'p').options();
+  std::vector<at::Tensor> bufs;
+  for (int64_t b = w.next(); b > 0; --b) {
+    const int64_t type = w.next(), fill = w.next();
+    c10::SmallVector<int64_t, 4> shape;
+    for (int64_t k = w.next(); k > 0; --k) shape.push_back(w.next());
+    TORCH_CHECK(type == 3 || type == 4 || type == 5 || type == 6 || type == 15, "rlk_core._C: buffer type ", type);
+    const at::TensorOptions o = options.dtype(static_cast<c10::ScalarType>(type));
+    if (fill == 1) {
+      bufs.push_back(at::full(shape, -std::numeric_limits<double>::infinity(), o));
+    } else if (fill == 2) {
+      bufs.push_back(at::zeros(shape, o));
+    } else {
+      TORCH_CHECK(fill == 0, "rlk_core._C: buffer fill ", fill);
+      bufs.push_back(at::empty(shape, o));
+    }
+    if (reinterpret_cast<uintptr_t>(bufs.back().data_ptr()) % 16 != 0) return py::none();
+  }
+  for (int64_t l = w.next(); l > 0; --l) {
+    const int64_t handle = w.next(), gx = w.next(), gy = w.next(), gz = w.next();
+    record_launch(w, variant(handle), gx, gy, gz, args, bufs);
+  }
+  const int64_t n_outs = w.next();
+  py::tuple outs(n_outs);
+  for (int64_t k = 0; k < n_outs; ++k) outs[size_t(k)] = py::cast(buffer(bufs, w.next(), 0));
+  return outs;
 }
 
 }  // namespace
@@ -401,4 +521,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("pdl"), py::arg("codes"), py::arg("desc_meta"));
   m.def("launch", &launch, "launch a loaded variant on the current stream: launch(handle, gx, gy, gz, *args)");
   m.def("run", &run, "launch a record's variant on the current stream, allocating its output: run(record, *inputs)");
+  m.def("run_program", &run_program,
+        "a record's launches over the buffers it allocates, on the current stream: run_program(record, *inputs)");
 }

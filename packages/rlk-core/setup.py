@@ -10,7 +10,10 @@ With the extension, the ahead-of-time cubins of ``rlk_core.aot`` (Triton's compi
 for each of ``RLK_BUILD_TARGETS`` (default ``cuda:90``) into the package data ``rlk_core/_aot/<target>/``
 (``manifest.json`` + one cubin per variant), ``RLK_BUILD_JOBS`` compiles in parallel (default: the CPU
 count). A failed variant fails the build. The variables are declared in ``rlk_core.envs`` (docs/envvars.md);
-this script reads them directly, as it runs before rlk-core is installed.
+this script reads them directly, as it runs before rlk-core is installed. An in-place build
+(``build_ext --inplace``) compiles them through one Triton cache folder, ``rlk_core/_aot/triton-cache`` (git-ignored,
+never package data): each compile there has the key Triton's JIT gives the same launch, so rlk.triton pointed at it
+(``TRITON_CACHE_DIR``) runs these very compiles instead of compiling them again (the GPU tests do).
 """
 
 import os
@@ -62,8 +65,11 @@ def _cuda_extensions():
         def run(self) -> None:
             super().run()
             root = (HERE / "src") if self.inplace else Path(self.build_lib)
+            # in place (a development tree): the same compiles also through one Triton cache folder beside them,
+            # where rlk.triton's JIT finds them (the GPU tests point it there); never part of a wheel
+            cache = root / "rlk_core" / "_aot" / TRITON_CACHE if self.inplace else None
             for target in aot_targets():
-                build_cubins(target, root / "rlk_core" / "_aot" / target.replace(":", "_"))
+                build_cubins(target, root / "rlk_core" / "_aot" / target.replace(":", "_"), cache)
 
     return [ext], {"build_ext": BuildWithCubins}
 
@@ -73,14 +79,19 @@ def aot_targets() -> list[str]:
     return [t.strip() for t in raw.split(",") if t.strip()]
 
 
-def build_cubins(target: str, out: Path) -> None:
+TRITON_CACHE = "triton-cache"  # in-place builds: rlk_core/_aot/triton-cache (git-ignored, not package data)
+
+
+def build_cubins(target: str, out: Path, triton_cache: Path | None = None) -> None:
     """``python -m rlk_core.aot build`` of this source tree, in a child process (the build's worker pool
-    spawns processes, which must not re-run this script)."""
+    spawns processes, which must not re-run this script); ``triton_cache``: its ``--triton-cache``."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(HERE / "src"), *filter(None, [env.get("PYTHONPATH")])])
     cmd = [sys.executable, "-m", "rlk_core.aot", "build", "--target", target, "--out", str(out)]
     if os.environ.get("RLK_BUILD_JOBS"):
         cmd += ["--jobs", os.environ["RLK_BUILD_JOBS"]]
+    if triton_cache is not None:
+        cmd += ["--triton-cache", str(triton_cache)]
     print(f"rlk-core: building the AOT cubins for {target} into {out}")
     subprocess.run(cmd, env=env, check=True)  # exits non-zero if any variant failed
 

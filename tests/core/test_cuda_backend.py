@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-import json
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -17,53 +17,21 @@ import torch
 from rlk_core import envs
 from rlk_core.aot import specs as S
 from rlk_core.backends import Backend, BackendRegistry
+from rlk_core.ops import _cuda_calls as cl
 from rlk_core.ops import _cuda_common as cc
 from rlk_core.ops import linear as _linear_op  # noqa: F401  (registers the backends)
 
 ROOT = Path(__file__).resolve().parents[2]
 needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
-build = importlib.import_module("rlk_core.aot.build")
-
-
-def _fake_entry(spec: S.Spec) -> dict:
-    """A manifest entry as the build writes it, without compiling: the signature and the cubin's parameter
-    list from the build's own functions, a TMA encoding per descriptor (box as the Triton-level box)."""
-    sig, const, _ = build.triton_signature(spec)
-    metas = [
-        {"swizzle": 3, "elem_size": 2, "elem_type": 10, "block_size": list(box), "fp4_padded": False}
-        for name, ty in sig.items()
-        if ty.startswith("tensordesc")
-        for box in [dict(spec.descriptors)[name]]
-    ]
-    return {
-        "op": spec.op,
-        "kernel": spec.kernel,
-        "dtype": spec.dtype,
-        "layout": spec.layout,
-        "variant": spec.name,
-        "constexprs": const,
-        "signature": [{"name": k, "type": v} for k, v in sig.items()],
-        "params": build.cubin_params(sig, metas),
-        "tensordesc_meta": metas or None,
-        "cubin": f"{spec.kernel}-{abs(hash(spec.key)):x}.cubin",
-        "function": spec.kernel,
-        "num_warps": spec.num_warps,
-        "shared_bytes": 0,
-        "launch_pdl": spec.launch_pdl,
-        "global_scratch_size": 0,
-        "profile_scratch_size": 0,
-        "num_ctas": 1,
-    }
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _cuda_fakes as F  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def fake_manifest(tmp_path_factory):
     pytest.importorskip("triton")
     folder = tmp_path_factory.mktemp("aot")
-    kernels = [_fake_entry(s) for s in S.enumerate_specs()]
-    manifest = {"format": 1, "target": "cuda:90", "triton_version": "x", "sms": 132, "kernels": kernels}
-    (folder / "manifest.json").write_text(json.dumps(manifest))
-    return folder, manifest
+    return folder, F.write_manifest(folder, S.enumerate_specs())
 
 
 @pytest.fixture
@@ -85,20 +53,20 @@ def test_param_codes_of_pointer_and_descriptor_kernels():
     ptr_aligned = S.linear_launch_specs(torch.bfloat16, 64, 12288, 4096, False)[0]
     ptr_generic = S.linear_launch_specs(torch.bfloat16, 64, 12288, 4096, False, layout="generic")[0]
     pytest.importorskip("triton")
-    assert cc.param_codes(_fake_entry(rms)) == ("pppiiiif", [])
-    codes, descs = cc.param_codes(_fake_entry(tma))
+    assert cc.param_codes(F.entry(rms)) == ("pppiiiif", [])
+    codes, descs = cc.param_codes(F.entry(tma))
     assert codes == "DDDpiii" and [d[:2] for d in descs] == [[64, 64], [128, 64], [64, 128]]
-    assert cc.param_codes(_fake_entry(ptr_aligned))[0] == "ppppiiiiii"  # unit strides are constexprs
-    assert cc.param_codes(_fake_entry(ptr_generic))[0] == "ppppiiiiiiiii"
+    assert cc.param_codes(F.entry(ptr_aligned))[0] == "ppppiiiiii"  # unit strides are constexprs
+    assert cc.param_codes(F.entry(ptr_generic))[0] == "ppppiiiiiiiii"
 
 
 @needs_triton
 def test_param_codes_refuse_a_parameter_list_they_do_not_produce():
-    entry = _fake_entry(next(iter(S.swiglu_specs(torch.bfloat16))))
+    entry = F.entry(next(iter(S.swiglu_specs(torch.bfloat16))))
     entry["params"] = entry["params"][:-1]  # one scratch pointer missing
     with pytest.raises(ValueError, match="scratch"):
         cc.param_codes(entry)
-    entry = _fake_entry(S.linear_launch_specs(torch.bfloat16, 64, 12288, 4096, True)[0])
+    entry = F.entry(S.linear_launch_specs(torch.bfloat16, 64, 12288, 4096, True)[0])
     entry["tensordesc_meta"][0] = None  # a descriptor not lowered to TMA
     with pytest.raises(ValueError, match="not a plain TMA descriptor"):
         cc.param_codes(entry)
@@ -107,7 +75,7 @@ def test_param_codes_refuse_a_parameter_list_they_do_not_produce():
 @needs_triton
 def test_index_leaves_out_variants_the_launcher_cannot_run():
     specs = list(S.swiglu_specs(torch.bfloat16))[:3]
-    entries = [_fake_entry(s) for s in specs]
+    entries = [F.entry(s) for s in specs]
     entries[1]["global_scratch_size"] = 64
     entries[2]["num_ctas"] = 2
     idx = cc.index({"kernels": entries})
@@ -277,7 +245,7 @@ def test_unavailable_without_a_gpu_or_without_the_extension(monkeypatch):
     if not torch.cuda.is_available():
         assert not ok and "no CUDA device" in why
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setitem(__import__("sys").modules, "rlk_core._C", None)  # import fails
+    monkeypatch.setitem(sys.modules, "rlk_core._C", None)  # import fails
     ok, why = cc.available()
     assert not ok and "rlk_core._C" in why
 
@@ -299,3 +267,98 @@ def test_extension_source_passes_what_the_manifest_names():
     assert all(f"case '{c}'" in src for c in "pilfD")
     assert "CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION" in src
     assert "CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES" in src
+
+
+# -- the attention and log-prob ops ----------------------------------------------------------------------
+FAMILY_OPS = ("attention_varlen", "attention_varlen_backward", "attention_paged_prefill", "attention_decode",
+              "kv_cache_write", "token_logprobs", "token_logprobs_backward", "logp_partials", "merge_logp_partials",
+              "linear_logprobs", "linear_logprobs_backward", "linear_logp_partials")
+
+
+def test_attention_and_logp_ops_and_their_companions_have_an_rlk_cuda_backend():
+    """Every attention and log-prob op, and every companion of one (a forced backend runs the companions too),
+    has rlk.cuda beside rlk.triton under the same contract id, preferred, declaring rlk.triton's bits."""
+    import rlk_core.ops  # noqa: F401  (registers every op's backends)
+    from rlk_core.backends import REGISTRY
+    from rlk_core.contracts import COMPANION_OF
+
+    for op in FAMILY_OPS:
+        cuda, jit = REGISTRY.get(op, "rlk.cuda"), REGISTRY.get(op, "rlk.triton")
+        assert cuda.contract_id == jit.contract_id and cuda.same_bits_as == "rlk.triton", op
+        assert cuda.priority > jit.priority and cuda.devices == ("cuda",), op
+    for op, main in COMPANION_OF.items():
+        if main in FAMILY_OPS:
+            assert op in FAMILY_OPS, op
+
+
+def test_attention_and_logp_supports_decline_traced_inputs():
+    """Fake and meta inputs (torch.compile tracing inside vLLM) are declined before any address is read: rlk.triton
+    (the same bits) stands for rlk.cuda there."""
+    import _cuda_cases as K
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from rlk_core.backends import REGISTRY
+
+    seen: dict[str, tuple] = {}
+    one = (torch.bfloat16,)
+    families = {("attention_varlen", "attention_paged_prefill", "attention_decode"): K.attention_forward_cases,
+                ("kv_cache_write",): K.kv_cache_write_cases, ("attention_varlen_backward",): K.attention_backward_cases,
+                ("token_logprobs", "token_logprobs_backward", "logp_partials", "merge_logp_partials"): K.logprob_cases,
+                ("linear_logprobs", "linear_logp_partials", "linear_logprobs_backward"): K.linear_logprob_cases}
+    for ops, cases in families.items():  # the first call of each op (made outside the fake mode)
+        for op, args, _ in cases("cpu", one):
+            seen.setdefault(op, args)
+            if all(o in seen for o in ops):
+                break
+    with FakeTensorMode() as mode:
+        for op, args in seen.items():
+
+            def fake(a):
+                if isinstance(a, list):
+                    return [fake(x) for x in a]
+                return mode.from_tensor(a) if isinstance(a, torch.Tensor) else a
+
+            said = REGISTRY.get(op, "rlk.cuda").supports(*[fake(a) for a in args])
+            assert said == cc.NO_STORAGE or (op == "linear_logprobs_backward" and not said[0]), op  # never served
+    assert set(seen) == set(FAMILY_OPS)
+    for op in ("attention_decode", "kv_cache_write"):
+        meta = [a.to("meta") if isinstance(a, torch.Tensor) else a for a in seen[op]]
+        assert REGISTRY.get(op, "rlk.cuda").supports(*meta) == cc.NO_STORAGE
+
+
+def test_linear_logprobs_backward_is_declined_with_its_reason(clean_registry, monkeypatch):
+    """rlk.cuda does not build the backward's transposed-weight GEMM: every call is declined with that reason, so
+    rlk.triton runs it (no fallback); forced for linear_logprobs (RLK_BACKENDS forces the companions), the call
+    fails naming it instead of running something else."""
+    import rlk_core.ops  # noqa: F401
+    from rlk_core.errors import RlkBackendError
+    from rlk_core.ops.linear_logprobs import cuda as lc
+
+    reg = clean_registry
+    args = (torch.ones(2, 8), [torch.ones(16, 8)], torch.zeros(2, dtype=torch.long), torch.ones(2), torch.zeros(2),
+            torch.zeros(2), torch.zeros(2))
+    assert reg.get("linear_logprobs_backward", "rlk.cuda").supports(*args) == (False, lc.BACKWARD_NOT_BUILT)
+    for op in ("linear_logprobs_backward",):
+        for bid in ("rlk.cuda", "rlk.triton"):
+            reg._available[(op, bid)] = (True, "")  # as on an H200 with the extension
+    sel = reg.select("linear_logprobs_backward", "cuda", args, strict=True)
+    assert sel.backend.id == "rlk.triton" and sel.fallback_reason is None and "GEMM" in sel.route_reason
+    monkeypatch.setenv("RLK_BACKENDS", "linear_logprobs=rlk.cuda")
+    reg.refresh()
+    reg._available[("linear_logprobs_backward", "rlk.cuda")] = (True, "")
+    with pytest.raises(RlkBackendError, match="transposed"):
+        reg.select("linear_logprobs_backward", "cuda", args, strict=True)
+
+
+def test_extension_record_kinds_are_the_python_side_s():
+    """The argument kinds ``_C.run`` / ``_C.run_program`` decode (the C++ enum) are the numbers
+    ``_cuda_common`` packs, and the buffer element types it accepts are the codes it packs (c10::ScalarType's;
+    the GPU suite allocates fp32, bf16 and fp16 buffers through them)."""
+    src = (ROOT / "csrc" / "rlk_cuda.cpp").read_text()
+    enum = dict(re.findall(r"\b(k\w+) = (\d+),", src[src.index("enum Kind"):src.index("};", src.index("enum Kind"))]))
+    want = {"kInput": cc.T, "kInput2d": cc.V, "kOutput": cc.O, "kScalar": cc.S, "kConst": cc.C, "kConstF": cc.F,
+            "kInputRows": cc.R, "kBuffer": cc.B, "kInputAt": cc.TA, "kBufferAt": cc.BA}
+    assert {k: int(v) for k, v in enum.items()} == want
+    program = src[src.index("py::object run_program"):]
+    assert set(cl.SCALAR_TYPES.values()) == {int(x) for x in re.findall(r"\btype == (\d+)", program)}
+    assert 'm.def("run_program"' in src and "n_alloc >= 0" in src

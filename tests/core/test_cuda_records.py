@@ -8,126 +8,45 @@ bitwise against ``rlk.triton`` on the GPU (``tests/gpu/test_cuda_backend_gpu.py`
 from __future__ import annotations
 
 import importlib
-import json
+import os
 import sys
-import types
-from array import array
 
 import pytest
 import torch
 
-import rlk_core
 from rlk_core.aot import specs as S
+from rlk_core.ops import _cuda_calls as cl
 from rlk_core.ops import _cuda_common as cc
 from rlk_core.ops import linear as _linear_op  # noqa: F401  (registers the backends)
 
 pytest.importorskip("triton")
-build = importlib.import_module("rlk_core.aot.build")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _cuda_cases as K
+import _cuda_fakes as F
+
+from rlk_core.backends import REGISTRY
+from rlk_core.ops.linear_logprobs import triton as llt
+
 lin = importlib.import_module("rlk_core.ops.linear.cuda")
 rms = importlib.import_module("rlk_core.ops.rms_norm.cuda")
 sw = importlib.import_module("rlk_core.ops.swiglu.cuda")
 rp = importlib.import_module("rlk_core.ops.rope.cuda")
 
 
-def _entry(spec: S.Spec) -> dict:
-    """A manifest entry as the build writes it, without compiling (as tests/core/test_cuda_backend.py)."""
-    sig, const, _ = build.triton_signature(spec)
-    metas = [
-        {"swizzle": 3, "elem_size": 2, "elem_type": 10, "block_size": list(dict(spec.descriptors)[name]),
-         "fp4_padded": False}
-        for name, ty in sig.items() if ty.startswith("tensordesc")
-    ]
-    return {"op": spec.op, "kernel": spec.kernel, "dtype": spec.dtype, "layout": spec.layout, "variant": spec.name,
-            "constexprs": const, "signature": [{"name": k, "type": v} for k, v in sig.items()],
-            "params": build.cubin_params(sig, metas), "tensordesc_meta": metas or None,
-            "cubin": f"{spec.kernel}-{abs(hash(spec.key)):x}.cubin", "function": spec.kernel,
-            "num_warps": spec.num_warps, "shared_bytes": 0, "launch_pdl": spec.launch_pdl,
-            "global_scratch_size": 0, "profile_scratch_size": 0, "num_ctas": 1}
-
-
-class Recorder(types.ModuleType):
-    """``rlk_core._C`` without a GPU: ``launch`` and ``run`` record ``(handle, grid, arguments)``; ``run``
-    decodes the packed record word by word as the C++ ``run`` does."""
-
-    def __init__(self) -> None:
-        super().__init__("rlk_core._C")
-        self.calls: list[tuple] = []
-
-    def launch(self, handle, gx, gy, gz, *args):
-        self.calls.append((handle, (gx, gy, gz), list(args)))
-
-    def run(self, packed, *inputs):
-        words = list(array("q", packed))
-        handle, out_aligned, gx, gy, gz, like = words[:6]
-        at = 6
-        alloc = words[at + 1:at + 1 + words[at]]
-        at += 1 + len(alloc)
-        final = words[at + 1:at + 1 + words[at]]
-        at += 1 + len(final)
-        n = words[at]
-        pairs = [(words[at + 1 + 2 * i], words[at + 2 + 2 * i]) for i in range(n)]
-        assert at + 1 + 2 * n == len(words)
-        y = torch.empty(alloc, dtype=inputs[like].dtype, device=inputs[like].device)
-        if out_aligned and y.data_ptr() % 16:
-            return None
-        args = []
-        for kind, value in pairs:
-            if kind == cc.T or kind == cc.S:
-                args.append(inputs[value])
-            elif kind == cc.V:
-                args.append(inputs[value].view(-1, inputs[value].shape[-1]))
-            elif kind == cc.O:
-                args.append(y)
-            else:
-                assert kind == cc.C
-                args.append(value)
-        self.calls.append((handle, (gx, gy, gz), args))
-        return y.view(final)
-
-
 @pytest.fixture(scope="module")
 def manifest(tmp_path_factory):
     folder = tmp_path_factory.mktemp("aot")
-    kernels = [_entry(s) for s in S.enumerate_specs()]
-    doc = {"format": 1, "target": "cuda:90", "triton_version": "x", "sms": 132, "kernels": kernels}
-    (folder / "manifest.json").write_text(json.dumps(doc))
+    F.write_manifest(folder, S.enumerate_specs())
     return folder
 
 
 @pytest.fixture
 def fake(manifest, monkeypatch):
-    """Lookups as on an sm_90 device with 132 SMs; handles are integers, ``codes[handle]`` their parameter
-    codes; ``_C`` is a :class:`Recorder`."""
-    monkeypatch.setenv("RLK_AOT_DIR", str(manifest))
-    cc._manifest.cache_clear()
-    monkeypatch.setattr(cc, "_device_target", lambda device: "cuda:90")
-    handles: dict[str, int] = {}
-    codes: list[str] = []
-
-    def handle(device, entry):
-        if entry["cubin"] not in handles:
-            handles[entry["cubin"]] = len(codes)
-            codes.append(entry["codes"])
-        return handles[entry["cubin"]]
-
-    monkeypatch.setattr(cc, "handle", handle)
+    """Lookups as on an sm_90 device with 132 SMs; handles are integers, ``entries[handle]`` their manifest
+    entries; ``_C`` is a :class:`_cuda_fakes.Recorder`."""
     monkeypatch.setattr(lin, "_num_sms", lambda index: 132)
-    ext = Recorder()
-    monkeypatch.setitem(sys.modules, "rlk_core._C", ext)
-    monkeypatch.setattr(rlk_core, "_C", ext, raising=False)
-    monkeypatch.setattr(cc, "_EXT", [])
-
-    def clear():
-        cc._manifest.cache_clear()
-        cc.clear_records()
-        lin._plan.cache_clear()
-        lin._manifest_sms.cache_clear()
-        for m in (rms, sw, rp):
-            m._variant.cache_clear()
-
-    clear()
-    yield ext, codes
-    clear()
+    with F.fake_device(monkeypatch, manifest, lin, rms, sw, rp) as (ext, entries):
+        yield ext, entries
 
 
 def _canon(value, code: str, out: torch.Tensor, inputs: tuple):
@@ -147,12 +66,12 @@ def _canon(value, code: str, out: torch.Tensor, inputs: tuple):
     return float(value) if code == "f" else int(value)
 
 
-def _same_launches(codes: list[str], inputs: tuple, old: torch.Tensor, old_calls: list, new: torch.Tensor,
+def _same_launches(entries: list[dict], inputs: tuple, old: torch.Tensor, old_calls: list, new: torch.Tensor,
                    new_calls: list) -> None:
     assert len(old_calls) == len(new_calls), (old_calls, new_calls)
     for (h0, g0, a0), (h1, g1, a1) in zip(old_calls, new_calls, strict=True):
         assert (h0, g0) == (h1, g1)
-        c = codes[h0]
+        c = entries[h0]["codes"]
         assert len(a0) == len(a1) == len(c)
         assert [_canon(v, k, old, inputs) for v, k in zip(a0, c)] == [_canon(v, k, new, inputs) for v, k in zip(a1, c)]
     assert new.shape == old.shape and new.dtype == old.dtype and new.stride() == old.stride()
@@ -161,7 +80,7 @@ def _same_launches(codes: list[str], inputs: tuple, old: torch.Tensor, old_calls
 def _compare(fake, module, args: tuple) -> bool:
     """``supports`` == the general ``supports``; where served, the record's launches == the general code's.
     Returns whether the record path (no copy) served the call."""
-    ext, codes = fake
+    ext, entries = fake
     said = module.supports_general(*args)
     assert module.supports(*args) == said
     assert module.supports(*args) == said  # the cached answer
@@ -173,10 +92,10 @@ def _compare(fake, module, args: tuple) -> bool:
     ext.calls.clear()
     new = module.forward(*args)
     new_calls = list(ext.calls)
-    _same_launches(codes, args, old, old_calls, new, new_calls)
+    _same_launches(entries, args, old, old_calls, new, new_calls)
     ext.calls.clear()
     again = module.forward(*args)  # a hit: the same launches again
-    _same_launches(codes, args, old, old_calls, again, list(ext.calls))
+    _same_launches(entries, args, old, old_calls, again, list(ext.calls))
     return True
 
 
@@ -219,7 +138,7 @@ def test_swiglu_records_equal_the_general_code(fake):
 
 
 def test_rope_records_equal_the_general_code(fake):
-    ext, codes = fake
+    ext, entries = fake
     served = fast = 0
     for dt in S.DTYPES:
         for d, r in S.ROPE_SHAPES:
@@ -242,7 +161,7 @@ def test_rope_records_equal_the_general_code(fake):
                                 for _ in range(2):  # the decision, then a hit
                                     ext.calls.clear()
                                     new = rp.launch(*args)
-                                    _same_launches(codes, args, old, old_calls, new, list(ext.calls))
+                                    _same_launches(entries, args, old, old_calls, new, list(ext.calls))
                                 served += 1
                                 key = (x.shape, x.stride(), x.dtype, x.get_device(), x.data_ptr() & 15, pos.dtype,
                                        pos.data_ptr() & 15, tables[0].data_ptr() & 15, tables[1].data_ptr() & 15, r)
@@ -290,3 +209,94 @@ def test_backend_functions_replace_their_stand_ins(fake):
     assert stand_in(x) == sw.supports_general(x)
     y = backend.fn(x)
     assert backend.fn is sw.forward and y.shape == (3, 32)
+
+
+# -- attention and log-prob ops: rlk.cuda launches what rlk.triton launches ----------------------------------
+FAMILIES = {"attention": K.attention_forward_cases, "kv_cache_write": K.kv_cache_write_cases,
+            "attention_backward": K.attention_backward_cases, "logp": K.logprob_cases,
+            "linear_logp": K.linear_logprob_cases}
+
+
+def _roots(args: tuple, out) -> list[tuple[str, torch.Tensor]]:
+    """The call's tensors (list arguments flattened) and its outputs, by name: where a pointer may point."""
+    roots = []
+    for i, a in enumerate(args):
+        for j, t in enumerate(a if isinstance(a, list) else [a]):
+            if isinstance(t, torch.Tensor):
+                roots.append((f"arg{i}.{j}", t))
+    outs = out if isinstance(out, (tuple, list)) else (out,)
+    return roots + [(f"out{i}", t) for i, t in enumerate(outs) if isinstance(t, torch.Tensor)]
+
+
+def _fast(op: str, args: tuple) -> bool:
+    """Whether a served call needs no copy the record or program cannot make: the linear log-probs compute their
+    logits between launches (from Python); int64 ``q_positions`` are converted per call."""
+    if op in ("linear_logprobs", "linear_logp_partials"):
+        return False
+    return not (op == "attention_varlen" and args[7] is not None and args[7].dtype == torch.int64)
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_attention_and_logp_launches_are_triton_s(fake, monkeypatch, family):
+    """Every call of the family's sweep (tests/core/_cuda_cases.py): ``supports`` takes exactly the calls meant to be
+    served and declines the others with a reason; a served call launches what rlk.triton launches — the same
+    kernels in order, each the variant the JIT compiles for rlk.triton's launch, the same grids and arguments
+    (pointers by where they point: an input, an output or a buffer, at which offset) — when its signature is first
+    decided and again from the kept record or program, which serves every call that needs no copy; the outputs
+    have rlk.triton's shapes, dtypes and strides."""
+    ext, entries = fake
+    monkeypatch.setattr(llt, "CHUNK_BYTES", K.linear_chunk_bytes())
+    served = 0
+    for op, args, want in FAMILIES[family]("cpu"):
+        cuda, triton = REGISTRY.get(op, "rlk.cuda"), REGISTRY.get(op, "rlk.triton")
+        said = cuda.supports(*args)
+        assert said[0] == want and (said[0] or said[1]), (op, said, K.describe(args))
+        if not said[0]:
+            continue
+        with F.TritonLaunches() as cap:
+            ref = triton.fn(*args)
+        for _ in range(2):  # the decision, then the kept one
+            ext.clear()
+            out = cuda.fn(*args)
+            F.same_launches(cap.launches, ext.calls, entries, _roots(args, ref), _roots(args, out))
+            assert set(ext.via) <= ({"run", "run_program"} if _fast(op, args) else {"launch"}), (op, ext.via)
+            for a, b in zip(*(o if isinstance(o, (tuple, list)) else (o,) for o in (ref, out)), strict=True):
+                assert (a is None) == (b is None)
+                if a is not None:
+                    assert (a.shape, a.dtype, a.stride()) == (b.shape, b.dtype, b.stride()), op
+        served += 1
+    assert served > 0
+
+
+def test_decode_offsets_are_one_cached_arange_per_device(fake):
+    """attention_decode's cu_seqlens_q is a prefix of one cached arange (rlk.triton builds arange(B + 1) per call):
+    the values the kernel reads are the same; a larger batch grows it, the old tensor is kept (a captured graph may
+    read it)."""
+    from rlk_core.ops.attention import cuda as ac
+
+    cu = ac.decode_offsets(torch.device("cpu"), 5)
+    assert cu.dtype == torch.int32 and torch.equal(cu[:5], torch.arange(5, dtype=torch.int32))
+    assert ac.decode_offsets(torch.device("cpu"), 7) is cu
+    big = ac.decode_offsets(torch.device("cpu"), cu.shape[0] + 1)
+    assert big.shape[0] > cu.shape[0] and torch.equal(big[: cu.shape[0]], cu) and any(t is cu for t in ac._KEEP)
+
+
+def test_program_records_slices_and_buffers(fake):
+    """A program names inputs, buffers and slices of both; what the C++ reads (decoded by the recorder) is what
+    was meant: a slice of an input at its byte offset, a buffer's half, the fills."""
+    ext, entries = fake
+    x = torch.randn(4, 32)
+    calls = cl.Calls(x.device, meta=True)
+    buf = calls.new((2, 4, 8), torch.float32, "-inf")
+    zero = calls.new((4,), torch.float32, "zeros")
+    calls.launches.append(((entries_entry := F.entry(S.swiglu_specs(torch.float32)[0]), [cl.Slice(x, x[:, 16:]),
+                            cl.Slice(buf, buf[1])], ["x_ptr", "y_ptr"]), (1, 1, 1)))
+    program = calls.program((x,), (buf, zero))
+    assert program is not None and entries_entry["cubin"] in {e["cubin"] for e in entries}
+    ext.clear()
+    outs = cl.run_program(program, x)
+    (_, _, args), = ext.calls
+    assert args[0] == ("at", x.data_ptr() + 16 * 4, x.untyped_storage().data_ptr())
+    assert args[1][1] - args[1][2] == 4 * 8 * 4  # buf[1]: 32 floats in
+    assert torch.isneginf(outs[0]).all() and torch.equal(outs[1], torch.zeros(4))
+    assert calls.program((x,), (torch.empty(4),)) is None  # an output that is no buffer

@@ -1,6 +1,6 @@
 """``python -m rlk_core.aot build --target cuda:90 --out DIR`` (options: ``--ops``, ``--dtypes``, ``--layouts``,
-``--sms``, ``--jobs``) and ``python -m rlk_core.aot list`` (the variants, one a line). Progress per variant on
-stderr; exits 1 if any variant failed to compile (the manifest records which and why)."""
+``--sms``, ``--jobs``, ``--triton-cache``) and ``python -m rlk_core.aot list`` (the variants, one a line). Progress
+per variant on stderr; exits 1 if any variant failed to compile (the manifest records which and why)."""
 
 from __future__ import annotations
 
@@ -23,6 +23,9 @@ def main(argv: list[str] | None = None) -> int:
             s.add_argument("--target", default="cuda:90")
             s.add_argument("--out", required=True)
             s.add_argument("--jobs", type=int, default=None)
+            s.add_argument("--triton-cache", default=None,
+                           help="compile through this Triton cache folder (shared) instead of a private one each: "
+                                "a JIT pointed at it (TRITON_CACHE_DIR) loads these compiles for the same launches")
     a = p.parse_args(argv)
     from rlk_core.aot.specs import TRITON_TYPE, enumerate_specs
 
@@ -35,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     from rlk_core.aot.build import build, print_progress
 
-    m = build(a.target, a.out, specs, sms=a.sms, jobs=a.jobs, progress=print_progress)
+    m = build(a.target, a.out, specs, sms=a.sms, jobs=a.jobs, progress=print_progress, triton_cache=a.triton_cache)
     print(f"{len(m['kernels'])} cubins, {len(m['failed'])} failed -> {a.out}", file=sys.stderr)
     return 1 if m["failed"] else 0
 

@@ -60,10 +60,10 @@ def triton_signature(spec: Spec, kernel=None) -> tuple[dict[str, str], dict[str,
     """``(signature, constexprs, divisible)`` as ``triton.compile`` takes them: every argument of the
     kernel in order with its Triton type (``constexpr`` for constexprs and the layout's unit strides),
     and the names marked divisible by 16 (``aligned`` layout: pointers and integers except the kernel's
-    ``do_not_specialize``)."""
+    ``do_not_specialize`` and the variant's ``plain``)."""
     kernel = kernel or _kernel(spec)
     const = {**dict(spec.constexprs), **{n: 1 for n in spec.ones}}
-    ptrs, boxes, loose = dict(spec.pointers), dict(spec.descriptors), set(_dns(kernel))
+    ptrs, boxes, loose = dict(spec.pointers), dict(spec.descriptors), {*_dns(kernel), *spec.plain}
     sig, divisible = {}, []
     dtype = spec.dtype.split("->")[0].split(",")[0]
     for name in kernel.arg_names:
@@ -113,11 +113,52 @@ def variant_hash(spec: Spec, source_hash: str, target: str, triton_version: str)
     return hashlib.sha256(ident.encode()).hexdigest()[:16]
 
 
-def compile_spec(spec: Spec, target: str = "cuda:90") -> tuple[dict[str, Any], bytes | None]:
-    """Compile one variant; ``(manifest entry, cubin bytes)``, or ``(entry with "error", None)``."""
+def jit_source(spec: Spec, kernel=None):
+    """``(ASTSource, options)`` of the variant exactly as Triton's JIT builds them for a launch with this
+    specialisation (``JITFunction._pack_args``): the signature, the constexprs, an attribute list for every
+    argument the JIT specialises (divisible by 16, or empty: an unmarked integer or pointer) and the launch's
+    options (``launch_pdl`` included: the JIT takes it as an option). Triton's compile key of the pair is then the
+    JIT's own, so a Triton cache the build writes (``triton_cache``) serves the JIT's launches unchanged."""
+    from triton.compiler import ASTSource
+
+    kernel = kernel or _kernel(spec)
+    sig, const, divisible = triton_signature(spec, kernel)
+    loose, floats = set(_dns(kernel)), set(spec.floats)
+    attrs = {}
+    for i, name in enumerate(kernel.arg_names):
+        ty = sig[name]
+        if ty == "constexpr" or ty.startswith("tensordesc") or name in floats or (name in loose and ty[0] != "*"):
+            continue
+        attrs[(i,)] = [["tt.divisibility", 16]] if name in divisible else []
+    options = {"num_warps": spec.num_warps, "num_stages": spec.num_stages, **dict(spec.options)}
+    if spec.launch_pdl:
+        options["launch_pdl"] = True
+    return ASTSource(fn=kernel, signature=sig, constexprs=const, attrs=attrs), options
+
+
+def compile_key(spec: Spec, target: str = "cuda:90") -> str:
+    """Triton's compile (and cache) key of the variant: the hash its cache directory is named by."""
+    import hashlib
+
+    from triton._C.libtriton import get_cache_invalidating_env_vars
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler.compiler import make_backend
+    from triton.runtime.cache import get_cache_key
+
+    src, options = jit_source(spec)
+    backend = make_backend(GPUTarget(*parse_target(target)))
+    opts = backend.parse_options(dict(options, **src.parse_options()))
+    key = get_cache_key(src, backend, opts, env_vars=get_cache_invalidating_env_vars())
+    return hashlib.sha256(key.encode("utf-8")).hexdigest()
+
+
+def compile_spec(spec: Spec, target: str = "cuda:90",
+                 triton_cache: str | None = None) -> tuple[dict[str, Any], bytes | None]:
+    """Compile one variant; ``(manifest entry, cubin bytes)``, or ``(entry with "error", None)``. With
+    ``triton_cache``, Triton's cache directory is that folder (shared, as a JIT's is) instead of a fresh private
+    one: the JIT of a process pointed at it (``TRITON_CACHE_DIR``) then loads this compile for the same launch."""
     import triton
     from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
 
     kernel = _kernel(spec)
     source_hash = kernel.cache_key  # the kernel's source and every @jit function it calls, Triton's own hash
@@ -129,17 +170,16 @@ def compile_spec(spec: Spec, target: str = "cuda:90") -> tuple[dict[str, Any], b
         "signature": [{"name": k, "type": v} for k, v in sig.items()],
         "constexprs": {k: v for k, v in const.items()},
         "divisible_by_16": divisible,
+        "plain": list(spec.plain),
         "do_not_specialize": _dns(kernel),
         "num_warps": spec.num_warps, "num_stages": spec.num_stages, "options": dict(spec.options),
         "grid": spec.grid, "launch_pdl": spec.launch_pdl, "target": target,
         "triton_version": triton.__version__, "source_hash": source_hash,
     }
-    attrs = {(kernel.arg_names.index(n),): [["tt.divisibility", 16]] for n in divisible}
-    src = ASTSource(fn=kernel, signature=sig, constexprs=const, attrs=attrs)
-    options = {"num_warps": spec.num_warps, "num_stages": spec.num_stages, **dict(spec.options)}
+    src, options = jit_source(spec, kernel)
     try:
         with triton.knobs.cache.scope(), tempfile.TemporaryDirectory(prefix="rlk-aot-") as cache:
-            triton.knobs.cache.dir = cache
+            triton.knobs.cache.dir = triton_cache or cache
             compiled = triton.compile(src, target=GPUTarget(*parse_target(target)), options=options)
     except Exception as exc:  # recorded in the manifest; the CLI exits non-zero
         entry["error"] = f"{type(exc).__name__}: {str(exc)[-2000:]}"
@@ -162,17 +202,20 @@ def compile_spec(spec: Spec, target: str = "cuda:90") -> tuple[dict[str, Any], b
     return entry, cubin
 
 
-def _compile_many(specs: list[Spec], target: str) -> list[tuple[dict[str, Any], bytes | None]]:
-    return [compile_spec(s, target) for s in specs]
+def _compile_many(specs: list[Spec], target: str,
+                  triton_cache: str | None = None) -> list[tuple[dict[str, Any], bytes | None]]:
+    return [compile_spec(s, target, triton_cache) for s in specs]
 
 
 def build(target: str = "cuda:90", out_dir: str | os.PathLike = "aot-build", specs: Iterable[Spec] | None = None,
           sms: int = DEFAULT_SMS, jobs: int | None = None,
-          progress: Callable[[int, int, dict[str, Any], float], None] | None = None) -> dict[str, Any]:
+          progress: Callable[[int, int, dict[str, Any], float], None] | None = None,
+          triton_cache: str | os.PathLike | None = None) -> dict[str, Any]:
     """Compile ``specs`` (default: :func:`enumerate_specs` with ``sms``) for ``target`` into ``out_dir``;
     returns the manifest (also written to ``out_dir/manifest.json``). ``jobs`` worker processes (default:
-    the CPU count); ``progress(done, total, entry, seconds)`` after each variant. Failures are recorded in
-    the manifest's ``failed``, not raised."""
+    the CPU count); ``progress(done, total, entry, seconds)`` after each variant; ``triton_cache``: see
+    :func:`compile_spec` (not recorded in the manifest: the cubins are the same either way). Failures are
+    recorded in the manifest's ``failed``, not raised."""
     import triton
 
     parse_target(target)
@@ -181,6 +224,7 @@ def build(target: str = "cuda:90", out_dir: str | os.PathLike = "aot-build", spe
     out.mkdir(parents=True, exist_ok=True)
     jobs = max(1, min(jobs or os.cpu_count() or 1, len(specs) or 1))
     chunks = [specs[i:i + 4] for i in range(0, len(specs), 4)]
+    cache = None if triton_cache is None else str(Path(triton_cache).resolve())
     results: dict[int, tuple[dict[str, Any], bytes | None]] = {}
     start, done = time.monotonic(), 0
 
@@ -194,11 +238,11 @@ def build(target: str = "cuda:90", out_dir: str | os.PathLike = "aot-build", spe
 
     if jobs == 1:
         for ci, chunk in enumerate(chunks):
-            record(ci * 4, _compile_many(chunk, target))
+            record(ci * 4, _compile_many(chunk, target, cache))
     else:
         ctx = multiprocessing.get_context("spawn")  # no fork of a process that has imported torch
         with concurrent.futures.ProcessPoolExecutor(jobs, mp_context=ctx) as pool:
-            futures = {pool.submit(_compile_many, chunk, target): ci * 4 for ci, chunk in enumerate(chunks)}
+            futures = {pool.submit(_compile_many, chunk, target, cache): ci * 4 for ci, chunk in enumerate(chunks)}
             for f in concurrent.futures.as_completed(futures):
                 record(futures[f], f.result())
     kernels, failed = [], []

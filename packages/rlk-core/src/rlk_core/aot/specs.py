@@ -59,6 +59,7 @@ class Spec:
     descriptors: tuple[tuple[str, tuple[int, int]], ...] = ()  # TMA descriptor argument -> box
     floats: tuple[str, ...] = ()  # fp32 scalar arguments
     ones: tuple[str, ...] = ()  # integer arguments the layout fixes to 1 (constexprs in the binary)
+    plain: tuple[str, ...] = ()  # integer arguments an ``aligned`` variant does not mark divisible by 16
     num_warps: int = 4
     num_stages: int = DEFAULT_STAGES
     options: tuple[tuple[str, Any], ...] = ()  # other compile options (enable_fp_fusion)
@@ -68,22 +69,35 @@ class Spec:
 
     @property
     def key(self) -> tuple:
-        return (self.module, self.kernel, self.layout, self.constexprs, self.pointers, self.descriptors,
-                self.floats, self.ones, self.num_warps, self.num_stages, self.options, self.launch_pdl)
+        return (self.module, self.kernel, self.dtype, self.layout, self.constexprs, self.pointers, self.descriptors,
+                self.floats, self.ones, self.plain, self.num_warps, self.num_stages, self.options, self.launch_pdl)
 
     @property
     def name(self) -> str:
         c = ",".join(f"{k}={v}" for k, v in self.constexprs if not k.endswith("_desc") and not k.endswith("_ptr"))
-        return f"{self.kernel}[{self.dtype},{self.layout},w{self.num_warps},s{self.num_stages},{c}]"
+        loose = f",plain={'+'.join(self.plain)}" if self.plain else ""
+        ones = f",ones={'+'.join(o for o in self.ones if not o.startswith('stride'))}" if any(
+            not o.startswith("stride") for o in self.ones) else ""
+        return f"{self.kernel}[{self.dtype},{self.layout}{loose}{ones},w{self.num_warps},s{self.num_stages},{c}]"
 
     def identity(self) -> str:
-        """A canonical JSON string of the variant (the input of the cubin's file-name hash)."""
-        return json.dumps({f.name: getattr(self, f.name) for f in dataclasses.fields(self)}, sort_keys=True,
-                          default=str)
+        """A canonical JSON string of the variant (the input of the cubin's file-name hash; ``plain`` only where
+        set, so the variants that have none keep the names they had before the field existed)."""
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        if not fields["plain"]:
+            del fields["plain"]
+        return json.dumps(fields, sort_keys=True, default=str)
 
 
 def _t(dtype: torch.dtype) -> str:
     return TRITON_TYPE[dtype]
+
+
+def int_class(value: int) -> str:
+    """How Triton's JIT specialises an integer argument it may specialise (not ``do_not_specialize``): ``"1"``
+    (the constant 1: a constexpr in the binary), ``"16"`` (marked divisible by 16) or ``""`` (neither).
+    ``tests/core/test_aot.py`` checks this against Triton's own ``native_specialize_impl``."""
+    return "1" if value == 1 else "16" if value % 16 == 0 else ""
 
 
 def _linear_tma_spec(dtype: torch.dtype, tile: tuple[int, ...], rem: int, pdl: int, bias: bool, layout: str,
@@ -254,15 +268,25 @@ def rope_specs(dtype: torch.dtype, shapes: Iterable[tuple[int, int]] = ROPE_SHAP
     return specs
 
 
-OPS = ("linear", "rms_norm", "swiglu", "rope")
+OPS = ("linear", "rms_norm", "swiglu", "rope", "attention", "kv_cache_write", "attention_backward", "logp")
 
 
 def enumerate_specs(ops: Iterable[str] = OPS, dtypes: Iterable[torch.dtype] = DTYPES, sms: int = DEFAULT_SMS,
                     layouts: Iterable[str] = LAYOUTS) -> list[Spec]:
-    """Every variant of ``ops`` for ``dtypes`` (duplicates removed, order stable)."""
+    """Every variant of ``ops`` for ``dtypes`` (duplicates removed, order stable). ``layouts`` selects the
+    row-wise and GEMM layout classes; the attention and log-prob variants are all ``aligned`` (their own
+    modules, :mod:`rlk_core.aot.specs_attention` and :mod:`rlk_core.aot.specs_logp`, say why)."""
+    from rlk_core.aot import specs_attention as A
+    from rlk_core.aot import specs_logp as P
+
     layouts = tuple(layouts)
+    aligned = "aligned" in layouts
     makers = {"linear": lambda dt: linear_specs(dt, sms, layouts), "rms_norm": lambda dt: rms_norm_specs(dt, layouts),
-              "swiglu": lambda dt: swiglu_specs(dt, layouts), "rope": lambda dt: rope_specs(dt, layouts=layouts)}
+              "swiglu": lambda dt: swiglu_specs(dt, layouts), "rope": lambda dt: rope_specs(dt, layouts=layouts),
+              "attention": lambda dt: A.forward_specs(dt) if aligned else [],
+              "kv_cache_write": lambda dt: A.kv_write_specs(dt) if aligned else [],
+              "attention_backward": lambda dt: A.backward_specs(dt) if aligned else [],
+              "logp": lambda dt: P.logp_specs(dt) if aligned else []}
     unknown = set(ops) - set(makers)
     if unknown:
         raise ValueError(f"no AOT enumerator for {sorted(unknown)}; known: {OPS}")
@@ -293,6 +317,11 @@ def not_built(sms: int = DEFAULT_SMS) -> list[dict[str, str]]:
         {"kernel": "_rope_fwd_kernel", "what": f"(head_dim, rotary_dim) outside {list(ROPE_SHAPES)}",
          "why": "D and R are constexprs: each pair is a family of binaries; other pairs are left to the JIT "
                 "backend (extend ROPE_SHAPES)."},
-        {"kernel": "attention, log-prob kernels", "what": "not enumerated yet",
-         "why": "the first AOT step covers linear, rms_norm, swiglu and rope (issue 21)."},
-    ]
+    ] + _family_not_built()
+
+
+def _family_not_built() -> list[dict[str, str]]:
+    from rlk_core.aot import specs_attention as A
+    from rlk_core.aot import specs_logp as P
+
+    return A.not_built() + P.not_built()

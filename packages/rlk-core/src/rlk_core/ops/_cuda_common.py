@@ -23,6 +23,9 @@ The manifest is found under ``RLK_AOT_DIR`` or the package data ``rlk_core/_aot/
 Host time: each op's ``supports`` and launch share one decision per call signature (:class:`Launch`,
 below), so a repeated call costs one dict lookup in ``supports`` and one in the launch, which is a single
 ``_C.run`` (output allocation, argument packing and ``cuLaunchKernelEx`` in C++).
+
+:mod:`rlk_core.ops._cuda_calls` builds on this for the attention and log-prob ops: a launch resolved against the
+manifest exactly as the JIT would specialise it, and ops of several launches (``_C.run_program``).
 """
 
 from __future__ import annotations
@@ -104,8 +107,10 @@ def param_codes(entry: dict[str, Any]) -> tuple[str, list[list[int]]]:
     return "".join(codes), descs
 
 
-def variant_key(kernel: str, dtype: str, layout: str, constexprs: dict[str, Any]) -> tuple:
-    return (kernel, dtype, layout, json.dumps(sorted(constexprs.items())))
+def variant_key(kernel: str, dtype: str, layout: str, constexprs: dict[str, Any], plain: Any = ()) -> tuple:
+    """A variant's identity for lookups: kernel, dtype string, layout class, constexprs (the unit integers
+    included) and the integers an ``aligned`` variant leaves unmarked (``plain``)."""
+    return (kernel, dtype, layout, json.dumps(sorted(constexprs.items())), tuple(sorted(plain)))
 
 
 def index(manifest: dict[str, Any]) -> dict[tuple, dict[str, Any]]:
@@ -119,7 +124,8 @@ def index(manifest: dict[str, Any]) -> dict[tuple, dict[str, Any]]:
             codes, descs = param_codes(e)
         except ValueError:
             continue
-        out[variant_key(e["kernel"], e["dtype"], e["layout"], e["constexprs"])] = {**e, "codes": codes, "descs": descs}
+        key = variant_key(e["kernel"], e["dtype"], e["layout"], e["constexprs"], e.get("plain", ()))
+        out[key] = {**e, "codes": codes, "descs": descs}
     return out
 
 
@@ -172,12 +178,13 @@ def available() -> tuple[bool, str]:
     return True, f"{len(idx)} AOT variants for {target} at {folder}"
 
 
-def lookup(device: int, kernel: str, dtype: str, layout: str, constexprs: dict[str, Any]) -> dict[str, Any] | None:
-    """The manifest entry for these constexprs on ``device``'s target, or None."""
+def lookup(device: int, kernel: str, dtype: str, layout: str, constexprs: dict[str, Any],
+           plain: Any = ()) -> dict[str, Any] | None:
+    """The manifest entry for these constexprs (and unmarked integers) on ``device``'s target, or None."""
     target = _device_target(device)
     if target is None:
         return None
-    return _manifest(target)[2].get(variant_key(kernel, dtype, layout, constexprs))
+    return _manifest(target)[2].get(variant_key(kernel, dtype, layout, constexprs, plain))
 
 
 _HANDLES: dict[tuple[int, str], int] = {}
@@ -287,6 +294,7 @@ def without_storage(*tensors: Any) -> bool:
 # A hit is then one dict lookup and one ``_C.run``.
 
 T, V, O, S, C = 0, 1, 2, 3, 4  # a launch argument: input tensor, input viewed 2-D, output, input scalar, constant
+F, R, B, TA, BA = 5, 6, 7, 8, 9  # fp32 constant, input viewed [rows, -1], buffer, into an input, into a buffer
 MAX_RECORDS = 16384  # per op; past it the cache starts over (shapes of a long run with varying batch sizes)
 
 
@@ -296,21 +304,26 @@ class Launch:
     a view), whether the variant assumes a 16-byte aligned output (``out_aligned``: ``_C.run`` returns None
     where the allocation is not, and the general code runs the call) and per kernel argument ``(kind,
     value)``: ``(T, i)`` input ``i``, ``(V, i)`` input ``i`` viewed ``[-1, last]`` (a TMA descriptor
-    operand), ``(O, 0)`` the output, ``(S, i)`` the scalar input ``i``, ``(C, v)`` the integer ``v``."""
+    operand), ``(R, i)`` input ``i`` viewed ``[rows, -1]`` (a descriptor over several heads of each row),
+    ``(O, 0)`` the output, ``(S, i)`` the scalar input ``i``, ``(C, v)`` the integer ``v``, ``(F, bits)`` the
+    fp32 constant whose double's bits are ``bits`` (:func:`float_bits`). ``alloc=None``: the kernel writes only
+    into its inputs (``_C.run`` allocates nothing and returns None)."""
 
     __slots__ = ("alloc", "args", "final", "grid", "handle", "like", "out_aligned", "packed")
 
-    def __init__(self, handle: int, grid: tuple[int, int, int], alloc: tuple[int, ...], final: tuple[int, ...],
-                 like: int, out_aligned: bool, args: tuple[tuple[int, int], ...]) -> None:
-        self.handle, self.grid, self.alloc, self.final = handle, tuple(grid), tuple(alloc), tuple(final)
+    def __init__(self, handle: int, grid: tuple[int, int, int], alloc: tuple[int, ...] | None,
+                 final: tuple[int, ...], like: int, out_aligned: bool, args: tuple[tuple[int, int], ...]) -> None:
+        self.handle, self.grid, self.final = handle, tuple(grid), tuple(final)
+        self.alloc = None if alloc is None else tuple(alloc)
         self.like, self.out_aligned, self.args = like, bool(out_aligned), tuple(args)
         self.packed: bytes | None = None
 
     def pack(self) -> bytes:
         """The record as ``_C.run`` reads it: int64s ``[handle, out_aligned, gx, gy, gz, like, len(alloc),
-        *alloc, len(final), *final, len(args), *(kind, value) per argument]``."""
-        words = [self.handle, int(self.out_aligned), *self.grid, self.like, len(self.alloc), *self.alloc,
-                 len(self.final), *self.final, len(self.args)]
+        *alloc, len(final), *final, len(args), *(kind, value) per argument]`` (``len(alloc)`` -1: no output)."""
+        alloc = () if self.alloc is None else self.alloc
+        words = [self.handle, int(self.out_aligned), *self.grid, self.like,
+                 -1 if self.alloc is None else len(alloc), *alloc, len(self.final), *self.final, len(self.args)]
         for kind, value in self.args:
             words += [kind, value]
         return array("q", words).tobytes()
@@ -330,6 +343,15 @@ def run(launch: Launch, *inputs: Any) -> Any:
 
         _EXT.append(_C)
     return _EXT[0].run(packed, *inputs)
+
+
+def extension() -> Any:
+    """``rlk_core._C`` (imported once; :func:`run` inlines this)."""
+    if not _EXT:
+        from rlk_core import _C
+
+        _EXT.append(_C)
+    return _EXT[0]
 
 
 def record_handle(packed: bytes) -> int:

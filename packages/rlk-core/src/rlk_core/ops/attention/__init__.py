@@ -255,3 +255,12 @@ for _op, _fn, _sup in (("attention_varlen", "attention_varlen", "supports_varlen
     REGISTRY.register(triton_backend(_op, module="rlk_core.ops.attention.triton", fn=_fn, supports=_sup))
 REGISTRY.register(triton_backend("attention_varlen_backward", module="rlk_core.ops.attention.triton_backward",
                                  fn="attention_varlen_backward", supports="supports_backward"))
+
+from rlk_core.ops._cuda_common import cuda_backend  # noqa: E402  (imports neither Triton nor the extension)
+
+for _op, _fn, _sup in (("attention_varlen", "attention_varlen", "supports_varlen"),
+                       ("attention_paged_prefill", "attention_paged_prefill", "supports_paged_prefill"),
+                       ("attention_decode", "attention_decode", "supports_decode"),
+                       ("kv_cache_write", "kv_cache_write", "supports_kv_cache_write"),
+                       ("attention_varlen_backward", "attention_varlen_backward", "supports_backward")):
+    REGISTRY.register(cuda_backend(_op, module="rlk_core.ops.attention.cuda", fn=_fn, supports=_sup))

@@ -184,3 +184,9 @@ REGISTRY.register(companion(triton_backend, "linear_logprobs_backward", "backwar
                             lambda h, ws, t, temp, *_: (h, ws, t, temp)))
 REGISTRY.register(companion(triton_backend, "linear_logp_partials", "linear_logp_partials",
                             lambda h, w, t, temp, *_: (h, [w], t, temp)))
+
+from rlk_core.ops._cuda_common import cuda_backend  # noqa: E402  (imports neither Triton nor the extension)
+
+for _op, _fn, _sup in ((OP, "forward", "supports"), ("linear_logprobs_backward", "backward", "supports_backward"),
+                       ("linear_logp_partials", "linear_logp_partials", "supports_partials")):
+    REGISTRY.register(cuda_backend(_op, module="rlk_core.ops.linear_logprobs.cuda", fn=_fn, supports=_sup))

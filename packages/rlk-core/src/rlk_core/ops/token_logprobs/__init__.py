@@ -241,3 +241,10 @@ REGISTRY.register(companion(triton_backend, "token_logprobs_backward", "backward
 REGISTRY.register(companion(triton_backend, "logp_partials", "logp_partials", lambda x, t, temp, *_: ([x], t, temp)))
 REGISTRY.register(companion(triton_backend, "merge_logp_partials", "merge_logp_partials",
                             lambda m, *_: ([m], None, None)))
+
+from rlk_core.ops._cuda_common import cuda_backend  # noqa: E402  (imports neither Triton nor the extension)
+
+for _op, _fn, _sup in ((OP, "forward", "supports"), ("token_logprobs_backward", "backward", "supports_backward"),
+                       ("logp_partials", "logp_partials", "supports_logp_partials"),
+                       ("merge_logp_partials", "merge_logp_partials", "supports_merge_logp_partials")):
+    REGISTRY.register(cuda_backend(_op, module="rlk_core.ops.token_logprobs.cuda", fn=_fn, supports=_sup))

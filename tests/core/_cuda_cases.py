@@ -1,0 +1,232 @@
+"""Sweeps of calls for the attention and log-prob ops, shared by the CPU tests (every launch ``rlk.triton`` makes
+for them finds its AOT variant, or ``rlk.cuda`` declines the call with a reason; ``rlk.cuda``'s launches are
+``rlk.triton``'s) and the GPU tests (``rlk.cuda`` ``torch.equal`` to ``rlk.triton`` on every served variant).
+
+Each case is ``(op, args, served)``: ``served`` says whether ``rlk.cuda`` must take the call (a shape that
+matters, aligned, its variant built) or must decline it (a head size, group, vocabulary or layout not built).
+The served cases reach every variant the AOT enumeration builds for these ops (checked on the CPU).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from rlk_core.aot import specs_attention as A
+
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+# (Hq, Hkv): every padded GQA group 1..128 of the forward rule (G = 3, 5, 9, ... round up), MHA and GQA
+HEADS = ((1, 1), (2, 1), (3, 1), (5, 1), (12, 1), (32, 8), (17, 1), (40, 1), (65, 1), (28, 4))
+Case = tuple[str, tuple, bool]
+
+
+def _rand(shape, dtype, device, gen) -> torch.Tensor:
+    return torch.randn(shape, generator=gen, device=device, dtype=torch.float32).to(dtype)
+
+
+def _gen(device, seed: int) -> torch.Generator:
+    return torch.Generator(device=device).manual_seed(seed)
+
+
+def _misaligned(t: torch.Tensor) -> torch.Tensor:
+    buf = torch.empty(t.numel() + 1, dtype=t.dtype, device=t.device)
+    return buf[1:].view(t.shape).copy_(t)
+
+
+def _forward_ok(dtype: torch.dtype, d: int, hq: int, hkv: int) -> bool:
+    """Whether rlk.triton's rule takes the heads (a GQA group within the smallest tile) for a built head size."""
+    from rlk_core.ops._triton_common import next_pow2
+
+    return d in A.HEAD_DIMS and next_pow2(hq // hkv) <= max(A.g_pads(dtype, d))
+
+
+def attention_forward_cases(device, dtypes=DTYPES, page_sizes=(16,), contexts=((5, 130, 64),)) -> Iterator[Case]:
+    """varlen (contiguous K/V: the TMA path at d = 128; K/V as halves of one ``[T, Hkv, 2d]`` buffer: pointer
+    loads), chunked prefill and decode over a vLLM-style paged cache (``[blocks, page, Hkv, 2d]``, K and V its
+    halves) for every dtype, built head size and head pair; then the declined: head size 80, a misaligned ``q``,
+    a GQA group past the decode tile."""
+    gen = _gen(device, 11)
+    for dtype in dtypes:
+        for d in A.HEAD_DIMS:
+            if dtype == torch.float32 and d == 256:
+                continue
+            for hq, hkv in HEADS:
+                ok = _forward_ok(dtype, d, hq, hkv)
+                yield from _forward_calls(device, gen, dtype, d, hq, hkv, page_sizes, contexts if ok else contexts[:1],
+                                          ok)
+    for dtype, d, hq, hkv in ((torch.bfloat16, 80, 8, 2), (torch.float16, 128, 128, 1)):
+        yield from _forward_calls(device, gen, dtype, d, hq, hkv, (16,), contexts[:1], False)
+    q = _rand((7, 8, 128), torch.bfloat16, device, gen)
+    k, v = _rand((7, 2, 128), torch.bfloat16, device, gen), _rand((7, 2, 128), torch.bfloat16, device, gen)
+    cu = torch.tensor([0, 3, 7], dtype=torch.int32, device=device)
+    yield "attention_varlen", (_misaligned(q), k, v, cu, cu, 0.1, True, None), False
+
+
+def _forward_calls(device, gen, dtype, d, hq, hkv, page_sizes, contexts, served) -> Iterator[Case]:
+    scale = d ** -0.5
+    for lens in contexts:
+        cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=device)
+        t = int(cu[-1])
+        q = _rand((t, hq, d), dtype, device, gen)
+        k, v = _rand((t, hkv, d), dtype, device, gen), _rand((t, hkv, d), dtype, device, gen)
+        yield "attention_varlen", (q, k, v, cu, cu, scale, True, None), served
+        kv = _rand((t, hkv, 2 * d), dtype, device, gen)  # K/V halves of one buffer: no TMA descriptor
+        yield "attention_varlen", (q, kv[..., :d], kv[..., d:], cu, cu, scale, False, None), served
+        pos = torch.cat([torch.randperm(n, generator=torch.Generator().manual_seed(n)) for n in lens]).to(device)
+        yield "attention_varlen", (q, k, v, cu, cu, scale, True, pos), served  # int64: converted per call
+        yield "attention_varlen", (q, k, v, cu, cu, scale, True, pos.int()), served
+        for page in page_sizes:
+            pages = -(-max(lens) // page) + 1
+            blocks = len(lens) * pages + 3
+            cache = _rand((blocks, page, hkv, 2 * d), dtype, device, gen)
+            kc, vc = cache[..., :d], cache[..., d:]
+            perm = torch.randperm(blocks, generator=torch.Generator().manual_seed(page), dtype=torch.int32)
+            table = perm[: len(lens) * pages].view(len(lens), pages).to(device)
+            seq = torch.tensor(lens, dtype=torch.int32, device=device)
+            chunk = [max(1, n // 3) for n in lens]
+            cq = torch.tensor([0, *torch.tensor(chunk).cumsum(0).tolist()], dtype=torch.int32, device=device)
+            qc = _rand((int(cq[-1]), hq, d), dtype, device, gen)
+            yield "attention_paged_prefill", (qc, kc, vc, table, cq, seq, scale), served
+            qkv = _rand((len(lens), hq + 2 * hkv, d), dtype, device, gen)  # q as vLLM's view of the QKV output
+            yield "attention_decode", (qkv[:, :hq], kc, vc, table, seq, scale), served
+
+
+def kv_cache_write_cases(device, dtypes=DTYPES) -> Iterator[Case]:
+    """Every head-count and page-size class the launcher can specialise (1 / below 16 / a multiple of 16), K and V
+    as views of a QKV output, into the halves of a vLLM-style cache; slots with -1 (skipped); then the declined:
+    a head size not built, more heads than built, a misaligned ``k``."""
+    gen = _gen(device, 12)
+    for dtype in dtypes:
+        for d in A.HEAD_DIMS:
+            for h in (1, 2, 3, 5, 9, 16, 17, 32, 33, 64, 65, 128):
+                for page in (1, 4, 16):
+                    yield "kv_cache_write", _kv_args(device, gen, dtype, d, h, page, 6), True
+    yield "kv_cache_write", _kv_args(device, gen, torch.bfloat16, 96, 8, 16, 6), False
+    yield "kv_cache_write", _kv_args(device, gen, torch.bfloat16, 64, 129, 16, 3), False
+    k, v, kc, vc, slots = _kv_args(device, gen, torch.bfloat16, 128, 8, 16, 5)
+    yield "kv_cache_write", (_misaligned(k), v, kc, vc, slots), False
+
+
+def _kv_args(device, gen, dtype, d, h, page, t) -> tuple:
+    qkv = _rand((t, (2 + 2) * h, d), dtype, device, gen)
+    blocks = 4
+    cache = _rand((blocks, page, h, 2 * d), dtype, device, gen)
+    slots = torch.randperm(blocks * page, generator=torch.Generator().manual_seed(t + h))[:t].to(device)
+    slots[t // 2] = -1
+    return qkv[:, 2 * h:3 * h], qkv[:, 3 * h:], cache[..., :d], cache[..., d:], slots
+
+
+def attention_backward_cases(device, dtypes=DTYPES) -> Iterator[Case]:
+    """Every built GQA group, head size and masking mode (aligned causal, non-causal, positions int32 / int64)
+    of the backward; then the declined: a group not built (3), head size 256 (rlk.triton's rule), 80."""
+    gen = _gen(device, 13)
+    for dtype in dtypes:
+        for d in (64, 128):
+            for g in A.BACKWARD_GROUPS:
+                hkv = 1 if g > 4 else 2
+                for mode in ("aligned", "full", "pos32", "pos64"):
+                    yield "attention_varlen_backward", _bwd_args(device, gen, dtype, d, g * hkv, hkv, mode), True
+    for d, hq, hkv in ((128, 3, 1), (256, 4, 1), (80, 4, 2)):
+        yield "attention_varlen_backward", _bwd_args(device, gen, torch.bfloat16, d, hq, hkv, "aligned"), False
+
+
+def _bwd_args(device, gen, dtype, d, hq, hkv, mode) -> tuple:
+    lens = (5, 70, 33)
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=device)
+    t = int(cu[-1])
+    q, k, v, g = (_rand((t, h, d), dtype, device, gen) for h in (hq, hkv, hkv, hq))
+    pos = None
+    if mode.startswith("pos"):
+        pos = torch.cat([torch.randperm(n, generator=torch.Generator().manual_seed(n)) for n in lens]).to(device)
+        pos = pos.to(torch.int32 if mode == "pos32" else torch.int64)
+    return g, q, k, v, cu, cu, d ** -0.5, mode != "full", pos
+
+
+VOCABS = (151936, 128256, 32000)
+
+
+def logprob_cases(device, dtypes=DTYPES, rows=(5, 17)) -> Iterator[Case]:
+    """``token_logprobs`` and its backward over vocabularies that are multiples of 128 split in 1, 2, 4, 8
+    shards; ``logp_partials`` on shards of 1..8 groups for every padded block count ``P`` (up to 4096),
+    ``merge_logp_partials`` for every group count; then the declined: a vocabulary that is not a multiple of 128
+    (50257), a column-sliced logits view."""
+    gen = _gen(device, 14)
+    for dtype in dtypes:
+        for t in rows:
+            for vocab in VOCABS:
+                x = _rand((t, vocab), dtype, device, gen)
+                target = torch.randint(0, vocab, (t,), generator=torch.Generator().manual_seed(t)).to(device)
+                temp = (torch.rand(t, generator=torch.Generator().manual_seed(vocab)) + 0.5).to(device)
+                for tp in (1, 2, 4, 8):
+                    shards = list(x.split(vocab // tp, dim=1)) if tp > 1 else [x]
+                    tgt = target.int() if tp == 2 else target  # int32 and int64 target ids
+                    yield "token_logprobs", (shards, tgt, temp), True
+                    lse, gl, gs = (_rand((t,), torch.float32, device, gen) for _ in range(3))
+                    yield "token_logprobs_backward", (shards, tgt, temp, lse, gl, gs), True
+    x = _rand((3, 50257), torch.bfloat16, device, gen)
+    tgt = torch.tensor([0, 7, 50256], device=device)
+    one = torch.ones(3, device=device)
+    yield "token_logprobs", ([x], tgt, one), False
+    wide = _rand((3, 32000 + 64), torch.bfloat16, device, gen)
+    yield "token_logprobs", ([wide[:, 1:32001]], tgt, one), False  # rows at a 2-byte offset
+    # logp_partials: P = padded blocks per group, shards of g groups (the merge's every stride class)
+    p = 1
+    while p <= 4096:
+        vocab = 8 * 256 * p
+        for g in (1, 2, 3, 8) if p in (1, 16, 4096) else (1, 8):
+            x = torch.empty((2, g * 256 * p), dtype=torch.float32, device=device).normal_(generator=gen)
+            tgt = torch.tensor([0, g * 256 * p - 1], device=device)
+            yield "logp_partials", (x, tgt, torch.ones(2, device=device), 0, vocab), (g * p) % 16 == 0 and p % 4 == 0
+        p *= 2
+    for k in range(1, 9):  # merge of k group partials: V = k gives k groups of one column
+        m, s = _rand((4, k), torch.float32, device, gen), _rand((4, k), torch.float32, device, gen).abs()
+        yield "merge_logp_partials", (m, s, _rand((4,), torch.float32, device, gen), k), True
+
+
+LINEAR_ROWS = 6
+
+
+def linear_chunk_bytes() -> int:
+    """A ``linear_logprobs.triton.CHUNK_BYTES`` that makes every chunk one leaf block at :data:`LINEAR_ROWS` rows
+    (the chunk rule's answer for ~2**19 rows at the shipped size): chunks start at every slot, so a chunk's first
+    slot takes each of its classes (0, 1, neither multiple of 16 nor 1)."""
+    return LINEAR_ROWS * 2 * 256
+
+
+def linear_logprob_cases(device, dtypes=DTYPES) -> Iterator[Case]:
+    """``linear_logprobs`` (and ``linear_logp_partials``) over a vocabulary of 8 groups of 4 leaf blocks, in 1 or 2
+    weight shards (the caller sets :func:`linear_chunk_bytes`: chunks start at slots 0, 1, 2, 3).
+    ``linear_logprobs_backward`` is always declined (its GEMMs are not built)."""
+    gen = _gen(device, 15)
+    vocab, hidden = 8 * 4 * 256, 64
+    for dtype in dtypes:
+        t = LINEAR_ROWS
+        h = _rand((t, hidden), dtype, device, gen)
+        w = _rand((vocab, hidden), dtype, device, gen) / 8
+        target = torch.randint(0, vocab, (t,), generator=torch.Generator().manual_seed(t)).to(device)
+        temp = torch.full((t,), 0.9, device=device)
+        for tp in (1, 2):
+            ws = list(w.split(vocab // tp)) if tp > 1 else [w]
+            yield "linear_logprobs", (h, ws, target.int() if tp == 2 else target, temp), True
+        yield "linear_logp_partials", (h, w[: vocab // 2], target, temp, 0, vocab), True
+        lse = torch.zeros(t, device=device)
+        yield "linear_logprobs_backward", (h, [w], target, temp, lse, lse, lse), False
+
+
+def all_cases(device) -> Iterator[Case]:
+    yield from attention_forward_cases(device)
+    yield from kv_cache_write_cases(device)
+    yield from attention_backward_cases(device)
+    yield from logprob_cases(device)
+
+
+def describe(args: Any) -> str:
+    def one(a):
+        if isinstance(a, torch.Tensor):
+            return f"{tuple(a.shape)}{str(a.dtype)[6:]}"
+        if isinstance(a, list):
+            return "[" + ",".join(one(x) for x in a) + "]"
+        return repr(a)
+    return ", ".join(one(a) for a in args)
