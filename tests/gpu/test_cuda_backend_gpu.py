@@ -13,6 +13,8 @@ variant exercised) and that each result is ``torch.equal`` to ``rlk.triton``'s.
 from __future__ import annotations
 
 import functools
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -327,3 +329,256 @@ def test_launch_records_serve_leading_dims_and_row_slices_as_the_general_code():
                 out = cuda.fn(*args)
                 assert out.shape == ref.shape and out.stride() == ref.stride()
                 assert torch.equal(out, ref) and torch.equal(out, general(*args)), op
+
+
+# -- the attention and log-prob ops ----------------------------------------------------------------------
+# The sweeps are tests/core/_cuda_cases.py's (the CPU suite checks there that their served calls reach every
+# variant the AOT enumeration builds for these families and that rlk.cuda launches what rlk.triton launches).
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "core"))
+import _cuda_cases as K  # noqa: E402
+
+from rlk_core.ops import _cuda_calls as cl  # noqa: E402
+
+FAMILIES = {
+    "attention": lambda: K.attention_forward_cases("cuda", page_sizes=(1, 16, 64, 256),
+                                                   contexts=((5, 130, 64), (1, 1, 1), (2048, 64, 4097))),
+    "kv_cache_write": lambda: K.kv_cache_write_cases("cuda"),
+    "attention_backward": lambda: K.attention_backward_cases("cuda"),
+    "logp": lambda: (*K.logprob_cases("cuda"), *K.linear_logprob_cases("cuda")),
+}
+
+
+@pytest.fixture(scope="module")
+def ran_programs(ran, monkeypatch_module):
+    """:func:`ran`, and the cubins of every ``_C.run_program`` (each launch of the program)."""
+    from rlk_core import _C
+
+    run_program = _C.run_program
+
+    def recording(packed, *inputs):
+        out = run_program(packed, *inputs)
+        if out is not None:
+            for h in cl.program_handles(packed):
+                ran.add(next(c for (d, c), hh in cc._HANDLES.items() if hh == h))
+        return out
+
+    monkeypatch_module.setattr(_C, "run_program", recording)
+    return ran
+
+
+def _cloned(op: str, args: tuple) -> tuple:
+    """``kv_cache_write`` writes into its caches: the same call on copies of them (same sizes and strides)."""
+    if op != "kv_cache_write":
+        return args
+    k, v, kc, vc, slots = args
+    copies = []
+    for c in (kc, vc):
+        t = torch.empty_strided(c.shape, c.stride(), dtype=c.dtype, device=c.device)
+        t.copy_(c)
+        copies.append(t)
+    return (k, v, *copies, slots)
+
+
+def _outputs(op: str, args: tuple, out):
+    if op == "kv_cache_write":
+        assert out is None
+        return [args[2], args[3]]
+    return list(out) if isinstance(out, (tuple, list)) else [out]
+
+
+def _same(op: str, args: tuple, cuda_fn, triton_fn) -> None:
+    a_args, b_args = _cloned(op, args), _cloned(op, args)
+    a = _outputs(op, a_args, cuda_fn(*a_args))
+    b = _outputs(op, b_args, triton_fn(*b_args))
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        assert x.shape == y.shape and x.dtype == y.dtype, op
+        assert torch.equal(x, y), f"{op}: rlk.cuda != rlk.triton for {K.describe(args)}"
+
+
+@pytest.fixture
+def aot_triton_cache():
+    """rlk.triton's JIT pointed at the Triton cache the in-place AOT build compiled through
+    (``setup.py build_ext --inplace``: ``rlk_core/_aot/triton-cache``), and every compile it makes recorded
+    (``cache_hit``). Each compile there has the key the JIT gives the same launch (checked on the CPU by
+    tests/core/test_aot.py), so rlk.triton runs the AOT build's own compiles instead of ~1000 JIT compiles; a
+    missing cache fails here (build in place) rather than taking an hour."""
+    import triton
+
+    folder = cc.aot_dir(cc.TARGETS[torch.cuda.get_device_capability()]).parent / "triton-cache"
+    if not folder.is_dir():
+        pytest.fail(f"no {folder}: build with `RLK_BUILD_EXT=1 python setup.py build_ext --inplace` in "
+                    "packages/rlk-core (it writes the AOT build's Triton cache there)")
+    hits: list[bool] = []
+    with triton.knobs.cache.scope(), triton.knobs.compilation.scope():
+        triton.knobs.cache.dir = str(folder)
+        triton.knobs.compilation.listener = lambda **kw: hits.append(bool(kw["cache_hit"]))
+        yield hits
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_every_served_attention_and_logp_variant_is_bitwise_triton(family, ran_programs, monkeypatch,
+                                                                   aot_triton_cache):
+    """Every call of the family's sweep: rlk.cuda takes exactly the calls meant to be served — their results
+    ``torch.equal`` to rlk.triton's (twice: the decision, then the kept record or program) — and declines the others,
+    which the registry then runs on rlk.triton without a fallback; the cubins launched are the manifest's whole set
+    for the family (every variant run); every compile rlk.triton's JIT made for it was found in the AOT build's
+    Triton cache (the JIT's binary for each launch is the build's; test_an_independent_jit_compile_... compiles
+    some afresh)."""
+    from rlk_core.ops.linear_logprobs import triton as llt
+
+    monkeypatch.setattr(llt, "CHUNK_BYTES", K.linear_chunk_bytes())
+    ran_programs.clear()
+    served = 0
+    for op, args, want in FAMILIES[family]():
+        cuda, triton = _backends(op)
+        said = cuda.supports(*args)
+        assert said[0] == want, (op, said, K.describe(args))
+        if not said[0]:
+            if triton.supports(*args)[0]:  # (else rlk.triton's own rule declines it too: rlk.reference's call)
+                sel = REGISTRY.select(op, "cuda", args, strict=True)
+                assert sel.backend.id == "rlk.triton" and sel.fallback_reason is None, (op, sel)
+                assert "rlk.cuda" in sel.route_reason, (op, sel)
+            continue
+        for _ in range(2):
+            _same(op, args, cuda.fn, triton.fn)
+        served += 1
+    ops = {"attention": {"attention"}, "kv_cache_write": {"kv_cache_write"},
+           "attention_backward": {"attention_backward"}, "logp": {"logp"}}[family]
+    want = set().union(*(_manifest_cubins(op, {"aligned"}) for op in ops))
+    assert served and ran_programs == want, (f"never run: {sorted(want - ran_programs)[:5]}; "
+                                             f"unexpected: {sorted(ran_programs - want)[:5]}")
+    assert all(aot_triton_cache), f"{aot_triton_cache.count(False)} JIT compiles missed the AOT build's cache"
+
+
+def test_an_independent_jit_compile_gives_the_same_bits(tmp_path):
+    """rlk.triton compiling afresh (an empty Triton cache, its in-memory kernels dropped) for a decode, a
+    kv_cache_write, a backward and a token_logprobs call: rlk.cuda's AOT binaries give its bits."""
+    import triton
+
+    from rlk_core.ops.attention import triton as at
+    from rlk_core.ops.attention import triton_backward as ab
+    from rlk_core.ops.token_logprobs import triton as tt
+
+    calls = [(op, args) for op, args in _step_calls() if op in ("kv_cache_write", "attention_decode",
+                                                                 "token_logprobs")]
+    calls.append(next((op, a) for op, a, want in K.attention_backward_cases("cuda", (torch.bfloat16,)) if want))
+    kernels = [at._attention_fwd_kernel, at._kv_cache_write_kernel, ab._attn_bwd_stats_kernel, ab._attn_bwd_dq_kernel,
+               ab._attn_bwd_dkdv_kernel, ab._attn_bwd_group_sum_kernel, tt._logp_block_fwd_kernel,
+               tt._merge_blocks_kernel, tt._merge_groups_kernel]
+    hits: list[bool] = []
+    with triton.knobs.cache.scope(), triton.knobs.compilation.scope():
+        triton.knobs.cache.dir = str(tmp_path)
+        triton.knobs.compilation.listener = lambda **kw: hits.append(bool(kw["cache_hit"]))
+        for k in kernels:
+            k.device_caches.clear()
+        for op, args in calls:
+            cuda, triton_backend = _backends(op)
+            assert cuda.supports(*args)[0], op
+            _same(op, args, cuda.fn, triton_backend.fn)
+    assert hits and not any(hits)  # every one compiled here
+
+
+def _decode_call(page: int = 16, b: int = 8, seed: int = 5) -> tuple:
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    hq, hkv, d = 32, 8, 128
+    pages = 4096 // page
+    cache = torch.randn((b * pages, page, hkv, 2 * d), device="cuda", generator=g).to(torch.bfloat16)
+    table = torch.randperm(b * pages, device="cuda", dtype=torch.int32, generator=g).view(b, pages)
+    lens = torch.randint(1, 4096, (b,), device="cuda", dtype=torch.int32, generator=g)
+    q = torch.randn((b, hq, d), device="cuda", generator=g).to(torch.bfloat16)
+    return q, cache[..., :d], cache[..., d:], table, lens, d ** -0.5
+
+
+def _step_calls() -> list[tuple[str, tuple]]:
+    """One vLLM step's attention calls (kv_cache_write, decode, chunked prefill) and the sampler's log-probs."""
+    q, kc, vc, table, lens, scale = _decode_call()
+    g = torch.Generator(device="cuda").manual_seed(6)
+    qkv = torch.randn((8, 48, 128), device="cuda", generator=g).to(torch.bfloat16)
+    slots = torch.randperm(kc.shape[0] * kc.shape[1], device="cuda", generator=g)[:8]
+    cq = torch.tensor([0, 1, 3, 8], dtype=torch.int32, device="cuda")
+    logits = torch.randn((8, 151936), device="cuda", generator=g).to(torch.bfloat16)
+    target = torch.randint(0, 151936, (8,), device="cuda", generator=g)
+    return [("kv_cache_write", (qkv[:, 32:40], qkv[:, 40:], kc, vc, slots)),
+            ("attention_decode", (q, kc, vc, table, lens, scale)),
+            ("attention_paged_prefill", (qkv[:, :32], kc, vc, table[:3], cq, lens[:3], scale)),
+            ("token_logprobs", ([logits], target, torch.full((8,), 0.8, device="cuda")))]
+
+
+def test_attention_and_logp_under_graph_capture_and_replay():
+    """Captured in a CUDA graph (after one eager call: loads and decisions happen before capture), replayed on
+    new input values: ``torch.equal`` to rlk.triton run eagerly on those values; on a side stream too."""
+    for op, args in _step_calls()[1:]:  # kv_cache_write: the test below
+        cuda, triton = _backends(op)
+        assert cuda.supports(*args)[0], op
+        run_args = _cloned(op, args)
+        cuda.fn(*run_args)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = cuda.fn(*run_args)
+        for t in run_args:  # new values in the same tensors
+            for x in t if isinstance(t, list) else [t]:
+                if isinstance(x, torch.Tensor) and x.is_floating_point():
+                    x.mul_(0.5)
+        graph.replay()
+        torch.cuda.synchronize()
+        ref = _outputs(op, run_args, triton.fn(*run_args))
+        for a, b in zip(_outputs(op, run_args, out), ref):
+            assert torch.equal(a, b), op
+        s = torch.cuda.Stream()
+        with torch.cuda.stream(s):
+            side = cuda.fn(*run_args)
+        s.synchronize()
+        for a, b in zip(_outputs(op, run_args, side), ref):
+            assert torch.equal(a, b), op
+
+
+def test_kv_cache_write_under_graph_capture_writes_the_replayed_values():
+    cuda, triton = _backends("kv_cache_write")
+    op, args = _step_calls()[0]
+    k, v, kc, vc, slots = _cloned(op, args)
+    cuda.fn(k, v, kc, vc, slots)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        cuda.fn(k, v, kc, vc, slots)
+    k.mul_(0.5)
+    v.add_(1.0)
+    ref = _cloned(op, (k, v, kc, vc, slots))
+    triton.fn(*ref)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(kc, ref[2]) and torch.equal(vc, ref[3])
+
+
+def test_decode_captured_before_any_offsets_exist_builds_its_own():
+    """attention_decode under capture before its cached offsets exist (a graph captured first thing): the call
+    builds ``arange(B + 1)`` itself, as rlk.triton does, and the replay is rlk.triton's bits."""
+    from rlk_core.ops.attention import cuda as ac
+
+    args = _decode_call(b=5, seed=9)
+    cuda, triton = _backends("attention_decode")
+    cuda.fn(*args)  # the decision and the loads
+    saved = dict(ac._OFFSETS)
+    ac._OFFSETS.clear()
+    try:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = cuda.fn(*args)
+        assert not ac._OFFSETS  # nothing cached under capture
+        args[0].mul_(-1.0)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, triton.fn(*args))
+    finally:
+        ac._OFFSETS.update(saved)
+
+
+def test_negative_control_the_attention_comparison_can_fail():
+    """A different scale through rlk.cuda is caught (the comparison above has teeth), and so is rlk.cuda's decode
+    against rlk.triton's prefill of another token's position (a wrong row)."""
+    args = _decode_call(b=4, seed=3)
+    cuda, triton = _backends("attention_decode")
+    ref = triton.fn(*args)
+    assert torch.equal(cuda.fn(*args), ref)
+    assert not torch.equal(cuda.fn(*args[:5], args[5] * 1.001), ref)
+    assert not torch.equal(cuda.fn(args[0].roll(1, 0), *args[1:]), ref)
