@@ -323,11 +323,11 @@ def single_rank(port: int):
         dist.destroy_process_group()
 
 
-def run_worker(script: str, base_port: int, env: dict[str, str]) -> dict:
+def run_worker(script: str, base_port: int, env: dict[str, str], timeout: float = 120) -> dict:
     """Run ``script PORT`` (a file beside this one) in a fresh process with ``env`` added; its last stdout
     line, parsed as JSON."""
     path = os.path.join(os.path.dirname(os.path.abspath(__file__)), script)
     proc = subprocess.run([sys.executable, path, str(base_port + os.getpid() % 250)], capture_output=True,
-                          text=True, timeout=120, env={**os.environ, **env})
+                          text=True, timeout=timeout, env={**os.environ, **env})
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])

@@ -28,7 +28,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.megatron, *MEGATRON_WARNINGS]
 
 @pytest.fixture(scope="module")
 def runs() -> dict:
-    return _model.run_worker("_sync_count_gpu_worker.py", 30410, R_ALL)
+    return _model.run_worker("_sync_count_gpu_worker.py", 30410, R_ALL, timeout=900)  # first Triton compiles
 
 
 def _files(run: dict) -> dict[str, int]:
