@@ -76,7 +76,8 @@ def _backward(ctx, grad):
         x2 = _rows(x.reshape(-1, x.shape[-1]))
         dw = call("linear", g2.t(), x2.t(), None).to(weight.dtype)
     if ctx.has_bias and ctx.needs_input_grad[2]:
-        ones = g2.new_ones((1, 1)).expand(1, g2.shape[0])  # stride 0: no allocation of the token count
+        # one element seen as [1, T] with stride 0 along T (also at T = 1: the strides are the kernel's key)
+        ones = g2.new_ones(1).as_strided((1, g2.shape[0]), (1, 0))
         db = call("linear", g2.t(), ones, None).reshape(-1).to(weight.dtype)
     return dx, dw, db
 
