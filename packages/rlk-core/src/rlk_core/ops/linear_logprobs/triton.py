@@ -20,7 +20,6 @@ from __future__ import annotations
 import torch
 
 from rlk_core.ops import _logp_tree as L
-from rlk_core.ops._layout import transpose_padded
 from rlk_core.ops.linear import triton as LT
 from rlk_core.ops.token_logprobs import triton as TT
 
@@ -90,9 +89,8 @@ def backward(hidden: torch.Tensor, weights: list[torch.Tensor], target: torch.Te
     t, h = hidden.shape
     dh = torch.zeros((t, h), dtype=torch.float32, device=hidden.device)
     part = torch.empty_like(dh)
-    # [H, T_pad]: K-contiguous operand of the dW products (measured faster), the token count padded with
-    # zeros to a multiple of 64 (the same GEMM specialisation for every batch: _layout.transpose_padded)
-    hidden_t = transpose_padded(hidden)
+    # the dW products read dz and hidden as stored ([T, C], [T, H]: transposed views, the reduction over the tokens):
+    # the linear backward's stored-layout kernels, no copy, no padding, no variant that depends on T
     dws, start = [], 0
     for w in weights:
         dw = torch.empty_like(w)
@@ -102,10 +100,8 @@ def backward(hidden: torch.Tensor, weights: list[torch.Tensor], target: torch.Te
             TT.grad_into(dz, dz, target, temperature, lse, g_logp, g_lse, start + c0)
             LT.linear_2d_into(dz, wc.t(), part)  # dz [T, C] @ W[chunk] [C, H], fp32 out
             dh += part
-            dz_t = transpose_padded(dz)
+            LT.linear_2d_into(dz.t(), hidden.t(), dw[c0:c1])  # dz^T [C, T] @ hidden [T, H]
             del dz
-            LT.linear_2d_into(dz_t, hidden_t, dw[c0:c1])  # dz^T [C, T] @ hidden [T, H]
-            del dz_t
         dws.append(dw)
         start += w.shape[0]
     return dh.to(hidden.dtype), dws
