@@ -36,10 +36,11 @@ def _misaligned(t: torch.Tensor) -> torch.Tensor:
 
 
 def _forward_ok(dtype: torch.dtype, d: int, hq: int, hkv: int) -> bool:
-    """Whether rlk.triton's rule takes the heads (a GQA group within the smallest tile) for a built head size."""
-    from rlk_core.ops._triton_common import next_pow2
+    """Whether rlk.triton's own rule takes the heads (its configs and GQA bound) at a built head size."""
+    from rlk_core.ops.attention import triton as tr
 
-    return d in A.HEAD_DIMS and next_pow2(hq // hkv) <= max(A.g_pads(dtype, d))
+    q, k = (torch.empty((1, h, d), dtype=dtype, device="meta") for h in (hq, hkv))
+    return d in A.HEAD_DIMS and tr._supports_heads(q, k)[0]
 
 
 def attention_forward_cases(device, dtypes=DTYPES, page_sizes=(16,), contexts=((5, 130, 64),)) -> Iterator[Case]:

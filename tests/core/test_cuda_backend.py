@@ -327,7 +327,7 @@ def test_attention_and_logp_supports_decline_traced_inputs():
 
 
 def test_linear_logprobs_backward_is_declined_with_its_reason(clean_registry, monkeypatch):
-    """rlk.cuda does not build the backward's transposed-weight GEMM: every call is declined with that reason, so
+    """rlk.cuda does not build the backward's GEMMs on transposed views: every call is declined with that reason, so
     rlk.triton runs it (no fallback); forced for linear_logprobs (RLK_BACKENDS forces the companions), the call
     fails naming it instead of running something else."""
     import rlk_core.ops  # noqa: F401

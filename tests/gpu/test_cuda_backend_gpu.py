@@ -83,7 +83,10 @@ def _manifest_cubins(op: str, layouts: set[str], dtype: torch.dtype | None = Non
 
 
 def test_cuda_backend_is_available_and_preferred():
-    for op in ("linear", "rms_norm", "swiglu", "rope"):
+    for op in ("linear", "rms_norm", "swiglu", "rope", "attention_varlen", "attention_varlen_backward",
+               "attention_paged_prefill", "attention_decode", "kv_cache_write", "token_logprobs",
+               "token_logprobs_backward", "logp_partials", "merge_logp_partials", "linear_logprobs",
+               "linear_logp_partials"):
         cuda, _ = _backends(op)
         ok, why = REGISTRY.is_available(cuda, "cuda")
         assert ok, why

@@ -20,7 +20,9 @@ shape through :func:`~rlk_core.ops.linear.tiles.config`, as ``ops/linear/triton.
 test can check that every launch finds its variant among :func:`enumerate_specs`.
 
 The row-wise kernels' ``config`` functions live in their Triton modules, so enumerating imports Triton
-(inside the functions; importing this module does not).
+(inside the functions; importing this module does not). The attention and log-prob families are enumerated in
+:mod:`rlk_core.aot.specs_attention` and :mod:`rlk_core.aot.specs_logp` (all ``aligned``, with per-variant unit
+and unmarked integers, :attr:`Spec.ones` / :attr:`Spec.plain`, as the JIT specialises their launches).
 """
 
 from __future__ import annotations

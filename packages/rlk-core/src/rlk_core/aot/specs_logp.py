@@ -117,8 +117,8 @@ def not_built() -> list[dict[str, str]]:
                  "are not multiples of 128), non-unit column strides, slices not 16-byte aligned",
          "why": "the JIT specialises those integers and pointers; only the aligned pattern is built, the rest "
                 "runs on rlk.triton."},
-        {"kernel": "linear_logprobs backward GEMMs", "what": "linear_2d_into with a transposed weight view",
-         "why": "the dhidden product reads W[chunk] transposed (stride 1 on N): a specialisation of "
-                "_linear_fwd_kernel the linear enumeration does not build; linear_logprobs_backward runs on "
+        {"kernel": "linear_logprobs backward GEMMs", "what": "linear_2d_into on transposed views",
+         "why": "the dhidden product reads W[chunk] transposed, the dW product dz and hidden transposed: GEMM "
+                "specialisations the linear enumeration does not build; linear_logprobs_backward runs on "
                 "rlk.triton."},
     ]

@@ -8,9 +8,10 @@ The logits are produced between the launches, so these calls run their launches 
 the JIT would specialise it); ``supports`` decides a call signature once, on meta stand-ins.
 
 ``linear_logprobs_backward`` is registered so that a forced ``rlk.cuda`` (``RLK_BACKENDS``, which forces the
-companions too) says why it cannot run: its ``dhidden`` product reads each chunk of the weight transposed
-(``linear_2d_into`` with a unit stride on N), a specialisation of the GEMM the AOT set does not build. Every call
-is declined, so ``rlk.triton`` runs it (``same_bits_as``: not a fallback).
+companions too) says why it cannot run: its GEMMs read transposed views (``dhidden``: each weight chunk; ``dW``:
+``dz`` and ``hidden``, through ``linear_2d_into``), specialisations of the GEMM kernels the AOT set does not build
+(they belong to the linear op's enumeration). Every call is declined, so ``rlk.triton`` runs it (``same_bits_as``:
+not a fallback).
 """
 
 from __future__ import annotations
@@ -24,8 +25,9 @@ from rlk_core.ops import _logp_tree as L
 from rlk_core.ops.linear_logprobs import triton as lt
 from rlk_core.ops.token_logprobs import cuda as tc
 
-BACKWARD_NOT_BUILT = ("linear_logprobs_backward on rlk.cuda: the dhidden GEMM reads W[chunk] transposed "
-                      "(linear_2d_into, unit stride on N), a GEMM specialisation the AOT set does not build")
+BACKWARD_NOT_BUILT = ("linear_logprobs_backward on rlk.cuda: its GEMMs read their operands transposed (dhidden: "
+                      "W[chunk].t(); dW: dz.t() and hidden.t(), linear_2d_into), GEMM specialisations the AOT "
+                      "set does not build")
 
 
 def _partials_into(calls: cl.Calls, hidden, weight, target, temperature, vocab_start, vocab_size, m, s, zt,
