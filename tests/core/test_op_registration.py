@@ -196,6 +196,15 @@ def test_below_is_plain_only_for_a_backend_kernel_and_nothing_else():
         assert not D._below_is_plain(torch._C._dispatch_keys(other)), torch._C._dispatch_keys(other)
 
 
+def test_the_key_sets_the_autograd_kernel_sees_for_plain_tensors_are_plain(monkeypatch):
+    """What the dispatcher hands the Autograd kernel (fallthrough keys dropped: no ADInplaceOrView for a
+    functional op, ADInplaceOrView for kv_cache_write) is taken as plain: the kernel runs the op at once."""
+    monkeypatch.setattr(D, "_BELOW_IS_PLAIN", {})
+    torch.ops.rlk.swiglu.default(torch.randn(2, 8))
+    torch.ops.rlk.kv_cache_write.default(*_cache_args())
+    assert len(D._BELOW_IS_PLAIN) == 2 and all(D._BELOW_IS_PLAIN.values()), D._BELOW_IS_PLAIN
+
+
 def test_a_dispatch_mode_below_autograd_still_sees_the_op_called_through_torch_ops():
     """With a mode active the Autograd kernel re-enters the dispatcher below autograd (the mode sees the op, then
     runs it); the result and the readback are those of a plain call."""

@@ -83,7 +83,8 @@ def run(op: str, device: torch.device, *args: Any) -> Any:
 _AFTER_AUTOGRAD = torch._C._after_autograd_keyset
 _AFTER_AD_INPLACE = torch._C._after_ADInplaceOrView_keyset
 _DK = torch._C.DispatchKey
-# what is left below autograd for plain CPU / CUDA tensors (inference tensors have no ADInplaceOrView key)
+# what is left below autograd for plain CPU / CUDA tensors: the backend key, and ADInplaceOrView where the op
+# has a kernel there (a mutating op; for the others the dispatcher drops that fallthrough key from the set)
 _PLAIN_BELOW = frozenset(
     torch._C.DispatchKeySet(backend).add(extra).raw_repr() if extra is not None
     else torch._C.DispatchKeySet(backend).raw_repr()
