@@ -21,14 +21,15 @@
 # Stages: vllm (vllm_gpu.py, every stage), vllm-capture (R/R and P/P with --capture-max 4096), loop (loop_gpu.py,
 # R/R 10 rounds + P/P), matrix-a / matrix-b (loop_gpu.py --matrix, 4 cells each, 2 rounds), hybrid
 # (megatron_gpu.py --hybrid), megatron (megatron_gpu.py), cuda (build rlk_core._C + cubins, the rlk.cuda and
-# log-prob GPU tests — or the files in $GPU_TESTS —, host_overhead.py), local (bench_local_engine.py: the local
+# log-prob GPU tests — or the files in $GPU_TESTS —, host_overhead.py), tests ($GPU_TESTS, default tests/gpu, no
+# build), local (bench_local_engine.py: the local
 # engine R/R and P/P, 8 rounds, per-round throughput).
 set -u
 HERE=$(cd "$(dirname "$0")" && pwd)
 ROOT=$(cd "$HERE/../.." && pwd)
 SHIP=/tmp/ship
 declare -A CAP=([vllm]=420 [vllm-capture]=300 [loop]=420 [matrix-a]=400 [matrix-b]=400 [hybrid]=180
-                [megatron]=240 [cuda]=330 [local]=420)
+                [megatron]=240 [cuda]=330 [local]=420 [tests]=300)
 
 prepare() {
     cd "$ROOT" || exit 2
@@ -57,11 +58,11 @@ prepare() {
     echo "  carry [\".xfer/call$n\"]: bash benchmarks/frameworks/sitting.sh recv-last $n STAGE[:SECONDS] ..."
 }
 
-ship_archive() {  # ship_archive OUT.tar.xz: the code of HEAD as stages run it (REVISION filled by export-subst)
-    local paths
-    paths=$(git ls-files benchmarks | grep -v '^benchmarks/results/')
+ship_archive() {  # ship_archive OUT.tar.xz: the code of $RLK_SHIP_REV (default HEAD) as stages run it (REVISION filled
+    local paths rev=${RLK_SHIP_REV:-HEAD}  # by export-subst)
+    paths=$(git ls-tree -r --name-only "$rev" benchmarks | grep -v '^benchmarks/results/')
     # shellcheck disable=SC2086
-    git archive --format=tar --prefix=.gpu-src/ HEAD packages tests/gpu tests/conftest.py pyproject.toml $paths \
+    git archive --format=tar --prefix=.gpu-src/ "$rev" packages tests/gpu tests/megatron tests/conftest.py pyproject.toml $paths \
         | xz -6 > "$1"
 }
 
@@ -73,7 +74,7 @@ prepare_lite() {
     [ -n "$whl" ] || { echo "no megatron-core 0.19.2 wheel: run prepare (or make-site.sh) first"; exit 3; }
     rm -rf .xfer/lite && mkdir -p .xfer/lite && cp "$whl" .xfer/lite/ || exit 4
     ship_archive .xfer/lite/ship.tar.xz || exit 4
-    echo "1 call, code $(git rev-parse --short HEAD), $(du -sh .xfer/lite | cut -f1):"
+    echo "1 call, code $(git rev-parse --short "${RLK_SHIP_REV:-HEAD}"), $(du -sh .xfer/lite | cut -f1):"
     echo "  carry [\".xfer/lite\"]: bash benchmarks/frameworks/sitting.sh recv-lite STAGE[:SECONDS] ..."
 }
 
@@ -126,6 +127,11 @@ stage() {  # stage NAME SECONDS
             tail -25 "$out/gpu-tests.log"
             (cd "$G/benchmarks" && RLK_BENCH_OUT="$out" timeout 100 $py host_overhead.py --sections rowwise,linear_eager \
                 > "$out/host.log" 2>&1) ;;
+        tests)  # the GPU tests in $GPU_TESTS on the shipped code, no build (rlk.cuda absent: rlk.triton serves)
+            # shellcheck disable=SC2086
+            (cd "$G" && RLK_REQUIRE_GPU=1 timeout "$cap" $py -m pytest -q -p no:cacheprovider --durations=15 \
+                ${GPU_TESTS:-tests/gpu} > "$out/gpu-tests.log" 2>&1)
+            tail -40 "$out/gpu-tests.log" ;;
         local) (cd "$G/benchmarks" && RLK_BENCH_OUT="$out" timeout "$cap" $py bench_local_engine.py --device cuda \
                    --model qwen3-0.6b --rounds 8 --prompts 32 --samples 8 --max-new-tokens 60 --max-num-seqs 256 \
                    --chunk-size 16 --page-size 16 > "$out/local.log" 2>&1) ;;
