@@ -45,6 +45,19 @@ def _varlen_args(**over):
     ({"q_positions": torch.zeros(10), }, r"q_positions has dtype torch.float32"),
     ({"q_positions": torch.zeros(10, dtype=torch.int64), "causal": False}, r"only meaningful with causal=True"),
     ({"q": torch.randn(10, 4, 8, device="meta")}, r"all tensors must be on one device"),
+    # each of these fails in one test of the checks' fast path only (and so must be refused by it)
+    ({"v": torch.randn(10, 2, 8, dtype=torch.float16)}, r"dtypes must match; got q torch.float32, k torch.float32, "
+                                                         r"v torch.float16"),
+    ({"q": "q"}, r"q must be a tensor, got str"),
+    ({"k": torch.randn(1, 10, 2, 8), "v": torch.randn(1, 10, 2, 8)}, r"k must have 3 dims, got shape \(1, 10, 2, 8\)"),
+    ({"q": torch.randn(10, 0, 8)}, r"head counts must be > 0; got Hq=0, Hkv=2"),
+    ({"cu_seqlens_k": cu_seqlens([4, 6]).long()}, r"cu_seqlens_k has dtype torch.int64; allowed: int32"),
+    ({"cu_seqlens_k": cu_seqlens([4, 6]).view(1, 3)}, r"cu_seqlens_k must have 1 dims, got shape \(1, 3\)"),
+    ({"k": torch.randn(10, 2, 8, device="meta")}, r"got q on cpu, k on meta, v on cpu"),
+    ({"cu_seqlens_q": cu_seqlens([4, 6], "meta")}, r"cu_seqlens_q on meta"),
+    ({"q_positions": torch.zeros(10, dtype=torch.int32, device="meta")}, r"q_positions on meta"),
+    ({"q_positions": torch.zeros(1, 10, dtype=torch.int32)}, r"q_positions must have shape \(10,\), got \(1, 10\)"),
+    ({"scale": float("inf")}, r"scale must be a finite float > 0, got inf"),
 ])
 def test_varlen_bad_inputs(over, match):
     with pytest.raises(RlkInputError, match=r"rlk\.attention_varlen: .*" + match):
@@ -78,6 +91,24 @@ def _paged_args(**over):
     ({"k_cache": torch.randn(4, 4, 8)}, r"k_cache must have 4 dims"),
     ({"q": torch.randn(3, 3, 8)}, r"Hq=3 must be a multiple of Hkv=2"),
     ({"cu_seqlens_q": cu_seqlens([1, 1])}, r"cu_seqlens_q\[-1\] must equal the number of tokens 3"),
+    # each of these fails in one test of the checks' fast path only (and so must be refused by it)
+    ({"v_cache": _cache()[1].half()}, r"dtypes must match; got q torch.float32, k_cache torch.float32, "
+                                      r"v_cache torch.float16"),
+    ({"block_table": torch.tensor([[0, 1], [2, 3]])}, r"block_table has dtype torch.int64; allowed: int32"),
+    ({"block_table": torch.tensor([0, 1], dtype=torch.int32)}, r"block_table must have 2 dims, got shape \(2,\)"),
+    ({"seq_lens": torch.tensor([[5, 8]], dtype=torch.int32)}, r"seq_lens must have 1 dims"),
+    ({"seq_lens": torch.tensor([5], dtype=torch.int32)}, r"block_table has 2 rows and seq_lens 1 entries"),
+    ({"cu_seqlens_q": cu_seqlens([1, 2]).long()}, r"cu_seqlens_q has dtype torch.int64; allowed: int32"),
+    ({"cu_seqlens_q": torch.tensor([0], dtype=torch.int32), "block_table": torch.zeros(0, 2, dtype=torch.int32),
+      "seq_lens": torch.zeros(0, dtype=torch.int32)}, r"cu_seqlens_q must have B \+ 1 >= 2 entries, got 1"),
+    ({"k_cache": torch.zeros(0, 4, 2, 8), "v_cache": torch.zeros(0, 4, 2, 8)},
+     r"caches must be \[num_blocks > 0, page_size > 0, Hkv, D\], got \(0, 4, 2, 8\)"),
+    ({"k_cache": torch.zeros(4, 0, 2, 8), "v_cache": torch.zeros(4, 0, 2, 8)}, r"page_size > 0"),
+    ({"v_cache": torch.zeros(4, 4, 1, 8)}, r"k_cache shape \(4, 4, 2, 8\) != v_cache shape \(4, 4, 1, 8\)"),
+    ({"k_cache": torch.zeros(4, 4, 2, 16), "v_cache": torch.zeros(4, 4, 2, 16)}, r"k_cache head size 16 != q head "
+                                                                                  r"size 8"),
+    ({"seq_lens": torch.tensor([5, 8], dtype=torch.int32, device="meta")}, r"seq_lens on meta"),
+    ({"scale": float("nan")}, r"scale must be a finite float > 0, got nan"),
 ])
 def test_paged_prefill_bad_inputs(over, match):
     with pytest.raises(RlkInputError, match=r"rlk\.attention_paged_prefill: .*" + match):
@@ -104,6 +135,36 @@ def test_decode_bad_inputs():
         attention_decode(**{**ok, "v_cache": torch.randn(4, 4, 16)})
 
 
+def _decode_args(**over):
+    a = _paged_args()
+    args = dict(q=torch.randn(2, 4, 8), k_cache=a["k_cache"], v_cache=a["v_cache"], block_table=a["block_table"],
+                seq_lens=a["seq_lens"], scale=0.3)
+    args.update(over)
+    return args
+
+
+@pytest.mark.parametrize(("over", "match"), [
+    # each of these fails in one test of the checks' fast path only (and so must be refused by it)
+    ({"q": torch.randn(2, 4, 8, dtype=torch.bfloat16)}, r"dtypes must match; got q torch.bfloat16"),
+    ({"q": torch.randn(2, 4, 8, dtype=torch.float64)}, r"q has dtype torch.float64; allowed"),
+    ({"q": torch.randn(2, 32)}, r"q must have 3 dims, got shape \(2, 32\)"),
+    ({"q": torch.randn(2, 3, 8)}, r"Hq=3 must be a multiple of Hkv=2"),
+    ({"q": torch.randn(2, 4, 4)}, r"k_cache head size 8 != q head size 4"),
+    ({"k_cache": torch.zeros(4, 4, 2, 8).half(), "v_cache": torch.zeros(4, 4, 2, 8).half()}, r"dtypes must match"),
+    ({"block_table": torch.tensor([[0, 1], [2, 3]], dtype=torch.int16)}, r"block_table has dtype torch.int16"),
+    ({"seq_lens": torch.tensor([5, 8])}, r"seq_lens has dtype torch.int64; allowed: int32"),
+    ({"seq_lens": torch.tensor([5, 8, 1], dtype=torch.int32)}, r"block_table has 2 rows and seq_lens 3 entries"),
+    ({"q": torch.randn(2, 4, 8, device="meta")}, r"all tensors must be on one device; got q on meta"),
+    ({"block_table": torch.tensor([[0, 1], [2, 3]], dtype=torch.int32, device="meta")}, r"block_table on meta"),
+    ({"v_cache": torch.zeros(4, 4, 2, 8, device="meta")}, r"v_cache on meta"),
+    ({"k_cache": "cache"}, r"k_cache must be a tensor, got str"),
+    ({"scale": -0.3}, r"scale must be a finite float > 0, got -0.3"),
+])
+def test_decode_bad_inputs_each_fast_test(over, match):
+    with pytest.raises(RlkInputError, match=r"rlk\.attention_decode: .*" + match):
+        attention_decode(**_decode_args(**over))
+
+
 def test_kv_cache_write_bad_inputs():
     kc, vc = _cache()
     k = torch.randn(3, 2, 8)
@@ -118,6 +179,16 @@ def test_kv_cache_write_bad_inputs():
         ((torch.randn(3, 1, 8), torch.randn(3, 1, 8), kc, vc, good), r"k is \[T, Hkv, D\] = \(3, 1, 8\)"),
         ((k.bfloat16(), k.bfloat16(), kc, vc, good), r"dtypes must match"),
         ((k, torch.randn(2, 2, 8), kc, vc, good), r"k shape \(3, 2, 8\) != v shape \(2, 2, 8\)"),
+        # each of these fails in one test of the checks' fast path only (and so must be refused by it)
+        ((k, k.half(), kc, vc, good), r"dtypes must match; got k torch.float32, v torch.float16"),
+        ((k, k, kc, vc.half(), good), r"v_cache torch.float16"),
+        ((k, k, kc, torch.zeros(4, 4, 1, 8), good), r"k_cache shape \(4, 4, 2, 8\) != v_cache shape \(4, 4, 1, 8\)"),
+        ((k, k, kc, vc, good.view(1, 3)), r"slot_mapping must have 1 dims, got shape \(1, 3\)"),
+        ((k[..., 0], k[..., 0], kc[..., 0], vc[..., 0], good), r"k must have 3 dims, got shape \(3, 2\)"),
+        ((torch.randn(3, 2, 4), torch.randn(3, 2, 4), kc, vc, good), r"k is \[T, Hkv, D\] = \(3, 2, 4\)"),
+        ((k, k, kc, vc, good.to("meta")), r"slot_mapping on meta"),
+        ((k, k, kc, vc.to("meta"), good), r"v_cache on meta"),
+        ((k, k, "cache", vc, good), r"k_cache must be a tensor, got str"),
     ]
     for args, match in cases:
         with pytest.raises(RlkInputError, match=r"rlk\.kv_cache_write: .*" + match):
