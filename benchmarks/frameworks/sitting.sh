@@ -21,7 +21,7 @@
 # Stages: vllm (vllm_gpu.py, every stage), vllm-capture (R/R and P/P with --capture-max 4096), loop (loop_gpu.py,
 # R/R 10 rounds + P/P), matrix-a / matrix-b (loop_gpu.py --matrix, 4 cells each, 2 rounds), hybrid
 # (megatron_gpu.py --hybrid), megatron (megatron_gpu.py), cuda (build rlk_core._C + cubins, the rlk.cuda and
-# log-prob GPU tests — or the files in $GPU_TESTS —, host_overhead.py), tests ($GPU_TESTS, default tests/gpu, no
+# log-prob GPU tests — or the files in $GPU_TESTS, selected by $GPU_TESTS_K —, host_overhead.py $HOST_SECTIONS), tests ($GPU_TESTS, default tests/gpu, no
 # build), local (bench_local_engine.py: the local
 # engine R/R and P/P, 8 rounds, per-round throughput).
 set -u
@@ -117,16 +117,21 @@ stage() {  # stage NAME SECONDS
         matrix-b) timeout "$cap" $py "$G/benchmarks/frameworks/loop_gpu.py" --out "$out" --rounds 2 --prompts 32 \
                       --max-new-tokens 64 --matrix ffn-RP,ffn-PR,logp-RP,logp-PR --matrix-cap-s $((cap - 20)) ;;
         hybrid) timeout "$cap" $py "$G/benchmarks/frameworks/megatron_gpu.py" --hybrid --out "$out" ;;
-        megatron) timeout "$cap" $py "$G/benchmarks/frameworks/megatron_gpu.py" --out "$out" ;;
+        megatron) timeout "$cap" $py "$G/benchmarks/frameworks/megatron_gpu.py" --budget-s $((cap - 40)) --out "$out" ;;
         cuda)
-            (cd "$G/packages/rlk-core" && RLK_BUILD_EXT=1 RLK_BUILD_JOBS=16 timeout 200 $py setup.py build_ext --inplace \
-                > "$out/build.log" 2>&1)
+            # $RLK_BUILD_OPS (setup.py) limits the AOT families built; $BUILD_CAP caps the build (default 200 s)
+            local t0=$SECONDS
+            (cd "$G/packages/rlk-core" && RLK_BUILD_EXT=1 RLK_BUILD_JOBS=16 timeout "${BUILD_CAP:-200}" $py setup.py \
+                build_ext --inplace > "$out/build.log" 2>&1)
+            echo "build rc $? in $((SECONDS - t0)) s"; tail -2 "$out/build.log"
             # shellcheck disable=SC2086
-            (cd "$G" && RLK_REQUIRE_GPU=1 timeout $((cap - 150)) $py -m pytest -q -p no:cacheprovider --durations=10 \
+            (cd "$G" && RLK_REQUIRE_GPU=1 timeout $((cap - (SECONDS - t0) - 100)) $py -m pytest -q -p no:cacheprovider \
+                --durations=10 ${GPU_TESTS_K:+-k "$GPU_TESTS_K"} \
                 ${GPU_TESTS:-tests/gpu/test_cuda_backend_gpu.py tests/gpu/test_logprobs_gpu.py} > "$out/gpu-tests.log" 2>&1)
             tail -25 "$out/gpu-tests.log"
-            (cd "$G/benchmarks" && RLK_BENCH_OUT="$out" timeout 100 $py host_overhead.py --sections rowwise,linear_eager \
-                > "$out/host.log" 2>&1) ;;
+            (cd "$G/benchmarks" && RLK_BENCH_OUT="$out" timeout 90 $py host_overhead.py \
+                --sections "${HOST_SECTIONS:-rowwise,linear_eager}" > "$out/host.log" 2>&1)
+            tail -30 "$out/host.log" ;;
         tests)  # the GPU tests in $GPU_TESTS on the shipped code, no build (rlk.cuda absent: rlk.triton serves)
             # shellcheck disable=SC2086
             (cd "$G" && RLK_REQUIRE_GPU=1 timeout "$cap" $py -m pytest -q -p no:cacheprovider --durations=15 \

@@ -95,6 +95,13 @@ def _targets(raw: str, var: EnvVar) -> tuple[str, ...]:
     return items
 
 
+def _names(raw: str, var: EnvVar) -> tuple[str, ...]:
+    items = tuple(t.strip() for t in raw.split(",") if t.strip())
+    if not items or not all(t.isidentifier() for t in items):
+        raise var.error(raw)
+    return items
+
+
 def _backend_overrides(raw: str, var: EnvVar) -> dict[str, str]:
     out: dict[str, str] = {}
     for item in raw.split(","):
@@ -163,6 +170,10 @@ ENV_VARS: tuple[EnvVar, ...] = (
            "Build time: the AOT targets whose cubins setup.py builds into rlk_core/_aot/<target>/ with the "
            "extension (rlk_core.aot.build.TARGETS); empty string: the default.",
            allowed_doc="comma-separated targets, e.g. `cuda:90`"),
+    EnvVar("RLK_BUILD_OPS", _names, None,
+           "Build time: the op families whose AOT cubins setup.py builds (python -m rlk_core.aot build --ops; "
+           "rlk_core.aot.OPS). Unset: all. Ops of a family left out run on rlk.triton.",
+           allowed_doc="comma-separated, e.g. `linear,rms_norm,swiglu,rope`"),
     EnvVar("RLK_BUILD_JOBS", _count, None,
            "Build time: parallel compiles of the AOT build. Unset: the CPU count.",
            allowed_doc="a positive integer"),
