@@ -62,7 +62,8 @@ ship_archive() {  # ship_archive OUT.tar.xz: the code of $RLK_SHIP_REV (default 
     local paths rev=${RLK_SHIP_REV:-HEAD}  # by export-subst)
     paths=$(git ls-tree -r --name-only "$rev" benchmarks | grep -v '^benchmarks/results/')
     # shellcheck disable=SC2086
-    git archive --format=tar --prefix=.gpu-src/ "$rev" packages tests/gpu tests/megatron tests/conftest.py pyproject.toml $paths \
+    git archive --format=tar --prefix=.gpu-src/ "$rev" packages csrc tests/gpu tests/megatron tests/core/_cuda_cases.py \
+        tests/conftest.py pyproject.toml $paths \
         | xz -6 > "$1"
 }
 
