@@ -258,6 +258,17 @@ class _LocalEngine:
         return self.rec.to_dict()
 
 
+def _sm_clock_mhz() -> int | None:
+    """The GPU's SM clock now (nvidia-smi), to tell a slow run from a slow GPU; None where it cannot be read."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=clocks.sm", "--format=csv,noheader,nounits", "-i",
+                              os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]],
+                             capture_output=True, text=True, timeout=10)
+        return int(out.stdout.split()[0])
+    except (OSError, ValueError, IndexError, subprocess.SubprocessError):
+        return None
+
+
 def _timed(fn):
     t0 = time.perf_counter()
     out = fn()
@@ -289,11 +300,22 @@ def stage_engine(a, work: Path, name: str) -> dict:
                               "why": f"warm-up rate {warm_tps:.0f} tok/s x gen budget {a.gen_budget_s}s"}
             n_prompts = max(fit, 64)
     idx = list(range(n_prompts))
+    clocks = [_sm_clock_mhz()]
     recs, gen_s = _timed(lambda: engine.generate(a, [prompts_all[i] for i in idx], idx, a.samples, a.max_tokens))
     out_tokens = sum(len(r["tokens"]) for r in recs)
+    times, repeats = [gen_s], []
+    for _ in range(a.gen_repeats - 1 if name in ("rr", "pp", "bi") else 0):
+        # the same requests again, prefix cache cleared (each run prefills every prompt): the rate is the median
+        engine.reset_prefix_cache()
+        clocks.append(_sm_clock_mhz())
+        again, s = _timed(lambda: engine.generate(a, [prompts_all[i] for i in idx], idx, a.samples, a.max_tokens))
+        times.append(s)
+        repeats.append(_same_records(again, recs))
+    gen_med = statistics.median(times)
     res["generate"] = {"prompts": n_prompts, "samples": a.samples, "max_tokens": a.max_tokens,
-                       "sequences": len(recs), "output_tokens": out_tokens, "seconds": round(gen_s, 3),
-                       "output_tok_s": round(out_tokens / gen_s, 1)}
+                       "sequences": len(recs), "output_tokens": out_tokens, "seconds": round(gen_med, 3),
+                       "seconds_each": [round(t, 3) for t in times], "sm_clock_mhz_before_each": clocks,
+                       "output_tok_s": round(out_tokens / gen_med, 1), "repeats_vs_first": repeats}
     data = {"batch": recs}
     if name in ("rr", "pp", "bi"):
         alone_idx = idx[: a.alone]
@@ -637,6 +659,11 @@ def _evaluate(result: dict, work: Path) -> list:
             s = _same_records(data[name]["alone"], data[name]["batch"])
             _check(checks, f"{name}.alone_equal_batch", None, False, **s,
                    note="vLLM's own kernels, alone vs in the batch (info)")
+    rep = ((st.get("rr", {}).get("result") or {}).get("generate") or {}).get("repeats_vs_first") or []
+    if rep:
+        _check(checks, "rr.repeats_equal_first", all(r["sequences"] > 0 and r["token_ids_differ"] == 0
+                                                     and r["logprobs_differ"] == 0 for r in rep), False,
+               repeats=rep, note="the timed generate run again on a cleared prefix cache: run-to-run bits")
     if "rr" in data and "eager" in data:
         s = _same_records(data["eager"]["batch"], data["rr"]["batch"])
         _check(checks, "eager.equal_cuda_graphs", s["sequences"] > 0 and s["token_ids_differ"] == 0
@@ -701,12 +728,13 @@ def _markdown(result: dict) -> str:
         nums = {k: v for k, v in c.items()
                 if k not in ("name", "passed", "required", "modules", "files", "examples", "hooks")}
         lines.append(f"| {c['name']} | {'yes' if c['required'] else 'no'} | {res} | `{json.dumps(nums)[:400]}` |")
-    lines += ["", "| stage | status | seconds | output tok/s | TTFT ms (single) | decode step ms |",
-              "| --- | --- | --- | --- | --- | --- |"]
+    lines += ["", "| stage | status | seconds | output tok/s (median) | timed generates s (SM MHz before) | "
+              "TTFT ms (single) | decode step ms |", "| --- | --- | --- | --- | --- | --- | --- |"]
     for name, s in result["stages"].items():
         r = s.get("result") or {}
         g, t = r.get("generate") or {}, r.get("timing") or {}
-        lines.append(f"| {name} | {s.get('status')} | {s.get('seconds')} | {g.get('output_tok_s', '')} | "
+        each = ", ".join(f"{x} ({c})" for x, c in zip(g.get("seconds_each", []), g.get("sm_clock_mhz_before_each", [])))
+        lines.append(f"| {name} | {s.get('status')} | {s.get('seconds')} | {g.get('output_tok_s', '')} | {each} | "
                      f"{t.get('ttft_single_ms_median', '')} | {t.get('decode_step_ms', '')} |")
     errs = [(n, s["error"]) for n, s in result["stages"].items() if s.get("error")]
     if errs:
@@ -824,8 +852,8 @@ def driver(a) -> int:
 
 _PASSED = ("tiny", "device", "engine", "seed", "prompts", "samples", "max_tokens", "prompt_min", "prompt_max",
            "alone", "eager_prompts", "warm_prompts", "control_seqs", "recompute_chunk", "gpu_mem", "max_num_seqs",
-           "max_batched_tokens", "ttft_runs", "decode_batch", "decode_steps", "gen_budget_s", "multiprocessing",
-           "tp", "profile", "capture_max")
+           "max_batched_tokens", "ttft_runs", "decode_batch", "decode_steps", "gen_budget_s", "gen_repeats",
+           "multiprocessing", "tp", "profile", "capture_max")
 
 
 def _pass_args(a) -> list[str]:
@@ -894,6 +922,8 @@ def parse(argv=None):
     p.add_argument("--decode-batch", type=int, default=256)
     p.add_argument("--decode-steps", type=int, default=32)
     p.add_argument("--gen-budget-s", type=float, default=60.0, help="the R/R big generate is sized to this")
+    p.add_argument("--gen-repeats", type=int, default=3,
+                   help="timed runs of the big generate in the rr / pp / bi stages (tok/s: their median)")
     p.add_argument("--budget-s", type=float, default=400.0, help="whole run; later stages are skipped past it")
     p.add_argument("--min-stage-s", type=float, default=45.0)
     p.add_argument("--reserve-s", type=float, default=5.0)

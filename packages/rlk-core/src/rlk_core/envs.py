@@ -174,6 +174,10 @@ ENV_VARS: tuple[EnvVar, ...] = (
            "Build time: the op families whose AOT cubins setup.py builds (python -m rlk_core.aot build --ops; "
            "rlk_core.aot.OPS). Unset: all. Ops of a family left out run on rlk.triton.",
            allowed_doc="comma-separated, e.g. `linear,rms_norm,swiglu,rope`"),
+    EnvVar("RLK_BUILD_DTYPES", _names, None,
+           "Build time: the input dtypes whose AOT cubins setup.py builds (python -m rlk_core.aot build --dtypes). "
+           "Unset: bf16, fp16 and fp32. A call in a dtype left out runs on rlk.triton.",
+           allowed_doc="comma-separated of bf16, fp16, fp32"),
     EnvVar("RLK_BUILD_JOBS", _count, None,
            "Build time: parallel compiles of the AOT build. Unset: the CPU count.",
            allowed_doc="a positive integer"),
