@@ -231,3 +231,154 @@ def describe(args: Any) -> str:
             return "[" + ",".join(one(x) for x in a) + "]"
         return repr(a)
     return ", ".join(one(a) for a in args)
+
+
+# -- the backward kernels of the row-wise ops and linear's stored-layout GEMMs ------------------------------------
+RMS_HS = (16, 32, 48, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536)  # every config with BLOCK_H >= 16
+
+
+def rms_norm_backward_cases(device, dtypes=DTYPES) -> Iterator[Case]:
+    """``rms_norm_backward`` at every row-length config a multiple of 16 reaches, the weight in the input dtype or
+    fp32: rows of a 2-D input, a ``[T, heads, D]`` head view of a QKV output (the q/k norm); then the declined: a row
+    length that is not a multiple of 16, a misaligned input, a gradient of another dtype."""
+    gen = _gen(device, 16)
+    for dtype in dtypes:
+        for wdtype in sorted({dtype, torch.float32}, key=str):
+            for h in RMS_HS:
+                w = _rand((h,), wdtype, device, gen)
+                rows = 3 if h > 4096 else 37
+                x, g = _rand((rows, h), dtype, device, gen), _rand((rows, h), dtype, device, gen)
+                yield "rms_norm_backward", (g, x, w, 1e-6), True
+                if h <= 256:
+                    qkv = _rand((5, 4 + 2, h), dtype, device, gen)
+                    yield "rms_norm_backward", (_rand((5, 4, h), dtype, device, gen), qkv[:, :4], w, 1e-5), True
+    w = torch.ones(100, device=device)
+    yield "rms_norm_backward", (_rand((3, 100), torch.bfloat16, device, gen), _rand((3, 100), torch.bfloat16, device,
+                                                                                      gen), w, 1e-6), False
+    x = _rand((3, 64), torch.bfloat16, device, gen)
+    w = torch.ones(64, device=device)
+    yield "rms_norm_backward", (x, _misaligned(x), w, 1e-6), False
+    yield "rms_norm_backward", (x.float(), x, w, 1e-6), False
+
+
+SWIGLU_IS = (16, 32, 64, 128, 256, 512, 1024, 2048, 3072)  # every BLOCK from 16 to 2048, and I past it
+
+
+def swiglu_backward_cases(device, dtypes=DTYPES) -> Iterator[Case]:
+    """``swiglu_backward`` at every block config an intermediate size a multiple of 16 reaches, on a 2-D and a 3-D
+    input and on the gate/up half of a wider buffer; then the declined: I not a multiple of 16, a misaligned input."""
+    gen = _gen(device, 17)
+    for dtype in dtypes:
+        for inter in SWIGLU_IS:
+            x, g = _rand((7, 2 * inter), dtype, device, gen), _rand((7, inter), dtype, device, gen)
+            yield "swiglu_backward", (g, x), True
+            wide = _rand((2, 3, 4 * inter), dtype, device, gen)
+            yield "swiglu_backward", (_rand((2, 3, inter), dtype, device, gen), wide[..., : 2 * inter]), True
+    x = _rand((3, 200), torch.bfloat16, device, gen)
+    yield "swiglu_backward", (_rand((3, 100), torch.bfloat16, device, gen), x), False
+    x = _rand((3, 64), torch.bfloat16, device, gen)
+    yield "swiglu_backward", (_rand((3, 32), torch.bfloat16, device, gen), _misaligned(x)), False
+
+
+def rope_heads(half: int) -> list[int]:
+    """Head counts reaching every ``(config, class)`` of ``rope.triton.config(heads, half)``: 1, 2, and for each power
+    of two ``p`` up to the first past the config's cap both ``p`` and ``p - 1``."""
+    from rlk_core.ops.rope import triton as rp
+
+    cap = rp.config(1 << 20, half)["BLOCK_H"]
+    out, p = [1, 2], 4
+    while p <= 2 * max(cap, 16):
+        out += [p - 1, p]
+        p *= 2
+    return out
+
+
+def rope_backward_cases(device, dtypes=DTYPES) -> Iterator[Case]:
+    """``rope_backward`` for every built ``(head_dim, rotary_dim)``, every head-count class, positions int32 and
+    int64, the gradient contiguous or a head view of a wider one; then the declined: a pair not built (96, 96), a
+    misaligned gradient, a position slice at a 4-byte offset."""
+    from rlk_core.aot.specs import ROPE_SHAPES
+
+    gen = _gen(device, 18)
+    t = 3
+    for dtype in dtypes:
+        for d, r in ROPE_SHAPES:
+            for nh in rope_heads(r // 2):
+                for pdt in (torch.int32, torch.int64):
+                    pos = torch.randperm(50, generator=torch.Generator().manual_seed(nh))[:t].to(device, pdt)
+                    yield "rope_backward", (_rand((t, nh, d), dtype, device, gen), pos, 1e6, r), True
+                if nh <= 8:
+                    wide = _rand((t, nh + 2, d), dtype, device, gen)
+                    yield "rope_backward", (wide[:, :nh], pos, 1e4, r), True
+    pos = torch.arange(8, device=device, dtype=torch.int32)
+    yield "rope_backward", (_rand((4, 8, 96), torch.bfloat16, device, gen), pos[:4], 1e6, 96), False
+    g = _rand((4, 8, 128), torch.bfloat16, device, gen)
+    yield "rope_backward", (_misaligned(g), pos[:4], 1e6, 128), False
+    yield "rope_backward", (g, pos[1:5], 1e6, 128), False
+
+
+# (N_out, K_in) of the linear backward's GEMMs: every tile of the stored rule for dx (N = K_in) and dW (M = N_out,
+# N = K_in) — 128x64 / 128x128 / 128x256 — a 16-column output (the narrow tile), N_out not a multiple of 16 (dW stays
+# served: its operands reach the TMA kernel by descriptors)
+LINEAR_BWD_SHAPES = ((1024, 48), (1024, 1152), (4096, 4096), (6144, 1024), (128, 128), (64, 16), (1000, 64))
+
+
+def linear_backward_calls(device, gen, dtype, t: int, n_out: int, k_in: int) -> Iterator[tuple[str, tuple]]:
+    """The three GEMMs ``ops/linear/__init__.py::_backward`` makes through ``linear`` for ``x [t, k_in]``,
+    ``W [n_out, k_in]`` with a bias: ``(name, (x, weight, None))``."""
+    x = _rand((t, k_in), dtype, device, gen)
+    w = _rand((n_out, k_in), dtype, device, gen)
+    g = _rand((t, n_out), dtype, device, gen)
+    yield "dx", (g, w.t(), None)
+    yield "dw", (g.t(), x.t(), None)
+    yield "db", (g.t(), g.new_ones(1).as_strided((1, t), (1, 0)), None)
+
+
+def linear_backward_cases(device, dtypes=DTYPES) -> Iterator[Case]:
+    """``linear`` on the backward's stored-layout views for every shape of :data:`LINEAR_BWD_SHAPES` and one token
+    or five (declined where N_out = 1000 is a stride of the pointer kernel: db, fp32); then the declined: an output
+    of columns not a multiple of 16 (dx and dW at K_in = 1000), a misaligned gradient, a transposed x against a
+    weight as stored (not the backward's)."""
+    gen = _gen(device, 19)
+    for dtype in dtypes:
+        for n_out, k_in in LINEAR_BWD_SHAPES:
+            for t in (5, 1):
+                for name, args in linear_backward_calls(device, gen, dtype, t, n_out, k_in):
+                    # N_out enters the pointer kernel's strides (db's, and every fp32 GEMM's), not the TMA kernel's
+                    yield "linear", args, not (n_out % 16 and (name == "db" or dtype == torch.float32))
+    for name, args in linear_backward_calls(device, gen, torch.bfloat16, 5, 64, 1000):
+        yield "linear", args, name == "db"
+    g = _rand((5, 64), torch.bfloat16, device, gen)
+    w = _rand((64, 128), torch.bfloat16, device, gen)
+    yield "linear", (_misaligned(g), w.t(), None), False
+    yield "linear", (g.t(), _rand((32, 5), torch.bfloat16, device, gen), None), False
+
+
+def backward_cases(device) -> Iterator[Case]:
+    yield from rms_norm_backward_cases(device)
+    yield from swiglu_backward_cases(device)
+    yield from rope_backward_cases(device)
+    yield from linear_backward_cases(device)
+
+
+def triton_as_on_sm90(monkeypatch) -> None:
+    """rlk.triton's linear launcher on CPU tensors choosing as on an sm_90 device: TMA where the operands suit it."""
+    from rlk_core.ops.linear import triton as lt
+
+    monkeypatch.setattr(lt, "_device_tma", lambda x: True)
+
+
+def as_on_sm90(launches: list, sms: int = 132) -> list:
+    """rlk.triton's captured launches (``_cuda_fakes.TritonLaunches``) as on a device of ``sms`` SMs: on CPU tensors
+    the stored-layout TMA kernel is launched with ``NUM_PROGRAMS = 3`` and ``min(tiles, 3)`` programs (the
+    interpreter's setting, so that its programs walk several tiles), on the GPU with the SM count; nothing else
+    differs (``ops/linear/triton.py::_launch_stored``)."""
+    out = []
+    for kernel, grid, args, kwargs in launches:
+        if kernel.__name__ == "_linear_bwd_tma_kernel":
+            assert kwargs["NUM_PROGRAMS"] == 3, kwargs
+            bound = dict(zip(kernel.arg_names, args))
+            tiles = -(-bound["M"] // kwargs["BLOCK_M"]) * -(-bound["N"] // kwargs["BLOCK_N"])
+            kwargs, grid = {**kwargs, "NUM_PROGRAMS": sms}, (min(tiles, sms), 1, 1)
+        out.append((kernel, grid, args, kwargs))
+    return out

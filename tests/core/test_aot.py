@@ -235,11 +235,11 @@ def test_unknown_target_is_refused():
 @needs_triton
 @pytest.mark.slow
 def test_the_full_build_succeeds(tmp_path):
-    """Every enumerated variant of linear, rms_norm, swiglu and rope, through the CLI (two worker processes): no
-    failure. The attention and log-prob families (~1000 variants, heavier kernels: about an hour on two cores)
-    are built whole by ``setup.py`` on a CUDA build host, where a failed variant fails the build; here
-    :func:`test_a_sample_of_the_attention_and_logp_variants_builds_for_sm90` compiles their extremes."""
-    ops = ("linear", "rms_norm", "swiglu", "rope")
+    """Every enumerated variant of linear, rms_norm, swiglu and rope and of their backward kernels, through the CLI
+    (two worker processes): no failure. The attention and log-prob families (~1000 variants, heavier kernels: about
+    an hour on two cores) are built whole by ``setup.py`` on a CUDA build host, where a failed variant fails the
+    build; here :func:`test_a_sample_of_the_attention_and_logp_variants_builds_for_sm90` compiles their extremes."""
+    ops = ("linear", "rms_norm", "swiglu", "rope", *BACKWARD)
     proc = subprocess.run([sys.executable, "-m", "rlk_core.aot", "build", "--target", "cuda:90", "--out",
                            str(tmp_path), "--jobs", "2", "--ops", ",".join(ops)], capture_output=True, text=True,
                           timeout=1800)
@@ -272,19 +272,26 @@ def test_int_class_is_the_jits_specialisation():
 def _jit_keys_of_served(monkeypatch) -> tuple[list[tuple], list[tuple]]:
     """Triton's compile key of what the JIT compiles for every launch rlk.triton makes for the sweep's served calls
     (captured, not run), and for the declined calls' launches, with the call each came from."""
-    from rlk_core.backends import REGISTRY
     from rlk_core.ops.linear_logprobs import triton as llt
 
     monkeypatch.setattr(llt, "CHUNK_BYTES", K.linear_chunk_bytes())
+    return _jit_keys([*K.all_cases("cpu"), *K.linear_logprob_cases("cpu")])
+
+
+def _jit_keys(cases, on_device=lambda launches: launches) -> tuple[list[tuple], list[tuple]]:
+    """``(served, declined)``: ``(compile key, op, call)`` of each launch rlk.triton makes (captured, not run;
+    ``on_device`` adjusts them to the GPU's) for the cases ``rlk.cuda`` must serve, and for those it must decline."""
+    from rlk_core.backends import REGISTRY
+
     served, declined = [], []
-    for op, args, want in [*K.all_cases("cpu"), *K.linear_logprob_cases("cpu")]:
+    for op, args, want in cases:
         triton = REGISTRY.get(op, "rlk.triton")
         if not triton.supports(*args)[0]:
             assert not want, op
             continue
         with F.TritonLaunches() as cap:
             triton.fn(*args)
-        for kernel, _, a, kw in cap.launches:
+        for kernel, _, a, kw in on_device(cap.launches):
             (served if want else declined).append((F.jit_compile_key(kernel, a, kw), op, K.describe(args)))
     return served, declined
 
@@ -413,3 +420,159 @@ def test_a_sample_of_the_attention_and_logp_variants_builds_for_sm90(family_buil
     tma = [e for e in manifest["kernels"] if e["constexprs"].get("KV_TMA")]
     assert len(tma) == 3 and all(len(e["tensordesc_meta"]) == 2 for e in tma)
     assert all(m["block_size"] == [64, 64] and m["swizzle"] == 3 for e in tma for m in e["tensordesc_meta"])
+
+
+# -- the backward kernels of the row-wise ops and linear's stored-layout GEMMs --------------------------------------
+BACKWARD = ("rms_norm_backward", "swiglu_backward", "rope_backward", "linear_backward")
+
+
+def _backward_jit_keys(monkeypatch) -> tuple[list[tuple], list[tuple]]:
+    """Triton's compile key of every launch rlk.triton makes for the served calls of ``K.backward_cases`` (captured,
+    not run; as on an sm_90 device of 132 SMs: ``K.as_on_sm90``), and for the declined calls', with the call."""
+    K.triton_as_on_sm90(monkeypatch)
+    return _jit_keys(K.backward_cases("cpu"), K.as_on_sm90)
+
+
+@pytest.fixture(scope="module")
+def backward_launches():
+    pytest.importorskip("triton")
+    mp = pytest.MonkeyPatch()
+    try:
+        yield _backward_jit_keys(mp)
+    finally:
+        mp.undo()
+
+
+@needs_triton
+def test_every_backward_launch_finds_its_variant(backward_launches):
+    """Every launch rlk.triton makes for the served backward calls (rms_norm / swiglu / rope backward at every config
+    and class, linear's dx / dW / db through the stored-layout kernels at every tile) is a variant the enumeration
+    builds, by Triton's own compile key; every built variant is reached by the sweep (dropping one makes the check
+    fail); each declined call has a launch no variant is."""
+    served, declined = backward_launches
+    built = _built(BACKWARD)
+    missing = [(op, call) for key, op, call in served if key not in built]
+    assert not missing, missing[:5]
+    unreached = {s.name for key, s in built.items() if key not in {k for k, _, _ in served}}
+    assert not unreached, sorted(unreached)[:10]
+    assert declined and all(any(k not in built for k, o, c in declined if c == call) for _, _, call in declined)
+    assert {op for _, op, _ in served} == {"rms_norm_backward", "swiglu_backward", "rope_backward", "linear"}
+
+
+def _drop_rms_h(m):
+    from rlk_core.aot import specs_backward as BW
+
+    m.setattr(BW, "RMS_MAX_H", S.RMS_MAX_H // 2)  # no BLOCK_H = 65536
+
+
+def _drop_swiglu_block(m):
+    from rlk_core.ops.swiglu import triton as sw
+
+    real = sw.config
+    m.setattr(sw, "config", lambda inter: {**real(inter), "BLOCK": min(1024, real(inter)["BLOCK"])})
+
+
+def _drop_rope_plain(m):
+    from rlk_core.aot import specs_backward as BW
+
+    real = BW._classes
+    m.setattr(BW, "_classes", lambda values: (real(values)[0], ()))  # no head count that is unmarked
+
+
+def _drop_stored_tile(m):
+    m.setattr(rule, "_STORED_TMA", tuple(e for e in rule._STORED_TMA if e[0][1] != 128))
+
+
+def _drop_db_unit_n(m):
+    from rlk_core.aot import specs_backward as BW
+
+    calls = {**BW.STORED_CALLS, "db": {**BW.STORED_CALLS["db"], "ones": BW.STORED_CALLS["dx"]["ones"]}}
+    m.setattr(BW, "STORED_CALLS", calls)
+
+
+@needs_triton
+@pytest.mark.parametrize("drop", [_drop_rms_h, _drop_swiglu_block, _drop_rope_plain, _drop_stored_tile,
+                                  _drop_db_unit_n], ids=lambda f: f.__name__[6:])
+def test_the_backward_coverage_check_fails_when_the_enumerator_misses_a_case(backward_launches, monkeypatch, drop):
+    """Negative control: the enumeration without rms_norm's largest row config, swiglu's widest block, rope's
+    unmarked head counts, the stored rule's 128x128 tile or db's unit column count leaves served launches without a
+    variant (the launches were captured from the unchanged rules)."""
+    served, _ = backward_launches
+    drop(monkeypatch)
+    built = _built(BACKWARD)
+    assert any(key not in built for key, _, _ in served)
+
+
+def test_rope_backward_enumerates_every_head_count():
+    """The enumerator's representative head counts give every (config, class) pair of 1..65536 heads."""
+    pytest.importorskip("triton")
+    from rlk_core.aot import specs_backward as BW
+    from rlk_core.ops.rope import triton as rp
+
+    for d, r in S.ROPE_SHAPES:
+        want = {(tuple(sorted(rp.config(nh, r // 2).items())), S.int_class(nh)) for nh in range(1, (1 << 16) + 1)}
+        have = set()
+        for s in BW.rope_backward_specs(torch.bfloat16, shapes=((d, r),)):
+            c = dict(s.constexprs)
+            cls = "1" if "NH" in s.ones else "" if "NH" in s.plain else "16"
+            have.add((tuple(sorted({"BLOCK_H": c["BLOCK_H"], "BLOCK_HALF": c["BLOCK_HALF"],
+                                    "num_warps": s.num_warps}.items())), cls))
+        assert have == want, (d, r)
+
+
+def _backward_sample() -> list[S.Spec]:
+    """One variant of each backward kernel at its extremes: rms_norm's widest row with an fp32 weight and its merge,
+    swiglu's widest block, rope with a pass-through and a unit head count, the stored TMA kernel for dW (both operands
+    transposed, the 128x256 tile) and for dx, the pointer kernel for db and fp32's dW."""
+    from rlk_core.aot import specs_backward as BW
+
+    def pick(specs, kernel, **want):
+        return next(s for s in specs if s.kernel == kernel
+                    and all((dict(s.constexprs).get(k) if k not in ("ones", "dtype") else getattr(s, k)) == v
+                            for k, v in want.items()))
+
+    rms, lin = BW.rms_norm_backward_specs(torch.bfloat16), BW.linear_backward_specs(torch.bfloat16)
+    return [
+        pick(rms, "_rms_norm_bwd_kernel", BLOCK_H=65536, dtype="bf16,w=fp32"),
+        pick(rms, "_rms_norm_bwd_dw_kernel", dtype="dw=bf16"),
+        pick(BW.swiglu_backward_specs(torch.float16), "_swiglu_bwd_kernel", BLOCK=2048),
+        pick(BW.rope_backward_specs(torch.bfloat16), "_rope_bwd_kernel", D=128, R=64, ones=("NH",)),
+        pick(lin, "_linear_bwd_tma_kernel", A_KM=True, BLOCK_N=256),
+        pick(BW.linear_backward_specs(torch.float16), "_linear_bwd_tma_kernel", A_KM=False, BLOCK_N=64),
+        pick(lin, "_linear_bwd_kernel", ones=("N", "stride_am", "stride_bn", "stride_ym", "stride_yn")),
+        pick(BW.linear_backward_specs(torch.float32), "_linear_bwd_kernel", BLOCK_N=64,
+             ones=("stride_am", "stride_bn", "stride_yn")),
+    ]
+
+
+@pytest.fixture(scope="module")
+def backward_build(tmp_path_factory):
+    pytest.importorskip("triton")
+    from rlk_core.aot.build import build
+
+    out = tmp_path_factory.mktemp("aot-backward")
+    return build("cuda:90", out, _backward_sample(), jobs=2), out
+
+
+@needs_triton
+def test_a_sample_of_the_backward_variants_builds_for_sm90(backward_build):
+    """The sample compiles to sm_90 cubins on this CPU machine: ELF64 EM_CUDA with the named function, shared memory
+    within sm_90's limit, the parameter list as rlk.cuda's launcher passes it (the TMA variants' three descriptors
+    expanded), the unit integers constants, the do-not-specialise sizes unmarked."""
+    from rlk_core.ops import _cuda_common as cc
+
+    manifest, out = backward_build
+    assert manifest["failed"] == [] and len(manifest["kernels"]) == len(_backward_sample())
+    assert any("_linear_bwd_tma_kernel" in g["kernel"] for g in manifest["not_built"])
+    for e in manifest["kernels"]:
+        data = (out / e["cubin"]).read_bytes()
+        assert data[:4] == b"\x7fELF" and data[4] == 2 and int.from_bytes(data[18:20], "little") == 190
+        assert e["function"] in _function_symbols(out / e["cubin"])
+        assert e["shared_bytes"] <= 232448, (e["variant"], e["shared_bytes"])
+        codes, descs = cc.param_codes(e)
+        assert codes.count("D") == len(descs) == sum(a["type"].startswith("tensordesc") for a in e["signature"])
+        assert not {"M", "K", "P", "T", "N_POS", "RPP"} & set(e["divisible_by_16"])
+        if e["kernel"] == "_linear_bwd_tma_kernel":
+            assert codes == "DDDpiiii" and e["constexprs"]["stride_yn"] == 1 and e["constexprs"]["NUM_PROGRAMS"] == 132
+        if e["kernel"] == "_linear_bwd_kernel" and "N" in e["constexprs"]:
+            assert codes == "pppiiii"  # db: N and four strides constant; M, K, stride_ak, stride_bk passed

@@ -24,6 +24,7 @@ from rlk_core.ops import linear as _linear_op  # noqa: F401  (registers the back
 ROOT = Path(__file__).resolve().parents[2]
 needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _cuda_cases as K  # noqa: E402
 import _cuda_fakes as F  # noqa: E402
 
 
@@ -362,3 +363,143 @@ def test_extension_record_kinds_are_the_python_side_s():
     program = src[src.index("py::object run_program"):]
     assert set(cl.SCALAR_TYPES.values()) == {int(x) for x in re.findall(r"\btype == (\d+)", program)}
     assert 'm.def("run_program"' in src and "n_alloc >= 0" in src
+
+
+# -- the backward kernels of the row-wise ops and linear's stored-layout GEMMs --------------------------------------
+BACKWARD_OPS = ("rms_norm_backward", "swiglu_backward", "rope_backward")
+
+
+def test_row_wise_backward_ops_have_an_rlk_cuda_backend():
+    """rms_norm / swiglu / rope backward (companion ops: forced with their forward) have rlk.cuda beside rlk.triton
+    under the same contract id, preferred, declaring rlk.triton's bits."""
+    import rlk_core.ops  # noqa: F401
+    from rlk_core.backends import REGISTRY
+    from rlk_core.contracts import COMPANION_OF
+
+    for op in BACKWARD_OPS:
+        cuda, jit = REGISTRY.get(op, "rlk.cuda"), REGISTRY.get(op, "rlk.triton")
+        assert cuda.contract_id == jit.contract_id and cuda.same_bits_as == "rlk.triton", op
+        assert cuda.priority > jit.priority and cuda.devices == ("cuda",), op
+        assert REGISTRY.get(COMPANION_OF[op], "rlk.cuda").id == "rlk.cuda"
+
+
+@needs_triton
+def test_backward_param_codes_and_index(fake_manifest):
+    """The manifest -> launch-table step takes every backward variant's parameter list (none left out of the index):
+    the TMA GEMM's three descriptors, the unit integers dropped, eps an fp32."""
+    from rlk_core.aot import specs_backward as BW
+
+    _, doc = fake_manifest
+    entries = [e for e in doc["kernels"] if e["op"] in (*BACKWARD_OPS, "linear_backward")]
+    assert len(entries) == len(S.enumerate_specs(BW.OPS))
+    idx = cc.index({"kernels": entries})
+    assert len(idx) == len(entries)
+    codes = {e["kernel"]: set() for e in entries}
+    for e in idx.values():
+        codes[e["kernel"]].add(e["codes"])
+    assert codes["_rms_norm_bwd_kernel"] == {"pppppiiiiiiiif"} and codes["_rms_norm_bwd_dw_kernel"] == {"ppii"}
+    assert codes["_swiglu_bwd_kernel"] == {"pppiiiii"}
+    assert codes["_rope_bwd_kernel"] == {"pppppiiiiiii", "pppppiiiiii"}  # NH passed, or the constant 1
+    assert codes["_linear_bwd_tma_kernel"] == {"DDDpiiii"}
+    assert codes["_linear_bwd_kernel"] == {"pppiiiiii", "pppiiii"}  # dx / dW (3 unit strides), db (N too)
+
+
+BACKWARD_FAMILIES = {"rms_norm_backward": K.rms_norm_backward_cases, "swiglu_backward": K.swiglu_backward_cases,
+                     "rope_backward": K.rope_backward_cases, "linear_backward": K.linear_backward_cases}
+
+
+@pytest.fixture
+def fake_device(fake_manifest, monkeypatch):
+    """Lookups as on an sm_90 device with 132 SMs and TMA (rlk.cuda and rlk.triton alike); ``_C`` records."""
+    lin, rms, sw, rp = (importlib.import_module(f"rlk_core.ops.{op}.cuda") for op in ("linear", "rms_norm", "swiglu",
+                                                                                        "rope"))
+    monkeypatch.setattr(lin, "_num_sms", lambda index: 132)
+    monkeypatch.setattr(lin, "has_tma", lambda index: True)
+    K.triton_as_on_sm90(monkeypatch)
+    with F.fake_device(monkeypatch, fake_manifest[0], lin, rms, sw, rp) as (ext, entries):
+        yield ext, entries
+
+
+def _roots(args: tuple, out) -> list[tuple[str, torch.Tensor]]:
+    roots = [(f"arg{i}", a) for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
+    outs = out if isinstance(out, (tuple, list)) else (out,)
+    return roots + [(f"out{i}", t) for i, t in enumerate(outs)]
+
+
+@needs_triton
+@pytest.mark.parametrize("family", sorted(BACKWARD_FAMILIES))
+def test_backward_launches_are_triton_s(fake_device, family):
+    """Every call of the family's sweep (tests/core/_cuda_cases.py): ``supports`` takes exactly the calls meant to be
+    served and declines the others with a reason; a served call launches what rlk.triton launches on an sm_90 device
+    — the same kernels in order, each the variant the JIT compiles for rlk.triton's launch (by Triton's compile key),
+    the same grids and arguments (pointers by where they point) — when its signature is first decided and again from
+    the kept program or record, by one ``_C.run_program`` / ``_C.run``; the outputs have rlk.triton's shapes, dtypes
+    and strides."""
+    from rlk_core.backends import REGISTRY
+
+    ext, entries = fake_device
+    served = 0
+    for op, args, want in BACKWARD_FAMILIES[family]("cpu"):
+        cuda, triton = REGISTRY.get(op, "rlk.cuda"), REGISTRY.get(op, "rlk.triton")
+        said = cuda.supports(*args)
+        assert said[0] == want and (said[0] or said[1]), (op, said, K.describe(args))
+        if not said[0]:
+            continue
+        with F.TritonLaunches() as cap:
+            ref = triton.fn(*args)
+        for _ in range(2):  # the decision, then the kept one
+            ext.clear()
+            out = cuda.fn(*args)
+            F.same_launches(K.as_on_sm90(cap.launches), ext.calls, entries, _roots(args, ref), _roots(args, out))
+            assert set(ext.via) == ({"run"} if op == "linear" else {"run_program"}), (op, ext.via)
+            for a, b in zip(*(o if isinstance(o, (tuple, list)) else (o,) for o in (ref, out)), strict=True):
+                assert (a.shape, a.dtype, a.stride()) == (b.shape, b.dtype, b.stride()), op
+        served += 1
+    assert served > 20
+
+
+@needs_triton
+def test_backward_calls_that_copy_run_the_same_launches_from_python(fake_device):
+    """A call whose launch reads a copy of an input (a transposed gradient: rows_view / _rows copy it) is served by
+    the same launches made from Python (``_C.launch``), as rlk.triton makes them; the empty calls launch nothing."""
+    from rlk_core.backends import REGISTRY
+
+    ext, entries = fake_device
+    x = torch.randn(16, 64).to(torch.bfloat16)
+    g = torch.randn(64, 16).to(torch.bfloat16).t()  # rows of stride 1 along H... copied by both backends
+    w = torch.randn(64).to(torch.bfloat16)
+    xs = torch.randn(16, 64).to(torch.bfloat16)
+    for op, args in (("rms_norm_backward", (g, x, w, 1e-6)), ("swiglu_backward", (g[:, :32], xs))):
+        cuda, triton = REGISTRY.get(op, "rlk.cuda"), REGISTRY.get(op, "rlk.triton")
+        assert cuda.supports(*args)[0], op
+        with F.TritonLaunches() as cap:
+            ref = triton.fn(*args)
+        ext.clear()
+        out = cuda.fn(*args)
+        assert set(ext.via) == {"launch"}, ext.via
+        roots = [(f"arg{i}", a) for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
+        assert [k.__name__ for k, *_ in cap.launches] == [entries[h]["kernel"] for h, *_ in ext.calls]
+        outs = ref if isinstance(ref, tuple) else (ref,)
+        assert all(a.shape == b.shape for a, b in zip(outs, out if isinstance(out, tuple) else (out,)))
+        assert len(roots) >= 2
+    for op, args in (("rms_norm_backward", (x[:0], x[:0], w, 1e-6)), ("swiglu_backward", (xs[:0, :32], xs[:0]))):
+        ext.clear()
+        out = REGISTRY.get(op, "rlk.cuda").fn(*args)
+        assert ext.calls == [] and (out[0] if isinstance(out, tuple) else out).shape[0] == 0
+
+
+def test_backward_supports_decline_traced_inputs():
+    """Fake and meta inputs are declined before any address is read (rlk.triton, the same bits, stands for it)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from rlk_core.ops.linear import cuda as lc
+    from rlk_core.ops.rms_norm import cuda as rc
+    from rlk_core.ops.rope import cuda as pc
+    from rlk_core.ops.swiglu import cuda as sc
+
+    x, w = torch.ones(4, 64, dtype=torch.bfloat16), torch.ones(64, dtype=torch.bfloat16)
+    with FakeTensorMode() as mode:
+        fx, fw, fpos = mode.from_tensor(x), mode.from_tensor(w), mode.from_tensor(torch.arange(4))
+        for said in (rc.supports_backward(fx, fx, fw, 1e-6), sc.supports_backward(fx[:, :32], fx),
+                     pc.supports_backward(fx.view(4, 1, 64), fpos, 1e6, 64), lc.supports(fx.t(), fx.t(), None)):
+            assert said == cc.NO_STORAGE

@@ -22,7 +22,8 @@ test can check that every launch finds its variant among :func:`enumerate_specs`
 The row-wise kernels' ``config`` functions live in their Triton modules, so enumerating imports Triton
 (inside the functions; importing this module does not). The attention and log-prob families are enumerated in
 :mod:`rlk_core.aot.specs_attention` and :mod:`rlk_core.aot.specs_logp` (all ``aligned``, with per-variant unit
-and unmarked integers, :attr:`Spec.ones` / :attr:`Spec.plain`, as the JIT specialises their launches).
+and unmarked integers, :attr:`Spec.ones` / :attr:`Spec.plain`, as the JIT specialises their launches); the backward
+kernels of the row-wise ops and linear's stored-layout GEMMs in :mod:`rlk_core.aot.specs_backward` (likewise).
 """
 
 from __future__ import annotations
@@ -270,15 +271,18 @@ def rope_specs(dtype: torch.dtype, shapes: Iterable[tuple[int, int]] = ROPE_SHAP
     return specs
 
 
-OPS = ("linear", "rms_norm", "swiglu", "rope", "attention", "kv_cache_write", "attention_backward", "logp")
+OPS = ("linear", "rms_norm", "swiglu", "rope", "attention", "kv_cache_write", "attention_backward", "logp",
+       "rms_norm_backward", "swiglu_backward", "rope_backward", "linear_backward")
 
 
 def enumerate_specs(ops: Iterable[str] = OPS, dtypes: Iterable[torch.dtype] = DTYPES, sms: int = DEFAULT_SMS,
                     layouts: Iterable[str] = LAYOUTS) -> list[Spec]:
     """Every variant of ``ops`` for ``dtypes`` (duplicates removed, order stable). ``layouts`` selects the
     row-wise and GEMM layout classes; the attention and log-prob variants are all ``aligned`` (their own
-    modules, :mod:`rlk_core.aot.specs_attention` and :mod:`rlk_core.aot.specs_logp`, say why)."""
+    modules, :mod:`rlk_core.aot.specs_attention` and :mod:`rlk_core.aot.specs_logp`, say why), and so are the backward
+    kernels' (:mod:`rlk_core.aot.specs_backward`)."""
     from rlk_core.aot import specs_attention as A
+    from rlk_core.aot import specs_backward as BW
     from rlk_core.aot import specs_logp as P
 
     layouts = tuple(layouts)
@@ -288,7 +292,8 @@ def enumerate_specs(ops: Iterable[str] = OPS, dtypes: Iterable[torch.dtype] = DT
               "attention": lambda dt: A.forward_specs(dt) if aligned else [],
               "kv_cache_write": lambda dt: A.kv_write_specs(dt) if aligned else [],
               "attention_backward": lambda dt: A.backward_specs(dt) if aligned else [],
-              "logp": lambda dt: P.logp_specs(dt) if aligned else []}
+              "logp": lambda dt: P.logp_specs(dt) if aligned else [],
+              **{op: (lambda dt, op=op: BW.backward_specs(op, dt, sms) if aligned else []) for op in BW.OPS}}
     unknown = set(ops) - set(makers)
     if unknown:
         raise ValueError(f"no AOT enumerator for {sorted(unknown)}; known: {OPS}")
@@ -324,6 +329,7 @@ def not_built(sms: int = DEFAULT_SMS) -> list[dict[str, str]]:
 
 def _family_not_built() -> list[dict[str, str]]:
     from rlk_core.aot import specs_attention as A
+    from rlk_core.aot import specs_backward as BW
     from rlk_core.aot import specs_logp as P
 
-    return A.not_built() + P.not_built()
+    return A.not_built() + P.not_built() + BW.not_built()

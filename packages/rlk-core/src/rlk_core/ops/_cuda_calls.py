@@ -340,9 +340,10 @@ class Calls:
 
 class Served:
     """An op served through :class:`Calls`: ``body(calls, *args)`` makes its launches as the Triton launcher makes
-    them and returns its outputs; ``said(*args)`` is ``rlk.triton``'s own ``supports``; ``tensors(*args)`` the
-    call's tensor arguments (None where absent) in the order ``run_program`` takes them, ``scalars(*args)`` the
-    rest (hashable); ``rebuild`` turns the output buffers into the op's return value.
+    them and returns its outputs (a sequence); ``said(*args)`` is ``rlk.triton``'s own ``supports``; ``tensors(*args)``
+    the call's tensor arguments (None where absent) in the order ``run_program`` takes them, ``scalars(*args)`` the
+    rest (hashable); ``rebuild`` turns the outputs (the program's buffers, or ``body``'s run from Python) into the
+    op's return value (a single tensor: ``lambda outs: outs[0]``).
 
     One decision per call signature (every tensor's shape, strides, dtype and address low bits, the scalars,
     the device): rlk.triton's answer, then the launches resolved on meta stand-ins (declined with the first
@@ -394,7 +395,7 @@ class Served:
             if outs is not None:
                 return self.rebuild(outs)
         first = next(t for t in flat if t is not None)
-        return self.body(Calls(first.device, meta=False), *args)
+        return self.rebuild(tuple(self.body(Calls(first.device, meta=False), *args)))
 
     def supports(self, *args: Any) -> tuple[bool, str]:
         if cc.without_storage(*self.tensors(*args)):

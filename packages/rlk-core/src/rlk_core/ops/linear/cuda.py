@@ -94,6 +94,8 @@ def _plan(
 
 
 def _decide(key: tuple, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> tuple:
+    if _stored(x, weight, bias):
+        return cc.remember(_RECORDS, key, _decide_stored(x, weight))
     said = supports_general(x, weight, bias)
     launch = None
     n, k = weight.shape if weight.dim() == 2 else (0, 0)
@@ -121,7 +123,7 @@ def _decide(key: tuple, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
                         "stride_wk": (cc.C, weight.stride(1)), "stride_ym": (cc.C, n), "stride_yn": (cc.C, 1)}
             # y: a fresh [m, n]; forward_general assumes it 16-byte aligned without looking
             launch = cc.Launch(hdl, (grid, 1, 1), (m, n), (*lead, n), 0, False, tuple(vals[a] for a in names))
-    return cc.remember(_RECORDS, key, (said, launch))
+    return cc.remember(_RECORDS, key, (said, launch, False))
 
 
 def _signature(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> tuple:
@@ -134,8 +136,13 @@ def _signature(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None)
 def forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     key = _signature(x, weight, bias)
     decision = _RECORDS.get(key) or _decide(key, x, weight, bias)
-    if decision[1] is not None:
-        return cc.run(decision[1], x, weight, bias)
+    launch = decision[1]
+    if decision[2]:  # the stored-layout kernels: the record's inputs are the operands and their transposes
+        if launch is not None:
+            return cc.run(launch, x, weight, x.t(), weight.t())
+        return forward_stored_general(x, weight)
+    if launch is not None:
+        return cc.run(launch, x, weight, bias)
     return forward_general(x, weight, bias)
 
 
@@ -219,3 +226,117 @@ def supports_general(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     if isinstance(plan, str):
         return False, plan
     return True, ""
+
+
+# -- the stored-layout kernels (the backward's dx / dW / db: operands given as transposed views) ----------------------
+def _stored(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Whether rlk.triton runs the call on its stored-layout kernels (``triton.stored_layout`` of the 2-D view)."""
+    from rlk_core.ops.linear import triton as lt
+
+    if bias is not None or weight.dim() != 2:
+        return False
+    if x.dim() != 2:
+        try:
+            x = x.view(-1, x.shape[-1])
+        except RuntimeError:  # reshape copies it: a contiguous copy, read as the forward's
+            return False
+    return lt.stored_layout(x, weight, None)
+
+
+def stored_launch(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> tuple[Any, tuple, list] | str:
+    """``triton._launch_stored`` of ``out = x @ weight^T`` (``x [M, K]``, ``weight [N, K]``, ``out [M, N]``, any of
+    them a meta stand-in) resolved as the JIT specialises it: ``(resolved, grid, [a, b])`` — ``a``, ``b`` the
+    operands as the kernel reads them — or why no AOT variant is that binary. The tile from
+    ``triton._stored_config_for``'s rule (TMA where the device has it and both operands as stored suit it)."""
+    from rlk_core.ops import _cuda_calls as cl
+    from rlk_core.ops.linear import triton as lt
+
+    m, k = x.shape
+    n = weight.shape[0]
+    dev = x.device.index or 0
+    sms = _num_sms(dev)
+    a_km, b_kn = lt._transposed(x), lt._transposed(weight)
+    a, b = (x.t() if a_km else x), (weight.t() if b_kn else weight)
+    cfg = rule.stored_config(x.dtype, m if a_km else None, n, has_tma(dev) and lt._tma_compatible(a, b), sms,
+                             out.dtype != x.dtype)
+    common = dict(BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"])
+    options = {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}
+    tiles = -(-m // cfg["BLOCK_M"]) * -(-n // cfg["BLOCK_N"])
+    if cfg["TMA"]:
+        y_tma = out.dtype == x.dtype and out.stride(1) == 1 and (out.stride(0) * out.element_size()) % 16 == 0 and (
+            cl.address_low_bits(out) == 0)
+        args = cl.positional(lt._linear_bwd_tma_kernel, cl.Desc(a), cl.Desc(b), cl.Desc(out) if y_tma else None, out,
+                             m, n, k, out.stride(0), out.stride(1), A_KM=a_km, B_KN=b_kn, Y_TMA=y_tma,
+                             NUM_PROGRAMS=sms, **common)
+        kernel, grid = lt._linear_bwd_tma_kernel, (min(tiles, sms), 1, 1)
+    else:
+        args = cl.positional(lt._linear_bwd_kernel, x, weight, out, m, n, k, x.stride(0), x.stride(1),
+                             weight.stride(1), weight.stride(0), out.stride(0), out.stride(1), IEEE=cfg["IEEE"],
+                             **common)
+        kernel, grid = lt._linear_bwd_kernel, (tiles, 1, 1)
+    r = cl.resolve(dev, kernel, S.TRITON_TYPE[x.dtype], args, options)
+    return r if isinstance(r, str) else (r, grid, [a, b])
+
+
+def _decide_stored(x: torch.Tensor, weight: torch.Tensor) -> tuple:
+    """``(said, launch, True)`` of a stored-layout call: a :class:`~rlk_core.ops._cuda_common.Launch` over the inputs
+    ``(x, weight, x.t(), weight.t())`` and a fresh ``[M, N]`` output where every size is nonzero, else None (the
+    Triton launcher launches nothing: :func:`forward_stored_general`)."""
+    from rlk_core.ops import _cuda_calls as cl
+
+    said = supports_stored(x, weight)
+    if not said[0] or x.dim() != 2 or 0 in (*x.shape, weight.shape[0]):
+        return said, None, True
+    m, n = x.shape[0], weight.shape[0]
+    out = torch.empty((m, n), dtype=x.dtype, device="meta")
+    (entry, values, _), grid, _ = stored_launch(x, weight, out)
+    xt, wt = x.t(), weight.t()  # the record's inputs 2 and 3 (forward passes x.t(), weight.t() again)
+    inputs = (x, weight, xt, wt)
+    ops = []
+    for v in values:
+        t = v.source if isinstance(v, cl.Desc) else v
+        if t is out:
+            ops.append((cc.O, 0))
+        elif isinstance(t, torch.Tensor):
+            ops.append((cc.T, next((j for j, u in enumerate(inputs) if u is t or _same_view(u, t)), None)))
+        else:
+            ops.append((cc.C, int(t)))
+    assert all(kind != cc.T or i is not None for kind, i in ops), "an operand that is no input"
+    return said, cc.Launch(cc.handle(x.device.index, entry), grid, (m, n), (m, n), 0, False, tuple(ops)), True
+
+
+def _same_view(u: torch.Tensor, t: torch.Tensor) -> bool:
+    """``t`` is a view with ``u``'s address, shape and strides (``x.t().t()`` for ``x``)."""
+    return u.data_ptr() == t.data_ptr() and u.shape == t.shape and u.stride() == t.stride() and u.dtype == t.dtype
+
+
+def supports_stored(x: torch.Tensor, weight: torch.Tensor) -> tuple[bool, str]:
+    if x.dtype not in S.TRITON_TYPE or weight.dtype != x.dtype:
+        return False, f"no AOT variant for x {x.dtype}, weight {weight.dtype}"
+    if x.dim() != 2:
+        return False, "a stored-layout call with x of more than two dims (the backward's are 2-D)"
+    m, k = x.shape
+    n = weight.shape[0]
+    if 0 in (m, n, k):
+        return True, ""
+    r = stored_launch(x, weight, torch.empty((m, n), dtype=x.dtype, device="meta"))
+    return (False, r) if isinstance(r, str) else (True, "")
+
+
+def forward_stored_general(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``triton.linear_2d`` of a stored-layout call, its launch made from Python."""
+    from rlk_core.ops import _cuda_calls as cl
+
+    m, k = x.shape
+    n = weight.shape[0]
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0 or n == 0:
+        return y
+    if k == 0:
+        return y.zero_()
+    r = stored_launch(x, weight, y)
+    if isinstance(r, str):
+        raise RuntimeError(f"rlk.cuda linear called on a stored-layout launch it declines: {r}")
+    resolved, grid, _ = r
+    cl.launch_resolved(x.device.index, resolved, grid)
+    return y

@@ -107,3 +107,5 @@ REGISTRY.register(companion(triton_backend, "rms_norm_backward", "backward", lam
 from rlk_core.ops._cuda_common import cuda_backend  # noqa: E402  (imports neither Triton nor the extension)
 
 REGISTRY.register(cuda_backend("rms_norm"))
+REGISTRY.register(cuda_backend("rms_norm_backward", module="rlk_core.ops.rms_norm.cuda", fn="backward",
+                               supports="supports_backward"))

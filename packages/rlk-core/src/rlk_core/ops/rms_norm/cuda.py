@@ -3,7 +3,14 @@ cubin, launched by ``rlk_core._C``. Same preparation, config and grid as the Tri
 
 ``supports`` and ``forward`` share one decision per call signature (:class:`~rlk_core.ops._cuda_common.Launch`):
 the general code below (:func:`supports_general`, :func:`forward_general`) decides it once; a signature seen
-before is one dict lookup and one ``_C.run``."""
+before is one dict lookup and one ``_C.run``.
+
+``rms_norm_backward`` (:func:`backward`): the Triton launcher's two launches (``_rms_norm_bwd_kernel``, then the
+``dweight`` merge ``_rms_norm_bwd_dw_kernel``) written once below against a :class:`~rlk_core.ops._cuda_calls.Calls`,
+each resolved as the JIT specialises it (the AOT variants of :mod:`rlk_core.aot.specs_backward`); a call signature
+is decided once and kept as a :class:`~rlk_core.ops._cuda_calls.Program` (dx, the partials and dweight allocated and
+both kernels launched by one ``_C.run_program``). Launches no variant is (sizes not multiples of 16, misaligned
+views, another gradient dtype) are declined: ``rlk.triton`` runs them."""
 
 from __future__ import annotations
 
@@ -12,6 +19,7 @@ import functools
 import torch
 
 from rlk_core.aot.specs import TRITON_TYPE
+from rlk_core.ops import _cuda_calls as cl
 from rlk_core.ops import _cuda_common as cc
 from rlk_core.ops.rms_norm import triton as tr
 
@@ -106,3 +114,61 @@ def supports_general(x: torch.Tensor, weight: torch.Tensor, eps: float | None = 
     if _variant(x.device.index, x.dtype, weight.dtype, h, layout) is None:
         return False, f"no AOT variant for H={h} ({layout})"
     return True, ""
+
+
+# -- rms_norm_backward: the Triton launcher's two launches (triton.backward), on a Calls ----------------------------
+def _rows_view(calls: cl.Calls, t: torch.Tensor):
+    """``triton.rows_view`` of ``t``: ``(pointer argument, [A, NH, H] view)`` — a :class:`~rlk_core.ops._cuda_calls.
+    Slice` of ``t`` where the view needs no copy (a program records it), else the copy (run from Python)."""
+    h = t.shape[-1]
+    nh = t.shape[-2] if t.dim() >= 2 else 1
+    try:
+        t3 = t.view(-1, nh, h)
+    except RuntimeError:
+        t3 = None
+    if t3 is None or (h > 1 and t3.stride(2) != 1):
+        t3 = calls.contiguous(t).view(-1, nh, h)
+        return t3, t3
+    return cl.Slice(t, t3), t3
+
+
+def _backward(calls: cl.Calls, grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple:
+    h = x.shape[-1]
+    m = x.numel() // h if h else 0
+    dx = calls.new(x.shape, x.dtype)
+    if m == 0:
+        return dx, calls.new((h,), weight.dtype, "zeros")
+    (xp, x3), (gp, g3) = _rows_view(calls, x), _rows_view(calls, grad)
+    w = weight if weight.stride(0) == 1 else calls.contiguous(weight)
+    rpp, programs = tr.partition(m, h)
+    part = calls.new((programs, h), torch.float32)
+    c = tr.config(h)
+    args = cl.positional(tr._rms_norm_bwd_kernel, xp, w, gp, dx, part, m, h, x3.shape[1], rpp, x3.stride(0),
+                         x3.stride(1), g3.stride(0), g3.stride(1), float(eps), BLOCK_H=c["BLOCK_H"], ROWS=c["ROWS"])
+    calls.launch(tr._rms_norm_bwd_kernel, (programs,), args, {"num_warps": c["num_warps"]},
+                 _bwd_name(x.dtype, w.dtype))
+    dw = calls.new((h,), weight.dtype)
+    args = cl.positional(tr._rms_norm_bwd_dw_kernel, part, dw, programs, h, BLOCK_P=tr.DW_BLOCK_P,
+                         BLOCK_N=tr.DW_BLOCK_N)
+    calls.launch(tr._rms_norm_bwd_dw_kernel, (-(-h // tr.DW_BLOCK_N),), args, {"num_warps": tr.DW_WARPS},
+                 f"dw={TRITON_TYPE.get(weight.dtype)}")
+    return dx, dw
+
+
+def _bwd_name(dtype: torch.dtype, wdtype: torch.dtype) -> str:
+    from rlk_core.aot.specs_backward import rms_name
+
+    if dtype not in TRITON_TYPE or wdtype not in TRITON_TYPE:
+        return f"{dtype},w={wdtype}"  # no variant has this name: resolve declines the launch
+    return rms_name(dtype, wdtype)
+
+
+def _said_backward(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[bool, str]:
+    if grad.dtype != x.dtype:
+        return False, f"grad {grad.dtype} and x {x.dtype}: only a gradient of x's dtype is built"
+    return tr.supports(x, weight, eps)
+
+
+_BACKWARD = cl.Served("rms_norm_backward", _backward, _said_backward, lambda grad, x, w, eps: (grad, x, w),
+                      lambda grad, x, w, eps: (float(eps),))
+backward, supports_backward = _BACKWARD.run, _BACKWARD.supports

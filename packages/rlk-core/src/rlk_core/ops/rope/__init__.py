@@ -130,3 +130,5 @@ REGISTRY.register(companion(triton_backend, "rope_backward", "backward", lambda 
 from rlk_core.ops._cuda_common import cuda_backend  # noqa: E402  (imports neither Triton nor the extension)
 
 REGISTRY.register(cuda_backend("rope"))
+REGISTRY.register(cuda_backend("rope_backward", module="rlk_core.ops.rope.cuda", fn="backward",
+                               supports="supports_backward"))

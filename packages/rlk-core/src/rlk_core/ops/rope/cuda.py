@@ -4,7 +4,13 @@ table's row count is passed per call (``N_POS``: positions past it give NaN, nev
 
 ``supports`` and ``launch`` each keep one decision per call signature
 (:class:`~rlk_core.ops._cuda_common.Launch`): the general code below (:func:`supports_general`,
-:func:`launch_general`) decides it once; a signature seen before is one dict lookup (and one ``_C.run``)."""
+:func:`launch_general`) decides it once; a signature seen before is one dict lookup (and one ``_C.run``).
+
+``rope_backward`` (:func:`backward`): the Triton launcher's launch of ``_rope_bwd_kernel`` on the cached table
+(``triton.backward_tables``) written once below against a :class:`~rlk_core.ops._cuda_calls.Calls`, resolved as the
+JIT specialises it (the AOT variants of :mod:`rlk_core.aot.specs_backward`: the head count 1, a multiple of 16 or
+neither, strides multiples of 16) and kept per call signature as a :class:`~rlk_core.ops._cuda_calls.Program` (one
+``_C.run_program``). Launches no variant is are declined: ``rlk.triton`` runs them."""
 
 from __future__ import annotations
 
@@ -13,6 +19,7 @@ import functools
 import torch
 
 from rlk_core.aot.specs import TRITON_TYPE
+from rlk_core.ops import _cuda_calls as cl
 from rlk_core.ops import _cuda_common as cc
 from rlk_core.ops._triton_common import next_pow2
 from rlk_core.ops.rope import triton as tr
@@ -147,3 +154,42 @@ def supports_general(x: torch.Tensor, positions: torch.Tensor, theta: float, rot
     if _variant(x.device.index, x.dtype, positions.dtype, nh, d, rotary_dim, layout) is None:
         return False, f"no AOT variant for (head_dim, rotary_dim, heads) = ({d}, {rotary_dim}, {nh}) ({layout})"
     return True, ""
+
+
+# -- rope_backward: the Triton launcher's launch (triton.launch with _rope_bwd_kernel), on a Calls -------------------
+def _backward(calls: cl.Calls, grad: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+              rotary_dim: int) -> tuple:
+    t, nh, d = grad.shape
+    dx = calls.new((t, nh, d), grad.dtype)
+    if t == 0 or nh == 0:
+        return (dx,)
+    g = grad if grad.stride(-1) == 1 else calls.contiguous(grad)
+    c = tr.config(nh, rotary_dim // 2)
+    args = cl.positional(tr._rope_bwd_kernel, g, positions, cos, sin, dx, t, nh, cos.shape[0], g.stride(0), g.stride(1),
+                         nh * d, d, HALF=rotary_dim // 2, D=d, R=rotary_dim, BLOCK_H=c["BLOCK_H"],
+                         BLOCK_HALF=c["BLOCK_HALF"], BLOCK_PASS=next_pow2(d - rotary_dim) if d > rotary_dim else 0)
+    pos = cl.POINTER_TYPES.get(cl.type_name(positions.dtype), "?")[1:]
+    calls.launch(tr._rope_bwd_kernel, (t, -(-nh // c["BLOCK_H"])), args,
+                 {"num_warps": c["num_warps"], "enable_fp_fusion": False},
+                 f"{TRITON_TYPE.get(grad.dtype, grad.dtype)},pos={pos}")
+    return (dx,)
+
+
+_BACKWARD = cl.Served("rope_backward", _backward, lambda *_: (True, ""), lambda g, p, c, s, r: (g, p, c, s),
+                      lambda g, p, c, s, r: (r,), rebuild=lambda outs: outs[0])
+
+
+def backward(grad: torch.Tensor, positions: torch.Tensor, theta: float, rotary_dim: int) -> torch.Tensor:
+    if grad.shape[0] == 0:
+        return torch.empty_like(grad)
+    return _BACKWARD.run(grad, positions, *tr.backward_tables(grad, positions, theta, rotary_dim), rotary_dim)
+
+
+def supports_backward(grad: torch.Tensor, positions: torch.Tensor, theta: float, rotary_dim: int) -> tuple[bool, str]:
+    """Decided on the table the call reads (``triton.backward_tables``: the forward's, cached; built here, as the
+    call would build it, only where none is)."""
+    if cc.without_storage(grad, positions):
+        return cc.NO_STORAGE
+    if grad.shape[0] == 0:
+        return True, ""
+    return _BACKWARD.supports(grad, positions, *tr.backward_tables(grad, positions, theta, rotary_dim), rotary_dim)

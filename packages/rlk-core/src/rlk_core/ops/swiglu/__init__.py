@@ -95,3 +95,5 @@ REGISTRY.register(companion(triton_backend, "swiglu_backward", "backward", lambd
 from rlk_core.ops._cuda_common import cuda_backend  # noqa: E402  (imports neither Triton nor the extension)
 
 REGISTRY.register(cuda_backend("swiglu"))
+REGISTRY.register(cuda_backend("swiglu_backward", module="rlk_core.ops.swiglu.cuda", fn="backward",
+                               supports="supports_backward"))

@@ -3,7 +3,13 @@ launched by ``rlk_core._C``. Same preparation, config and grid as the Triton lau
 
 ``supports`` and ``forward`` share one decision per call signature (:class:`~rlk_core.ops._cuda_common.Launch`):
 the general code below (:func:`supports_general`, :func:`forward_general`) decides it once; a signature seen
-before is one dict lookup and one ``_C.run``."""
+before is one dict lookup and one ``_C.run``.
+
+``swiglu_backward`` (:func:`backward`): the Triton launcher's launch of ``_swiglu_bwd_kernel`` written once below
+against a :class:`~rlk_core.ops._cuda_calls.Calls`, resolved as the JIT specialises it (the AOT variants of
+:mod:`rlk_core.aot.specs_backward`) and kept per call signature as a :class:`~rlk_core.ops._cuda_calls.Program` (one
+``_C.run_program``: dx allocated, the kernel launched). Launches no variant is (sizes not multiples of 16,
+misaligned views) are declined: ``rlk.triton`` runs them."""
 
 from __future__ import annotations
 
@@ -12,6 +18,7 @@ import functools
 import torch
 
 from rlk_core.aot.specs import TRITON_TYPE
+from rlk_core.ops import _cuda_calls as cl
 from rlk_core.ops import _cuda_common as cc
 from rlk_core.ops.swiglu import triton as tr
 
@@ -106,3 +113,45 @@ def supports_general(x: torch.Tensor) -> tuple[bool, str]:
     if _variant(x.device.index, x.dtype, inter, layout) is None:
         return False, f"no AOT variant for I={inter} ({layout})"
     return True, ""
+
+
+# -- swiglu_backward: the Triton launcher's launch (triton.backward), on a Calls -------------------------------------
+def _rows(calls: cl.Calls, t: torch.Tensor):
+    """``triton._rows`` of ``t`` (``[-1, last]`` with a unit last stride): ``(pointer argument, view)`` — a
+    :class:`~rlk_core.ops._cuda_calls.Slice` of ``t`` where no copy is made, else the copy."""
+    last = t.shape[-1]
+    try:
+        t2 = t.view(-1, last)  # reshape's view, where there is one
+    except RuntimeError:
+        t2 = calls.contiguous(t).view(-1, last)
+        return t2, t2
+    if t2.stride(-1) != 1:
+        t2 = calls.contiguous(t2)
+        return t2, t2
+    return cl.Slice(t, t2), t2
+
+
+def _backward(calls: cl.Calls, grad: torch.Tensor, x: torch.Tensor) -> tuple:
+    two_i = x.shape[-1]
+    inter = two_i // 2
+    (xp, x2), (gp, g2) = _rows(calls, x), _rows(calls, grad)
+    m = x2.shape[0]
+    dx = calls.new(x.shape, x.dtype)  # triton: a fresh [m, 2I] reshaped to x's shape (the same contiguous tensor)
+    if m > 0:
+        c = tr.config(inter)
+        args = cl.positional(tr._swiglu_bwd_kernel, xp, gp, cl.Slice(dx, dx.view(m, two_i)), m, inter, x2.stride(0),
+                             g2.stride(0), two_i, BLOCK=c["BLOCK"])
+        calls.launch(tr._swiglu_bwd_kernel, (m, -(-inter // c["BLOCK"])), args, {"num_warps": c["num_warps"]},
+                     TRITON_TYPE.get(x.dtype, str(x.dtype)))
+    return (dx,)
+
+
+def _said_backward(grad: torch.Tensor, x: torch.Tensor) -> tuple[bool, str]:
+    if grad.dtype != x.dtype:
+        return False, f"grad {grad.dtype} and x {x.dtype}: only a gradient of x's dtype is built"
+    return tr.supports(x)
+
+
+_BACKWARD = cl.Served("swiglu_backward", _backward, _said_backward, lambda grad, x: (grad, x),
+                      rebuild=lambda outs: outs[0])
+backward, supports_backward = _BACKWARD.run, _BACKWARD.supports
