@@ -585,3 +585,106 @@ def test_negative_control_the_attention_comparison_can_fail():
     assert torch.equal(cuda.fn(*args), ref)
     assert not torch.equal(cuda.fn(*args[:5], args[5] * 1.001), ref)
     assert not torch.equal(cuda.fn(args[0].roll(1, 0), *args[1:]), ref)
+
+
+# -- the backward kernels of the row-wise ops and linear's stored-layout GEMMs ------------------------------------
+# The sweeps are tests/core/_cuda_cases.py's (the CPU suite checks that their served calls reach every backward
+# variant the AOT enumeration builds, and that rlk.cuda launches what rlk.triton launches on an sm_90 device).
+BACKWARD_FAMILIES = {"rms_norm_backward": K.rms_norm_backward_cases, "swiglu_backward": K.swiglu_backward_cases,
+                     "rope_backward": K.rope_backward_cases, "linear_backward": K.linear_backward_cases}
+
+
+def test_backward_ops_prefer_rlk_cuda():
+    for op in ("rms_norm_backward", "swiglu_backward", "rope_backward"):
+        cuda, _ = _backends(op)
+        ok, why = REGISTRY.is_available(cuda, "cuda")
+        assert ok, why
+        assert REGISTRY.candidates(op, "cuda")[0].id == "rlk.cuda"
+
+
+@pytest.mark.parametrize("family", sorted(BACKWARD_FAMILIES))
+def test_every_served_backward_variant_is_bitwise_triton(family, ran_programs, aot_triton_cache):
+    """Every call of the family's sweep: rlk.cuda takes exactly the calls meant to be served — ``torch.equal`` to
+    rlk.triton's (twice: the decision, then the kept program or record) — and declines the others, which the
+    registry runs on rlk.triton without a fallback; the cubins launched are the manifest's whole set for the family;
+    every JIT compile rlk.triton made was the AOT build's (its Triton cache)."""
+    ran_programs.clear()
+    served = 0
+    for op, args, want in BACKWARD_FAMILIES[family]("cuda"):
+        cuda, triton = _backends(op)
+        said = cuda.supports(*args)
+        assert said[0] == want, (op, said, K.describe(args))
+        if not said[0]:
+            sel = REGISTRY.select(op, "cuda", args, strict=True)
+            assert sel.backend.id == "rlk.triton" and sel.fallback_reason is None, (op, sel)
+            continue
+        for _ in range(2):
+            _same(op, args, cuda.fn, triton.fn)
+        served += 1
+    want = _manifest_cubins(family, {"aligned"})
+    assert served and ran_programs == want, (f"never run: {sorted(want - ran_programs)[:5]}; "
+                                             f"unexpected: {sorted(ran_programs - want)[:5]}")
+    assert all(aot_triton_cache), f"{aot_triton_cache.count(False)} JIT compiles missed the AOT build's cache"
+
+
+def _train_step_backward_calls() -> list[tuple[str, tuple]]:
+    """A layer's backward calls at a Qwen3-0.6B shape (T = 512): the norms' (hidden and q/k head view), SwiGLU's,
+    RoPE's and the three GEMMs of the gate/up projection (dx, dW, db)."""
+    g = torch.Generator(device="cuda").manual_seed(21)
+
+    def rnd(*shape, dtype=torch.bfloat16):
+        return torch.randn(shape, device="cuda", generator=g).to(dtype)
+
+    t, hidden, inter, d = 512, 1024, 3072, 128
+    qkv = rnd(t, 16 + 2 * 8, d)
+    pos = torch.arange(t, device="cuda")
+    x, w = rnd(t, hidden), rnd(2 * inter, hidden)
+    dy = rnd(t, 2 * inter)
+    return [("rms_norm_backward", (rnd(t, hidden), x, rnd(hidden), 1e-6)),
+            ("rms_norm_backward", (rnd(t, 16, d), qkv[:, :16], rnd(d), 1e-6)),
+            ("swiglu_backward", (rnd(t, inter), dy)),
+            ("rope_backward", (rnd(t, 16, d), pos, 1e6, d)),
+            ("linear", (dy, w.t(), None)), ("linear", (dy.t(), x.t(), None)),
+            ("linear", (dy.t(), dy.new_ones(1).as_strided((1, t), (1, 0)), None))]
+
+
+def test_backward_under_graph_capture_and_replay():
+    """The backward calls captured in a CUDA graph (after one eager call), replayed on new input values:
+    ``torch.equal`` to rlk.triton run eagerly on those values."""
+    for op, args in _train_step_backward_calls():
+        cuda, triton = _backends(op)
+        assert cuda.supports(*args)[0], (op, K.describe(args))
+        cuda.fn(*args)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = cuda.fn(*args)
+        for a in args:
+            if isinstance(a, torch.Tensor) and a.is_floating_point() and a.stride(-1) != 0 and 0 not in a.stride():
+                a.mul_(0.5)
+        graph.replay()
+        torch.cuda.synchronize()
+        for a, b in zip(_outputs(op, args, out), _outputs(op, args, triton.fn(*args))):
+            assert torch.equal(a, b), (op, K.describe(args))
+
+
+def test_negative_control_the_backward_comparison_can_fail():
+    """The comparison has teeth: rlk.cuda's rms_norm backward with another eps, its linear dW on a gradient with two
+    tokens swapped (x not: another product) and its RoPE backward on shifted positions differ from rlk.triton's on
+    the original call."""
+    calls = dict((op, a) for op, a in _train_step_backward_calls()[::-1])  # the first of each op
+    cuda, triton = _backends("rms_norm_backward")
+    g, x, w, eps = calls["rms_norm_backward"]
+    ref = triton.fn(g, x, w, eps)
+    assert all(torch.equal(a, b) for a, b in zip(cuda.fn(g, x, w, eps), ref))
+    assert not torch.equal(cuda.fn(g, x, w, eps * 4)[0], ref[0])
+    dyt, xt = _train_step_backward_calls()[5][1][:2]  # dW = dy^T x: dy.t() and x.t() as the backward gives them
+    cuda, triton = _backends("linear")
+    ref = triton.fn(dyt, xt, None)
+    assert torch.equal(cuda.fn(dyt, xt, None), ref)
+    swapped = dyt.t()[[1, 0, *range(2, dyt.shape[1])]].t()
+    assert not torch.equal(cuda.fn(swapped, xt, None), ref)
+    cuda, triton = _backends("rope_backward")
+    g, pos, theta, r = calls["rope_backward"]
+    ref = triton.fn(g, pos, theta, r)
+    assert torch.equal(cuda.fn(g, pos, theta, r), ref)
+    assert not torch.equal(cuda.fn(g, pos + 1, theta, r), ref)
