@@ -11,6 +11,10 @@ import torch
 
 M_LIST = (1, 2, 3, 7, 16, 63, 64, 65, 127, 128, 1000, 4096, 8192)
 
+# the backends the registry may pick for an rlk op on the GPU: rlk.cuda where the build has its binary, rlk.triton
+# otherwise (same contract, same bits: tests/gpu/test_cuda_backend_gpu.py compares them variant by variant)
+RLK_GPU = ("rlk.cuda", "rlk.triton")
+
 MODELS = {
     "qwen3-8b": {"hidden": 4096, "q_heads": 32, "kv_heads": 8, "head_dim": 128, "inter": 12288, "vocab": 151936},
     "qwen3-0.6b": {"hidden": 1024, "q_heads": 16, "kv_heads": 8, "head_dim": 128, "inter": 3072, "vocab": 151936},
