@@ -68,7 +68,9 @@ class RlkSelfAttention(_compat.SelfAttention):
         if kwargs.get("inference_context") is not None or kwargs.get("inference_params") is not None:
             _unsupported("Megatron inference contexts (KV cache) are not covered")
         rotary = kwargs.pop("rotary_pos_emb", None)
-        self.core_attention.apply_rope = rotary is not None
+        core = self.core_attention
+        if core.apply_rope is not (rotary is not None):  # nn.Module.__setattr__ only when it changes
+            core.apply_rope = rotary is not None
         return super().forward(hidden_states, attention_mask, rotary_pos_emb=None, **kwargs)
 
     def get_query_key_value_tensors(self, hidden_states, key_value_states=None, output_gate: bool = False,
@@ -135,9 +137,16 @@ class RlkCoreAttention(_compat.MegatronModule):
             _state.get().refuse("attention", "RlkCoreAttention: " + "; ".join(problems))
             raise _compat_error("attention", problems)
 
-    def _cp_group(self):
+    def _cp_group(self) -> tuple:
+        """``(group, size)`` of the CP group (None, 1 without one); the size is read once per group object
+        (a ProcessGroup's ``size()`` is a C++ call per use otherwise)."""
         g = getattr(self.pg_collection, "cp", None) if self.pg_collection is not None else None
-        return g if g is not None else _compat.parallel_state.get_context_parallel_group()
+        if g is None:
+            g = _compat.parallel_state.get_context_parallel_group()
+        cached = self.__dict__.get("_rlk_cp")
+        if cached is None or cached[0] is not g:
+            cached = self.__dict__["_rlk_cp"] = (g, g.size() if g is not None else 1)
+        return cached
 
     def forward(self, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None = None,
                 attn_mask_type=None, attention_bias: Tensor | None = None, packed_seq_params=None, **kwargs):
@@ -146,26 +155,25 @@ class RlkCoreAttention(_compat.MegatronModule):
             _unsupported("attention_bias is not covered")
         if attn_mask_type is not None and attn_mask_type != _compat.AttnMaskType.causal:
             _unsupported(f"attn_mask_type={attn_mask_type} at call time")
-        cp_group = self._cp_group()
-        cp = cp_group.size() if cp_group is not None else 1
-        if packed_seq_params is None:
-            if cp > 1:
-                _unsupported("context parallelism needs packed THD batches")
-            sq, b, hq, d = query.shape
-            q, k, v = (x.transpose(0, 1).reshape(b * sq, x.shape[2], d) for x in (query, key, value))
-            with routes.scope("attention"):
+        cp_group, cp = self._cp_group()
+        with routes.scope("attention"):
+            if packed_seq_params is None:
+                if cp > 1:
+                    _unsupported("context parallelism needs packed THD batches")
+                sq, b, hq, d = query.shape
+                q, k, v = (x.transpose(0, 1).reshape(b * sq, x.shape[2], d) for x in (query, key, value))
                 batch = _batch_index(("sbhd", b, sq), (attention_mask,),
                                      lambda: _sbhd_batch(attention_mask, b, sq, q.device), cp, cp_group, q.device)
-        else:
-            if packed_seq_params.qkv_format != "thd":
-                _unsupported(f"packed qkv_format={packed_seq_params.qkv_format!r}")
-            tensors = tuple(getattr(packed_seq_params, n, None) for n in _CU_FIELDS)
-            with routes.scope("attention"):
-                batch = _batch_index(("thd",), tensors, lambda: _packed_batch(packed_seq_params, query.shape[0], cp,
-                                                                               cp_group, query.device),
+            else:
+                if packed_seq_params.qkv_format != "thd":
+                    _unsupported(f"packed qkv_format={packed_seq_params.qkv_format!r}")
+                p = packed_seq_params
+                batch = _batch_index(("thd",), (p.cu_seqlens_q, getattr(p, "cu_seqlens_kv", None),
+                                                getattr(p, "cu_seqlens_q_padded", None),
+                                                getattr(p, "cu_seqlens_kv_padded", None)),
+                                     lambda: _packed_batch(p, query.shape[0], cp, cp_group, query.device),
                                      cp, cp_group, query.device)
-            q, k, v = query, key, value
-        with routes.scope("attention"):
+                q, k, v = query, key, value
             if self.apply_rope:
                 self._check_rope(q, batch.longest)
                 q = routes.call("attention", "rope", q, batch.pos, self.rope_theta)
@@ -199,7 +207,6 @@ class RlkCoreAttention(_compat.MegatronModule):
             self._rope_device = q.device
 
 
-_CU_FIELDS = ("cu_seqlens_q", "cu_seqlens_kv", "cu_seqlens_q_padded", "cu_seqlens_kv_padded")
 _UNRESERVED_NOTED: list[bool] = []  # the warning for a model without max_positions: once per process
 
 
@@ -224,8 +231,10 @@ def _batch_index(kind: tuple, tensors: tuple, build, cp: int, cp_group, device) 
     """The :class:`_Batch` of this call, built (``build()``: positions, offsets, layout, longest sequence)
     once per batch rather than once per layer: only when the tensors passed are not the very ones (same
     objects, same version counters) of the cached batch."""
-    key = (*kind, tuple((id(t), t._version) if t is not None else None for t in tensors), cp,
-           (id(cp_group), cp_group.rank()) if cp > 1 else None, str(device))
+    idents = []  # a loop, not a generator: no Python call per tensor (this runs in every layer)
+    for t in tensors:
+        idents.append(None if t is None else (id(t), t._version))
+    key = (*kind, tuple(idents), cp, (id(cp_group), cp_group.rank()) if cp > 1 else None, device)
     if _BATCH and _BATCH[0].key == key:
         return _BATCH[0]
     pos, cu_q, cu_k, layout, longest = build()

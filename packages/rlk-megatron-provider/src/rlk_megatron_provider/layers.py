@@ -252,13 +252,17 @@ class RlkQKVLinear(RlkColumnParallelLinear):
         self._qkv_cache: tuple[tuple, Tensor] | None = None
 
     def _permuted_weight(self, w: Tensor) -> Tensor:
-        if self._qkv_rows.device != w.device:
-            self._qkv_rows, self._qkv_cols = self._qkv_rows.to(w.device), self._qkv_cols.to(w.device)
-        key = (id(w), w.data_ptr(), w._version, w.dtype, _GENERATION[0])
-        cached = self._qkv_cache
+        """The cached ``[q; k; v]`` copy of ``w``, rebuilt where ``w`` is another tensor, storage, dtype or
+        device, its version counter moved or an optimizer step ran since. Per call: the key and one
+        comparison (the index tensors' device is looked at only when rebuilding)."""
+        key = (id(w), w.data_ptr(), w._version, w.dtype, w.device, _GENERATION[0])
+        d = self.__dict__  # plain attributes: nn.Module.__setattr__ would check parameters and buffers first
+        cached = d["_qkv_cache"]
         if cached is None or cached[0] != key:
-            with torch.no_grad():  # a fresh tensor: a graph that saved the old copy keeps it
-                cached = self._qkv_cache = (key, w.detach().index_select(0, self._qkv_rows))
+            if self._qkv_rows.device != w.device:
+                d["_qkv_rows"], d["_qkv_cols"] = self._qkv_rows.to(w.device), self._qkv_cols.to(w.device)
+            # a fresh tensor (a graph that saved the old copy keeps it); detached, so no graph is recorded
+            cached = d["_qkv_cache"] = (key, w.detach().index_select(0, self._qkv_rows))
         return cached[1]
 
     def forward(self, input_: Tensor, weight: Tensor | None = None, runtime_gather_output: bool | None = None,
