@@ -38,7 +38,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     from rlk_core.aot.build import build, print_progress
 
-    m = build(a.target, a.out, specs, sms=a.sms, jobs=a.jobs, progress=print_progress, triton_cache=a.triton_cache)
+    selection = {"ops": [o for o in a.ops.split(",") if o], "dtypes": [d for d in a.dtypes.split(",") if d],
+                 "layouts": a.layouts.split(",")}
+    m = build(a.target, a.out, specs, sms=a.sms, jobs=a.jobs, progress=print_progress, triton_cache=a.triton_cache,
+              selection=selection)
     print(f"{len(m['kernels'])} cubins, {len(m['failed'])} failed -> {a.out}", file=sys.stderr)
     return 1 if m["failed"] else 0
 

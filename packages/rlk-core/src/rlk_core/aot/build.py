@@ -32,7 +32,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-from rlk_core.aot.specs import DEFAULT_SMS, Spec, enumerate_specs, not_built
+from rlk_core.aot.specs import DEFAULT_SMS, DTYPES, LAYOUTS, OPS, TRITON_TYPE, Spec, enumerate_specs, not_built
 
 MANIFEST = "manifest.json"
 FORMAT = 1
@@ -210,15 +210,19 @@ def _compile_many(specs: list[Spec], target: str,
 def build(target: str = "cuda:90", out_dir: str | os.PathLike = "aot-build", specs: Iterable[Spec] | None = None,
           sms: int = DEFAULT_SMS, jobs: int | None = None,
           progress: Callable[[int, int, dict[str, Any], float], None] | None = None,
-          triton_cache: str | os.PathLike | None = None) -> dict[str, Any]:
+          triton_cache: str | os.PathLike | None = None, selection: dict[str, list[str]] | None = None
+          ) -> dict[str, Any]:
     """Compile ``specs`` (default: :func:`enumerate_specs` with ``sms``) for ``target`` into ``out_dir``;
     returns the manifest (also written to ``out_dir/manifest.json``). ``jobs`` worker processes (default:
     the CPU count); ``progress(done, total, entry, seconds)`` after each variant; ``triton_cache``: see
     :func:`compile_spec` (not recorded in the manifest: the cubins are the same either way). Failures are
-    recorded in the manifest's ``failed``, not raised."""
+    recorded in the manifest's ``failed``, not raised. ``selection``: the ops / dtypes / layouts the specs were
+    enumerated for (``python -m rlk_core.aot build``'s options), recorded as the manifest's ``selection`` so a reader
+    knows a partial build from a full one (with ``specs`` None: the full enumeration; else None: unknown)."""
     import triton
 
     parse_target(target)
+    full = specs is None
     specs = list(specs) if specs is not None else enumerate_specs(sms=sms)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -259,6 +263,8 @@ def build(target: str = "cuda:90", out_dir: str | os.PathLike = "aot-build", spe
         "kernels": sorted(kernels, key=lambda e: e["cubin"]),
         "failed": sorted(failed, key=lambda e: e["variant"]),
         "not_built": not_built(sms),
+        "selection": selection if selection is not None or not full else {
+            "ops": list(OPS), "dtypes": [TRITON_TYPE[d] for d in DTYPES], "layouts": list(LAYOUTS)},
     }
     (out / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
     return manifest
