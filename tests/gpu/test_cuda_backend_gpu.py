@@ -68,6 +68,28 @@ def _backends(op: str):
     return REGISTRY.get(op, "rlk.cuda"), REGISTRY.get(op, "rlk.triton")
 
 
+def _selection() -> dict:
+    """What this AOT build enumerated (its manifest's ``selection``: a device sitting may build some op families
+    or dtypes only, ``RLK_BUILD_OPS`` / ``RLK_BUILD_DTYPES``); a manifest without one is a full build."""
+    target = cc.TARGETS[torch.cuda.get_device_capability()]
+    sel = cc._manifest(target)[1].get("selection") or {}
+    return {"ops": sel.get("ops") or list(S.OPS), "dtypes": sel.get("dtypes") or [S.TRITON_TYPE[d] for d in DTYPES]}
+
+
+def _built_dtypes() -> tuple[torch.dtype, ...]:
+    names = _selection()["dtypes"]
+    return tuple(d for d in DTYPES if S.TRITON_TYPE[d] in names)
+
+
+def _require_built(family: str, dtype: torch.dtype | None = None) -> None:
+    """Skip (named in the log) a family or dtype this build left out; every built one is checked in full."""
+    sel = _selection()
+    if family not in sel["ops"]:
+        pytest.skip(f"{family}: not in this AOT build's selection {sel['ops']}")
+    if dtype is not None and S.TRITON_TYPE[dtype] not in sel["dtypes"]:
+        pytest.skip(f"{S.TRITON_TYPE[dtype]}: not in this AOT build's dtypes {sel['dtypes']}")
+
+
 def _manifest_cubins(op: str, layouts: set[str], dtype: torch.dtype | None = None) -> set[str]:
     """The manifest's variants of ``op`` in ``layouts`` whose input dtype is ``dtype`` (all when None)."""
     target = cc.TARGETS[torch.cuda.get_device_capability()]
@@ -216,6 +238,7 @@ SWEEPS = {"linear": _linear_sweep, "rms_norm": _rms_norm_sweep, "swiglu": _swigl
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: S.TRITON_TYPE[d])
 @pytest.mark.parametrize("op", sorted(SWEEPS))
 def test_every_served_variant_is_bitwise_triton(op, dtype, ran):
+    _require_built(op, dtype)
     layouts = _served_layouts(op)
     ran.clear()
     SWEEPS[op](layouts, (dtype,))
@@ -342,12 +365,12 @@ import _cuda_cases as K  # noqa: E402
 
 from rlk_core.ops import _cuda_calls as cl  # noqa: E402
 
-FAMILIES = {
-    "attention": lambda: K.attention_forward_cases("cuda", page_sizes=(1, 16, 64, 256),
-                                                   contexts=((5, 130, 64), (1, 1, 1), (2048, 64, 4097))),
-    "kv_cache_write": lambda: K.kv_cache_write_cases("cuda"),
-    "attention_backward": lambda: K.attention_backward_cases("cuda"),
-    "logp": lambda: (*K.logprob_cases("cuda"), *K.linear_logprob_cases("cuda")),
+FAMILIES = {  # each sweep over the dtypes this build holds
+    "attention": lambda dts: K.attention_forward_cases("cuda", dts, page_sizes=(1, 16, 64, 256),
+                                                       contexts=((5, 130, 64), (1, 1, 1), (2048, 64, 4097))),
+    "kv_cache_write": lambda dts: K.kv_cache_write_cases("cuda", dts),
+    "attention_backward": lambda dts: K.attention_backward_cases("cuda", dts),
+    "logp": lambda dts: (*K.logprob_cases("cuda", dts), *K.linear_logprob_cases("cuda", dts)),
 }
 
 
@@ -430,10 +453,11 @@ def test_every_served_attention_and_logp_variant_is_bitwise_triton(family, ran_p
     some afresh)."""
     from rlk_core.ops.linear_logprobs import triton as llt
 
+    _require_built(family)
     monkeypatch.setattr(llt, "CHUNK_BYTES", K.linear_chunk_bytes())
     ran_programs.clear()
     served = 0
-    for op, args, want in FAMILIES[family]():
+    for op, args, want in FAMILIES[family](_built_dtypes()):
         cuda, triton = _backends(op)
         said = cuda.supports(*args)
         assert said[0] == want, (op, said, K.describe(args))
@@ -608,9 +632,10 @@ def test_every_served_backward_variant_is_bitwise_triton(family, ran_programs, a
     rlk.triton's (twice: the decision, then the kept program or record) — and declines the others, which the
     registry runs on rlk.triton without a fallback; the cubins launched are the manifest's whole set for the family;
     every JIT compile rlk.triton made was the AOT build's (its Triton cache)."""
+    _require_built(family)
     ran_programs.clear()
     served = 0
-    for op, args, want in BACKWARD_FAMILIES[family]("cuda"):
+    for op, args, want in BACKWARD_FAMILIES[family]("cuda", _built_dtypes()):
         cuda, triton = _backends(op)
         said = cuda.supports(*args)
         assert said[0] == want, (op, said, K.describe(args))
