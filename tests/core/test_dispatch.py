@@ -31,6 +31,28 @@ def test_path_direct_only_when_the_dispatcher_has_nothing_to_add():
         assert D._path((mode.from_tensor(x),)) == "dispatcher"
 
 
+def test_path_scalars_and_their_subclasses_take_the_same_answers():
+    """Arguments of an exact scalar type skip the isinstance tests; subclasses of scalars and of tuples
+    (``torch.Size``, a named tuple holding a tensor) still take them."""
+    x = torch.randn(3, 8)
+    leaf = x.clone().requires_grad_()
+    scalars = (None, True, 2, 1.5, "s", torch.float32, torch.device("cpu"), torch.contiguous_format, torch.strided)
+    assert D._path((x, *scalars)) == "direct"
+    assert D._path((*scalars, leaf)) == "function"
+    assert D._path((x, x.shape)) == "direct"  # torch.Size: a tuple of ints
+
+    class Pair(tuple):
+        pass
+
+    assert D._path((x, Pair((x, 1)))) == "direct"
+    assert D._path((x, Pair((leaf, 1)))) == "dispatcher"
+    with FakeTensorMode() as mode:
+        fake = mode.from_tensor(x)
+    assert D._path((1.0, fake)) == D._path((x, Pair((fake,)))) == "dispatcher"
+    with torch.no_grad():
+        assert D._path((leaf, 1.0)) == "direct"
+
+
 def _grads(fn, inputs, seed=0):
     leaves = [t.detach().clone().requires_grad_() for t in inputs]
     out = fn(*leaves)

@@ -209,18 +209,29 @@ def register_autograd(op: Op, backward: Callable[..., Any], setup_context: Calla
 _APPLY: dict[str, tuple[Callable[..., Any], int]] = {}
 
 
+# argument types with nothing for the dispatcher to see (not tensors, no tensors inside); the exact types,
+# so that a subclass (of int, str ...) takes the isinstance tests below as before
+_SCALARS = frozenset({type(None), bool, int, float, str, torch.dtype, torch.device, torch.memory_format, torch.layout})
+_is_compiling = torch.compiler.is_compiling  # the same function (Dynamo folds it to True by identity while tracing)
+_grad_enabled = torch._C.is_grad_enabled
+
+
 def _path(args: tuple[Any, ...]) -> str:
     """``"direct"`` (no autograd needed), ``"function"`` (eager autograd over plain tensors) or
-    ``"dispatcher"``."""
-    if (torch.compiler.is_compiling() or _torch_function_mode_enabled()
+    ``"dispatcher"``. Per argument a set lookup of its exact type first (plain tensor, scalar), the
+    ``isinstance`` tests only for the rest; ``requires_grad`` read only in grad mode."""
+    if (_is_compiling() or _torch_function_mode_enabled()
             or _len_torch_dispatch_stack() > 0):  # _python_dispatch._get_current_dispatch_mode() is not None
         return "dispatcher"
-    grad = torch.is_grad_enabled()
+    grad = _grad_enabled()
     path = "direct"
     for arg in args:
-        if type(arg) in _PLAIN:
+        cls = type(arg)
+        if cls in _PLAIN:
             if grad and arg.requires_grad:
                 path = "function"
+        elif cls in _SCALARS:
+            continue
         elif isinstance(arg, (list, tuple)):
             for t in arg:
                 if isinstance(t, torch.Tensor) and (type(t) not in _PLAIN or (grad and t.requires_grad)):
