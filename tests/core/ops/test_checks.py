@@ -26,6 +26,35 @@ def test_auto_checks_cpu_values_and_never_skips_them(monkeypatch):
     C.in_range(bad, "rope", "positions", 0, 10)  # skipped: no error raised
 
 
+@pytest.mark.parametrize("mode", ["auto", "always", "never"])
+def test_values_checked_on_fake_and_meta_tensors_per_mode(monkeypatch, mode):
+    """No values to read in a fake or meta tensor, whatever the mode; a plain CPU one per the mode."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    monkeypatch.setenv("RLK_VALUE_CHECKS", mode)
+    plain = torch.zeros(3, dtype=torch.int32)
+    with FakeTensorMode() as fake_mode:
+        fake = fake_mode.from_tensor(plain)
+    meta = plain.to("meta")
+    assert C.values_checked(plain) is (mode != "never")
+    assert C.values_checked(fake) is C.values_checked(meta) is C.values_checked(plain, fake) is False
+    assert C.values_checked(None, plain, None) is C.values_checked(plain)
+
+
+def test_never_and_off_cpu_answer_without_the_fake_tests(monkeypatch):
+    """``never`` (and ``auto`` with a tensor off the CPU) is known from the mode and the device alone: the
+    fake-tensor tests (Python calls on every op call) do not run."""
+    def no_fake_test(t):
+        raise AssertionError("the fake-tensor test ran")
+
+    monkeypatch.setattr(C, "_is_fake", no_fake_test)
+    monkeypatch.setenv("RLK_VALUE_CHECKS", "never")
+    assert C.values_checked(torch.zeros(3, dtype=torch.int32)) is False
+    C.in_range(torch.tensor([-1]), "rope", "positions", 0, 10)
+    monkeypatch.setenv("RLK_VALUE_CHECKS", "auto")
+    assert C.values_checked(torch.zeros(3, device="meta"), torch.zeros(3)) is False
+
+
 def test_bad_mode_is_a_config_error(monkeypatch):
     from rlk_core.errors import RlkConfigError
 

@@ -69,20 +69,24 @@ def ndim(t: torch.Tensor, op: str, name: str, allowed: Iterable[int]) -> None:
 def values_checked(*tensors: torch.Tensor | None) -> bool:
     """Whether range checks on these tensors' values run: never for meta/fake tensors (no values);
     per ``RLK_VALUE_CHECKS`` otherwise (``auto``: only when all of them are on the CPU, because reading
-    GPU values syncs the device on every call)."""
-    cpu = True
+    GPU values syncs the device on every call). The mode is read first: ``never``, and ``auto`` with a tensor
+    off the CPU (a GPU or meta one), answer without the fake-tensor tests."""
+    mode = envs.current("RLK_VALUE_CHECKS")
+    if mode == "never":
+        return False
+    auto = mode == "auto"
     for t in tensors:
         if t is not None:
+            if auto and not t.is_cpu:
+                return False
             if t.is_meta or _is_fake(t):
                 return False
-            cpu = cpu and t.is_cpu
-    mode = envs.current("RLK_VALUE_CHECKS")
-    return mode == "always" or (mode == "auto" and cpu)
+    return auto or mode == "always"
 
 
 def in_range(t: torch.Tensor, op: str, name: str, low: int, high: int) -> None:
     """Every element in [low, high), when :func:`values_checked` says value checks run."""
-    if t.numel() == 0 or not values_checked(t):
+    if not values_checked(t) or t.numel() == 0:
         return
     lo, hi = int(t.min()), int(t.max())
     require(lo >= low and hi < high, op, f"{name} has values in [{lo}, {hi}]; allowed: [{low}, {high})")
