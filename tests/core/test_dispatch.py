@@ -53,6 +53,33 @@ def test_path_scalars_and_their_subclasses_take_the_same_answers():
         assert D._path((leaf, 1.0)) == "direct"
 
 
+def test_function_path_unwraps_dead_functorch_wrappers_as_function_apply_does():
+    """A tensor that escaped a ``torch.func`` transform (a dead wrapper, of type ``torch.Tensor``) reaches the
+    implementation unwrapped on the eager autograd path, as ``autograd.Function.apply`` passes it."""
+    from rlk_core.backends import REGISTRY, Backend
+
+    escaped, seen = [], []
+    leaf = torch.randn(2, 8, requires_grad=True)
+    torch.func.grad(lambda x: escaped.append(x * leaf) or (x * x).sum())(torch.randn(2, 8))
+    dead = escaped[0]
+    assert torch._C._functorch.is_functorch_wrapped_tensor(dead) and dead.requires_grad
+    assert D._path((dead,)) == "function"
+
+    def spy(x):
+        seen.append(torch._C._functorch.is_functorch_wrapped_tensor(x))
+        return x.new_zeros(*x.shape[:-1], x.shape[-1] // 2)
+
+    REGISTRY.register(Backend("test.spy", "swiglu", spy, devices=("cpu",), priority=1 << 20, builtin=True),
+                      replace=True)
+    REGISTRY.refresh()
+    try:
+        ops.swiglu(dead)
+    finally:
+        REGISTRY.unregister("swiglu", "test.spy")
+        REGISTRY.refresh()
+    assert seen == [False]
+
+
 def _grads(fn, inputs, seed=0):
     leaves = [t.detach().clone().requires_grad_() for t in inputs]
     out = fn(*leaves)

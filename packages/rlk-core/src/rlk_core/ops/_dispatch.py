@@ -39,7 +39,7 @@ import torch
 from torch._C import _are_functorch_transforms_active as _functorch_transforms_active
 from torch._C import _is_torch_function_mode_enabled as _torch_function_mode_enabled
 from torch._C import _len_torch_dispatch_stack
-from torch._functorch.utils import unwrap_dead_wrappers as _unwrap_dead_wrappers
+from torch._C._functorch import unwrap_if_dead as _unwrap_if_dead
 from torch._library.autograd import make_autograd_impl
 
 from rlk_core.backends import REGISTRY
@@ -250,7 +250,9 @@ def call(name: str, *args: Any) -> Any:
     if path == "function":
         fast = _APPLY.get(name)
         if fast is not None and len(args) == fast[1] and not _functorch_transforms_active():
-            return fast[0](*_unwrap_dead_wrappers(args))  # Function.apply, less the signature binding
+            # Function.apply, less the signature binding: its unwrap_dead_wrappers (a generator over the
+            # arguments), whose isinstance is type-in-_PLAIN here (_path sent any other tensor elsewhere)
+            return fast[0](*[_unwrap_if_dead(a) if type(a) in _PLAIN else a for a in args])
         if name in _FUNCTIONS:
             return _FUNCTIONS[name].apply(*args)
     packet = _PACKETS.get(name)
