@@ -59,6 +59,28 @@ def test_side_routes_call_reports_and_refuses_a_p_module():
         routes.SideRoutes(plan, "train", rec)
 
 
+def test_side_routes_call_opens_the_modules_scope_and_closes_it_on_error():
+    """Inside ``call`` the op reports to the recorder under the call's module (nested calls too); after it,
+    normal or raising, the scope that was active before is back."""
+    import torch
+
+    from rlk_core.readback import active_scope
+
+    plan = RoutePlan("R/R", "R/R", "P/P")
+    rec = ReadbackRecorder("local", "rollout", plan)
+    side = routes.SideRoutes(plan, "rollout", rec)
+    seen = []
+    side._calls[("ffn", "probe")] = (lambda: seen.append(active_scope()) or 1 / 0, rec._scopes["ffn"])
+    with pytest.raises(ZeroDivisionError):
+        side.call("ffn", "probe")
+    assert seen == [(rec, "ffn")] and active_scope() is None
+    with rec.scope("attention"):
+        side.call("ffn", "swiglu", torch.ones(2, 4))
+        assert active_scope() == (rec, "attention")
+    doc = rec.to_dict()["modules"]
+    assert doc["ffn"]["ops"]["swiglu"]["call_count"] == 1 and "attention" not in doc
+
+
 def test_rlk_ops_of_a_plan():
     plan = RoutePlan("R/P", "P/R", "R/R")
     assert routes.rlk_ops(plan, "train", backward=True) == {"linear", "rms_norm", "rope", "attention_varlen",

@@ -26,6 +26,7 @@ from typing import Any
 from rlk_core import envs
 from rlk_core.errors import RlkConfigError
 from rlk_core.plan import CASE_VARS, MODULES, PRESETS, SIDES, RoutePlan, parse_case
+from rlk_core.readback import _ACTIVE
 
 # What each module covers (the docs' table) and the public rlk ops its R route runs on each side.
 MODULE_SCOPE = {
@@ -109,8 +110,9 @@ class SideRoutes:
         self._rlk = {m: plan.uses_rlk(m, side) for m in MODULES}
         self._allowed = {m: ops_for(m, side) + TP_OPS.get(m, ()) for m in MODULES}
         self._fns = {n: op_function(n) for m in MODULES if self._rlk[m] for n in self._allowed[m]}
-        # what call() may run, by (module, op): one lookup per call
-        self._calls = {(m, n): self._fns[n] for m in MODULES if self._rlk[m] for n in self._allowed[m]}
+        # what call() may run, by (module, op), with the recorder's scope for the module: one lookup per call
+        self._calls = {(m, n): (self._fns[n], recorder._scopes[m])
+                       for m in MODULES if self._rlk[m] for n in self._allowed[m]}
 
     def rlk(self, module: str) -> bool:
         """Whether ``module`` runs rlk (letter ``R``) on this side."""
@@ -118,12 +120,17 @@ class SideRoutes:
 
     def call(self, module: str, op: str, *args: Any, **kwargs: Any) -> Any:
         """Run ``rlk_core.ops.<op>`` for ``module`` (which must be R here) inside the recorder's scope."""
-        fn = self._calls.get((module, op))
-        if fn is None:
+        hit = self._calls.get((module, op))
+        if hit is None:
             raise RlkConfigError(f"{module} on the {self.side} side does not run rlk op {op!r} under plan "
                                  f"{self.plan.name}")
-        with self.recorder.scope(module):
-            return fn(*args, **kwargs)
+        # ``with self.recorder.scope(module):`` without its four Python calls (scope, the context object's
+        # __init__, __enter__, __exit__) per op call
+        token = _ACTIVE.set(hit[1])
+        try:
+            return hit[0](*args, **kwargs)
+        finally:
+            _ACTIVE.reset(token)
 
     def production(self, module: str, op: str, backend_id: str) -> None:
         """Record one call of the framework's own implementation of ``op`` for ``module``."""
