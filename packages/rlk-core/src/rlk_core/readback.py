@@ -301,9 +301,13 @@ def note_op_call(op: str, backend_id: str, contract_id: str, fallback_reason: st
     scope = _ACTIVE.get()
     if scope is not None:
         recorder = scope.recorder
-        if fallback_reason is None and provenance is None and recorder._repeat(scope.module, op, backend_id,
-                                                                               contract_id, execution_mode):
-            return  # count's first step without its keyword arguments (once per op call)
+        if fallback_reason is None and provenance is None:
+            # count's first step (_repeat) inline, without its keyword arguments or a Python call
+            rec = recorder._checked.get((scope.module, op, backend_id, contract_id, execution_mode))
+            if rec is not None:
+                with recorder._lock:
+                    rec.call_count += 1
+                return
         recorder.count(scope.module, op, backend_id, contract_id, fallback_reason=fallback_reason,
                        execution_mode=execution_mode, provenance=provenance)
     elif fallback_reason is not None and envs.current("RL_KERNEL_MODE") == "strict":

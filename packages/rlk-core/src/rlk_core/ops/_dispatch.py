@@ -41,6 +41,7 @@ from torch._C import _is_torch_function_mode_enabled as _torch_function_mode_ena
 from torch._C import _len_torch_dispatch_stack
 from torch._C._functorch import unwrap_if_dead as _unwrap_if_dead
 from torch._library.autograd import make_autograd_impl
+from torch.cuda.graphs import _cuda_isCurrentStreamCapturing as _stream_capturing
 
 from rlk_core.backends import REGISTRY
 from rlk_core.readback import note_op_call, strict_now
@@ -74,7 +75,9 @@ def run(op: str, device: torch.device, *args: Any) -> Any:
     # strict mode is read only where a backend fails its qualification (select's slow path)
     selection = REGISTRY.select(op, device_type, args, strict_now)
     backend = selection.backend
-    mode = "graph" if device_type == "cuda" and torch.cuda.is_current_stream_capturing() else "eager"
+    # _stream_capturing: what torch.cuda.is_current_stream_capturing() returns, less its Python frame (a dummy
+    # on a torch without CUDA, never called there)
+    mode = "graph" if device_type == "cuda" and _stream_capturing() else "eager"
     note_op_call(op, backend.id, backend.contract_id, selection.fallback_reason, mode)
     return backend.fn(*args)
 
