@@ -173,7 +173,10 @@ def _autograd_kernel(op: Op, fn: Callable[..., Any]) -> Callable[..., Any]:
     def kernel(keyset: torch._C.DispatchKeySet, *args: Any) -> Any:
         if grad_enabled() and any_requires_grad(*args):
             return with_grad(keyset, *args)
-        if _below_is_plain(keyset):
+        plain = _BELOW_IS_PLAIN.get(keyset.raw_repr())  # _below_is_plain's cache, read without its frame
+        if plain is None:
+            plain = _below_is_plain(keyset)
+        if plain:
             if mutated:
                 increment_version(tuple(args[i] for i in mutated))
             return fn(*args)
