@@ -80,6 +80,23 @@ def test_function_path_unwraps_dead_functorch_wrappers_as_function_apply_does():
     assert seen == [False]
 
 
+@pytest.mark.parametrize("strict", [False, True])
+def test_export_traces_the_public_ops_as_operators(strict):
+    """``torch.export`` (strict: Dynamo; non-strict: the compile flag and a dispatch mode, which ``_path``
+    looks for instead of the flag) sees each public op as its ``torch.ops.rlk`` operator, trained or not."""
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.randn(16))
+
+        def forward(self, x):
+            return ops.swiglu(ops.rms_norm(x, self.w, 1e-6))
+
+    graph = torch.export.export(Block(), (torch.randn(3, 16),), strict=strict).graph
+    assert [str(n.target) for n in graph.nodes if n.op == "call_function"] == ["rlk.rms_norm.default",
+                                                                               "rlk.swiglu.default"]
+
+
 def _grads(fn, inputs, seed=0):
     leaves = [t.detach().clone().requires_grad_() for t in inputs]
     out = fn(*leaves)

@@ -218,7 +218,11 @@ _APPLY: dict[str, tuple[Callable[..., Any], int]] = {}
 # argument types with nothing for the dispatcher to see (not tensors, no tensors inside); the exact types,
 # so that a subclass (of int, str ...) takes the isinstance tests below as before
 _SCALARS = frozenset({type(None), bool, int, float, str, torch.dtype, torch.device, torch.memory_format, torch.layout})
-_is_compiling = torch.compiler.is_compiling  # the same function (Dynamo folds it to True by identity while tracing)
+# Dynamo folds it to True (by identity) while it traces; at run time one Python frame, where is_compiling()
+# is two and adds the compile-session / export flag, under which every tracer works through a dispatch
+# mode or a tensor subclass — both send a call to the dispatcher below — and a plain call outside any tracer
+# runs the same implementation on either path
+_is_compiling = torch.compiler.is_dynamo_compiling
 _grad_enabled = torch._C.is_grad_enabled
 
 
