@@ -357,3 +357,45 @@ def same_launches(triton: list, calls: list, entries: list[dict], roots_triton: 
         assert len(runtime) == len(args_c) == len(e["codes"]), e["variant"]
         for name, code, value in zip(runtime, e["codes"], args_c):
             assert bt.canon(bound[name], code) == bc.canon(value, code), (e["variant"], name, bound[name], value)
+
+
+def roots(args: tuple, out) -> list[tuple[str, torch.Tensor]]:
+    """The call's tensors (list arguments flattened) and its outputs, by name: where a pointer may point."""
+    found = []
+    for i, a in enumerate(args):
+        for j, t in enumerate(a if isinstance(a, list) else [a]):
+            if isinstance(t, torch.Tensor):
+                found.append((f"arg{i}.{j}", t))
+    outs = out if isinstance(out, (tuple, list)) else (out,)
+    return found + [(f"out{i}", t) for i, t in enumerate(outs) if isinstance(t, torch.Tensor)]
+
+
+def check_served_like_triton(cases, ext, entries: list[dict], via, as_launched=lambda launches: launches) -> int:
+    """Every ``(op, args, want)`` of ``cases``: rlk.cuda's ``supports`` says ``want`` (a decline with a reason); a
+    served call launches what rlk.triton launches (``as_launched`` of them: e.g. as on an sm_90 device) when its
+    signature is first decided and again from the kept record or program, through ``_C`` entry points ``via(op,
+    args, used)`` accepts, with outputs of rlk.triton's shapes, dtypes and strides. Returns the served count."""
+    from _cuda_cases import describe
+
+    from rlk_core.backends import REGISTRY
+
+    served = 0
+    for op, args, want in cases:
+        cuda, triton = REGISTRY.get(op, "rlk.cuda"), REGISTRY.get(op, "rlk.triton")
+        said = cuda.supports(*args)
+        assert said[0] == want and (said[0] or said[1]), (op, said, describe(args))
+        if not said[0]:
+            continue
+        with TritonLaunches() as cap:
+            ref = triton.fn(*args)
+        for _ in range(2):  # the decision, then the kept one
+            ext.clear()
+            out = cuda.fn(*args)
+            same_launches(as_launched(cap.launches), ext.calls, entries, roots(args, ref), roots(args, out))
+            assert via(op, args, set(ext.via)), (op, ext.via)
+            for a, b in zip(*(o if isinstance(o, (tuple, list)) else (o,) for o in (ref, out)), strict=True):
+                assert (a is None) == (b is None)
+                if a is not None:
+                    assert (a.shape, a.dtype, a.stride()) == (b.shape, b.dtype, b.stride()), op
+        served += 1
+    return served

@@ -420,12 +420,6 @@ def fake_device(fake_manifest, monkeypatch):
         yield ext, entries
 
 
-def _roots(args: tuple, out) -> list[tuple[str, torch.Tensor]]:
-    roots = [(f"arg{i}", a) for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
-    outs = out if isinstance(out, (tuple, list)) else (out,)
-    return roots + [(f"out{i}", t) for i, t in enumerate(outs)]
-
-
 @needs_triton
 @pytest.mark.parametrize("family", sorted(BACKWARD_FAMILIES))
 def test_backward_launches_are_triton_s(fake_device, family):
@@ -435,26 +429,12 @@ def test_backward_launches_are_triton_s(fake_device, family):
     the same grids and arguments (pointers by where they point) — when its signature is first decided and again from
     the kept program or record, by one ``_C.run_program`` / ``_C.run``; the outputs have rlk.triton's shapes, dtypes
     and strides."""
-    from rlk_core.backends import REGISTRY
-
     ext, entries = fake_device
-    served = 0
-    for op, args, want in BACKWARD_FAMILIES[family]("cpu"):
-        cuda, triton = REGISTRY.get(op, "rlk.cuda"), REGISTRY.get(op, "rlk.triton")
-        said = cuda.supports(*args)
-        assert said[0] == want and (said[0] or said[1]), (op, said, K.describe(args))
-        if not said[0]:
-            continue
-        with F.TritonLaunches() as cap:
-            ref = triton.fn(*args)
-        for _ in range(2):  # the decision, then the kept one
-            ext.clear()
-            out = cuda.fn(*args)
-            F.same_launches(K.as_on_sm90(cap.launches), ext.calls, entries, _roots(args, ref), _roots(args, out))
-            assert set(ext.via) == ({"run"} if op == "linear" else {"run_program"}), (op, ext.via)
-            for a, b in zip(*(o if isinstance(o, (tuple, list)) else (o,) for o in (ref, out)), strict=True):
-                assert (a.shape, a.dtype, a.stride()) == (b.shape, b.dtype, b.stride()), op
-        served += 1
+
+    def via(op, args, used):
+        return used == ({"run"} if op == "linear" else {"run_program"})
+
+    served = F.check_served_like_triton(BACKWARD_FAMILIES[family]("cpu"), ext, entries, via, K.as_on_sm90)
     assert served > 20
 
 

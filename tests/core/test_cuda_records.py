@@ -24,7 +24,6 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _cuda_cases as K
 import _cuda_fakes as F
 
-from rlk_core.backends import REGISTRY
 from rlk_core.ops.linear_logprobs import triton as llt
 
 lin = importlib.import_module("rlk_core.ops.linear.cuda")
@@ -217,17 +216,6 @@ FAMILIES = {"attention": K.attention_forward_cases, "kv_cache_write": K.kv_cache
             "linear_logp": K.linear_logprob_cases}
 
 
-def _roots(args: tuple, out) -> list[tuple[str, torch.Tensor]]:
-    """The call's tensors (list arguments flattened) and its outputs, by name: where a pointer may point."""
-    roots = []
-    for i, a in enumerate(args):
-        for j, t in enumerate(a if isinstance(a, list) else [a]):
-            if isinstance(t, torch.Tensor):
-                roots.append((f"arg{i}.{j}", t))
-    outs = out if isinstance(out, (tuple, list)) else (out,)
-    return roots + [(f"out{i}", t) for i, t in enumerate(outs) if isinstance(t, torch.Tensor)]
-
-
 def _fast(op: str, args: tuple) -> bool:
     """Whether a served call needs no copy the record or program cannot make: the linear log-probs compute their
     logits between launches (from Python); int64 ``q_positions`` are converted per call."""
@@ -246,25 +234,10 @@ def test_attention_and_logp_launches_are_triton_s(fake, monkeypatch, family):
     have rlk.triton's shapes, dtypes and strides."""
     ext, entries = fake
     monkeypatch.setattr(llt, "CHUNK_BYTES", K.linear_chunk_bytes())
-    served = 0
-    for op, args, want in FAMILIES[family]("cpu"):
-        cuda, triton = REGISTRY.get(op, "rlk.cuda"), REGISTRY.get(op, "rlk.triton")
-        said = cuda.supports(*args)
-        assert said[0] == want and (said[0] or said[1]), (op, said, K.describe(args))
-        if not said[0]:
-            continue
-        with F.TritonLaunches() as cap:
-            ref = triton.fn(*args)
-        for _ in range(2):  # the decision, then the kept one
-            ext.clear()
-            out = cuda.fn(*args)
-            F.same_launches(cap.launches, ext.calls, entries, _roots(args, ref), _roots(args, out))
-            assert set(ext.via) <= ({"run", "run_program"} if _fast(op, args) else {"launch"}), (op, ext.via)
-            for a, b in zip(*(o if isinstance(o, (tuple, list)) else (o,) for o in (ref, out)), strict=True):
-                assert (a is None) == (b is None)
-                if a is not None:
-                    assert (a.shape, a.dtype, a.stride()) == (b.shape, b.dtype, b.stride()), op
-        served += 1
+    def via(op, args, used):
+        return used <= ({"run", "run_program"} if _fast(op, args) else {"launch"})
+
+    served = F.check_served_like_triton(FAMILIES[family]("cpu"), ext, entries, via)
     assert served > 0
 
 
