@@ -120,16 +120,14 @@ def supports_general(x: torch.Tensor, weight: torch.Tensor, eps: float | None = 
 def _rows_view(calls: cl.Calls, t: torch.Tensor):
     """``triton.rows_view`` of ``t``: ``(pointer argument, [A, NH, H] view)`` — a :class:`~rlk_core.ops._cuda_calls.
     Slice` of ``t`` where the view needs no copy (a program records it), else the copy (run from Python)."""
-    h = t.shape[-1]
-    nh = t.shape[-2] if t.dim() >= 2 else 1
-    try:
-        t3 = t.view(-1, nh, h)
-    except RuntimeError:
-        t3 = None
-    if t3 is None or (h > 1 and t3.stride(2) != 1):
-        t3 = calls.contiguous(t).view(-1, nh, h)
-        return t3, t3
-    return cl.Slice(t, t3), t3
+    copied = []
+
+    def copy(u: torch.Tensor) -> torch.Tensor:
+        copied.append(u)
+        return calls.contiguous(u)
+
+    t3 = tr.rows_view(t, copy)
+    return (t3, t3) if copied else (cl.Slice(t, t3), t3)
 
 
 def _backward(calls: cl.Calls, grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple:

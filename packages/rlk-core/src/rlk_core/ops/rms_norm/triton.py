@@ -110,9 +110,10 @@ def _rms_norm_bwd_dw_kernel(part_ptr, dw_ptr, P, H, BLOCK_P: tl.constexpr, BLOCK
     tl.store(dw_ptr + cols, acc.to(dw_ptr.dtype.element_ty), mask=cmask)
 
 
-def rows_view(t: torch.Tensor) -> torch.Tensor:
+def rows_view(t: torch.Tensor, contiguous=torch.Tensor.contiguous) -> torch.Tensor:
     """``t [..., H]`` as ``[A, NH, H]`` (``NH = t.shape[-2]``, 1 for a vector) with a unit last stride: a view
-    where one exists (a [T, heads, D] slice of a wider tensor is one), else a contiguous copy."""
+    where one exists (a [T, heads, D] slice of a wider tensor is one), else ``contiguous(t)`` viewed so (a copy;
+    rlk.cuda passes its own, recorded in its launch plan)."""
     h = t.shape[-1]
     nh = t.shape[-2] if t.dim() >= 2 else 1
     try:
@@ -120,7 +121,7 @@ def rows_view(t: torch.Tensor) -> torch.Tensor:
     except RuntimeError:
         t3 = None
     if t3 is None or (h > 1 and t3.stride(2) != 1):
-        t3 = t.contiguous().view(-1, nh, h)
+        t3 = contiguous(t).view(-1, nh, h)
     return t3
 
 
