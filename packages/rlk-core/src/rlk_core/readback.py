@@ -24,6 +24,7 @@ import logging
 import os
 import socket
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -94,6 +95,16 @@ class _ScopeContext:
         _ACTIVE.reset(self._token)
 
 
+def call_in(scope: _Scope, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """``fn(*args, **kwargs)`` inside ``scope`` (:meth:`ReadbackRecorder.scope_of`): ``with recorder.scope(m):`` as
+    one Python call, for callers that open a scope per rlk op call."""
+    token = _ACTIVE.set(scope)
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        _ACTIVE.reset(token)
+
+
 class ReadbackRecorder:
     def __init__(
         self,
@@ -135,10 +146,14 @@ class ReadbackRecorder:
     # -- scopes and counting ----------------------------------------------------------------------
     def scope(self, module: str) -> _ScopeContext:
         """Context manager: rlk ops called inside report to this recorder under ``module``."""
+        return _ScopeContext(self.scope_of(module))
+
+    def scope_of(self, module: str) -> _Scope:
+        """The scope :meth:`scope` activates for ``module`` (for :func:`call_in`)."""
         scope = self._scopes.get(module)
         if scope is None:
             raise RlkConfigError(f"module {module!r} is not one of {', '.join(MODULES)}")
-        return _ScopeContext(scope)
+        return scope
 
     def add_hook(self, name: str, target: str, kind: str, installed: bool = True) -> None:
         self.hooks.append({"name": name, "target": target, "kind": kind, "installed": installed})
@@ -301,13 +316,9 @@ def note_op_call(op: str, backend_id: str, contract_id: str, fallback_reason: st
     scope = _ACTIVE.get()
     if scope is not None:
         recorder = scope.recorder
-        if fallback_reason is None and provenance is None:
-            # count's first step (_repeat) inline, without its keyword arguments or a Python call
-            rec = recorder._checked.get((scope.module, op, backend_id, contract_id, execution_mode))
-            if rec is not None:
-                with recorder._lock:
-                    rec.call_count += 1
-                return
+        if fallback_reason is None and provenance is None and recorder._repeat(scope.module, op, backend_id,
+                                                                               contract_id, execution_mode):
+            return  # count's first step without its keyword arguments (once per op call)
         recorder.count(scope.module, op, backend_id, contract_id, fallback_reason=fallback_reason,
                        execution_mode=execution_mode, provenance=provenance)
     elif fallback_reason is not None and envs.current("RL_KERNEL_MODE") == "strict":

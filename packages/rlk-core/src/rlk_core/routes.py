@@ -26,7 +26,7 @@ from typing import Any
 from rlk_core import envs
 from rlk_core.errors import RlkConfigError
 from rlk_core.plan import CASE_VARS, MODULES, PRESETS, SIDES, RoutePlan, parse_case
-from rlk_core.readback import _ACTIVE
+from rlk_core.readback import call_in
 
 # What each module covers (the docs' table) and the public rlk ops its R route runs on each side.
 MODULE_SCOPE = {
@@ -111,7 +111,7 @@ class SideRoutes:
         self._allowed = {m: ops_for(m, side) + TP_OPS.get(m, ()) for m in MODULES}
         self._fns = {n: op_function(n) for m in MODULES if self._rlk[m] for n in self._allowed[m]}
         # what call() may run, by (module, op), with the recorder's scope for the module: one lookup per call
-        self._calls = {(m, n): (self._fns[n], recorder._scopes[m])
+        self._calls = {(m, n): (self._fns[n], recorder.scope_of(m))
                        for m in MODULES if self._rlk[m] for n in self._allowed[m]}
 
     def rlk(self, module: str) -> bool:
@@ -124,13 +124,7 @@ class SideRoutes:
         if hit is None:
             raise RlkConfigError(f"{module} on the {self.side} side does not run rlk op {op!r} under plan "
                                  f"{self.plan.name}")
-        # ``with self.recorder.scope(module):`` without its four Python calls (scope, the context object's
-        # __init__, __enter__, __exit__) per op call
-        token = _ACTIVE.set(hit[1])
-        try:
-            return hit[0](*args, **kwargs)
-        finally:
-            _ACTIVE.reset(token)
+        return call_in(hit[1], hit[0], *args, **kwargs)  # the recorder's scope, one call not four
 
     def production(self, module: str, op: str, backend_id: str) -> None:
         """Record one call of the framework's own implementation of ``op`` for ``module``."""
