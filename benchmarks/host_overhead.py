@@ -21,6 +21,10 @@ host-bound at that size. ``--profile`` adds a cProfile listing (top functions by
 autograd backward to the log; ``--breakdown`` times the pieces of each attention backend call (every
 Triton launch, the TMA descriptors) by wrapping them, the rest is "other".
 
+Each public op (path ``... op``) is measured twice: with the fast path (``rlk_core._C.fast``, on where the extension
+is loaded) and, as ``... op (Python path)``, with it off (``rlk_core.ops._dispatch.fast_path(False)``); the row's
+``fast_path`` says which.
+
 ``--op-layer`` times the public ops ``linear``, ``rms_norm``, ``swiglu`` and ``rope`` on small CPU tensors
 with a null backend (it returns its first argument) registered above every other: what remains is the op
 layer's own host time — argument checks, the path choice, backend selection, the readback report — the
@@ -52,6 +56,7 @@ from _common import randn
 from harness import best_host_us, copy_bandwidth, default_out_dir, environment, time_fns, write_results
 
 from rlk_core.backends import REGISTRY
+from rlk_core.ops import _dispatch as D
 from rlk_core.ops import attention as attn
 from rlk_core.ops import linear as rlk_linear
 
@@ -496,13 +501,17 @@ def main() -> int:
     all_paths += linear_eager_paths() if "linear_eager" in sections else []
     all_paths += attention_step_paths() if "attention_step" in sections else []
     all_paths += logprob_paths() if "logprobs" in sections else []
-    for case, path, fn in all_paths:
+    # the public ops again with the fast path off (rlk_core.ops._dispatch.fast_path): the Python path's host time
+    public = [(case, f"{path} (Python path)", fn) for case, path, fn in all_paths if path.endswith(" op")]
+    for case, path, fn in [*all_paths, *public]:
+        was = D.fast_path(not path.endswith("(Python path)"))
         us, syncs = host_us(fn)
         row = {"case": case, "path": path, "host_us": us, "syncs": syncs, "gpu_ms": gpu_ms(fn),
-               "bench_ms": time_fns([fn], repeats=10)["median_ms"]}
+               "bench_ms": time_fns([fn], repeats=10)["median_ms"], "fast_path": D._FAST[0] is not None}
+        D.fast_path(was)
         rows.append(row)
         print(f"{case:28s} {path:30s} host {us:8.1f} us  syncs={syncs!s:5s}  gpu {row['gpu_ms']:.4f} ms  "
-              f"bench {row['bench_ms']:.4f} ms", flush=True)
+              f"bench {row['bench_ms']:.4f} ms  fast path {'on' if row['fast_path'] else 'off'}", flush=True)
     if args.breakdown:
         for case, path, fn in all_paths:
             if path in ("forward backend", "backward backend", "decode backend"):

@@ -24,6 +24,11 @@
 #include <torch/extension.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
+#include <c10/cuda/CUDAGraphsC10Utils.h>
+#include <c10/core/impl/TorchDispatchModeTLS.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
+#include <ATen/PythonTorchFunctionTLS.h>
+#include <ATen/core/grad_mode.h>
 #include <cuda.h>
 #include <cuda_runtime.h>
 #include <dlfcn.h>
@@ -33,6 +38,8 @@
 #include <limits>
 #include <mutex>
 #include <string>
+#include <unordered_map>
+#include <cstdlib>
 #include <vector>
 
 namespace py = pybind11;
@@ -365,8 +372,9 @@ enum Kind : int64_t {
 struct Words {
   const char* buf;
   size_t n, at = 0;
+  Words(const char* bytes, size_t size) : buf(bytes), n(size / 8) {}
   explicit Words(const py::bytes& record)
-      : buf(PyBytes_AS_STRING(record.ptr())), n(size_t(PyBytes_GET_SIZE(record.ptr())) / 8) {}
+      : Words(PyBytes_AS_STRING(record.ptr()), size_t(PyBytes_GET_SIZE(record.ptr()))) {}
   int64_t next() {
     TORCH_CHECK(at < n, "rlk_core._C: launch record too short");
     int64_t w;
@@ -375,7 +383,19 @@ struct Words {
   }
 };
 
-const at::Tensor& input_tensor(const py::args& args, int64_t index, size_t i, char c) {
+// The inputs of a record: a call's positional arguments (a tuple's items, or the fast path's own list).
+struct Inputs {
+  PyObject* const* items;
+  size_t n;
+  size_t size() const { return n; }
+  py::handle operator[](size_t i) const { return py::handle(items[i]); }
+};
+
+Inputs inputs_of(const py::args& args) {
+  return {reinterpret_cast<PyTupleObject*>(args.ptr())->ob_item, size_t(PyTuple_GET_SIZE(args.ptr()))};
+}
+
+const at::Tensor& input_tensor(const Inputs& args, int64_t index, size_t i, char c) {
   TORCH_CHECK(index >= 0 && size_t(index) < args.size(), "rlk_core._C: argument ", i, " names input ", index);
   return tensor_arg(args[size_t(index)], i, c);
 }
@@ -387,7 +407,7 @@ const at::Tensor& buffer(const std::vector<at::Tensor>& bufs, int64_t index, siz
 
 // One kernel argument of a record: `i` its position, `c` its parameter code, (kind, value) from the record,
 // `bufs` the tensors the record allocated (run: the output, buffer 0).
-void record_arg(Params& p, size_t i, char c, int64_t kind, int64_t value, const py::args& args,
+void record_arg(Params& p, size_t i, char c, int64_t kind, int64_t value, const Inputs& args,
                 const std::vector<at::Tensor>& bufs) {
   const bool tensor = c == 'p' || c == 'D';
   switch (kind) {
@@ -438,7 +458,7 @@ void record_arg(Params& p, size_t i, char c, int64_t kind, int64_t value, const 
 }
 
 // One launch of a record: its variant's arguments, (kind, value) each, then the launch.
-void record_launch(Words& w, const Variant& v, int64_t gx, int64_t gy, int64_t gz, const py::args& args,
+void record_launch(Words& w, const Variant& v, int64_t gx, int64_t gy, int64_t gz, const Inputs& args,
                    const std::vector<at::Tensor>& bufs) {
   const int64_t n = w.next();
   TORCH_CHECK(size_t(n) == v.codes.size(), "variant takes ", v.codes.size(), " arguments, the record has ", n);
@@ -455,8 +475,9 @@ void record_launch(Words& w, const Variant& v, int64_t gx, int64_t gy, int64_t g
 // None (nothing launched) where out_aligned is set and the allocation is not 16-byte aligned. n_alloc = -1:
 // the kernel writes no output of its own (only its inputs, e.g. a KV cache): nothing is allocated, the launch
 // always happens and None is returned.
-py::object run(py::bytes record, py::args args) {
-  Words w(record);
+// run's work on a record's bytes; `launched` says whether the kernel ran (false: the allocation was misaligned).
+py::object run_record(Words w, const Inputs& args, bool& launched) {
+  launched = false;
   const int64_t handle = w.next(), out_aligned = w.next(), gx = w.next(), gy = w.next(), gz = w.next(),
                 like = w.next();
   const int64_t n_alloc = w.next();
@@ -472,7 +493,13 @@ py::object run(py::bytes record, py::args args) {
     TORCH_CHECK(!out_aligned && final_shape.empty(), "rlk_core._C.run: a record without output returns none");
   }
   record_launch(w, v, gx, gy, gz, args, bufs);
+  launched = true;
   return n_alloc >= 0 ? py::cast(bufs[0].view(final_shape)) : py::none();
+}
+
+py::object run(py::bytes record, py::args args) {
+  bool launched;
+  return run_record(Words(record), inputs_of(args), launched);
 }
 
 // run_program(record, *inputs): several launches over buffers it allocates, for an op made of a few kernels.
@@ -481,8 +508,7 @@ py::object run(py::bytes record, py::args args) {
 // 1: -inf, 2: zeros (as torch.full / torch.zeros would: on the current stream). Buffers are allocated like
 // input `like` (its device); returns the output buffers as a tuple, or None (nothing launched) where a buffer
 // is not 16-byte aligned (the variants assume it: the caller's general code then runs the call).
-py::object run_program(py::bytes record, py::args args) {
-  Words w(record);
+py::object run_program_record(Words w, const Inputs& args) {
   const at::TensorOptions options = input_tensor(args, w.next(), 0, 'p').options();
   std::vector<at::Tensor> bufs;
   for (int64_t b = w.next(); b > 0; --b) {
@@ -511,6 +537,244 @@ py::object run_program(py::bytes record, py::args args) {
   return outs;
 }
 
+py::object run_program(py::bytes record, py::args args) { return run_program_record(Words(record), inputs_of(args)); }
+
+
+// -- the fast path: a whole op call in one C++ call ------------------------------------------------------------
+// rlk_core.ops._dispatch teaches, per op (a slot) and call signature, the record its rlk.cuda backend launched for
+// that signature in a Python call (what the op would do again: select rlk.cuda, note the call, one _C.run or
+// _C.run_program of that record on the same arguments). `fast(slot, *args)` then does the call itself: it builds
+// the signature from the arguments (per tensor: dims, sizes, strides, dtype, device, address low bits and the
+// dispatch key set, which must be one taught from a plain call; None, bools, ints and floats by value; anything
+// else is a miss), finds the entry, counts the call in the active readback scope (the `_OpRecord` the Python
+// call counted into, taught per scope, op and execution mode: a scope not taught is a miss) and runs the record.
+// It returns `MISS` (the caller runs the Python path, which teaches) where anything differs from the taught call:
+// a tensor that requires grad in grad mode, a tensor subclass or a type not registered as plain, a key set not
+// seen, a torch function mode, a dispatch mode or a TLS-included dispatch key, RLK_VALUE_CHECKS=always, a
+// misaligned allocation. Python calls `fast_reset` whenever what a selection or a decision depends on changes.
+
+struct FastEntry {
+  bool program = false;                 // run_program (else run)
+  std::string packed;                   // the record's bytes
+  std::vector<int64_t> map;             // per record input: argument i (>= 0), i + kTransposed (its .t()), -1-j
+  std::vector<py::object> extras;       // extra j: a tensor the op keeps alive for good, or a constant
+  int rebuild = 0;                      // 0: the record's result as it is, 1: its first element
+};
+constexpr int64_t kTransposed = 10000;
+constexpr size_t kMaxEntries = 16384;    // per slot, as rlk_core.ops._cuda_common.MAX_RECORDS
+
+struct ScopeKey {
+  PyObject* scope;
+  int64_t slot;
+  bool graph;
+  bool operator==(const ScopeKey& o) const { return scope == o.scope && slot == o.slot && graph == o.graph; }
+};
+struct ScopeKeyHash {
+  size_t operator()(const ScopeKey& k) const {
+    return std::hash<void*>()(k.scope) ^ (size_t(k.slot) * 0x9E3779B97F4A7C15ull) ^ size_t(k.graph);
+  }
+};
+
+struct Fast {
+  std::vector<std::unordered_map<std::string, FastEntry>> slots;
+  std::unordered_map<ScopeKey, std::pair<py::object, py::object>, ScopeKeyHash> scopes;  // -> (scope, record)
+  std::vector<PyTypeObject*> plain_types;
+  std::vector<uint64_t> key_sets;  // raw dispatch key sets of taught tensors
+  PyObject* scope_var = nullptr;   // rlk_core.readback._ACTIVE
+  PyObject* miss = nullptr;
+  PyObject* call_count = nullptr;  // the attribute name
+};
+
+Fast& fast_state() {
+  static Fast* f = new Fast;  // never destroyed: holds Python objects past interpreter teardown otherwise
+  return *f;
+}
+
+template <typename T>
+void put_bytes(std::string& key, const T& x) {
+  key.append(reinterpret_cast<const char*>(&x), sizeof(T));
+}
+
+// The call signature of `args` into `key` (false: not a call the fast path takes); `device` the first tensor's.
+bool signature(const Inputs& args, std::string& key, int& device, bool teach) {
+  Fast& f = fast_state();
+  key.clear();
+  device = -1;
+  const bool grad = at::GradMode::is_enabled();
+  for (size_t i = 0; i < args.size(); ++i) {
+    PyObject* a = args[i].ptr();
+    if (a == Py_None) {
+      key.push_back('N');
+    } else if (PyBool_Check(a)) {
+      key.push_back(a == Py_True ? 'T' : 'F');
+    } else if (PyLong_CheckExact(a)) {
+      int overflow = 0;
+      const long long v = PyLong_AsLongLongAndOverflow(a, &overflow);
+      if (overflow) return false;
+      key.push_back('i');
+      put_bytes(key, v);
+    } else if (PyFloat_CheckExact(a)) {
+      key.push_back('f');
+      put_bytes(key, PyFloat_AS_DOUBLE(a));
+    } else {
+      if (!THPVariable_Check(a)) return false;
+      PyTypeObject* type = Py_TYPE(a);
+      if (std::find(f.plain_types.begin(), f.plain_types.end(), type) == f.plain_types.end()) return false;
+      const at::Tensor& t = THPVariable_Unpack(a);
+      if (!t.defined() || !t.is_cuda() || (grad && t.requires_grad())) return false;
+      const uint64_t ks = t.key_set().raw_repr();
+      if (std::find(f.key_sets.begin(), f.key_sets.end(), ks) == f.key_sets.end()) {
+        if (!teach) return false;
+        f.key_sets.push_back(ks);
+      }
+      const int dev = t.get_device();
+      if (device < 0) device = dev;
+      key.push_back('t');
+      put_bytes(key, ks);
+      put_bytes(key, int64_t(t.scalar_type()));
+      put_bytes(key, int64_t(dev));
+      put_bytes(key, int64_t(reinterpret_cast<uintptr_t>(t.data_ptr()) & 15));
+      put_bytes(key, int64_t(t.dim()));
+      for (int64_t d = 0; d < t.dim(); ++d) {
+        put_bytes(key, t.size(d));
+        put_bytes(key, t.stride(d));
+      }
+    }
+  }
+  return device >= 0;
+}
+
+bool context_is_plain() {
+  if (c10::impl::TorchDispatchModeTLS::stack_len() > 0) return false;
+  if (at::impl::torch_function_mode_enabled()) return false;
+  // TLS-included keys past the default ones (BackendSelect, ADInplaceOrView): functionalization, Python dispatcher
+  if (!(c10::impl::tls_local_dispatch_key_set().included_ - c10::default_included_set).empty()) return false;
+  const char* checks = std::getenv("RLK_VALUE_CHECKS");
+  return checks == nullptr || std::strcmp(checks, "always") != 0;
+}
+
+bool capturing() {
+  return c10::cuda::currentStreamCaptureStatusMayInitCtx() != c10::cuda::CaptureStatus::None;
+}
+
+py::object miss() { return py::reinterpret_borrow<py::object>(fast_state().miss); }
+
+py::object fast(int64_t slot, py::args args) {
+  Fast& f = fast_state();
+  if (slot < 0 || size_t(slot) >= f.slots.size() || f.slots[size_t(slot)].empty() || !context_is_plain()) {
+    return miss();
+  }
+  const Inputs in = inputs_of(args);
+  thread_local std::string key;
+  int device;
+  if (!signature(in, key, device, false)) return miss();
+  auto& entries = f.slots[size_t(slot)];
+  auto it = entries.find(key);
+  if (it == entries.end()) return miss();
+  const FastEntry& e = it->second;
+  PyObject* scope = nullptr;
+  if (PyContextVar_Get(f.scope_var, nullptr, &scope) < 0) throw py::error_already_set();
+  py::object scope_ref = py::reinterpret_steal<py::object>(scope);
+  PyObject* record = nullptr;
+  if (scope != Py_None) {
+    auto s = f.scopes.find({scope, slot, capturing()});
+    if (s == f.scopes.end()) return miss();
+    record = s->second.second.ptr();
+  }
+  std::vector<PyObject*> items(e.map.size());
+  std::vector<py::object> views;
+  for (size_t i = 0; i < e.map.size(); ++i) {
+    const int64_t m = e.map[i];
+    if (m < 0) {
+      items[i] = e.extras[size_t(-1 - m)].ptr();
+    } else if (m >= kTransposed) {
+      views.push_back(py::cast(THPVariable_Unpack(in[size_t(m - kTransposed)].ptr()).t()));
+      items[i] = views.back().ptr();
+    } else {
+      items[i] = in[size_t(m)].ptr();
+    }
+  }
+  const Inputs record_in{items.data(), items.size()};
+  const Words words(e.packed.data(), e.packed.size());
+  py::object out;
+  if (e.program) {
+    out = run_program_record(words, record_in);
+    if (out.is_none()) return miss();  // a misaligned buffer: nothing launched
+  } else {
+    bool launched;
+    out = run_record(words, record_in, launched);
+    if (!launched) return miss();
+  }
+  if (record != nullptr) {  // the call counted as readback.note_op_call counts a repeat
+    PyObject* count = PyObject_GetAttr(record, f.call_count);
+    if (count == nullptr) throw py::error_already_set();
+    py::object next = py::reinterpret_steal<py::object>(count) + py::int_(1);
+    if (PyObject_SetAttr(record, f.call_count, next.ptr()) < 0) throw py::error_already_set();
+  }
+  return e.rebuild == 1 ? py::object(out[py::int_(0)]) : out;
+}
+
+bool fast_teach(int64_t slot, bool program, py::bytes packed, const std::vector<int64_t>& map, py::tuple extras,
+                int rebuild, py::args args) {
+  Fast& f = fast_state();
+  TORCH_CHECK(slot >= 0 && slot < 4096, "rlk_core._C.fast_teach: slot ", slot);
+  TORCH_CHECK(rebuild == 0 || rebuild == 1, "rlk_core._C.fast_teach: rebuild ", rebuild);
+  const Inputs in = inputs_of(args);
+  for (int64_t m : map) {
+    const bool ok = m < 0 ? size_t(-1 - m) < size_t(extras.size())
+                          : size_t(m >= kTransposed ? m - kTransposed : m) < in.size();
+    TORCH_CHECK(ok, "rlk_core._C.fast_teach: input ", m, " names nothing");
+  }
+  std::string key;
+  int device;
+  if (!signature(in, key, device, true)) return false;
+  if (f.slots.size() <= size_t(slot)) f.slots.resize(size_t(slot) + 1);
+  auto& entries = f.slots[size_t(slot)];
+  if (entries.size() >= kMaxEntries) entries.clear();
+  FastEntry e;
+  e.program = program;
+  e.packed = packed;
+  e.map = map;
+  for (auto x : extras) e.extras.push_back(py::reinterpret_borrow<py::object>(x));
+  e.rebuild = rebuild;
+  entries[key] = std::move(e);
+  return true;
+}
+
+void fast_scope(py::object scope, int64_t slot, bool graph, py::object record) {
+  Fast& f = fast_state();
+  if (f.scopes.size() >= 4096) f.scopes.clear();
+  f.scopes[{scope.ptr(), slot, graph}] = {scope, record};
+}
+
+void fast_reset() {
+  Fast& f = fast_state();
+  f.slots.clear();
+  f.scopes.clear();
+}
+
+void fast_init(py::object scope_var, py::object miss_object, const std::vector<py::object>& plain_types) {
+  Fast& f = fast_state();
+  TORCH_CHECK(PyContextVar_CheckExact(scope_var.ptr()), "rlk_core._C.fast_init: a contextvars.ContextVar");
+  Py_XDECREF(f.scope_var);
+  Py_XDECREF(f.miss);
+  f.scope_var = scope_var.inc_ref().ptr();
+  f.miss = miss_object.inc_ref().ptr();
+  if (f.call_count == nullptr) f.call_count = PyUnicode_InternFromString("call_count");
+  f.plain_types.clear();
+  for (const auto& t : plain_types) {
+    TORCH_CHECK(PyType_Check(t.ptr()), "rlk_core._C.fast_init: plain types must be types");
+    f.plain_types.push_back(reinterpret_cast<PyTypeObject*>(t.inc_ref().ptr()));
+  }
+  fast_reset();
+}
+
+size_t fast_entries() {
+  size_t n = 0;
+  for (const auto& s : fast_state().slots) n += s.size();
+  return n;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -523,4 +787,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("run", &run, "launch a record's variant on the current stream, allocating its output: run(record, *inputs)");
   m.def("run_program", &run_program,
         "a record's launches over the buffers it allocates, on the current stream: run_program(record, *inputs)");
+  m.def("fast", &fast, "a whole op call, taught before: fast(slot, *args) -> the op's result, or the MISS object");
+  m.def("fast_teach", &fast_teach, "teach fast() one call signature of an op: its record, inputs and result",
+        py::arg("slot"), py::arg("program"), py::arg("packed"), py::arg("map"), py::arg("extras"), py::arg("rebuild"));
+  m.def("fast_scope", &fast_scope, "teach fast() the _OpRecord a readback scope counts an op's calls into");
+  m.def("fast_reset", &fast_reset, "forget everything fast() was taught");
+  m.def("fast_init", &fast_init, "the readback scope variable, the MISS object and the plain tensor types");
+  m.def("fast_entries", &fast_entries, "how many call signatures fast() knows");
 }

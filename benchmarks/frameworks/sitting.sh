@@ -21,7 +21,8 @@
 # Stages: vllm (vllm_gpu.py, every stage), vllm-capture (R/R and P/P with --capture-max 4096), loop (loop_gpu.py,
 # R/R 10 rounds + P/P), matrix-a / matrix-b (loop_gpu.py --matrix, 4 cells each, 2 rounds), hybrid
 # (megatron_gpu.py --hybrid), megatron (megatron_gpu.py), cuda (build rlk_core._C + cubins, the rlk.cuda and
-# log-prob GPU tests — or the files in $CUDA_TESTS, selected by $CUDA_TESTS_K —, host_overhead.py $HOST_SECTIONS), tests ($GPU_TESTS, default tests/gpu, no
+# log-prob GPU tests — or the files in $CUDA_TESTS, selected by $CUDA_TESTS_K —, host_overhead.py $HOST_SECTIONS
+# within $HOST_CAP s, default 90), tests ($GPU_TESTS, default tests/gpu, no
 # build), local (bench_local_engine.py: the local
 # engine R/R and P/P, 8 rounds, per-round throughput).
 set -u
@@ -126,11 +127,11 @@ stage() {  # stage NAME SECONDS
                 build_ext --inplace > "$out/build.log" 2>&1)
             echo "build rc $? in $((SECONDS - t0)) s"; tail -2 "$out/build.log"
             # shellcheck disable=SC2086
-            (cd "$G" && RLK_REQUIRE_GPU=1 timeout $((cap - (SECONDS - t0) - 100)) $py -m pytest -q -p no:cacheprovider \
+            (cd "$G" && RLK_REQUIRE_GPU=1 timeout $((cap - (SECONDS - t0) - ${HOST_CAP:-90} - 10)) $py -m pytest -q -p no:cacheprovider \
                 --durations=10 ${CUDA_TESTS_K:+-k "$CUDA_TESTS_K"} \
                 ${CUDA_TESTS:-tests/gpu/test_cuda_backend_gpu.py tests/gpu/test_logprobs_gpu.py} > "$out/gpu-tests.log" 2>&1)
             tail -25 "$out/gpu-tests.log"
-            (cd "$G/benchmarks" && RLK_BENCH_OUT="$out" timeout 90 $py host_overhead.py \
+            (cd "$G/benchmarks" && RLK_BENCH_OUT="$out" timeout "${HOST_CAP:-90}" $py host_overhead.py \
                 --sections "${HOST_SECTIONS:-rowwise,linear_eager}" > "$out/host.log" 2>&1)
             tail -30 "$out/host.log" ;;
         tests)  # the GPU tests in $GPU_TESTS on the shipped code, no build (rlk.cuda absent: rlk.triton serves)

@@ -117,9 +117,20 @@ class BackendRegistry:
         self._first: dict[tuple[str, str], tuple[Backend, Selection]] = {}
         self._forced: dict[str, str] | None = None
         self._plugins_loaded = False
+        self._on_change: list[Callable[[], None]] = []  # called whenever what select() decides may change
         self._lock = threading.Lock()
         self.plugin_manager = pluggy.PluginManager("rlk")
         self.plugin_manager.add_hookspecs(RlkBackendSpec)
+
+    def on_change(self, fn: Callable[[], None]) -> None:
+        """Call ``fn`` whenever what :meth:`select` decides may change (a backend registered or removed, plug-ins
+        loaded, :meth:`refresh`): for caches of selections kept elsewhere (the ops' fast path)."""
+        self._on_change.append(fn)
+
+    def _changed(self) -> None:
+        self._first.clear()
+        for fn in self._on_change:
+            fn()
 
     # -- registration -------------------------------------------------------------------------
     def register(self, backend: Backend, *, replace: bool = False) -> Backend:
@@ -128,19 +139,19 @@ class BackendRegistry:
             raise RlkBackendError(f"backend {backend.id!r} is already registered for op {backend.op!r}")
         self._backends[backend.op][backend.id] = backend
         self._candidates.clear()
-        self._first.clear()
+        self._changed()
         return backend
 
     def unregister(self, op: str, backend_id: str) -> None:
         self._backends[op].pop(backend_id, None)
         self._qualified = {k: v for k, v in self._qualified.items() if k[1] != backend_id}
         self._candidates.clear()
-        self._first.clear()
+        self._changed()
 
     def refresh(self) -> None:
         """Forget what was computed once per process: candidates, probes, qualifications, ``RLK_BACKENDS``."""
         self._candidates.clear()
-        self._first.clear()
+        self._changed()
         self._available.clear()
         self._qualified.clear()
         self._forced = None
@@ -157,7 +168,7 @@ class BackendRegistry:
         for name in new:
             self._register_from(self.plugin_manager.get_plugin(name))
         self._candidates.clear()
-        self._first.clear()
+        self._changed()
         return new
 
     def add_plugin(self, plugin: object, name: str | None = None) -> None:

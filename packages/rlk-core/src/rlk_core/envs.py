@@ -152,6 +152,10 @@ ENV_VARS: tuple[EnvVar, ...] = (
     EnvVar("RLK_LOAD_PLUGINS", _bool, True,
            "Load backends that other packages register through the 'rlk.backends' entry-point group.",
            ("1", "0", "true", "false")),
+    EnvVar("RLK_FAST_PATH", _bool, True,
+           "Repeat op calls that rlk.cuda served as one launch record through rlk_core._C's fast path (signature, "
+           "readback count and launch in one C++ call; the same record and bits as the Python path). 0 turns it off.",
+           ("1", "0", "true", "false")),
     EnvVar("RLK_VALUE_CHECKS", _choice, "auto",
            "Range checks on the values of index tensors (cu_seqlens, positions, block tables, slots, targets) and of "
            "log-prob temperatures. "

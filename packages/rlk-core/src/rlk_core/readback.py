@@ -219,6 +219,12 @@ class ReadbackRecorder:
             rec.call_count += 1
         return True
 
+    def repeat_record(self, module: str, op: str, backend_id: str, contract_id: str | None,
+                      execution_mode: str) -> _OpRecord | None:
+        """The record whose ``call_count`` :meth:`_repeat` raises for such a report, or None where a report of it
+        still has to go through :meth:`count` (the fast path of :mod:`rlk_core.ops._dispatch` counts into it)."""
+        return self._checked.get((module, op, backend_id, contract_id, execution_mode))
+
     def count_compiled(self, module: str, op: str, backend_id: str, contract_id: str | None, *,
                        fallback_reason: str | None = None) -> None:
         """Count one call site of ``op`` that a compiler (``torch.compile``) put into a graph for ``module``.

@@ -73,7 +73,10 @@ def run_program(program: Program, *inputs: Any) -> tuple | None:
     16-byte aligned (nothing launched; the caller runs its general code)."""
     if program.packed is None:
         program.packed = program.pack()
-    return cc.extension().run_program(program.packed, *inputs)
+    outs = cc.extension().run_program(program.packed, *inputs)
+    if cc.catch is not None:
+        cc.catch.append((True, program.packed, inputs, outs, False))
+    return outs
 
 
 # -- which binary the JIT would run: resolving a launch against the manifest -----------------------------
@@ -207,7 +210,7 @@ def launch_resolved(device: int, resolved: tuple[dict[str, Any], list[Any], list
                     grid: tuple[int, int, int]) -> None:
     """``_C.launch`` of a :func:`resolve`-d launch (a :class:`Desc` passed as its 2-D tensor)."""
     entry, values, _ = resolved
-    cc.extension().launch(cc.handle(device, entry), *grid,
+    cc.launch(cc.handle(device, entry), *grid,
                    *[v.tensor if isinstance(v, Desc) else v.view if isinstance(v, Slice) else v for v in values])
 
 

@@ -22,7 +22,9 @@ The manifest is found under ``RLK_AOT_DIR`` or the package data ``rlk_core/_aot/
 
 Host time: each op's ``supports`` and launch share one decision per call signature (:class:`Launch`,
 below), so a repeated call costs one dict lookup in ``supports`` and one in the launch, which is a single
-``_C.run`` (output allocation, argument packing and ``cuLaunchKernelEx`` in C++).
+``_C.run`` (output allocation, argument packing and ``cuLaunchKernelEx`` in C++). A call that was one such
+record on the op's own arguments is then taught to ``_C.fast`` (:func:`lesson`; the fast path of
+:mod:`rlk_core.ops._dispatch`), which repeats the whole op call — selection, readback count, launch — in C++.
 
 :mod:`rlk_core.ops._cuda_calls` builds on this for the attention and log-prob ops: a launch resolved against the
 manifest exactly as the JIT would specialise it, and ops of several launches (``_C.run_program``).
@@ -154,7 +156,7 @@ def available() -> tuple[bool, str]:
     if getattr(torch.version, "hip", None) or not torch.cuda.is_available():
         return False, "no CUDA device"
     try:
-        from rlk_core import _C  # noqa: F401
+        extension()  # imported once, its fast path set up
     except ImportError as exc:
         return False, f"rlk_core._C is not built ({exc}); install rlk-core with a CUDA toolchain"
     cap = torch.cuda.get_device_capability()
@@ -339,19 +341,97 @@ def run(launch: Launch, *inputs: Any) -> Any:
     if packed is None:
         packed = launch.packed = launch.pack()
     if not _EXT:
-        from rlk_core import _C
-
-        _EXT.append(_C)
-    return _EXT[0].run(packed, *inputs)
+        extension()
+    out = _EXT[0].run(packed, *inputs)
+    if catch is not None:
+        catch.append((False, packed, inputs, out, launch.alloc is None))
+    return out
 
 
 def extension() -> Any:
-    """``rlk_core._C`` (imported once; :func:`run` inlines this)."""
+    """``rlk_core._C`` (imported once; its fast path set up: :func:`rlk_core.ops._dispatch.fast_path`)."""
     if not _EXT:
         from rlk_core import _C
+        from rlk_core.ops import _dispatch
 
         _EXT.append(_C)
+        _dispatch.extension_loaded(_C)
     return _EXT[0]
+
+
+def launch(handle: int, gx: int, gy: int, gz: int, *args: Any) -> None:
+    """``_C.launch`` (a launch no record describes: the backend call is not taught to the fast path)."""
+    if catch is not None:
+        catch.append(None)
+    extension().launch(handle, gx, gy, gz, *args)
+
+
+# -- what one backend call launched: the fast path's lessons ----------------------------------------------------
+# While rlk_core.ops._dispatch.run runs an rlk.cuda backend, ``catch`` is a list: every ``_C.run`` / ``_C.run_program``
+# of a record appends ``(program, packed, inputs, result, no_output)``, and any other launch path (``launch_resolved``,
+# an rlk op called inside the backend) appends None — a call that is one record and nothing else is what
+# :func:`lesson` can teach ``_C.fast``.
+catch: list | None = None
+TRANSPOSED = 10000  # a fast-path input that is argument i's .t() (csrc/rlk_cuda.cpp's kTransposed)
+_STABLE: dict[int, Any] = {}  # id -> tensor: tensors an op keeps alive for good (never written again)
+
+
+def keep_stable(*tensors: Any) -> None:
+    """Mark tensors an op keeps alive and never writes again (a reserved rope table, decode's offsets): a taught
+    fast-path call may hold them in place of the Python code that looks them up. Their owner calls
+    :func:`rlk_core.ops._dispatch.fast_reset` when it stops handing them out."""
+    for t in tensors:
+        _STABLE[id(t)] = t
+
+
+def _transposed_arg(args: tuple, t: Any) -> int | None:
+    """The argument ``t`` is the ``.t()`` of (a 2-D view of the same storage, sizes and strides swapped), or None."""
+    if t.dim() != 2:
+        return None
+    for i, a in enumerate(args):
+        if (type(a) in _PLAIN and a.dim() == 2 and a.data_ptr() == t.data_ptr() and a.dtype == t.dtype
+                and tuple(a.shape) == tuple(t.shape)[::-1] and a.stride() == t.stride()[::-1]):
+            return i
+    return None
+
+
+def lesson(args: tuple, out: Any, seen: list) -> tuple | None:
+    """What ``_C.fast_teach`` needs to repeat a backend call on ``args`` that returned ``out`` and launched what
+    ``seen`` holds (:data:`catch`): ``(program, packed, map, extras, rebuild)``, or None where that call was not
+    exactly one record run on the arguments — another launch, a record that launched nothing, a result the backend
+    changed, an input that is neither an argument, its transpose, a :func:`keep_stable` tensor, None nor a
+    number (a copy the backend made)."""
+    import torch
+
+    if len(seen) != 1 or seen[0] is None:
+        return None
+    program, packed, inputs, result, no_output = seen[0]
+    if result is None and not no_output:
+        return None  # a misaligned allocation: nothing launched, the general code ran
+    if out is result:
+        rebuild = 0
+    elif program and type(result) is tuple and result and out is result[0]:
+        rebuild = 1
+    else:
+        return None
+    mapping, extras = [], []
+    for x in inputs:
+        i = next((j for j, a in enumerate(args) if a is x), None)
+        if i is not None:
+            mapping.append(i)
+            continue
+        if isinstance(x, torch.Tensor):
+            j = _transposed_arg(args, x) if type(x) in _PLAIN else None
+            if j is not None:
+                mapping.append(TRANSPOSED + j)
+                continue
+            if _STABLE.get(id(x)) is not x:
+                return None
+        elif not (x is None or type(x) in (int, float, bool)):
+            return None
+        mapping.append(-1 - len(extras))
+        extras.append(x)
+    return program, packed, mapping, tuple(extras), rebuild
 
 
 def record_handle(packed: bytes) -> int:
@@ -378,6 +458,9 @@ def remember(cache: dict, key: tuple, decision: tuple) -> tuple:
 
 def clear_records() -> None:
     """Forget every op's decisions (after changing what they depend on: :data:`GENERIC_BITWISE`, a
-    monkeypatched device or manifest in tests)."""
+    monkeypatched device or manifest in tests), and what the fast path learnt from them."""
+    from rlk_core.ops._dispatch import fast_reset
+
     for cache in _RECORD_CACHES:
         cache.clear()
+    fast_reset()

@@ -43,7 +43,10 @@ from torch._C._functorch import unwrap_if_dead as _unwrap_if_dead
 from torch._library.autograd import make_autograd_impl
 from torch.cuda.graphs import _cuda_isCurrentStreamCapturing as _stream_capturing
 
+from rlk_core import envs
 from rlk_core.backends import REGISTRY
+from rlk_core.ops import _cuda_common as _cc
+from rlk_core.readback import _ACTIVE as _readback_scope
 from rlk_core.readback import note_op_call, strict_now
 
 _IMPLS: dict[str, Callable[..., Any]] = {}
@@ -63,12 +66,21 @@ def treat_as_plain(*types: type) -> None:
         if not (isinstance(cls, type) and issubclass(cls, torch.Tensor)):
             raise TypeError(f"treat_as_plain takes tensor types, got {cls!r}")
         _PLAIN.add(cls)
+    if _FAST[0] is not None:
+        fast_path(True)  # the fast path's own list of plain types
 
 
 _DEVICE_TYPES: dict[torch.device, str] = {}  # torch.device.type builds a new string per call
 
 
 def run(op: str, device: torch.device, *args: Any) -> Any:
+    if _cc.catch is not None:
+        _cc.catch.append(None)  # an op inside an rlk.cuda backend's call: that call is not one record
+    fast = _FAST[0]
+    if fast is not None:
+        out = fast(_SLOTS[op], *args)
+        if out is not _MISS:
+            return out
     device_type = _DEVICE_TYPES.get(device)
     if device_type is None:
         device_type = _DEVICE_TYPES[device] = device.type
@@ -79,7 +91,80 @@ def run(op: str, device: torch.device, *args: Any) -> Any:
     # on a torch without CUDA, never called there)
     mode = "graph" if device_type == "cuda" and _stream_capturing() else "eager"
     note_op_call(op, backend.id, backend.contract_id, selection.fallback_reason, mode)
-    return backend.fn(*args)
+    if fast is None or backend.id != _cc.BACKEND_ID or selection.fallback_reason is not None:
+        return backend.fn(*args)
+    return _run_teaching(op, backend, mode, args)
+
+
+# -- the fast path -----------------------------------------------------------------------------------------
+# Where rlk_core._C is loaded (rlk.cuda), a call of an op that rlk.cuda served as one launch record on the op's own
+# arguments is taught to _C.fast (rlk_core.ops._cuda_common.lesson): per op (a slot) and call signature, the record,
+# where its inputs come from, and per readback scope the record the call counts into. _C.fast(slot, *args) then
+# runs a repeat of that call in one C++ call — signature, readback count, output allocation, launch — and returns
+# _MISS for anything it was not taught or that is not as when it was taught (csrc/rlk_cuda.cpp says what); the
+# Python path then runs and teaches. Same record, same launch, same bits; the readback counts the call as
+# note_op_call counts a repeat. What a selection or decision depends on changing calls fast_reset:
+# the registry's set of backends, the record caches (rlk_core.ops._cuda_common.clear_records), a rope table
+# replaced. RLK_FAST_PATH=0 turns it off.
+_MISS = type("_Miss", (), {"__repr__": lambda self: "<rlk fast-path miss>", "__slots__": ()})()
+_FAST: list[Any] = [None]  # _C.fast where the fast path is on
+_EXT: list[Any] = []  # rlk_core._C, once loaded
+_SLOTS: dict[str, int] = {}  # op -> its slot in _C.fast
+_CALL_SLOTS: dict[str, int] = {}  # the ops whose implementation is its checks, then run(op, device, *args)
+
+
+def extension_loaded(ext: Any) -> None:
+    """Set the fast path up on the extension just loaded (:func:`rlk_core.ops._cuda_common.extension`)."""
+    _EXT[:] = [ext]
+    fast_path(envs.get("RLK_FAST_PATH"))
+
+
+def fast_path(enabled: bool) -> bool:
+    """Turn the fast path on or off (on by default where ``rlk_core._C`` is loaded: ``RLK_FAST_PATH``); returns
+    whether it was on. Off, every call takes the Python path — the same backend and bits (for benchmarks and
+    tests that compare the two)."""
+    was = _FAST[0] is not None
+    if enabled and _EXT:
+        _EXT[0].fast_init(_readback_scope, _MISS, sorted(_PLAIN, key=lambda c: c.__qualname__))
+        _FAST[0] = _EXT[0].fast
+    else:
+        _FAST[0] = None
+        fast_reset()
+    return was
+
+
+def fast_reset() -> None:
+    """Forget what the fast path learnt (see above); a no-op before the extension is loaded."""
+    if _EXT:
+        _EXT[0].fast_reset()
+
+
+REGISTRY.on_change(fast_reset)
+
+
+def _run_teaching(op: str, backend: Any, mode: str, args: tuple) -> Any:
+    """``backend.fn(*args)`` (rlk.cuda, no fallback), watching what it launches; teach ``_C.fast`` the call if it
+    was one record on ``args``, and the readback record it counted into."""
+    outer = _cc.catch
+    seen: list = []
+    _cc.catch = seen
+    try:
+        out = backend.fn(*args)
+    finally:
+        _cc.catch = outer
+    if outer is not None:
+        outer.append(None)
+    slot = _SLOTS[op]
+    lesson = _cc.lesson(args, out, seen)
+    if lesson is not None:
+        program, packed, mapping, extras, rebuild = lesson
+        _EXT[0].fast_teach(slot, program, packed, mapping, extras, rebuild, *args)
+        scope = _readback_scope.get()
+        if scope is not None:
+            record = scope.recorder.repeat_record(scope.module, op, backend.id, backend.contract_id, mode)
+            if record is not None:
+                _EXT[0].fast_scope(scope, slot, mode == "graph", record)
+    return out
 
 
 # -- registration ---------------------------------------------------------------------------------------
@@ -184,12 +269,18 @@ def _autograd_kernel(op: Op, fn: Callable[..., Any]) -> Callable[..., Any]:
     return kernel
 
 
-def custom_op(name: str, mutates_args: Iterable[str] = ()) -> Callable[[Callable[..., Any]], Op]:
+def custom_op(name: str, mutates_args: Iterable[str] = (), direct_run: bool = False
+              ) -> Callable[[Callable[..., Any]], Op]:
     """Register ``fn`` as the operator ``rlk::<name>`` (see the module docstring) and keep it for :func:`call`;
-    returns the :class:`Op` (``register_fake``, ``register_autograd``)."""
+    returns the :class:`Op` (``register_fake``, ``register_autograd``). ``direct_run``: ``fn`` is its argument
+    checks (which depend on nothing but the call signature) and then ``return run(name, device, *its arguments)``
+    — so :func:`call` may ask the fast path first, as :func:`run` does."""
     def wrap(fn: Callable[..., Any]) -> Op:
         _IMPLS[name] = fn
         _MUTATES[name] = tuple(mutates_args)
+        _SLOTS[name] = len(_SLOTS)
+        if direct_run:
+            _CALL_SLOTS[name] = _SLOTS[name]
         return Op(name, fn, _MUTATES[name])
 
     return wrap
@@ -253,7 +344,14 @@ def _path(args: tuple[Any, ...]) -> str:
 
 def call(name: str, *args: Any) -> Any:
     """``torch.ops.rlk.<name>(*args)``, or the same implementation without the dispatcher when nothing
-    needs it (see the module docstring)."""
+    needs it (see the module docstring); first the fast path, for an op registered ``direct_run``."""
+    fast = _FAST[0]
+    if fast is not None and not _is_compiling():
+        slot = _CALL_SLOTS.get(name)
+        if slot is not None:
+            out = fast(slot, *args)
+            if out is not _MISS:
+                return out
     path = _path(args)
     if path == "direct":
         return _IMPLS[name](*args)

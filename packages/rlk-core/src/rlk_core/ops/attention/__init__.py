@@ -41,7 +41,7 @@ Tensor = torch.Tensor
 
 
 # -- varlen prefill (with autograd) ---------------------------------------------------------------
-@custom_op("attention_varlen")
+@custom_op("attention_varlen", direct_run=True)
 def _attention_varlen_op(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
                          scale: float, causal: bool, q_positions: Tensor | None) -> Tensor:
     V.check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, causal, q_positions)
@@ -125,7 +125,7 @@ def attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_s
 
 
 # -- chunked prefill over a paged KV cache ---------------------------------------------------------
-@custom_op("attention_paged_prefill")
+@custom_op("attention_paged_prefill", direct_run=True)
 def _attention_paged_prefill_op(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Tensor,
                                 cu_seqlens_q: Tensor, seq_lens: Tensor, scale: float) -> Tensor:
     V.check_paged_prefill(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, scale)
@@ -169,7 +169,7 @@ def attention_paged_prefill(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_t
 
 
 # -- decode over a paged KV cache ------------------------------------------------------------------
-@custom_op("attention_decode")
+@custom_op("attention_decode", direct_run=True)
 def _attention_decode_op(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Tensor, seq_lens: Tensor,
                          scale: float) -> Tensor:
     V.check_decode(q, k_cache, v_cache, block_table, seq_lens, scale)
@@ -209,7 +209,7 @@ def attention_decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: T
 
 
 # -- writing K/V into the paged cache --------------------------------------------------------------
-@custom_op("kv_cache_write", mutates_args=("k_cache", "v_cache"))
+@custom_op("kv_cache_write", mutates_args=("k_cache", "v_cache"), direct_run=True)
 def _kv_cache_write_op(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor) -> None:
     V.check_kv_cache_write(k, v, k_cache, v_cache, slot_mapping)
     run("kv_cache_write", k.device, k, v, k_cache, v_cache, slot_mapping)

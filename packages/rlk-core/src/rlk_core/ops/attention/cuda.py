@@ -219,6 +219,7 @@ def decode_offsets(device: torch.device, n: int) -> torch.Tensor | None:
         torch.cuda.current_stream(device).synchronize()  # once per size: ready before any stream reads it
     _KEEP.append(cu)
     _OFFSETS[device] = cu
+    cc.keep_stable(cu)  # a fast-path decode call may hold it: the offsets are never written again
     return cu
 
 

@@ -37,7 +37,7 @@ def _check_full(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
                   f"bias must have shape ({weight.shape[0]},), got {tuple(bias.shape)}")
 
 
-@custom_op("linear")
+@custom_op("linear", direct_run=True)
 def _linear_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     _check(x, weight, bias)
     return run("linear", x.device, x, weight, bias)

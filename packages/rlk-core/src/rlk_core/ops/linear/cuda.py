@@ -169,8 +169,6 @@ def forward_general(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
 
 
 def _run(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, y: torch.Tensor, plan: tuple) -> None:
-    from rlk_core import _C
-
     if isinstance(plan, str):
         raise RuntimeError(f"rlk.cuda linear called on a launch it declines: {plan}")
     n, k = w.shape
@@ -204,7 +202,7 @@ def _run(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, y: torch.Tens
                 "stride_ym": ys.stride(0),
                 "stride_yn": ys.stride(1),
             }
-        _C.launch(hdl, grid, 1, 1, *[vals[a] for a in names])
+        cc.launch(hdl, grid, 1, 1, *[vals[a] for a in names])
 
 
 def supports_general(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> tuple[bool, str]:

@@ -31,7 +31,7 @@ def _check_full(x: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
     C.same_device("rms_norm", x=x, weight=weight)
 
 
-@custom_op("rms_norm")
+@custom_op("rms_norm", direct_run=True)
 def _rms_norm_op(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     _check(x, weight, eps)
     return run("rms_norm", x.device, x, weight, eps)
@@ -43,7 +43,7 @@ def _(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return torch.empty_like(x)
 
 
-@custom_op("rms_norm_backward")
+@custom_op("rms_norm_backward", direct_run=True)
 def _rms_norm_backward_op(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float
                           ) -> tuple[torch.Tensor, torch.Tensor]:
     _check_backward(grad, x, weight, eps)

@@ -94,9 +94,7 @@ def forward_general(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.
     if m > 0:
         layout = layout if y.data_ptr() % 16 == 0 else "generic"
         hdl, rows = _variant(x.device.index, x.dtype, w.dtype, h, layout)
-        from rlk_core import _C
-
-        _C.launch(hdl, -(-m // rows), 1, 1, x2, w, y, m, h, x2.stride(0), y.stride(0), eps)
+        cc.launch(hdl, -(-m // rows), 1, 1, x2, w, y, m, h, x2.stride(0), y.stride(0), eps)
     return y.reshape(x.shape)
 
 

@@ -39,7 +39,7 @@ def _check_full(x: torch.Tensor, positions: torch.Tensor, theta: float, rotary_d
     C.in_range(positions, "rope", "positions", 0, MAX_POSITION)
 
 
-@custom_op("rope")
+@custom_op("rope", direct_run=True)
 def _rope_op(x: torch.Tensor, positions: torch.Tensor, theta: float, rotary_dim: int) -> torch.Tensor:
     _check(x, positions, theta, rotary_dim)
     return run("rope", x.device, x, positions, theta, rotary_dim)
@@ -51,7 +51,7 @@ def _(x: torch.Tensor, positions: torch.Tensor, theta: float, rotary_dim: int) -
     return torch.empty_like(x)
 
 
-@custom_op("rope_backward")
+@custom_op("rope_backward", direct_run=True)
 def _rope_backward_op(grad: torch.Tensor, positions: torch.Tensor, theta: float, rotary_dim: int) -> torch.Tensor:
     _check(grad, positions, theta, rotary_dim)
     return run("rope_backward", grad.device, grad, positions, theta, rotary_dim)

@@ -96,9 +96,7 @@ def launch_general(
         x = x.contiguous()
     layout = _layout(x, positions, cos, sin, y)
     hdl, block_h = _variant(x.device.index, x.dtype, positions.dtype, nh, d, rotary_dim, layout)
-    from rlk_core import _C
-
-    _C.launch(
+    cc.launch(
         hdl,
         t,
         -(-nh // block_h),

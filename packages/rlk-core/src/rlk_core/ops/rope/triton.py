@@ -48,9 +48,13 @@ _LOCK = threading.Lock()
 
 
 def reserve(device: torch.device, rotary_dim: int, theta: float, max_positions: int) -> None:
-    """Build the table for positions ``[0, max_positions)`` and mark it usable under CUDA-graph capture."""
-    tables(device, rotary_dim, theta, max_positions)
+    """Build the table for positions ``[0, max_positions)`` and mark it usable under CUDA-graph capture (and by
+    the ops' fast path, which holds a reserved table in place of this lookup until a table is replaced)."""
+    from rlk_core.ops import _cuda_common as cc
+
+    cos, sin = tables(device, rotary_dim, theta, max_positions)
     _RESERVED.add((str(device), rotary_dim, float(theta)))
+    cc.keep_stable(cos, sin)
 
 
 def reserved_tables(device: torch.device, rotary_dim: int, theta: float
@@ -81,10 +85,15 @@ def tables(device: torch.device, rotary_dim: int, theta: float, need: int) -> tu
             cap = max(MIN_CAP, next_pow2(need))
             pos = torch.arange(cap, dtype=torch.int64, device=device)
             cos, sin = rope_cos_sin(pos, rotary_dim, theta)
-            if hit is not None:
+            replaced = hit is not None
+            if replaced:
                 _RETIRED.append((hit[1], hit[2]))
             hit = (cap, cos.contiguous(), sin.contiguous())
             _TABLES[key] = hit
+            if replaced:
+                from rlk_core.ops._dispatch import fast_reset
+
+                fast_reset()  # a fast-path call may hold the table this one replaces
     return hit[1], hit[2]
 
 

@@ -26,7 +26,7 @@ def _check_full(x: torch.Tensor) -> None:
               f"x must be [..., 2*I] (gate then up) with an even, non-zero last dim, got {tuple(x.shape)}")
 
 
-@custom_op("swiglu")
+@custom_op("swiglu", direct_run=True)
 def _swiglu_op(x: torch.Tensor) -> torch.Tensor:
     _check(x)
     return run("swiglu", x.device, x)
@@ -38,7 +38,7 @@ def _(x: torch.Tensor) -> torch.Tensor:
     return x.new_empty((*x.shape[:-1], x.shape[-1] // 2))
 
 
-@custom_op("swiglu_backward")
+@custom_op("swiglu_backward", direct_run=True)
 def _swiglu_backward_op(grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     _check_backward(grad, x)
     return run("swiglu_backward", x.device, grad, x)

@@ -92,9 +92,7 @@ def forward_general(x: torch.Tensor) -> torch.Tensor:
     if m > 0 and inter > 0:
         layout = layout if cc.aligned(y, y.stride(0)) else "generic"
         hdl, block = _variant(x.device.index, x.dtype, inter, layout)
-        from rlk_core import _C
-
-        _C.launch(hdl, m, -(-inter // block), 1, x2, y, m, inter, x2.stride(0), y.stride(0))
+        cc.launch(hdl, m, -(-inter // block), 1, x2, y, m, inter, x2.stride(0), y.stride(0))
     return y.reshape(*x.shape[:-1], inter)
 
 
