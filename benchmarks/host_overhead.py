@@ -60,7 +60,7 @@ from rlk_core.ops import _dispatch as D
 from rlk_core.ops import attention as attn
 from rlk_core.ops import linear as rlk_linear
 
-CALLS = 20
+CALLS = 100
 BLOCK_CYCLES = 400_000_000  # ~200 ms at 1.98 GHz: far longer than CALLS calls of any path here
 
 

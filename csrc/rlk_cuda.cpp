@@ -22,6 +22,7 @@
 // launches each kernel in order on pointers into inputs and buffers, and returns the output buffers.
 
 #include <torch/extension.h>
+#include <ATen/cuda/EmptyTensor.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAGraphsC10Utils.h>
@@ -487,14 +488,16 @@ py::object run_record(Words w, const Inputs& args, bool& launched) {
   const Variant& v = variant(handle);
   std::vector<at::Tensor> bufs;
   if (n_alloc >= 0) {
-    bufs.push_back(at::empty(alloc, input_tensor(args, like, 0, 'p').options()));
+    // the CUDA allocation itself (torch.empty's, less the dispatcher): the caching allocator, the current stream
+    bufs.push_back(at::Tensor(at::detail::empty_cuda(alloc, input_tensor(args, like, 0, 'p').options())));
     if (out_aligned && reinterpret_cast<uintptr_t>(bufs[0].data_ptr()) % 16 != 0) return py::none();
   } else {
     TORCH_CHECK(!out_aligned && final_shape.empty(), "rlk_core._C.run: a record without output returns none");
   }
   record_launch(w, v, gx, gy, gz, args, bufs);
   launched = true;
-  return n_alloc >= 0 ? py::cast(bufs[0].view(final_shape)) : py::none();
+  if (n_alloc < 0) return py::none();
+  return py::cast(bufs[0].sizes().equals(final_shape) ? bufs[0] : bufs[0].view(final_shape));
 }
 
 py::object run(py::bytes record, py::args args) {
@@ -681,8 +684,8 @@ py::object fast(int64_t slot, py::args args) {
     if (s == f.scopes.end()) return miss();
     record = s->second.second.ptr();
   }
-  std::vector<PyObject*> items(e.map.size());
-  std::vector<py::object> views;
+  c10::SmallVector<PyObject*, 8> items(e.map.size());
+  c10::SmallVector<py::object, 2> views;
   for (size_t i = 0; i < e.map.size(); ++i) {
     const int64_t m = e.map[i];
     if (m < 0) {
