@@ -78,7 +78,7 @@ def run(op: str, device: torch.device, *args: Any) -> Any:
         _cc.catch.append(None)  # an op inside an rlk.cuda backend's call: that call is not one record
     fast = _FAST[0]
     if fast is not None:
-        out = fast(_SLOTS[op], *args)
+        out = fast(_SLOTS.get(op, -1), *args)  # -1: an op registered without custom_op (never taught)
         if out is not _MISS:
             return out
     device_type = _DEVICE_TYPES.get(device)
@@ -154,8 +154,8 @@ def _run_teaching(op: str, backend: Any, mode: str, args: tuple) -> Any:
         _cc.catch = outer
     if outer is not None:
         outer.append(None)
-    slot = _SLOTS[op]
-    lesson = _cc.lesson(args, out, seen)
+    slot = _SLOTS.get(op, -1)
+    lesson = _cc.lesson(args, out, seen) if slot >= 0 else None
     if lesson is not None:
         program, packed, mapping, extras, rebuild = lesson
         _EXT[0].fast_teach(slot, program, packed, mapping, extras, rebuild, *args)
