@@ -483,6 +483,9 @@ def test_an_independent_jit_compile_gives_the_same_bits(tmp_path):
     kv_cache_write, a backward and a token_logprobs call: rlk.cuda's AOT binaries give its bits."""
     import triton
 
+    for family in ("attention", "kv_cache_write", "attention_backward", "logp"):
+        _require_built(family)
+
     from rlk_core.ops.attention import triton as at
     from rlk_core.ops.attention import triton_backward as ab
     from rlk_core.ops.token_logprobs import triton as tt
@@ -535,6 +538,8 @@ def _step_calls() -> list[tuple[str, tuple]]:
 def test_attention_and_logp_under_graph_capture_and_replay():
     """Captured in a CUDA graph (after one eager call: loads and decisions happen before capture), replayed on
     new input values: ``torch.equal`` to rlk.triton run eagerly on those values; on a side stream too."""
+    _require_built("attention")
+    _require_built("logp")
     for op, args in _step_calls()[1:]:  # kv_cache_write: the test below
         cuda, triton = _backends(op)
         assert cuda.supports(*args)[0], op
@@ -561,6 +566,7 @@ def test_attention_and_logp_under_graph_capture_and_replay():
 
 
 def test_kv_cache_write_under_graph_capture_writes_the_replayed_values():
+    _require_built("kv_cache_write")
     cuda, triton = _backends("kv_cache_write")
     op, args = _step_calls()[0]
     k, v, kc, vc, slots = _cloned(op, args)
