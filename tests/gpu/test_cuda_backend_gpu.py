@@ -415,6 +415,10 @@ def _outputs(op: str, args: tuple, out):
 def _same(op: str, args: tuple, cuda_fn, triton_fn) -> None:
     a_args, b_args = _cloned(op, args), _cloned(op, args)
     a = _outputs(op, a_args, cuda_fn(*a_args))
+    try:  # a fault of rlk.cuda's launch named here, not at the next launch (whose load would report it)
+        torch.cuda.synchronize()
+    except Exception as exc:
+        raise AssertionError(f"{op}: rlk.cuda's launch failed for {K.describe(args)}: {exc}") from exc
     b = _outputs(op, b_args, triton_fn(*b_args))
     assert len(a) == len(b)
     for x, y in zip(a, b):
