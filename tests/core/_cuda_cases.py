@@ -112,7 +112,7 @@ def kv_cache_write_cases(device, dtypes=DTYPES) -> Iterator[Case]:
 
 def _kv_args(device, gen, dtype, d, h, page, t) -> tuple:
     qkv = _rand((t, (2 + 2) * h, d), dtype, device, gen)
-    blocks = 4
+    blocks = max(4, t)  # a slot for every token at every page size (a shorter slot_mapping reads past its end)
     cache = _rand((blocks, page, h, 2 * d), dtype, device, gen)
     slots = torch.randperm(blocks * page, generator=torch.Generator().manual_seed(t + h))[:t].to(device)
     slots[t // 2] = -1

@@ -483,3 +483,20 @@ def test_backward_supports_decline_traced_inputs():
         for said in (rc.supports_backward(fx, fx, fw, 1e-6), sc.supports_backward(fx[:, :32], fx),
                      pc.supports_backward(fx.view(4, 1, 64), fpos, 1e6, 64), lc.supports(fx.t(), fx.t(), None)):
             assert said == cc.NO_STORAGE
+
+
+def test_the_gpu_sweeps_hand_backends_only_calls_the_public_ops_accept():
+    """The GPU suite calls the backends directly, past the ops' checks: every attention / kv_cache_write call its
+    sweeps make must be one the public op would take (a slot_mapping shorter than its tokens once made the sweep
+    read past the tensor's end on the H200 — an illegal address, in rlk.triton's kernel as much as rlk.cuda's)."""
+    from rlk_core.ops.attention import _validate as V
+
+    checks = {"attention_varlen": V.check_varlen, "attention_paged_prefill": V.check_paged_prefill,
+              "attention_decode": V.check_decode, "kv_cache_write": V.check_kv_cache_write}
+    n = 0
+    for sweep in (K.attention_forward_cases, K.kv_cache_write_cases):
+        for op, args, served in sweep("cpu", (torch.bfloat16,)):
+            if served:
+                checks[op](*args)
+                n += 1
+    assert n > 100
