@@ -5,6 +5,7 @@ tests/gpu/test_cuda_backend_gpu.py)."""
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import json
 import shutil
@@ -576,3 +577,30 @@ def test_a_sample_of_the_backward_variants_builds_for_sm90(backward_build):
             assert codes == "DDDpiiii" and e["constexprs"]["stride_yn"] == 1 and e["constexprs"]["NUM_PROGRAMS"] == 132
         if e["kernel"] == "_linear_bwd_kernel" and "N" in e["constexprs"]:
             assert codes == "pppiiii"  # db: N and four strides constant; M, K, stride_ak, stride_bk passed
+
+
+# -- hip:gfx942: AMD code objects of the row-wise families (built on the CPU; no launcher yet, docs/rocm.md) ---------
+def test_a_gfx942_build_writes_code_objects_whose_metadata_reads_back(tmp_path):
+    """Triton's AMD backend, as installed, compiles rms_norm / swiglu / rope for gfx942 on this machine: each code
+    object is an AMDGPU ELF with the kernel's symbol, its descriptor and the gfx942 target, and the manifest says so
+    (warp size 64, the function name, shared memory); a corrupted one is refused; families whose rules use TMA / PDL
+    are refused for the target."""
+    pytest.importorskip("triton")
+    import hashlib
+
+    B = importlib.import_module("rlk_core.aot.build")
+    specs = [next(s for s in S.enumerate_specs((op,), (torch.bfloat16,)) if s.layout == "aligned")
+             for op in ("rms_norm", "swiglu", "rope")]
+    m = B.build("hip:gfx942", tmp_path, specs, jobs=1)
+    assert m["target"] == "hip:gfx942" and not m["failed"] and len(m["kernels"]) == 3
+    for e in m["kernels"]:
+        blob = (tmp_path / e["cubin"]).read_bytes()
+        assert e["cubin"].endswith(".hsaco") and e["arch"] == "gfx942" and e["warp_size"] == 64
+        assert e["function"] == e["kernel"] and e["shared_bytes"] >= 0
+        assert B.check_code_object(blob, e["function"], "gfx942") is None
+        assert hashlib.sha256(blob).hexdigest() == e["cubin_sha256"]
+        assert B.check_code_object(blob, e["function"], "gfx90a") is not None  # another target's name
+        assert B.check_code_object(blob.replace(e["function"].encode(), b"x" * len(e["function"])), e["function"],
+                                   "gfx942") is not None
+    with pytest.raises(ValueError, match="only"):
+        B.build("hip:gfx942", tmp_path / "linear", S.enumerate_specs(("linear",), (torch.bfloat16,))[:1], jobs=1)

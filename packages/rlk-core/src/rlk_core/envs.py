@@ -172,8 +172,9 @@ ENV_VARS: tuple[EnvVar, ...] = (
            ("auto", "1", "0")),
     EnvVar("RLK_BUILD_TARGETS", _targets, ("cuda:90",),
            "Build time: the AOT targets whose cubins setup.py builds into rlk_core/_aot/<target>/ with the "
-           "extension (rlk_core.aot.build.TARGETS); empty string: the default.",
-           allowed_doc="comma-separated targets, e.g. `cuda:90`"),
+           "extension (rlk_core.aot.build.TARGETS); empty string: the default. hip:gfx942 builds the row-wise "
+           "families' AMD code objects (nothing launches them yet: docs/rocm.md).",
+           allowed_doc="comma-separated targets, e.g. `cuda:90`, `cuda:90,hip:gfx942`"),
     EnvVar("RLK_BUILD_OPS", _names, None,
            "Build time: the op families whose AOT cubins setup.py builds (python -m rlk_core.aot build --ops; "
            "rlk_core.aot.OPS). Unset: all. Ops of a family left out run on rlk.triton.",

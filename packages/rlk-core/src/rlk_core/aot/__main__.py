@@ -1,4 +1,5 @@
-"""``python -m rlk_core.aot build --target cuda:90 --out DIR`` (options: ``--ops``, ``--dtypes``, ``--layouts``,
+"""``python -m rlk_core.aot build --target cuda:90 --out DIR`` (or ``--target hip:gfx942``: the row-wise
+families' AMD code objects, not launched yet; options: ``--ops``, ``--dtypes``, ``--layouts``,
 ``--sms``, ``--jobs``, ``--triton-cache``) and ``python -m rlk_core.aot list`` (the variants, one a line). Progress
 per variant on stderr; exits 1 if any variant failed to compile (the manifest records which and why)."""
 
@@ -15,7 +16,8 @@ def main(argv: list[str] | None = None) -> int:
     sub = p.add_subparsers(dest="cmd", required=True)
     for name in ("build", "list"):
         s = sub.add_parser(name)
-        s.add_argument("--ops", default=",".join(OPS), help=f"comma-separated, of {OPS}")
+        s.add_argument("--ops", default=None, help=f"comma-separated, of {OPS} (default: all; on a hip target the "
+                       "families it can take, rlk_core.aot.build.HIP_OPS)")
         s.add_argument("--sms", type=int, default=DEFAULT_SMS, help="SM count: the persistent GEMM's NUM_PROGRAMS")
         s.add_argument("--dtypes", default="bf16,fp16,fp32", help="comma-separated, of bf16, fp16, fp32")
         s.add_argument("--layouts", default=",".join(LAYOUTS), help=f"comma-separated, of {LAYOUTS}")
@@ -27,7 +29,11 @@ def main(argv: list[str] | None = None) -> int:
                            help="compile through this Triton cache folder (shared) instead of a private one each: "
                                 "a JIT pointed at it (TRITON_CACHE_DIR) loads these compiles for the same launches")
     a = p.parse_args(argv)
+    from rlk_core.aot.build import HIP_OPS
     from rlk_core.aot.specs import TRITON_TYPE, enumerate_specs
+
+    if a.ops is None:
+        a.ops = ",".join(HIP_OPS if getattr(a, "target", "").startswith("hip:") else OPS)
 
     by_name = {v: k for k, v in TRITON_TYPE.items()}
     dtypes = [by_name[d] for d in a.dtypes.split(",") if d]
@@ -42,7 +48,8 @@ def main(argv: list[str] | None = None) -> int:
                  "layouts": a.layouts.split(",")}
     m = build(a.target, a.out, specs, sms=a.sms, jobs=a.jobs, progress=print_progress, triton_cache=a.triton_cache,
               selection=selection)
-    print(f"{len(m['kernels'])} cubins, {len(m['failed'])} failed -> {a.out}", file=sys.stderr)
+    kind = "code objects" if a.target.startswith("hip:") else "cubins"
+    print(f"{len(m['kernels'])} {kind}, {len(m['failed'])} failed -> {a.out}", file=sys.stderr)
     return 1 if m["failed"] else 0
 
 

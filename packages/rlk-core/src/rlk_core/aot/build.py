@@ -36,7 +36,27 @@ from rlk_core.aot.specs import DEFAULT_SMS, DTYPES, LAYOUTS, OPS, TRITON_TYPE, S
 
 MANIFEST = "manifest.json"
 FORMAT = 1
-TARGETS = {"cuda:90": ("cuda", 90, 32)}
+TARGETS = {"cuda:90": ("cuda", 90, 32), "hip:gfx942": ("hip", "gfx942", 64)}
+# families whose kernels a hip target can take as they are: no TMA, no NVIDIA-only instruction, configs that do
+# not depend on the device (the GEMM, attention and log-prob rules are tuned for the H200 and use TMA / PDL)
+HIP_OPS = ("rms_norm", "swiglu", "rope")
+ELF_MACHINE_AMDGPU = 224
+
+
+def check_code_object(binary: bytes, function: str, arch: str) -> str | None:
+    """Why an AMD GPU code object (``.hsaco``) is not what the manifest says, or None: an ELF for AMDGPU
+    (``e_machine`` 224) holding the kernel's symbol and its kernel descriptor (``<name>.kd``, what
+    ``hipModuleGetFunction`` looks up) and the target triple ``amdgcn-amd-amdhsa--<arch>``."""
+    if binary[:4] != b"\x7fELF":
+        return "not an ELF file"
+    machine = int.from_bytes(binary[18:20], "little")
+    if machine != ELF_MACHINE_AMDGPU:
+        return f"ELF machine {machine}, not AMDGPU ({ELF_MACHINE_AMDGPU})"
+    if function.encode() + b"\0" not in binary or function.encode() + b".kd\0" not in binary:
+        return f"no symbol {function!r} and its kernel descriptor {function + '.kd'!r} in the code object"
+    if f"amdgcn-amd-amdhsa--{arch}".encode() not in binary:
+        return f"the code object's target is not amdgcn-amd-amdhsa--{arch}"
+    return None
 
 
 def parse_target(target: str) -> tuple[str, int, int]:
@@ -187,15 +207,26 @@ def compile_spec(spec: Spec, target: str = "cuda:90",
     md = compiled.metadata
     meta = [dict(m) if m is not None else None for m in (md.tensordesc_meta or [])]
     params = cubin_params(sig, meta)
-    n_ptx = ptx_param_count(compiled.asm["ptx"], md.name)
-    if n_ptx != len(params):
-        entry["error"] = f"cubin has {n_ptx} parameters, the manifest's list {len(params)}"
-        return entry, None
-    cubin = compiled.asm["cubin"]
+    backend, arch, _ = parse_target(target)
+    if backend == "hip":  # an AMD GPU code object; nothing in rlk launches it yet (docs/rocm.md)
+        cubin, suffix = compiled.asm["hsaco"], ".hsaco"
+        problem = check_code_object(cubin, md.name, str(arch))
+        if problem is not None:
+            entry["error"] = problem
+            return entry, None
+        entry.update({"arch": md.arch, "warp_size": md.warp_size})
+    else:
+        n_ptx = ptx_param_count(compiled.asm["ptx"], md.name)
+        if n_ptx != len(params):
+            entry["error"] = f"cubin has {n_ptx} parameters, the manifest's list {len(params)}"
+            return entry, None
+        cubin, suffix = compiled.asm["cubin"], ".cubin"
     entry.update({
-        "cubin": name + ".cubin", "function": md.name, "params": params,
+        "cubin": name + suffix, "function": md.name, "params": params,
         "shared_bytes": md.shared, "num_ctas": md.num_ctas, "cluster_dims": list(getattr(md, "cluster_dims", ()) or ()),
-        "global_scratch_size": md.global_scratch_size, "global_scratch_align": md.global_scratch_align,
+        # (the hip backend's metadata has no global scratch fields: None there)
+        "global_scratch_size": getattr(md, "global_scratch_size", None),
+        "global_scratch_align": getattr(md, "global_scratch_align", None),
         "profile_scratch_size": md.profile_scratch_size, "tensordesc_meta": meta,
         "cubin_sha256": hashlib.sha256(cubin).hexdigest(),
     })
@@ -221,9 +252,14 @@ def build(target: str = "cuda:90", out_dir: str | os.PathLike = "aot-build", spe
     knows a partial build from a full one (with ``specs`` None: the full enumeration; else None: unknown)."""
     import triton
 
-    parse_target(target)
+    hip = parse_target(target)[0] == "hip"
     full = specs is None
-    specs = list(specs) if specs is not None else enumerate_specs(sms=sms)
+    specs = list(specs) if specs is not None else enumerate_specs(HIP_OPS if hip else OPS, sms=sms)
+    if hip:
+        other = sorted({s.op for s in specs} - set(HIP_OPS))
+        if other:
+            raise ValueError(f"target {target}: the AOT build compiles only {HIP_OPS} for it, not {other} "
+                             "(their rules use TMA / PDL and H200 tiles; docs/rocm.md)")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     jobs = max(1, min(jobs or os.cpu_count() or 1, len(specs) or 1))
@@ -259,12 +295,13 @@ def build(target: str = "cuda:90", out_dir: str | os.PathLike = "aot-build", spe
         kernels.append(entry)
     manifest = {
         "format": FORMAT, "target": target, "triton_version": triton.__version__, "sms": sms,
-        "note": "built ahead of time by rlk_core.aot; launched by rlk_core._C as the backend rlk.cuda",
+        "note": ("built ahead of time by rlk_core.aot; no launcher for this target yet (docs/rocm.md)" if hip else
+                 "built ahead of time by rlk_core.aot; launched by rlk_core._C as the backend rlk.cuda"),
         "kernels": sorted(kernels, key=lambda e: e["cubin"]),
         "failed": sorted(failed, key=lambda e: e["variant"]),
         "not_built": not_built(sms),
         "selection": selection if selection is not None or not full else {
-            "ops": list(OPS), "dtypes": [TRITON_TYPE[d] for d in DTYPES], "layouts": list(LAYOUTS)},
+            "ops": list(HIP_OPS if hip else OPS), "dtypes": [TRITON_TYPE[d] for d in DTYPES], "layouts": list(LAYOUTS)},
     }
     (out / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
     return manifest
