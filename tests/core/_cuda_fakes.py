@@ -241,8 +241,7 @@ def fake_device(monkeypatch, folder: Path, *modules: Any):
     monkeypatch.setattr(cc, "_EXT", [])
     from rlk_core.ops import _dispatch
 
-    monkeypatch.setattr(_dispatch, "_EXT", [])  # the fast path set up on the Recorder, undone with the fake
-    monkeypatch.setattr(_dispatch, "_FAST", [None])
+    monkeypatch.setattr(_dispatch, "_FAST", [None])  # the fast path set up on the Recorder, undone with the fake
 
     def clear():
         cc._manifest.cache_clear()

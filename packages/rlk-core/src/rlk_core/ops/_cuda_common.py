@@ -355,7 +355,7 @@ def extension() -> Any:
         from rlk_core.ops import _dispatch
 
         _EXT.append(_C)
-        _dispatch.extension_loaded(_C)
+        _dispatch.extension_loaded()
     return _EXT[0]
 
 

@@ -108,14 +108,12 @@ def run(op: str, device: torch.device, *args: Any) -> Any:
 # replaced. RLK_FAST_PATH=0 turns it off.
 _MISS = type("_Miss", (), {"__repr__": lambda self: "<rlk fast-path miss>", "__slots__": ()})()
 _FAST: list[Any] = [None]  # _C.fast where the fast path is on
-_EXT: list[Any] = []  # rlk_core._C, once loaded
 _SLOTS: dict[str, int] = {}  # op -> its slot in _C.fast
 _CALL_SLOTS: dict[str, int] = {}  # the ops whose implementation is its checks, then run(op, device, *args)
 
 
-def extension_loaded(ext: Any) -> None:
+def extension_loaded() -> None:
     """Set the fast path up on the extension just loaded (:func:`rlk_core.ops._cuda_common.extension`)."""
-    _EXT[:] = [ext]
     fast_path(envs.get("RLK_FAST_PATH"))
 
 
@@ -124,9 +122,10 @@ def fast_path(enabled: bool) -> bool:
     whether it was on. Off, every call takes the Python path — the same backend and bits (for benchmarks and
     tests that compare the two)."""
     was = _FAST[0] is not None
-    if enabled and _EXT:
-        _EXT[0].fast_init(_readback_scope, _MISS, sorted(_PLAIN, key=lambda c: c.__qualname__))
-        _FAST[0] = _EXT[0].fast
+    ext = _cc._EXT  # rlk_core._C, once loaded
+    if enabled and ext:
+        ext[0].fast_init(_readback_scope, _MISS, sorted(_PLAIN, key=lambda c: c.__qualname__))
+        _FAST[0] = ext[0].fast
     else:
         _FAST[0] = None
         fast_reset()
@@ -135,8 +134,8 @@ def fast_path(enabled: bool) -> bool:
 
 def fast_reset() -> None:
     """Forget what the fast path learnt (see above); a no-op before the extension is loaded."""
-    if _EXT:
-        _EXT[0].fast_reset()
+    if _cc._EXT:
+        _cc._EXT[0].fast_reset()
 
 
 REGISTRY.on_change(fast_reset)
@@ -151,19 +150,18 @@ def _run_teaching(op: str, backend: Any, mode: str, args: tuple) -> Any:
     try:
         out = backend.fn(*args)
     finally:
-        _cc.catch = outer
-    if outer is not None:
-        outer.append(None)
+        _cc.catch = outer  # (an outer backend call's catch already has this run()'s None)
     slot = _SLOTS.get(op, -1)
     lesson = _cc.lesson(args, out, seen) if slot >= 0 else None
     if lesson is not None:
         program, packed, mapping, extras, rebuild = lesson
-        _EXT[0].fast_teach(slot, program, packed, mapping, extras, rebuild, *args)
+        ext = _cc._EXT[0]
+        ext.fast_teach(slot, program, packed, mapping, extras, rebuild, *args)
         scope = _readback_scope.get()
         if scope is not None:
             record = scope.recorder.repeat_record(scope.module, op, backend.id, backend.contract_id, mode)
             if record is not None:
-                _EXT[0].fast_scope(scope, slot, mode == "graph", record)
+                ext.fast_scope(scope, slot, mode == "graph", record)
     return out
 
 
