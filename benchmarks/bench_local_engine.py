@@ -108,7 +108,40 @@ def summarize(keep: Path) -> dict:
         "batch_composition_changes": sum(r["batch_composition_changes"] for r in metrics),
         "rollout_seconds": sum(r["rollout_seconds"] for r in metrics),
         "train_seconds": sum(r["train_seconds"] for r in metrics),
+        "per_round": per_round(metrics),
+        **{f"{phase}_stability": stability(metrics, phase) for phase in ("rollout", "train")},
     }
+
+
+def per_round(metrics: list[dict]) -> list[dict]:
+    """Each round's seconds, tokens/s and Triton JIT compiles (compiled / loaded from Triton's cache) per phase."""
+    from rlk_repro.jitwatch import counts as jit_counts
+
+    rows = []
+    for r in metrics:
+        row = {"round": r["round"]}
+        for phase in ("rollout", "train"):
+            row[f"{phase}_s"] = r[f"{phase}_seconds"]
+            row[f"{phase}_tok_s"] = r[f"{phase}_tokens_per_s"]
+            if "triton_jit" in r:  # (rows of runs before rlk_repro.jitwatch have no record)
+                row[f"{phase}_jit"] = jit_counts(r["triton_jit"], phase)
+        rows.append(row)
+    return rows
+
+
+def stability(metrics: list[dict], phase: str) -> dict:
+    """Issue 21's JIT-dip criterion for one phase: every round after round 0 at >= 0.9x of the median tokens/s of
+    those rounds (``slowest_vs_median``); round 0 (CUDA / cuBLAS warm-up in every mode, plus whatever compiles)
+    reported beside it against the same median."""
+    rates = [r[f"{phase}_tokens_per_s"] for r in metrics]
+    later = sorted(rates[1:])
+    if not later:
+        return {}
+    n = len(later)
+    median = later[n // 2] if n % 2 else (later[n // 2 - 1] + later[n // 2]) / 2
+    return {"median_tok_s": median, "slowest_vs_median": later[0] / median,
+            "slowest_round": 1 + rates[1:].index(later[0]), "round0_vs_median": rates[0] / median,
+            "rounds_below_0.9x": [i for i, v in enumerate(rates) if i and v < 0.9 * median]}
 
 
 def write_summary(rows: list[dict], env: dict, copy: dict, args: dict) -> dict:
@@ -124,7 +157,35 @@ def write_summary(rows: list[dict], env: dict, copy: dict, args: dict) -> dict:
                    ("mismatch_count", "mismatches"), ("max_abs_diff", "max abs diff"),
                    ("validate_verdict", "rlk-validate"), ("rollout_tok_s", "rollout tok/s"),
                    ("train_tok_s", "train tok/s"), ("peak_memory_gib", "peak GiB")])
+    md = Path(default_out_dir()) / "local_engine.md"
+    md.write_text(md.read_text() + per_round_markdown(rows))
     return ratios
+
+
+def per_round_markdown(rows: list[dict]) -> str:
+    """The per-round tables and the JIT-dip criterion of each mode (appended to local_engine.md)."""
+    out = ["", "Throughput is tokens / seconds pooled over the rounds after round 0 (round 0: CUDA and cuBLAS "
+           "warm-up, and whatever kernels compile).", ""]
+    for r in rows:
+        if "per_round" not in r:
+            continue
+        out += [f"## {r['mode']}: per round", ""]
+        for phase in ("rollout", "train"):
+            st = r.get(f"{phase}_stability") or {}
+            if st:
+                out.append(f"- {phase}: slowest round after round 0 (round {st['slowest_round']}) at "
+                           f"{st['slowest_vs_median']:.2f}x of their median ({st['median_tok_s']:.4g} tok/s); "
+                           f"rounds below 0.9x: {st['rounds_below_0.9x'] or 'none'}; round 0 at "
+                           f"{st['round0_vs_median']:.2f}x")
+        out += ["", "| round | rollout s | rollout tok/s | rollout JIT (compiled / loaded) | train s | train tok/s "
+                "| train JIT (compiled / loaded) |", "|---|---|---|---|---|---|---|"]
+        for p in r["per_round"]:
+            jit = {ph: "{} / {}".format(*p[f"{ph}_jit"]) if f"{ph}_jit" in p else "not recorded"
+                   for ph in ("rollout", "train")}
+            out.append(f"| {p['round']} | {p['rollout_s']:.2f} | {p['rollout_tok_s']:.4g} | {jit['rollout']} | "
+                       f"{p['train_s']:.2f} | {p['train_tok_s']:.4g} | {jit['train']} |")
+        out.append("")
+    return "\n".join(out)
 
 
 def main() -> int:

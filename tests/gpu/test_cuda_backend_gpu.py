@@ -439,11 +439,23 @@ def aot_triton_cache():
     if not folder.is_dir():
         pytest.fail(f"no {folder}: build with `RLK_BUILD_EXT=1 python setup.py build_ext --inplace` in "
                     "packages/rlk-core (it writes the AOT build's Triton cache there)")
-    hits: list[bool] = []
+    compiles: list[tuple[bool, str]] = []  # (cache hit, what was compiled)
     with triton.knobs.cache.scope(), triton.knobs.compilation.scope():
         triton.knobs.cache.dir = str(folder)
-        triton.knobs.compilation.listener = lambda **kw: hits.append(bool(kw["cache_hit"]))
-        yield hits
+        triton.knobs.compilation.listener = lambda **kw: compiles.append((bool(kw["cache_hit"]), _compiled(kw["src"])))
+        yield compiles
+
+
+def _compiled(src) -> str:
+    """A JIT compile named for a failure message: kernel, constexprs, the arguments marked divisible by 16."""
+    names = list(src.signature)
+    divisible = sorted(names[k[0]] for k, v in src.attrs.items() if ["tt.divisibility", 16] in v and len(k) == 1)
+    return f"{src.name} {src.constants} D16={divisible}"
+
+
+def _missed(compiles: list[tuple[bool, str]]) -> str:
+    missed = [what for hit, what in compiles if not hit]
+    return f"{len(missed)} of {len(compiles)} JIT compiles missed the AOT build's cache: {missed[:4]}"
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
@@ -479,7 +491,7 @@ def test_every_served_attention_and_logp_variant_is_bitwise_triton(family, ran_p
     want = set().union(*(_manifest_cubins(op, {"aligned"}) for op in ops))
     assert served and ran_programs == want, (f"never run: {sorted(want - ran_programs)[:5]}; "
                                              f"unexpected: {sorted(ran_programs - want)[:5]}")
-    assert all(aot_triton_cache), f"{aot_triton_cache.count(False)} JIT compiles missed the AOT build's cache"
+    assert all(hit for hit, _ in aot_triton_cache), _missed(aot_triton_cache)
 
 
 def test_an_independent_jit_compile_gives_the_same_bits(tmp_path):
@@ -659,7 +671,7 @@ def test_every_served_backward_variant_is_bitwise_triton(family, ran_programs, a
     want = _manifest_cubins(family, {"aligned"})
     assert served and ran_programs == want, (f"never run: {sorted(want - ran_programs)[:5]}; "
                                              f"unexpected: {sorted(ran_programs - want)[:5]}")
-    assert all(aot_triton_cache), f"{aot_triton_cache.count(False)} JIT compiles missed the AOT build's cache"
+    assert all(hit for hit, _ in aot_triton_cache), _missed(aot_triton_cache)
 
 
 def _train_step_backward_calls() -> list[tuple[str, tuple]]:

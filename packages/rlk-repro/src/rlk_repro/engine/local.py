@@ -24,6 +24,8 @@ from rlk_repro.engine.data import encode, load_prompts, prompts_sha256, reward
 from rlk_repro.engine.rollout import Request, RolloutEngine
 from rlk_repro.engine.sampling import SamplingParams
 from rlk_repro.engine.trainer import Sample, Trainer, group_advantages
+from rlk_repro.jitwatch import JitWatch
+from rlk_repro.jitwatch import counts as jit_counts
 from rlk_repro.model.config import PRESETS, Qwen3Config
 from rlk_repro.model.ops import Ops
 from rlk_repro.model.weights import load_checkpoint, random_weights, weights_sha256
@@ -176,17 +178,21 @@ def _run(cfg: LocalRunConfig, run_id: str, run_dir: Path, device: torch.device, 
     log.info("run %s: engine local, mode %s, plan %s, device %s, dtype %s", run_id, cfg.mode, cfg.plan.as_dict(),
              device, cfg.dtype)
     torch.manual_seed(cfg.seed)
-    ses = _start(cfg, run_id, run_dir, device, dtype)
-    runs.write_json_atomic(run_dir / "manifest.json", _manifest(cfg, run_id, ses, device))
-    rounds: list[dict[str, Any]] = []
-    all_changed = True
-    for rnd in range(cfg.rounds):
-        row = _round(cfg, ses, run_dir, rnd)
-        all_changed &= row["weights_changed"]
-        rounds.append(row)
-        for rec in ses.recorders:
-            rec.flush()
-    return _finish(cfg, ses, run_id, run_dir, rounds, all_changed)
+    watch = JitWatch()
+    try:
+        ses = _start(cfg, run_id, run_dir, device, dtype)
+        runs.write_json_atomic(run_dir / "manifest.json", _manifest(cfg, run_id, ses, device))
+        rounds: list[dict[str, Any]] = []
+        all_changed = True
+        for rnd in range(cfg.rounds):
+            row = _round(cfg, ses, run_dir, rnd, watch)
+            all_changed &= row["weights_changed"]
+            rounds.append(row)
+            for rec in ses.recorders:
+                rec.flush()
+        return _finish(cfg, ses, run_id, run_dir, rounds, all_changed)
+    finally:
+        watch.close()
 
 
 def _start(cfg: LocalRunConfig, run_id: str, run_dir: Path, device: torch.device, dtype: torch.dtype) -> _Session:
@@ -246,20 +252,23 @@ def _requests(cfg: LocalRunConfig, ses: _Session, rnd: int) -> tuple[list[int], 
     return chosen, requests
 
 
-def _round(cfg: LocalRunConfig, ses: _Session, run_dir: Path, rnd: int) -> dict[str, Any]:
+def _round(cfg: LocalRunConfig, ses: _Session, run_dir: Path, rnd: int, watch: JitWatch) -> dict[str, Any]:
     """One round: rollout, rewards, the train recompute + update, the comparison, the weight sync; writes the
-    round's train-data and metrics line and returns its summary row."""
+    round's train-data and metrics line (with the Triton compiles of each phase: ``watch``) and returns its
+    summary row."""
     n = cfg.samples_per_prompt
     chosen, requests = _requests(cfg, ses, rnd)
     bar = _progress(sum(r.params.max_new_tokens for r in requests), f"round {rnd} rollout")
-    stats = ses.engine.generate(requests, on_token=bar.update)
+    with watch.phase("rollout"):
+        stats = ses.engine.generate(requests, on_token=bar.update)
     bar.close()
 
     rewards = [reward(r.output, ses.prompts[chosen[i // n]].answer) for i, r in enumerate(requests)]
     adv = group_advantages(rewards, n)
     samples = [Sample(r.prompt, r.output, r.logprobs, a) for r, a in zip(requests, adv, strict=True)]
     bar = _progress(sum(len(r.prompt) + len(r.output) - 1 for r in requests), f"round {rnd} train")
-    res = ses.trainer.step(samples)
+    with watch.phase("train"):
+        res = ses.trainer.step(samples)
     bar.update(res.tokens)
     bar.close()
 
@@ -267,7 +276,8 @@ def _round(cfg: LocalRunConfig, ses: _Session, run_dir: Path, rnd: int) -> dict[
     cmp = runs.compare(torch.cat(roll), torch.cat([t.cpu() for t in res.train_logprobs]))
     runs.write_train_data(run_dir, rnd, 0, [r.prompt for r in requests], [r.output for r in requests], roll,
                           res.train_logprobs, rewards, adv)
-    changed = ses.engine.load_weights(ses.trainer.export_weights())
+    with watch.phase("sync"):
+        changed = ses.engine.load_weights(ses.trainer.export_weights())
     device = ses.trainer.device
     row = {
         **runs.round_metrics(rnd, cmp, rewards, res, stats.tokens, stats.generated, stats.seconds, device, changed,
@@ -276,12 +286,15 @@ def _round(cfg: LocalRunConfig, ses: _Session, run_dir: Path, rnd: int) -> dict[
         "max_batch": stats.max_batch, "chunked_prompts": stats.chunked_prompts,
         "decode_steps": stats.decode_calls, "prefill_steps": stats.prefill_calls,
         "eos_finished": sum(r.finish_reason == "eos" for r in requests),
+        "triton_jit": watch.take(),  # the round's JIT compiles per phase (round 0's "setup": model and engine)
     }
     runs.append_jsonl(run_dir / "metrics.jsonl", row)
     log.info("round %d: %d tokens compared, %d mismatches (max |diff| %.3g), reward %.3f, loss %.4g, "
-             "weights changed: %s, %d steps / %d composition changes, %d chunked prompts", rnd,
+             "weights changed: %s, %d steps / %d composition changes, %d chunked prompts; Triton JIT (compiled / "
+             "loaded from its cache): rollout %d / %d, train %d / %d", rnd,
              cmp["element_count"], cmp["mismatch_count"], cmp["max_abs_diff"], row["reward_mean"], res.loss,
-             changed, stats.steps, stats.composition_changes, stats.chunked_prompts)
+             changed, stats.steps, stats.composition_changes, stats.chunked_prompts,
+             *jit_counts(row["triton_jit"], "rollout"), *jit_counts(row["triton_jit"], "train"))
     return {"round": rnd, **cmp, **{k: row[k] for k in row if k not in cmp and k != "schema"}}
 
 
