@@ -31,6 +31,8 @@ from rlk_repro import runs
 from rlk_repro.engine.data import encode, load_prompts, prompts_sha256, vocab_reward
 from rlk_repro.engine.local import DTYPES, LocalRunConfig, LocalRunResult, load_model
 from rlk_repro.engine.trainer import Sample, group_advantages
+from rlk_repro.jitwatch import JitWatch
+from rlk_repro.jitwatch import counts as jit_counts
 from rlk_validate import evidence
 
 log = logging.getLogger("rlk_repro")
@@ -201,12 +203,20 @@ class _Run:
         self.lead = rank == 0
 
     def go(self) -> LocalRunResult:
+        cfg = self.cfg
+        log.info("run %s: engine frameworks, mode %s, plan %s, TP %d, device %s", self.run_id, cfg.mode,
+                 cfg.plan.as_dict(), cfg.tp, self.device)
+        self.watch = JitWatch()  # vLLM runs in this process too (VLLM_ENABLE_V1_MULTIPROCESSING=0): both sides seen
+        try:
+            return self._go()
+        finally:
+            self.watch.close()
+
+    def _go(self) -> LocalRunResult:
         from rlk_repro.engine.frameworks_megatron import MegatronTrainer, init_model_parallel
         from rlk_repro.engine.frameworks_vllm import VllmRollout, write_model_dir
 
         cfg = self.cfg
-        log.info("run %s: engine frameworks, mode %s, plan %s, TP %d, device %s", self.run_id, cfg.mode,
-                 cfg.plan.as_dict(), cfg.tp, self.device)
         torch.manual_seed(cfg.seed)
         self.model_cfg, weights, self.ckpt_hash = load_model(cfg)
         self.prompts = load_prompts()
@@ -289,26 +299,30 @@ class _Run:
     def _round(self, rnd: int) -> dict[str, Any]:
         cfg, n = self.cfg, self.cfg.samples_per_prompt
         chosen, seeds, limits = self._requests(rnd)
-        roll = self.vllm.generate([self.encoded[i] for i in chosen], seeds, limits, n, cfg.temperature)
+        with self.watch.phase("rollout"):
+            roll = self.vllm.generate([self.encoded[i] for i in chosen], seeds, limits, n, cfg.temperature)
         comps = roll.completions
         vocab = self.model_cfg.vocab_size
         rewards = [vocab_reward(c.tokens, self.prompts[chosen[c.prompt_index]].answer, vocab) for c in comps]
         adv = group_advantages(rewards, n)
         samples = [Sample(list(self.encoded[chosen[c.prompt_index]]), c.tokens, c.logprobs, a)
                    for c, a in zip(comps, adv, strict=True)]
-        res = self.trainer.step(samples)
+        with self.watch.phase("train"):
+            res = self.trainer.step(samples)
         roll_lp = [torch.tensor(c.logprobs, dtype=torch.float32) for c in comps]
         cmp = runs.compare(torch.cat(roll_lp), torch.cat(res.train_logprobs))
         if self.lead:
             runs.write_train_data(self.run_dir, rnd, 0, [s.prompt for s in samples], [c.tokens for c in comps],
                                   roll_lp, res.train_logprobs, rewards, adv)
-        sync = self.vllm.load_weights(self.trainer.hf_weights())
+        with self.watch.phase("sync"):
+            sync = self.vllm.load_weights(self.trainer.hf_weights())
         changed = sync["changed"] > 0
         row = {
             **runs.round_metrics(rnd, cmp, rewards, res, roll.prompt_tokens + roll.generated, roll.generated,
                                  roll.seconds, self.device, changed, len(comps)),
             "weight_sync_seconds": sync["seconds"], "vllm_parameters_changed": sync["changed"],
             "eos_finished": sum(c.finish_reason == "stop" for c in comps),
+            "triton_jit": self.watch.take(),  # this rank's JIT compiles per phase (round 0's "setup": start-up)
         }
         if self.lead:
             runs.append_jsonl(self.run_dir / "metrics.jsonl", row)
@@ -319,7 +333,9 @@ class _Run:
             _progress(f"round {rnd}: {cmp['element_count']} tokens compared, {cmp['mismatch_count']} differ; "
                       f"rollout {row['rollout_tokens_per_s']:.0f} tok/s ({roll.seconds:.1f} s), train "
                       f"{row['train_tokens_per_s']:.0f} tok/s ({res.seconds:.1f} s), weight sync "
-                      f"{sync['seconds']:.1f} s, vLLM parameters changed {sync['changed']}")
+                      f"{sync['seconds']:.1f} s, vLLM parameters changed {sync['changed']}; Triton JIT compiled / "
+                      f"loaded: rollout {'{} / {}'.format(*jit_counts(row['triton_jit'], 'rollout'))}, train "
+                      f"{'{} / {}'.format(*jit_counts(row['triton_jit'], 'train'))}")
         return {"round": rnd, **cmp, **{k: row[k] for k in row if k not in cmp and k != "schema"}}
 
     def _fallbacks(self) -> int:
