@@ -319,7 +319,7 @@ def logprob_paths(t: int = 64, vocab: int = 151936) -> list[tuple[str, str, Call
     """The sampler's ``token_logprobs`` on ``[t, vocab]`` bf16 logits (one temperature per row), and the
     vocab-parallel halves at TP 8 (``logp_partials`` of one shard, ``merge_logp_partials`` of the gathered
     partials): each backend directly and the public op."""
-    from rlk_core.ops import token_logprobs as tl
+    from rlk_core import ops as tl  # the public functions (rlk_core.ops.token_logprobs is the function there)
 
     logits = randn((t, vocab), seed=41)
     target = torch.randint(0, vocab, (t,), device="cuda")

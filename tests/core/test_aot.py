@@ -280,8 +280,9 @@ def _jit_keys_of_served(monkeypatch) -> tuple[list[tuple], list[tuple]]:
 
 
 def _jit_keys(cases, on_device=lambda launches: launches) -> tuple[list[tuple], list[tuple]]:
-    """``(served, declined)``: ``(compile key, op, call)`` of each launch rlk.triton makes (captured, not run;
-    ``on_device`` adjusts them to the GPU's) for the cases ``rlk.cuda`` must serve, and for those it must decline."""
+    """``(served, declined)``: ``(compile key, op, call, the call's dtype)`` of each launch rlk.triton makes (captured,
+    not run; ``on_device`` adjusts them to the GPU's) for the cases ``rlk.cuda`` must serve, and for those it must
+    decline."""
     from rlk_core.backends import REGISTRY
 
     served, declined = [], []
@@ -293,8 +294,18 @@ def _jit_keys(cases, on_device=lambda launches: launches) -> tuple[list[tuple], 
         with F.TritonLaunches() as cap:
             triton.fn(*args)
         for kernel, _, a, kw in on_device(cap.launches):
-            (served if want else declined).append((F.jit_compile_key(kernel, a, kw), op, K.describe(args)))
+            (served if want else declined).append((F.jit_compile_key(kernel, a, kw), op, K.describe(args),
+                                                   _call_dtype(args)))
     return served, declined
+
+
+def _call_dtype(args) -> torch.dtype:
+    """The dtype a build selection (``RLK_BUILD_DTYPES``) serves a call by: its first floating-point tensor's."""
+    for a in args:
+        for t in (a if isinstance(a, (list, tuple)) else [a]):
+            if isinstance(t, torch.Tensor) and t.is_floating_point():
+                return t.dtype
+    raise AssertionError("a call without a floating-point tensor")
 
 
 @pytest.fixture(scope="module")
@@ -307,10 +318,23 @@ def family_launches():
         mp.undo()
 
 
-def _built(ops=FAMILIES) -> dict[str, S.Spec]:
+def _built(ops=FAMILIES, dtypes=S.DTYPES) -> dict[str, S.Spec]:
     """The enumerated variants by Triton's compile key (``aot.build.compile_key``)."""
     build = importlib.import_module("rlk_core.aot.build")
-    return {build.compile_key(s): s for s in S.enumerate_specs(ops)}
+    return {build.compile_key(s): s for s in S.enumerate_specs(ops, dtypes)}
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", S.DTYPES, ids=str)
+def test_a_build_of_one_dtype_has_every_variant_its_calls_launch(family_launches, backward_launches, dtype):
+    """``RLK_BUILD_DTYPES=<one dtype>`` (what a GPU sitting builds): every launch of a served call of that dtype —
+    the fp32 log-prob merges of bf16 logits, the fp32 outputs of bf16 GEMMs — is in that build. (A bf16 build once
+    lacked the merges, and rlk.cuda declined every bf16 token_logprobs call.)"""
+    missing = []
+    for launches, ops in ((family_launches, FAMILIES), (backward_launches, BACKWARD)):
+        built = _built(ops, (dtype,))
+        missing += [(op, call) for key, op, call, dt in launches[0] if dt == dtype and key not in built]
+    assert not missing, missing[:5]
 
 
 @needs_triton
@@ -322,12 +346,12 @@ def test_every_launch_of_the_attention_and_logp_rules_finds_its_variant(family_l
     the sweep reaches every variant of these families, so that dropping any one makes this check fail."""
     served, declined = family_launches
     built = _built()
-    missing = [(op, call) for key, op, call in served if key not in built]
+    missing = [(op, call) for key, op, call, _ in served if key not in built]
     assert not missing, missing[:5]
-    unreached = {s.name for key, s in built.items() if key not in {k for k, _, _ in served}}
+    unreached = {s.name for key, s in built.items() if key not in {k for k, *_ in served}}
     assert not unreached, sorted(unreached)[:10]
     # the declined calls (head sizes, groups, layouts not built) each have a launch no variant is
-    assert declined and all(any(k not in built for k, o, c in declined if c == call) for _, _, call in declined)
+    assert declined and all(any(k not in built for k, o, c, _ in declined if c == call) for _, _, call, _ in declined)
 
 
 @needs_triton
@@ -341,7 +365,7 @@ def test_the_coverage_check_fails_when_the_enumerator_misses_a_case(family_launc
         with monkeypatch.context() as m:
             m.setattr(A, name, value)
             built = _built()
-            assert any(key not in built for key, _, _ in served), name
+            assert any(key not in built for key, *_ in served), name
 
 
 def test_variant_keys_are_unique():
@@ -452,12 +476,12 @@ def test_every_backward_launch_finds_its_variant(backward_launches):
     fail); each declined call has a launch no variant is."""
     served, declined = backward_launches
     built = _built(BACKWARD)
-    missing = [(op, call) for key, op, call in served if key not in built]
+    missing = [(op, call) for key, op, call, _ in served if key not in built]
     assert not missing, missing[:5]
-    unreached = {s.name for key, s in built.items() if key not in {k for k, _, _ in served}}
+    unreached = {s.name for key, s in built.items() if key not in {k for k, *_ in served}}
     assert not unreached, sorted(unreached)[:10]
-    assert declined and all(any(k not in built for k, o, c in declined if c == call) for _, _, call in declined)
-    assert {op for _, op, _ in served} == {"rms_norm_backward", "swiglu_backward", "rope_backward", "linear"}
+    assert declined and all(any(k not in built for k, o, c, _ in declined if c == call) for _, _, call, _ in declined)
+    assert {op for _, op, *_ in served} == {"rms_norm_backward", "swiglu_backward", "rope_backward", "linear"}
 
 
 def _drop_rms_h(m):
@@ -501,7 +525,7 @@ def test_the_backward_coverage_check_fails_when_the_enumerator_misses_a_case(bac
     served, _ = backward_launches
     drop(monkeypatch)
     built = _built(BACKWARD)
-    assert any(key not in built for key, _, _ in served)
+    assert any(key not in built for key, *_ in served)
 
 
 def test_rope_backward_enumerates_every_head_count():

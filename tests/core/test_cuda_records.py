@@ -273,3 +273,14 @@ def test_program_records_slices_and_buffers(fake):
     assert args[1][1] - args[1][2] == 4 * 8 * 4  # buf[1]: 32 floats in
     assert torch.isneginf(outs[0]).all() and torch.equal(outs[1], torch.zeros(4))
     assert calls.program((x,), (torch.empty(4),)) is None  # an output that is no buffer
+
+
+def test_a_packed_record_says_whether_it_allocates_an_output():
+    """``record_has_output`` reads the packed ``len(alloc)`` word (-1: the kernel writes into its inputs)."""
+    from rlk_core.ops import _cuda_common as cc
+
+    args = ((cc.T, 0), (cc.C, 7))
+    writes_inputs = cc.Launch(5, (3, 1, 1), None, (), 0, False, args).pack()
+    allocates = cc.Launch(5, (3, 1, 1), (4, 8), (4, 8), 0, True, args).pack()
+    assert cc.record_handle(writes_inputs) == cc.record_handle(allocates) == 5
+    assert not cc.record_has_output(writes_inputs) and cc.record_has_output(allocates)

@@ -47,7 +47,8 @@ def ran(monkeypatch_module):
 
     def recording_run(packed, *inputs):
         out = run(packed, *inputs)
-        if out is not None:  # None: nothing launched (the general code then launches, through _C.launch)
+        if out is not None or not cc.record_has_output(packed):  # else nothing launched (the general code then
+            # launches, through _C.launch); a record without an output (kv_cache_write) launches and returns None
             handle = cc.record_handle(packed)
             seen.add(next(c for (d, c), h in cc._HANDLES.items() if h == handle))
         return out
@@ -442,15 +443,24 @@ def aot_triton_cache():
     compiles: list[tuple[bool, str]] = []  # (cache hit, what was compiled)
     with triton.knobs.cache.scope(), triton.knobs.compilation.scope():
         triton.knobs.cache.dir = str(folder)
-        triton.knobs.compilation.listener = lambda **kw: compiles.append((bool(kw["cache_hit"]), _compiled(kw["src"])))
+        triton.knobs.compilation.listener = lambda **kw: compiles.append(
+            (bool(kw["cache_hit"]), f"{_compiled(kw['src'], kw['metadata'])} in {_CALL[0]}"))
         yield compiles
 
 
-def _compiled(src) -> str:
-    """A JIT compile named for a failure message: kernel, constexprs, the arguments marked divisible by 16."""
+_CALL = [""]  # the sweep call being run, for the compiles it makes
+
+
+def _compiled(src, metadata: dict) -> str:
+    """A JIT compile named for a failure message: kernel, constexprs, the pointer and descriptor types, the
+    arguments (or descriptor fields, ``name.i``) marked divisible by 16, and the compile options that differ."""
     names = list(src.signature)
-    divisible = sorted(names[k[0]] for k, v in src.attrs.items() if ["tt.divisibility", 16] in v and len(k) == 1)
-    return f"{src.name} {src.constants} D16={divisible}"
+    types = {n: t for n, t in src.signature.items() if str(t).startswith(("*", "tensordesc"))}
+    divisible = sorted(f"{names[k[0]]}{''.join(f'.{i}' for i in k[1:])}" for k, v in src.attrs.items()
+                       if ["tt.divisibility", 16] in v)
+    opts = {o: metadata.get(o) for o in ("num_warps", "num_stages", "num_ctas", "maxnreg", "enable_fp_fusion",
+                                          "launch_pdl")}
+    return f"{src.name} {src.constants} types={types} D16={divisible} {opts}"
 
 
 def _missed(compiles: list[tuple[bool, str]]) -> str:
@@ -483,6 +493,7 @@ def test_every_served_attention_and_logp_variant_is_bitwise_triton(family, ran_p
                 assert sel.backend.id == "rlk.triton" and sel.fallback_reason is None, (op, sel)
                 assert "rlk.cuda" in sel.route_reason, (op, sel)
             continue
+        _CALL[0] = f"{op} {K.describe(args)}"
         for _ in range(2):
             _same(op, args, cuda.fn, triton.fn)
         served += 1
@@ -665,6 +676,7 @@ def test_every_served_backward_variant_is_bitwise_triton(family, ran_programs, a
             sel = REGISTRY.select(op, "cuda", args, strict=True)
             assert sel.backend.id == "rlk.triton" and sel.fallback_reason is None, (op, sel)
             continue
+        _CALL[0] = f"{op} {K.describe(args)}"
         for _ in range(2):
             _same(op, args, cuda.fn, triton.fn)
         served += 1

@@ -44,8 +44,9 @@ def test_compiles_and_cache_loads_are_counted_per_phase(tmp_path):
         _compile(256)
         assert seen == [False, True, False, False]  # the previous listener is back, alone
     assert counts(got, "train") == (1, 0) and counts(got, "rollout") == (0, 1) and counts(got, "setup") == (1, 0)
-    assert got["train"]["compiled_kernels"] == ["_jitwatch_probe_kernel"]
-    assert got["rollout"]["loaded_kernels"] == ["_jitwatch_probe_kernel"]
+    assert got["train"]["compiled_kernels"] == ["_jitwatch_probe_kernel[BLOCK=64]"]
+    assert got["rollout"]["loaded_kernels"] == ["_jitwatch_probe_kernel[BLOCK=64]"]
+    assert got["setup"]["compiled_kernels"] == ["_jitwatch_probe_kernel[BLOCK=128]"]
     assert got["train"]["compile_s"] > 0
     assert watch.take() == {}  # taken once
     assert counts(None, "train") == (0, 0) and counts({}, "rollout") == (0, 0)

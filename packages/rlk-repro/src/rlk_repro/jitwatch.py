@@ -44,8 +44,7 @@ class JitWatch:
     def _listen(self, *, src: Any, metadata: dict[str, Any], metadata_group: Any, times: Any,
                 cache_hit: bool) -> None:
         micros = times.ir_initialization + times.total_lowering + times.store_results
-        self._events.append((self._phase, str(getattr(src, "name", metadata.get("name", "?"))), bool(cache_hit),
-                             micros / 1e6))
+        self._events.append((self._phase, describe(src, metadata), bool(cache_hit), micros / 1e6))
         if self._previous is not None:
             self._previous(src=src, metadata=metadata, metadata_group=metadata_group, times=times,
                            cache_hit=cache_hit)
@@ -82,6 +81,17 @@ class JitWatch:
         if self._knobs is not None and self._knobs.listener == self._listen:
             self._knobs.listener = self._previous
         self._knobs = None
+
+
+def describe(src: Any, metadata: dict[str, Any]) -> str:
+    """``kernel[NAME=value, ...]``: a compile's kernel and its constexprs (the variant it is)."""
+    name = str(getattr(src, "name", None) or metadata.get("name", "?"))
+    try:
+        args = src.fn.arg_names
+        consts = ", ".join(f"{args[k[0]]}={v}" for k, v in sorted(src.constants.items()) if len(k) == 1)
+    except (AttributeError, IndexError, TypeError):
+        return name
+    return f"{name}[{consts}]" if consts else name
 
 
 def counts(jit: dict[str, dict[str, Any]] | None, phase: str) -> tuple[int, int]:

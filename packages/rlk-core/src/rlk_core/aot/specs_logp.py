@@ -86,7 +86,9 @@ def aligned_partials(groups: int, p: int) -> bool:
 
 
 def logp_specs(dtype: torch.dtype) -> list[Spec]:
-    """Every variant above whose logits dtype is ``dtype`` (the fp32 merges with the fp32 logits)."""
+    """Every variant above a ``dtype`` logits call launches: its leaf-block and gradient variants, and the merges —
+    fp32 whatever the logits dtype, so every dtype's list has them (``enumerate_specs`` keeps one of each; a build
+    of bf16 alone once left them out, and rlk.cuda declined every bf16 ``token_logprobs`` call)."""
     from rlk_core.ops.token_logprobs import triton as tt
 
     out = []
@@ -94,20 +96,18 @@ def logp_specs(dtype: torch.dtype) -> list[Spec]:
         for slot0 in (0, 1, 3):  # a multiple of 16, one, neither: the three classes of a chunk's first slot
             out.append(block_spec(dtype, target, slot0))
         out.append(grad_spec(dtype, target))
-    if dtype == torch.float32:
-        seen: dict[tuple, Spec] = {}
-        p = 1
-        while p <= tt.MAX_PADDED_BLOCKS:
-            for g in range(1, tt.L.GROUPS + 1):
-                if aligned_partials(g, p):
-                    s = merge_blocks_spec(g, p)
-                    seen.setdefault(s.key, s)
-            p *= 2
-        for k in range(1, tt.L.GROUPS + 1):
-            s = merge_groups_spec(k)
-            seen.setdefault(s.key, s)
-        out += list(seen.values())
-    return out
+    seen: dict[tuple, Spec] = {}
+    p = 1
+    while p <= tt.MAX_PADDED_BLOCKS:
+        for g in range(1, tt.L.GROUPS + 1):
+            if aligned_partials(g, p):
+                s = merge_blocks_spec(g, p)
+                seen.setdefault(s.key, s)
+        p *= 2
+    for k in range(1, tt.L.GROUPS + 1):
+        s = merge_groups_spec(k)
+        seen.setdefault(s.key, s)
+    return out + list(seen.values())
 
 
 def not_built() -> list[dict[str, str]]:

@@ -439,6 +439,12 @@ def record_handle(packed: bytes) -> int:
     return array("q", packed[:8])[0]
 
 
+def record_has_output(packed: bytes) -> bool:
+    """Whether a packed :class:`Launch` allocates an output (else ``_C.run`` launches it and returns None: an op
+    that writes into its arguments, ``kv_cache_write``)."""
+    return array("q", packed[48:56])[0] != -1
+
+
 _RECORD_CACHES: list[dict] = []
 
 
