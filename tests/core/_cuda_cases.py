@@ -172,12 +172,13 @@ def logprob_cases(device, dtypes=DTYPES, rows=(5, 17)) -> Iterator[Case]:
     yield "token_logprobs", ([x], tgt, one), False
     wide = _rand((3, 32000 + 64), torch.bfloat16, device, gen)
     yield "token_logprobs", ([wide[:, 1:32001]], tgt, one), False  # rows at a 2-byte offset
-    # logp_partials: P = padded blocks per group, shards of g groups (the merge's every stride class)
-    p = 1
+    # logp_partials: P = padded blocks per group, shards of g groups (the merge's every stride class), logits of the
+    # first dtype asked for (the merges are fp32 whatever the logits: a build of that dtype alone serves these)
+    p, first = 1, tuple(dtypes)[0]
     while p <= 4096:
         vocab = 8 * 256 * p
         for g in (1, 2, 3, 8) if p in (1, 16, 4096) else (1, 8):
-            x = torch.empty((2, g * 256 * p), dtype=torch.float32, device=device).normal_(generator=gen)
+            x = torch.empty((2, g * 256 * p), dtype=first, device=device).normal_(generator=gen)
             tgt = torch.tensor([0, g * 256 * p - 1], device=device)
             yield "logp_partials", (x, tgt, torch.ones(2, device=device), 0, vocab), (g * p) % 16 == 0 and p % 4 == 0
         p *= 2
