@@ -62,6 +62,25 @@ def test_audit_mode_records_the_fallback_with_its_reason(tmp_path):
     assert doc["target"] == "rollout" and doc["mode"] == "audit"
 
 
+def test_a_peer_backends_calls_keep_the_first_reason_the_preferred_one_declined_them(tmp_path):
+    """Calls the preferred backend declined (its ``same_bits_as`` peer ran them, no fallback) are counted under
+    ``provenance.other_backends`` with the first such route reason per backend; the document still validates."""
+    from rlk_core.readback import note_op_call
+
+    rec = ReadbackRecorder("local", "rollout", RoutePlan("R/R", "R/R", "R/R"), mode="strict", directory=tmp_path)
+    with rec.scope("attention"):
+        note_op_call("attention_paged_prefill", "rlk.cuda", "rlk.attn.v1", None, "eager")
+        for why in ("rlk.cuda declined: block_table stride 7", "rlk.cuda declined: another reason"):
+            note_op_call("attention_paged_prefill", "rlk.triton", "rlk.attn.v1", None, "eager", None, why)
+        note_op_call("attention_paged_prefill", "rlk.cuda", "rlk.attn.v1", None, "eager")
+    doc = rec.to_dict()
+    _validate(doc)
+    r = doc["modules"]["attention"]["ops"]["attention_paged_prefill"]
+    assert r["backend_id"] == "rlk.cuda" and r["call_count"] == 4
+    assert r["provenance"] == {"other_backends": {"rlk.triton": 2},
+                               "route_reasons": {"rlk.triton": "rlk.cuda declined: block_table stride 7"}}
+
+
 def test_repeated_reports_count_per_mode_and_the_policy_still_sees_what_changes(caplog):
     """A report that passed the policy before is only counted again (note_op_call's first step); a new execution
     mode, provenance or a fallback still goes through :meth:`ReadbackRecorder.count`, and a report that violates

@@ -168,7 +168,11 @@ class ReadbackRecorder:
         fallback_reason: str | None = None,
         execution_mode: str = "eager",
         provenance: dict[str, Any] | None = None,
+        route_reason: str | None = None,
     ) -> None:
+        """Count one call of ``op`` in ``module``. ``route_reason``: why the registry's preferred backend did not
+        run it (a ``same_bits_as`` peer did, no fallback) — the first one per backend is kept in the op record's
+        ``provenance.route_reasons``, so a readback says why e.g. rlk.triton ran calls beside rlk.cuda."""
         if fallback_reason is None and not provenance and self._repeat(module, op, backend_id, contract_id,
                                                                         execution_mode):
             return
@@ -195,6 +199,8 @@ class ReadbackRecorder:
                 other[backend_id] = other.get(backend_id, 0) + 1
             rec.call_count += 1
             rec.modes.add(execution_mode)
+            if route_reason is not None:
+                rec.provenance.setdefault("route_reasons", {}).setdefault(backend_id, route_reason[:400])
             if fallback_reason is not None:
                 rec.fallback, rec.fallback_reason = True, fallback_reason
             if provenance:
@@ -316,9 +322,10 @@ class ReadbackRecorder:
 
 
 def note_op_call(op: str, backend_id: str, contract_id: str, fallback_reason: str | None,
-                 execution_mode: str, provenance: dict[str, Any] | None = None) -> None:
+                 execution_mode: str, provenance: dict[str, Any] | None = None,
+                 route_reason: str | None = None) -> None:
     """Called by every rlk op and collective once per call: count it in the active scope (with
-    ``provenance`` such as a collective's world size), apply the policy."""
+    ``provenance`` such as a collective's world size, and the selection's ``route_reason``), apply the policy."""
     scope = _ACTIVE.get()
     if scope is not None:
         recorder = scope.recorder
@@ -326,7 +333,7 @@ def note_op_call(op: str, backend_id: str, contract_id: str, fallback_reason: st
                                                                                contract_id, execution_mode):
             return  # count's first step without its keyword arguments (once per op call)
         recorder.count(scope.module, op, backend_id, contract_id, fallback_reason=fallback_reason,
-                       execution_mode=execution_mode, provenance=provenance)
+                       execution_mode=execution_mode, provenance=provenance, route_reason=route_reason)
     elif fallback_reason is not None and envs.current("RL_KERNEL_MODE") == "strict":
         raise RlkPolicyError(f"op {op!r} fell back to {backend_id!r} in strict mode: {fallback_reason}")
 

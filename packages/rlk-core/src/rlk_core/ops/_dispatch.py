@@ -90,7 +90,7 @@ def run(op: str, device: torch.device, *args: Any) -> Any:
     # _stream_capturing: what torch.cuda.is_current_stream_capturing() returns, less its Python frame (a dummy
     # on a torch without CUDA, never called there)
     mode = "graph" if device_type == "cuda" and _stream_capturing() else "eager"
-    note_op_call(op, backend.id, backend.contract_id, selection.fallback_reason, mode)
+    note_op_call(op, backend.id, backend.contract_id, selection.fallback_reason, mode, None, selection.route_reason)
     if fast is None or backend.id != _cc.BACKEND_ID or selection.fallback_reason is not None:
         return backend.fn(*args)
     return _run_teaching(op, backend, mode, args)
