@@ -203,10 +203,14 @@ class RolloutEngine:
         pos_t = torch.tensor(pos, device=dev, dtype=torch.long)
         slots_t = torch.tensor(slots, device=dev, dtype=torch.long)
         width = max(len(r.blocks) for r, _ in batch)
-        table = torch.tensor([r.blocks + [0] * (width - len(r.blocks)) for r, _ in batch], device=dev,
-                             dtype=torch.int32)
         seq_lens_host = [r.num_computed + n for r, n in batch]
-        seq_lens = torch.tensor(seq_lens_host, device=dev, dtype=torch.int32)
+        # the decode and the prefill halves' block tables and lengths each in their own tensor: a row slice of one
+        # shared tensor starts at any 4-byte offset, a pointer the kernels (rlk.cuda's AOT variants as the JIT's)
+        # specialise on (a misaligned one is another JIT binary: rlk.triton compiles it mid-run)
+        tables = [torch.tensor([r.blocks + [0] * (width - len(r.blocks)) for r, _ in part], device=dev,
+                               dtype=torch.int32) if part else None for part in (dec, pre)]
+        lens = [torch.tensor(seq_lens_host[a:b], device=dev, dtype=torch.int32) if b > a else None
+                for a, b in ((0, nd), (nd, len(batch)))]
         q_lens = [n for _, n in pre]
         cu_q = torch.tensor([0, *torch.tensor(q_lens, dtype=torch.int64).cumsum(0).tolist()], device=dev,
                             dtype=torch.int32)
@@ -219,10 +223,10 @@ class RolloutEngine:
             ops.kv_cache_write(k, v, kc, vc, slots_t)
             parts = []
             if dec:
-                parts.append(ops.attention_decode(q[:nd], kc, vc, table[:nd], seq_lens[:nd], seq_lens_host[:nd],
+                parts.append(ops.attention_decode(q[:nd], kc, vc, tables[0], lens[0], seq_lens_host[:nd],
                                                   self.scale))
             if pre:
-                parts.append(ops.attention_paged_prefill(q[nd:], kc, vc, table[nd:], cu_q, seq_lens[nd:], q_lens,
+                parts.append(ops.attention_paged_prefill(q[nd:], kc, vc, tables[1], cu_q, lens[1], q_lens,
                                                          seq_lens_host[nd:], self.scale))
             o = torch.cat(parts) if len(parts) > 1 else parts[0]
             h = h + qwen3.attention_out(ops, w, layer, o)
