@@ -500,8 +500,12 @@ def test_every_served_attention_and_logp_variant_is_bitwise_triton(family, ran_p
     ops = {"attention": {"attention"}, "kv_cache_write": {"kv_cache_write"},
            "attention_backward": {"attention_backward"}, "logp": {"logp"}}[family]
     want = set().union(*(_manifest_cubins(op, {"aligned"}) for op in ops))
-    assert served and ran_programs == want, (f"never run: {sorted(want - ran_programs)[:5]}; "
-                                             f"unexpected: {sorted(ran_programs - want)[:5]}")
+    # linear_logprobs' chunk logits come from the public linear op, which rlk.cuda serves with the linear family's
+    # cubins (checked by that family's own test): they may run here, nothing else outside the family may
+    also = _manifest_cubins("linear", set(S.LAYOUTS)) if family == "logp" else set()
+    unexpected = ran_programs - want - also
+    assert served and want <= ran_programs and not unexpected, (f"never run: {sorted(want - ran_programs)[:5]}; "
+                                                                f"unexpected: {sorted(unexpected)[:5]}")
     assert all(hit for hit, _ in aot_triton_cache), _missed(aot_triton_cache)
 
 
