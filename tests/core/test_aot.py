@@ -628,3 +628,30 @@ def test_a_gfx942_build_writes_code_objects_whose_metadata_reads_back(tmp_path):
                                    "gfx942") is not None
     with pytest.raises(ValueError, match="only"):
         B.build("hip:gfx942", tmp_path / "linear", S.enumerate_specs(("linear",), (torch.bfloat16,))[:1], jobs=1)
+
+
+# -- cuda:100: sm_100 cubins (built and checked on the CPU; not served until a B200 runs the GPU suite) --------------
+def test_an_sm100_build_writes_cubins_for_sm100_that_rlk_cuda_does_not_serve_yet(tmp_path):
+    """Triton's bundled ptxas compiles the row-wise, GEMM (persistent TMA, 148 SMs as on a B200) and log-prob
+    variants for sm_100 on this machine: each cubin is a CUDA ELF for sm_100 with its kernel's symbol, the check
+    refuses it as sm_90 (and an sm_90 build's cubin as sm_100), and rlk.cuda maps no device to the target."""
+    pytest.importorskip("triton")
+    from rlk_core.ops import _cuda_common as cc
+
+    B = importlib.import_module("rlk_core.aot.build")
+    specs = [next(s for s in S.enumerate_specs(("rms_norm",), (torch.bfloat16,)) if s.layout == "aligned"),
+             next(s for s in S.enumerate_specs(("linear",), (torch.bfloat16,), sms=148)
+                  if s.kernel == "_linear_tma_kernel"),
+             next(s for s in S.enumerate_specs(("logp",), (torch.bfloat16,)) if s.kernel == "_merge_groups_kernel")]
+    m = B.build("cuda:100", tmp_path / "sm100", specs, sms=148, jobs=1)
+    assert m["target"] == "cuda:100" and not m["failed"] and len(m["kernels"]) == 3 and "not launched" in m["note"]
+    for e in m["kernels"]:
+        blob = (tmp_path / "sm100" / e["cubin"]).read_bytes()
+        assert B.cubin_sm(blob) == 100 and B.check_cubin(blob, e["function"], 100) is None
+        assert B.check_cubin(blob, e["function"], 90) is not None
+        assert B.check_cubin(blob, "_no_such_kernel", 100) is not None
+    m90 = B.build("cuda:90", tmp_path / "sm90", specs[:1], jobs=1)
+    blob90 = (tmp_path / "sm90" / m90["kernels"][0]["cubin"]).read_bytes()
+    assert B.cubin_sm(blob90) == 90 and B.check_cubin(blob90, m90["kernels"][0]["function"], 100) is not None
+    assert B.cubin_sm(b"\x7fELF" + bytes(60)) is None  # not a CUDA ELF
+    assert "cuda:100" not in cc.TARGETS.values() and B.SERVED == ("cuda:90",)

@@ -173,8 +173,9 @@ ENV_VARS: tuple[EnvVar, ...] = (
     EnvVar("RLK_BUILD_TARGETS", _targets, ("cuda:90",),
            "Build time: the AOT targets whose cubins setup.py builds into rlk_core/_aot/<target>/ with the "
            "extension (rlk_core.aot.build.TARGETS); empty string: the default. hip:gfx942 builds the row-wise "
-           "families' AMD code objects (nothing launches them yet: docs/rocm.md).",
-           allowed_doc="comma-separated targets, e.g. `cuda:90`, `cuda:90,hip:gfx942`"),
+           "families' AMD code objects (nothing launches them yet: docs/rocm.md); cuda:100 the sm_100 cubins (built "
+           "and checked, not launched until a B200 has run the GPU suite: docs/compiled-ops.md).",
+           allowed_doc="comma-separated targets, e.g. `cuda:90`, `cuda:90,hip:gfx942`, `cuda:90,cuda:100`"),
     EnvVar("RLK_BUILD_OPS", _names, None,
            "Build time: the op families whose AOT cubins setup.py builds (python -m rlk_core.aot build --ops; "
            "rlk_core.aot.OPS). Unset: all. Ops of a family left out run on rlk.triton.",

@@ -18,7 +18,8 @@ def main(argv: list[str] | None = None) -> int:
         s = sub.add_parser(name)
         s.add_argument("--ops", default=None, help=f"comma-separated, of {OPS} (default: all; on a hip target the "
                        "families it can take, rlk_core.aot.build.HIP_OPS)")
-        s.add_argument("--sms", type=int, default=DEFAULT_SMS, help="SM count: the persistent GEMM's NUM_PROGRAMS")
+        s.add_argument("--sms", type=int, default=None, help="SM count: the persistent GEMM's NUM_PROGRAMS (default: "
+                       f"the target's, rlk_core.aot.build.TARGET_SMS; else {DEFAULT_SMS})")
         s.add_argument("--dtypes", default="bf16,fp16,fp32", help="comma-separated, of bf16, fp16, fp32")
         s.add_argument("--layouts", default=",".join(LAYOUTS), help=f"comma-separated, of {LAYOUTS}")
         if name == "build":
@@ -34,6 +35,10 @@ def main(argv: list[str] | None = None) -> int:
 
     if a.ops is None:
         a.ops = ",".join(HIP_OPS if getattr(a, "target", "").startswith("hip:") else OPS)
+    if a.sms is None:
+        from rlk_core.aot.build import TARGET_SMS
+
+        a.sms = TARGET_SMS.get(getattr(a, "target", "cuda:90"), DEFAULT_SMS)
 
     by_name = {v: k for k, v in TRITON_TYPE.items()}
     dtypes = [by_name[d] for d in a.dtypes.split(",") if d]

@@ -36,11 +36,38 @@ from rlk_core.aot.specs import DEFAULT_SMS, DTYPES, LAYOUTS, OPS, TRITON_TYPE, S
 
 MANIFEST = "manifest.json"
 FORMAT = 1
-TARGETS = {"cuda:90": ("cuda", 90, 32), "hip:gfx942": ("hip", "gfx942", 64)}
+TARGETS = {"cuda:90": ("cuda", 90, 32), "cuda:100": ("cuda", 100, 32), "hip:gfx942": ("hip", "gfx942", 64)}
+# targets rlk.cuda launches (rlk_core.ops._cuda_common.TARGETS): the others are built and checked, not served, until a
+# device of that target has run the GPU suite on them (the CLI builds cuda:100 for 148 SMs, a B200: TARGET_SMS)
+SERVED = ("cuda:90",)
+TARGET_SMS = {"cuda:90": DEFAULT_SMS, "cuda:100": 148}  # the CLI's default --sms: the H200's 132, the B200's 148
 # families whose kernels a hip target can take as they are: no TMA, no NVIDIA-only instruction, configs that do
 # not depend on the device (the GEMM, attention and log-prob rules are tuned for the H200 and use TMA / PDL)
 HIP_OPS = ("rms_norm", "swiglu", "rope")
 ELF_MACHINE_AMDGPU = 224
+ELF_MACHINE_CUDA = 190
+ELF_OSABI_CUDA_V2 = 0x41  # the cubin ELF layout of CUDA 12.8+ (sm_100 and later): the SM in e_flags bits 8-15
+
+
+def cubin_sm(binary: bytes) -> int | None:
+    """The SM architecture a cubin is for (90, 100, ...) from its ELF header, or None where it is not a CUDA ELF."""
+    if binary[:4] != b"\x7fELF" or int.from_bytes(binary[18:20], "little") != ELF_MACHINE_CUDA:
+        return None
+    flags = int.from_bytes(binary[48:52], "little")
+    return (flags >> 8) & 0xFF if binary[7] == ELF_OSABI_CUDA_V2 else flags & 0xFF
+
+
+def check_cubin(binary: bytes, function: str, sm: int) -> str | None:
+    """Why a cubin is not what the manifest says, or None: a CUDA ELF (``e_machine`` 190) for ``sm_<sm>`` holding the
+    kernel's symbol (what ``cuModuleGetFunction`` looks up)."""
+    got = cubin_sm(binary)
+    if got is None:
+        return "not a CUDA ELF file"
+    if got != sm:
+        return f"the cubin is for sm_{got}, not sm_{sm}"
+    if function.encode() + b"\0" not in binary:
+        return f"no symbol {function!r} in the cubin"
+    return None
 
 
 def check_code_object(binary: bytes, function: str, arch: str) -> str | None:
@@ -221,6 +248,10 @@ def compile_spec(spec: Spec, target: str = "cuda:90",
             entry["error"] = f"cubin has {n_ptx} parameters, the manifest's list {len(params)}"
             return entry, None
         cubin, suffix = compiled.asm["cubin"], ".cubin"
+        problem = check_cubin(cubin, md.name, arch)
+        if problem is not None:
+            entry["error"] = problem
+            return entry, None
     entry.update({
         "cubin": name + suffix, "function": md.name, "params": params,
         "shared_bytes": md.shared, "num_ctas": md.num_ctas, "cluster_dims": list(getattr(md, "cluster_dims", ()) or ()),
@@ -296,7 +327,10 @@ def build(target: str = "cuda:90", out_dir: str | os.PathLike = "aot-build", spe
     manifest = {
         "format": FORMAT, "target": target, "triton_version": triton.__version__, "sms": sms,
         "note": ("built ahead of time by rlk_core.aot; no launcher for this target yet (docs/rocm.md)" if hip else
-                 "built ahead of time by rlk_core.aot; launched by rlk_core._C as the backend rlk.cuda"),
+                 "built ahead of time by rlk_core.aot; launched by rlk_core._C as the backend rlk.cuda"
+                 if target in SERVED else
+                 "built ahead of time by rlk_core.aot; not launched: rlk.cuda serves this target once a device of it "
+                 "has run the GPU suite (docs/compiled-ops.md)"),
         "kernels": sorted(kernels, key=lambda e: e["cubin"]),
         "failed": sorted(failed, key=lambda e: e["variant"]),
         "not_built": not_built(sms),
