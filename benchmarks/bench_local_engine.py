@@ -16,6 +16,7 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import time
@@ -134,13 +135,11 @@ def stability(metrics: list[dict], phase: str) -> dict:
     those rounds (``slowest_vs_median``); round 0 (CUDA / cuBLAS warm-up in every mode, plus whatever compiles)
     reported beside it against the same median."""
     rates = [r[f"{phase}_tokens_per_s"] for r in metrics]
-    later = sorted(rates[1:])
-    if not later:
+    if len(rates) < 2:
         return {}
-    n = len(later)
-    median = later[n // 2] if n % 2 else (later[n // 2 - 1] + later[n // 2]) / 2
-    return {"median_tok_s": median, "slowest_vs_median": later[0] / median,
-            "slowest_round": 1 + rates[1:].index(later[0]), "round0_vs_median": rates[0] / median,
+    median, slowest = statistics.median(rates[1:]), min(rates[1:])
+    return {"median_tok_s": median, "slowest_vs_median": slowest / median,
+            "slowest_round": 1 + rates[1:].index(slowest), "round0_vs_median": rates[0] / median,
             "rounds_below_0.9x": [i for i, v in enumerate(rates) if i and v < 0.9 * median]}
 
 

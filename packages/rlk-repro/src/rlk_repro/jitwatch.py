@@ -60,8 +60,8 @@ class JitWatch:
 
     def take(self) -> dict[str, dict[str, Any]]:
         """The compiles recorded since the last call, per phase: ``compiled`` (fresh compiles), ``loaded`` (from
-        Triton's disk cache), ``compile_s`` (their summed compiler time) and the kernel names (up to
-        :data:`MAX_NAMES`, fresh compiles first); the record is then cleared."""
+        Triton's disk cache), ``compile_s`` (their summed compiler time) and the variants of each kind
+        (``compiled_kernels``, ``loaded_kernels``: up to :data:`MAX_NAMES` each); the record is then cleared."""
         events, self._events = self._events, []
         out: dict[str, dict[str, Any]] = {}
         for phase, name, hit, seconds in events:

@@ -33,13 +33,14 @@ from pathlib import Path
 from typing import Any
 
 from rlk_core.aot.specs import DEFAULT_SMS, DTYPES, LAYOUTS, OPS, TRITON_TYPE, Spec, enumerate_specs, not_built
+from rlk_core.ops._cuda_common import TARGETS as _RUNTIME_TARGETS
 
 MANIFEST = "manifest.json"
 FORMAT = 1
 TARGETS = {"cuda:90": ("cuda", 90, 32), "cuda:100": ("cuda", 100, 32), "hip:gfx942": ("hip", "gfx942", 64)}
-# targets rlk.cuda launches (rlk_core.ops._cuda_common.TARGETS): the others are built and checked, not served, until a
-# device of that target has run the GPU suite on them (the CLI builds cuda:100 for 148 SMs, a B200: TARGET_SMS)
-SERVED = ("cuda:90",)
+# targets rlk.cuda launches (their one home: rlk_core.ops._cuda_common.TARGETS): the others are built and checked, not
+# served, until a device of that target has run the GPU suite on them (the CLI builds cuda:100 for 148 SMs, a B200)
+SERVED = tuple(sorted(set(_RUNTIME_TARGETS.values())))
 TARGET_SMS = {"cuda:90": DEFAULT_SMS, "cuda:100": 148}  # the CLI's default --sms: the H200's 132, the B200's 148
 # families whose kernels a hip target can take as they are: no TMA, no NVIDIA-only instruction, configs that do
 # not depend on the device (the GEMM, attention and log-prob rules are tuned for the H200 and use TMA / PDL)

@@ -324,7 +324,7 @@ class Launch:
         """The record as ``_C.run`` reads it: int64s ``[handle, out_aligned, gx, gy, gz, like, len(alloc),
         *alloc, len(final), *final, len(args), *(kind, value) per argument]`` (``len(alloc)`` -1: no output)."""
         alloc = () if self.alloc is None else self.alloc
-        words = [self.handle, int(self.out_aligned), *self.grid, self.like,
+        words = [self.handle, int(self.out_aligned), *self.grid, self.like,  # (len(alloc): word _ALLOC_WORD)
                  -1 if self.alloc is None else len(alloc), *alloc, len(self.final), *self.final, len(self.args)]
         for kind, value in self.args:
             words += [kind, value]
@@ -439,10 +439,13 @@ def record_handle(packed: bytes) -> int:
     return array("q", packed[:8])[0]
 
 
+_ALLOC_WORD = 6  # Launch.pack's word len(alloc), after handle, out_aligned, the grid's three and like
+
+
 def record_has_output(packed: bytes) -> bool:
     """Whether a packed :class:`Launch` allocates an output (else ``_C.run`` launches it and returns None: an op
     that writes into its arguments, ``kv_cache_write``)."""
-    return array("q", packed[48:56])[0] != -1
+    return array("q", packed[8 * _ALLOC_WORD:8 * _ALLOC_WORD + 8])[0] != -1
 
 
 _RECORD_CACHES: list[dict] = []
