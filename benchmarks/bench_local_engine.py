@@ -126,6 +126,12 @@ def per_round(metrics: list[dict]) -> list[dict]:
             row[f"{phase}_tok_s"] = r[f"{phase}_tokens_per_s"]
             if "triton_jit" in r:  # (rows of runs before rlk_repro.jitwatch have no record)
                 row[f"{phase}_jit"] = jit_counts(r["triton_jit"], phase)
+            if "python_gc" in r:  # (nor of the GC record before it)
+                g = r["python_gc"].get(phase) or {}
+                row[f"{phase}_gc"] = (g.get("collections", 0), g.get("seconds", 0.0), g.get("max_s", 0.0))
+        steps = r.get("rollout_step_ms") or {}
+        if steps:
+            row["rollout_steps_ms"] = (steps["median"], steps["max"], steps["slowest"])
         rows.append(row)
     return rows
 
@@ -176,13 +182,24 @@ def per_round_markdown(rows: list[dict]) -> str:
                            f"{st['slowest_vs_median']:.2f}x of their median ({st['median_tok_s']:.4g} tok/s); "
                            f"rounds below 0.9x: {st['rounds_below_0.9x'] or 'none'}; round 0 at "
                            f"{st['round0_vs_median']:.2f}x")
-        out += ["", "| round | rollout s | rollout tok/s | rollout JIT (compiled / loaded) | train s | train tok/s "
-                "| train JIT (compiled / loaded) |", "|---|---|---|---|---|---|---|"]
+        out += ["", "| round | rollout s | rollout tok/s | rollout JIT (compiled / loaded) | rollout step ms "
+                "(median / max) | rollout GC (collections, s, longest s) | train s | train tok/s "
+                "| train JIT (compiled / loaded) | train GC |", "|---|---|---|---|---|---|---|---|---|---|"]
+        slow = []
         for p in r["per_round"]:
             jit = {ph: "{} / {}".format(*p[f"{ph}_jit"]) if f"{ph}_jit" in p else "not recorded"
                    for ph in ("rollout", "train")}
+            gc = {ph: "{}, {:.3f}, {:.3f}".format(*p[f"{ph}_gc"]) if f"{ph}_gc" in p else "not recorded"
+                  for ph in ("rollout", "train")}
+            steps = "{:.1f} / {:.1f}".format(*p["rollout_steps_ms"][:2]) if "rollout_steps_ms" in p else "not recorded"
             out.append(f"| {p['round']} | {p['rollout_s']:.2f} | {p['rollout_tok_s']:.4g} | {jit['rollout']} | "
-                       f"{p['train_s']:.2f} | {p['train_tok_s']:.4g} | {jit['train']} |")
+                       f"{steps} | {gc['rollout']} | {p['train_s']:.2f} | {p['train_tok_s']:.4g} | {jit['train']} | "
+                       f"{gc['train']} |")
+            if "rollout_steps_ms" in p:
+                slow.append(f"round {p['round']}: " + ", ".join(f"step {i} {ms:.1f} ms ({t} tokens)"
+                                                                 for i, ms, t in p["rollout_steps_ms"][2]))
+        if slow:
+            out += ["", "Slowest rollout steps per round:", "", *(f"- {line}" for line in slow)]
         out.append("")
     return "\n".join(out)
 

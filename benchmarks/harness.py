@@ -126,8 +126,9 @@ def write_results(out_dir: str | os.PathLike, name: str, meta: dict[str, Any], r
     lines = [f"# {name}", "",
              f"{env['gpu']}, driver {env['driver']}, torch {env['torch']} (CUDA {env['cuda']}), "
              f"Triton {env['triton']}, commit `{env['commit']}`. Copy bandwidth in this run: "
-             f"{meta['copy']['tb_per_s']:.2f} TB/s (read + write). Medians of {meta.get('repeats', '?')} "
-             f"CUDA-event timings, L2 flushed before each, inputs rotated.", "",
+             f"{meta['copy']['tb_per_s']:.2f} TB/s (read + write)."
+             + (f" Medians of {meta['repeats']} CUDA-event timings, L2 flushed before each, inputs rotated."
+                if "repeats" in meta else ""), "",
              "| " + " | ".join(h for _, h in columns) + " |",
              "|" + "---|" * len(columns)]
     for r in rows:

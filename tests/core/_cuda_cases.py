@@ -199,8 +199,8 @@ def linear_chunk_bytes() -> int:
 
 def linear_logprob_cases(device, dtypes=DTYPES) -> Iterator[Case]:
     """``linear_logprobs`` (and ``linear_logp_partials``) over a vocabulary of 8 groups of 4 leaf blocks, in 1 or 2
-    weight shards (the caller sets :func:`linear_chunk_bytes`: chunks start at slots 0, 1, 2, 3).
-    ``linear_logprobs_backward`` is always declined (its GEMMs are not built)."""
+    weight shards (the caller sets :func:`linear_chunk_bytes`: chunks start at slots 0, 1, 2, 3). The backward:
+    :func:`linear_logprobs_backward_cases`."""
     gen = _gen(device, 15)
     vocab, hidden = 8 * 4 * 256, 64
     for dtype in dtypes:
@@ -213,8 +213,32 @@ def linear_logprob_cases(device, dtypes=DTYPES) -> Iterator[Case]:
             ws = list(w.split(vocab // tp)) if tp > 1 else [w]
             yield "linear_logprobs", (h, ws, target.int() if tp == 2 else target, temp), True
         yield "linear_logp_partials", (h, w[: vocab // 2], target, temp, 0, vocab), True
-        lse = torch.zeros(t, device=device)
-        yield "linear_logprobs_backward", (h, [w], target, temp, lse, lse, lse), False
+
+
+def linear_logprobs_backward_cases(device, dtypes=DTYPES) -> Iterator[Case]:
+    """``linear_logprobs_backward`` (per chunk: the gradient kernel over the recomputed logits, then the dhidden and
+    dW products on the stored-layout GEMMs) on 1 or 2 weight shards of the same vocabulary, :data:`LINEAR_ROWS`
+    tokens and 17 (neither a multiple of 16: the token count is never specialised); then the declined: no tokens
+    (rlk.triton launches nothing), a hidden size that is not a multiple of 16 (the GEMMs' other variant)."""
+    gen = _gen(device, 21)
+    vocab = 8 * 4 * 256
+    for dtype in dtypes:
+        for t, hidden in ((LINEAR_ROWS, 64), (17, 128)):
+            h = _rand((t, hidden), dtype, device, gen)
+            w = _rand((vocab, hidden), dtype, device, gen) / 8
+            target = torch.randint(0, vocab, (t,), generator=torch.Generator().manual_seed(t)).to(device)
+            temp = torch.full((t,), 0.9, device=device)
+            lse, g_logp, g_lse = (_rand((t,), torch.float32, device, gen) for _ in range(3))
+            for tp in (1, 2):
+                ws = list(w.split(vocab // tp)) if tp > 1 else [w]
+                yield "linear_logprobs_backward", (h, ws, target, temp, lse + 9, g_logp, g_lse), True
+    dtype = dtypes[0]
+    for t, hidden in ((0, 64), (LINEAR_ROWS, 40)):
+        h = _rand((t, hidden), dtype, device, gen)
+        w = _rand((vocab, hidden), dtype, device, gen)
+        z = torch.zeros(t, device=device)
+        ids = torch.zeros(t, dtype=torch.long, device=device)
+        yield "linear_logprobs_backward", (h, [w], ids, z + 1, z, z, z), False
 
 
 def all_cases(device) -> Iterator[Case]:

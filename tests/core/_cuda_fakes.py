@@ -435,8 +435,14 @@ def roots(args: tuple, out) -> list[tuple[str, torch.Tensor]]:
         for j, t in enumerate(a if isinstance(a, list) else [a]):
             if isinstance(t, torch.Tensor):
                 found.append((f"arg{i}.{j}", t))
-    outs = out if isinstance(out, (tuple, list)) else (out,)
-    return found + [(f"out{i}", t) for i, t in enumerate(outs) if isinstance(t, torch.Tensor)]
+    return found + [(f"out{i}", t) for i, t in enumerate(_flat(out)) if isinstance(t, torch.Tensor)]
+
+
+def _flat(out) -> list:
+    """An op's outputs as one list of tensors (or Nones): a tuple's items, a list of shards' items."""
+    if not isinstance(out, (tuple, list)):
+        return [out]
+    return [t for o in out for t in _flat(o)]
 
 
 def check_served_like_triton(cases, ext, entries: list[dict], via, as_launched=lambda launches: launches) -> int:
@@ -462,7 +468,7 @@ def check_served_like_triton(cases, ext, entries: list[dict], via, as_launched=l
             out = cuda.fn(*args)
             same_launches(as_launched(cap.launches), ext.calls, entries, roots(args, ref), roots(args, out))
             assert via(op, args, set(ext.via)), (op, ext.via)
-            for a, b in zip(*(o if isinstance(o, (tuple, list)) else (o,) for o in (ref, out)), strict=True):
+            for a, b in zip(*(_flat(o) for o in (ref, out)), strict=True):
                 assert (a is None) == (b is None)
                 if a is not None:
                     assert (a.shape, a.dtype, a.stride()) == (b.shape, b.dtype, b.stride()), op

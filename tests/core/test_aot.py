@@ -5,6 +5,7 @@ tests/gpu/test_cuda_backend_gpu.py)."""
 
 from __future__ import annotations
 
+import base64
 import importlib
 import importlib.util
 import json
@@ -226,6 +227,27 @@ def test_a_failing_variant_is_recorded_and_the_cli_exits_nonzero(tmp_path, monke
     assert "FAILED" in err and "[2/2" in err
 
 
+@needs_triton
+def test_a_build_through_a_triton_cache_reports_that_it_serves_each_variant(tmp_path):
+    """A build with ``triton_cache`` (two worker processes) records each compile's Triton key and checks the cache
+    under the key this process computes (the JIT's): every variant's group file and the files it lists. Negative
+    controls: a group file removed, a child file removed, a key recorded wrong — each reported."""
+    B = importlib.import_module("rlk_core.aot.build")
+    specs = [s for s in S.enumerate_specs(("rms_norm",), (torch.bfloat16,)) if s.layout == "aligned"][:3]
+    cache = tmp_path / "triton-cache"
+    m = B.build("cuda:90", tmp_path / "out", specs, jobs=2, triton_cache=cache)
+    assert m["triton_cache"] == {"variants": 3, "other_key": [], "incomplete": []}
+    by_variant = {e["variant"]: e for e in m["kernels"]}
+    entries = [by_variant[s.name] for s in specs]
+    assert [e["triton_key"] for e in entries] == [B.compile_key(s) for s in specs]
+    first, second = (cache / base64.b32encode(bytes.fromhex(B.compile_key(s))).decode().rstrip("=") for s in specs[:2])
+    (first / f"__grp__{specs[0].kernel}.json").unlink()
+    next(p for p in second.iterdir() if p.suffix == ".cubin").unlink()
+    entries[2] = {**entries[2], "triton_key": "0" * 64}
+    report = B.cache_report(cache, specs, entries)
+    assert report["incomplete"] == [specs[0].name, specs[1].name] and report["other_key"] == [specs[2].name]
+
+
 def test_unknown_target_is_refused():
     from rlk_core.aot.build import parse_target
 
@@ -276,7 +298,9 @@ def _jit_keys_of_served(monkeypatch) -> tuple[list[tuple], list[tuple]]:
     from rlk_core.ops.linear_logprobs import triton as llt
 
     monkeypatch.setattr(llt, "CHUNK_BYTES", K.linear_chunk_bytes())
-    return _jit_keys([*K.all_cases("cpu"), *K.linear_logprob_cases("cpu")])
+    K.triton_as_on_sm90(monkeypatch)  # linear_logprobs_backward's GEMMs as on an sm_90 device
+    return _jit_keys([*K.all_cases("cpu"), *K.linear_logprob_cases("cpu"), *K.linear_logprobs_backward_cases("cpu")],
+                     K.as_on_sm90)
 
 
 def _jit_keys(cases, on_device=lambda launches: launches) -> tuple[list[tuple], list[tuple]]:
@@ -331,8 +355,8 @@ def test_a_build_of_one_dtype_has_every_variant_its_calls_launch(family_launches
     the fp32 log-prob merges of bf16 logits, the fp32 outputs of bf16 GEMMs — is in that build. (A bf16 build once
     lacked the merges, and rlk.cuda declined every bf16 token_logprobs call.)"""
     missing = []
-    for launches, ops in ((family_launches, FAMILIES), (backward_launches, BACKWARD)):
-        built = _built(ops, (dtype,))
+    built = _built((*FAMILIES, *BACKWARD), (dtype,))
+    for launches in (family_launches, backward_launches):
         missing += [(op, call) for key, op, call, dt in launches[0] if dt == dtype and key not in built]
     assert not missing, missing[:5]
 
@@ -346,7 +370,9 @@ def test_every_launch_of_the_attention_and_logp_rules_finds_its_variant(family_l
     the sweep reaches every variant of these families, so that dropping any one makes this check fail."""
     served, declined = family_launches
     built = _built()
-    missing = [(op, call) for key, op, call, _ in served if key not in built]
+    # (linear_logprobs_backward's dW products are the linear backward's dW variants)
+    also = _built(("linear_backward",))
+    missing = [(op, call) for key, op, call, _ in served if key not in built and key not in also]
     assert not missing, missing[:5]
     unreached = {s.name for key, s in built.items() if key not in {k for k, *_ in served}}
     assert not unreached, sorted(unreached)[:10]

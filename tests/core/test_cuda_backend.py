@@ -305,7 +305,8 @@ def test_attention_and_logp_supports_decline_traced_inputs():
     families = {("attention_varlen", "attention_paged_prefill", "attention_decode"): K.attention_forward_cases,
                 ("kv_cache_write",): K.kv_cache_write_cases, ("attention_varlen_backward",): K.attention_backward_cases,
                 ("token_logprobs", "token_logprobs_backward", "logp_partials", "merge_logp_partials"): K.logprob_cases,
-                ("linear_logprobs", "linear_logp_partials", "linear_logprobs_backward"): K.linear_logprob_cases}
+                ("linear_logprobs", "linear_logp_partials"): K.linear_logprob_cases,
+                ("linear_logprobs_backward",): K.linear_logprobs_backward_cases}
     for ops, cases in families.items():  # the first call of each op (made outside the fake mode)
         for op, args, _ in cases("cpu", one):
             seen.setdefault(op, args)
@@ -320,35 +321,11 @@ def test_attention_and_logp_supports_decline_traced_inputs():
                 return mode.from_tensor(a) if isinstance(a, torch.Tensor) else a
 
             said = REGISTRY.get(op, "rlk.cuda").supports(*[fake(a) for a in args])
-            assert said == cc.NO_STORAGE or (op == "linear_logprobs_backward" and not said[0]), op  # never served
+            assert said == cc.NO_STORAGE, op
     assert set(seen) == set(FAMILY_OPS)
     for op in ("attention_decode", "kv_cache_write"):
         meta = [a.to("meta") if isinstance(a, torch.Tensor) else a for a in seen[op]]
         assert REGISTRY.get(op, "rlk.cuda").supports(*meta) == cc.NO_STORAGE
-
-
-def test_linear_logprobs_backward_is_declined_with_its_reason(clean_registry, monkeypatch):
-    """rlk.cuda does not build the backward's GEMMs on transposed views: every call is declined with that reason, so
-    rlk.triton runs it (no fallback); forced for linear_logprobs (RLK_BACKENDS forces the companions), the call
-    fails naming it instead of running something else."""
-    import rlk_core.ops  # noqa: F401
-    from rlk_core.errors import RlkBackendError
-    from rlk_core.ops.linear_logprobs import cuda as lc
-
-    reg = clean_registry
-    args = (torch.ones(2, 8), [torch.ones(16, 8)], torch.zeros(2, dtype=torch.long), torch.ones(2), torch.zeros(2),
-            torch.zeros(2), torch.zeros(2))
-    assert reg.get("linear_logprobs_backward", "rlk.cuda").supports(*args) == (False, lc.BACKWARD_NOT_BUILT)
-    for op in ("linear_logprobs_backward",):
-        for bid in ("rlk.cuda", "rlk.triton"):
-            reg._available[(op, bid)] = (True, "")  # as on an H200 with the extension
-    sel = reg.select("linear_logprobs_backward", "cuda", args, strict=True)
-    assert sel.backend.id == "rlk.triton" and sel.fallback_reason is None and "GEMM" in sel.route_reason
-    monkeypatch.setenv("RLK_BACKENDS", "linear_logprobs=rlk.cuda")
-    reg.refresh()
-    reg._available[("linear_logprobs_backward", "rlk.cuda")] = (True, "")
-    with pytest.raises(RlkBackendError, match="transposed"):
-        reg.select("linear_logprobs_backward", "cuda", args, strict=True)
 
 
 def test_extension_record_kinds_are_the_python_side_s():
@@ -436,6 +413,47 @@ def test_backward_launches_are_triton_s(fake_device, family):
 
     served = F.check_served_like_triton(BACKWARD_FAMILIES[family]("cpu"), ext, entries, via, K.as_on_sm90)
     assert served > 20
+
+
+@needs_triton
+def test_linear_logprobs_backward_launches_are_triton_s(fake_device, monkeypatch):
+    """``linear_logprobs_backward`` (tests/core/_cuda_cases.py's sweep, chunks of one leaf block): served calls make
+    rlk.triton's launches on an sm_90 device — per chunk the gradient kernel over the recomputed logits, the dhidden
+    product (fp32 output) and the dW product, each the variant the JIT compiles (by Triton's compile key) with the
+    same grid and arguments — from Python, first when decided and again from the kept decision; the declined ones
+    (no tokens, a hidden size not a multiple of 16) say why."""
+    from rlk_core.ops.linear_logprobs import triton as llt
+
+    ext, entries = fake_device
+    monkeypatch.setattr(llt, "CHUNK_BYTES", K.linear_chunk_bytes())
+    served = F.check_served_like_triton(K.linear_logprobs_backward_cases("cpu"), ext, entries,
+                                        lambda op, args, used: used == {"launch"}, K.as_on_sm90)
+    assert served == 12  # 3 dtypes x 2 shapes x 1 or 2 shards
+    kernels = {e["variant"] for e in entries}  # every variant a launch has used
+    assert any("Y_TMA=False" in v and "->fp32" in v for v in kernels), kernels  # the dhidden product's own variant
+
+
+@needs_triton
+def test_linear_logprobs_backward_declined_runs_on_triton_or_fails_when_forced(fake_device, clean_registry,
+                                                                               monkeypatch):
+    """A call rlk.cuda declines (hidden 40: the GEMMs' unaligned variant) goes to rlk.triton with rlk.cuda's reason
+    (not a fallback); forced for linear_logprobs (RLK_BACKENDS forces the companions) it fails naming the reason."""
+    from rlk_core.errors import RlkBackendError
+
+    reg = clean_registry
+    op, args, want = list(K.linear_logprobs_backward_cases("cpu", (torch.bfloat16,)))[-1]
+    assert op == "linear_logprobs_backward" and not want
+    said = reg.get(op, "rlk.cuda").supports(*args)
+    assert not said[0] and "no AOT variant _linear_bwd_tma_kernel" in said[1], said
+    for bid in ("rlk.cuda", "rlk.triton"):
+        reg._available[(op, bid)] = (True, "")  # as on an H200 with the extension
+    sel = reg.select(op, "cuda", args, strict=True)
+    assert sel.backend.id == "rlk.triton" and sel.fallback_reason is None and said[1] in sel.route_reason
+    monkeypatch.setenv("RLK_BACKENDS", "linear_logprobs=rlk.cuda")
+    reg.refresh()
+    reg._available[(op, "rlk.cuda")] = (True, "")
+    with pytest.raises(RlkBackendError, match="no AOT variant"):
+        reg.select(op, "cuda", args, strict=True)
 
 
 @needs_triton

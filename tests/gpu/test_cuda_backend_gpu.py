@@ -371,7 +371,8 @@ FAMILIES = {  # each sweep over the dtypes this build holds
                                                        contexts=((5, 130, 64), (1, 1, 1), (2048, 64, 4097))),
     "kv_cache_write": lambda dts: K.kv_cache_write_cases("cuda", dts),
     "attention_backward": lambda dts: K.attention_backward_cases("cuda", dts),
-    "logp": lambda dts: (*K.logprob_cases("cuda", dts), *K.linear_logprob_cases("cuda", dts)),
+    "logp": lambda dts: (*K.logprob_cases("cuda", dts), *K.linear_logprob_cases("cuda", dts),
+                         *K.linear_logprobs_backward_cases("cuda", dts)),
 }
 
 
@@ -410,7 +411,9 @@ def _outputs(op: str, args: tuple, out):
     if op == "kv_cache_write":
         assert out is None
         return [args[2], args[3]]
-    return list(out) if isinstance(out, (tuple, list)) else [out]
+    if not isinstance(out, (tuple, list)):
+        return [out]
+    return [t for o in out for t in (o if isinstance(o, list) else [o])]  # (dhidden, [dW per shard]) flattened
 
 
 def _same(op: str, args: tuple, cuda_fn, triton_fn) -> None:
@@ -444,7 +447,8 @@ def aot_triton_cache():
     with triton.knobs.cache.scope(), triton.knobs.compilation.scope():
         triton.knobs.cache.dir = str(folder)
         triton.knobs.compilation.listener = lambda **kw: compiles.append(
-            (bool(kw["cache_hit"]), f"{_compiled(kw['src'], kw['metadata'])} in {_CALL[0]}"))
+            (bool(kw["cache_hit"]), f"{_compiled(kw['src'], kw['metadata'])} in {_CALL[0]} "
+                                    f"(cache folder {_folder(kw['metadata_group'])})"))
         yield compiles
 
 
@@ -463,9 +467,23 @@ def _compiled(src, metadata: dict) -> str:
     return f"{src.name} {src.constants} types={types} D16={divisible} {opts}"
 
 
+def _folder(group: dict) -> str:
+    """The Triton cache folder (base32 of the compile key) a compile's files are in."""
+    return Path(next(iter(group.values()))).parent.name if group else "?"
+
+
 def _missed(compiles: list[tuple[bool, str]]) -> str:
-    missed = [what for hit, what in compiles if not hit]
-    return f"{len(missed)} of {len(compiles)} JIT compiles missed the AOT build's cache: {missed[:4]}"
+    """The misses, each with whether the build compiled that key (a manifest entry's ``triton_key``), and the build's
+    own check of its cache (``aot.build.cache_report``)."""
+    import base64
+
+    _, manifest, idx = cc._manifest(cc.TARGETS[torch.cuda.get_device_capability()])
+    built = {base64.b32encode(bytes.fromhex(e["triton_key"])).decode().rstrip("="): e["variant"]
+             for e in idx.values() if e.get("triton_key")}
+    missed = [f"{what}: {'built as ' + built[f] if (f := what.rsplit(' ', 1)[-1].rstrip(')')) in built else 'no build'}"
+              for hit, what in compiles if not hit]
+    return (f"{len(missed)} of {len(compiles)} JIT compiles missed the AOT build's cache: {missed[:4]}; "
+            f"build: {manifest.get('triton_cache')}")
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
@@ -501,8 +519,10 @@ def test_every_served_attention_and_logp_variant_is_bitwise_triton(family, ran_p
            "attention_backward": {"attention_backward"}, "logp": {"logp"}}[family]
     want = set().union(*(_manifest_cubins(op, {"aligned"}) for op in ops))
     # linear_logprobs' chunk logits come from the public linear op, which rlk.cuda serves with the linear family's
-    # cubins (checked by that family's own test): they may run here, nothing else outside the family may
-    also = _manifest_cubins("linear", set(S.LAYOUTS)) if family == "logp" else set()
+    # cubins, and its backward's dW products are the linear backward's dW variants (each checked by that family's own
+    # test): they may run here, nothing else outside the family may
+    also = (_manifest_cubins("linear", set(S.LAYOUTS)) | _manifest_cubins("linear_backward", {"aligned"})
+            if family == "logp" else set())
     unexpected = ran_programs - want - also
     assert served and want <= ran_programs and not unexpected, (f"never run: {sorted(want - ran_programs)[:5]}; "
                                                                 f"unexpected: {sorted(unexpected)[:5]}")

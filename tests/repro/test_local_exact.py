@@ -33,6 +33,12 @@ def test_rr_run_exercises_chunking_batching_and_mixed_lengths(rr_run):
     # continuous batching: requests arrive and finish at different steps, so the scheduled set changes often
     assert all(r["batch_composition_changes"] >= max(5, r["rollout_steps"] // 4) for r in rounds), rounds
     assert all(r["max_batch"] >= 3 for r in rounds)
+    # where each round's rollout time went: one wall time per step, the slowest named; the GC record per phase
+    for r in rounds:
+        steps = r["rollout_step_ms"]
+        assert steps["steps"] == r["rollout_steps"] and 0 < steps["median"] <= steps["p90"] <= steps["max"]
+        assert steps["total_s"] <= r["rollout_seconds"] and len(steps["slowest"]) == min(5, r["rollout_steps"])
+        assert isinstance(r["python_gc"], dict)
     lengths = set()
     for path in sorted((rr_run.run_dir / "train-data").glob("*.safetensors")):
         t = st.load_file(str(path))

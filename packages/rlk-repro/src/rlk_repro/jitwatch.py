@@ -10,11 +10,17 @@ and restores it on :meth:`JitWatch.close`; without Triton it records nothing and
     with watch.phase("rollout"):
         ...
     row["triton_jit"] = watch.take()   # {"rollout": {"compiled": 2, "loaded": 0, "compile_s": 3.1, ...}}
+    row["python_gc"] = watch.take_gc()  # {"rollout": {"collections": 40, "seconds": 0.8, "max_s": 0.21, ...}}
+
+The other host pause a round can hide is Python's garbage collector: :meth:`JitWatch.take_gc` reports its
+collections per phase (``gc.callbacks``), each generation's count, their summed and longest pause.
 """
 
 from __future__ import annotations
 
 import contextlib
+import gc
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -28,6 +34,9 @@ class JitWatch:
         self._phase = "setup"
         self._knobs: Any = None
         self._previous: Any = None
+        self._gc: list[tuple[str, int, float]] = []  # (phase, generation, seconds) per collection
+        self._gc_start = 0.0
+        gc.callbacks.append(self._gc_event)
         try:
             import triton
         except ImportError:
@@ -48,6 +57,27 @@ class JitWatch:
         if self._previous is not None:
             self._previous(src=src, metadata=metadata, metadata_group=metadata_group, times=times,
                            cache_hit=cache_hit)
+
+    def _gc_event(self, event: str, info: dict[str, Any]) -> None:
+        if event == "start":
+            self._gc_start = time.perf_counter()
+        else:
+            self._gc.append((self._phase, int(info.get("generation", -1)), time.perf_counter() - self._gc_start))
+
+    def take_gc(self) -> dict[str, dict[str, Any]]:
+        """Python's garbage collections since the last call, per phase: ``collections``, ``by_generation``
+        (``{"0": n, "1": n, "2": n}``), ``seconds`` (their summed pause) and ``max_s`` (the longest); then cleared."""
+        events, self._gc = self._gc, []
+        out: dict[str, dict[str, Any]] = {}
+        for phase, generation, seconds in events:
+            p = out.setdefault(phase, {"collections": 0, "by_generation": {}, "seconds": 0.0, "max_s": 0.0})
+            p["collections"] += 1
+            p["by_generation"][str(generation)] = p["by_generation"].get(str(generation), 0) + 1
+            p["seconds"] += seconds
+            p["max_s"] = max(p["max_s"], seconds)
+        for p in out.values():
+            p["seconds"], p["max_s"] = round(p["seconds"], 4), round(p["max_s"], 4)
+        return out
 
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
@@ -77,10 +107,12 @@ class JitWatch:
         return out
 
     def close(self) -> None:
-        """Give Triton back the listener it had (if ours is still the one installed)."""
+        """Give Triton back the listener it had (if ours is still the one installed); stop watching the GC."""
         if self._knobs is not None and self._knobs.listener == self._listen:
             self._knobs.listener = self._previous
         self._knobs = None
+        if self._gc_event in gc.callbacks:
+            gc.callbacks.remove(self._gc_event)
 
 
 def describe(src: Any, metadata: dict[str, Any]) -> str:

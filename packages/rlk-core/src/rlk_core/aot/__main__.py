@@ -55,6 +55,11 @@ def main(argv: list[str] | None = None) -> int:
               selection=selection)
     kind = "code objects" if a.target.startswith("hip:") else "cubins"
     print(f"{len(m['kernels'])} {kind}, {len(m['failed'])} failed -> {a.out}", file=sys.stderr)
+    tc = m.get("triton_cache")
+    if tc is not None:
+        odd = tc["other_key"] + tc["incomplete"]
+        print(f"Triton cache {a.triton_cache}: {tc['variants']} variants, {len(tc['other_key'])} compiled under "
+              f"another key, {len(tc['incomplete'])} not complete under theirs: {odd[:4]}", file=sys.stderr)
     return 1 if m["failed"] else 0
 
 

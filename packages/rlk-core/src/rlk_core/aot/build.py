@@ -261,6 +261,7 @@ def compile_spec(spec: Spec, target: str = "cuda:90",
         "global_scratch_align": getattr(md, "global_scratch_align", None),
         "profile_scratch_size": md.profile_scratch_size, "tensordesc_meta": meta,
         "cubin_sha256": hashlib.sha256(cubin).hexdigest(),
+        "triton_key": compiled.hash,  # the compile's Triton cache directory (compile_key of the spec, as compiled)
     })
     return entry, cubin
 
@@ -317,7 +318,7 @@ def build(target: str = "cuda:90", out_dir: str | os.PathLike = "aot-build", spe
             futures = {pool.submit(_compile_many, chunk, target, cache): ci * 4 for ci, chunk in enumerate(chunks)}
             for f in concurrent.futures.as_completed(futures):
                 record(futures[f], f.result())
-    kernels, failed = [], []
+    kernels, failed, built_specs = [], [], []
     for i in range(len(specs)):
         entry, cubin = results[i]
         if cubin is None:
@@ -325,6 +326,7 @@ def build(target: str = "cuda:90", out_dir: str | os.PathLike = "aot-build", spe
             continue
         (out / entry["cubin"]).write_bytes(cubin)
         kernels.append(entry)
+        built_specs.append(specs[i])
     manifest = {
         "format": FORMAT, "target": target, "triton_version": triton.__version__, "sms": sms,
         "note": ("built ahead of time by rlk_core.aot; no launcher for this target yet (docs/rocm.md)" if hip else
@@ -335,11 +337,38 @@ def build(target: str = "cuda:90", out_dir: str | os.PathLike = "aot-build", spe
         "kernels": sorted(kernels, key=lambda e: e["cubin"]),
         "failed": sorted(failed, key=lambda e: e["variant"]),
         "not_built": not_built(sms),
+        **({"triton_cache": cache_report(cache, built_specs, kernels, target)} if cache is not None else {}),
         "selection": selection if selection is not None or not full else {
             "ops": list(HIP_OPS if hip else OPS), "dtypes": [TRITON_TYPE[d] for d in DTYPES], "layouts": list(LAYOUTS)},
     }
     (out / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
     return manifest
+
+
+def cache_report(cache: str | os.PathLike, specs: list[Spec], entries: list[dict[str, Any]],
+                 target: str = "cuda:90") -> dict[str, Any]:
+    """Whether the Triton cache a build compiled through serves each variant to the JIT: its compile under the key
+    this process computes for the variant (:func:`compile_key`, the JIT's for the same launch) — ``other_key``: the
+    worker's compile had another key — with its group file (``<base32 of the key>/__grp__<kernel>.json``) and every
+    file the group lists present — ``incomplete``: not. Either way the JIT compiles that launch again at first use
+    (the same binary, a compile's time); the GPU suite's cache check fails on it."""
+    import base64
+
+    other, incomplete = [], []
+    for spec, e in zip(specs, entries, strict=True):
+        key = compile_key(spec, target)
+        if e.get("triton_key") != key:
+            other.append(e["variant"])
+        folder = base64.b32encode(bytes.fromhex(key)).decode().rstrip("=")  # triton.runtime.cache's directory name
+        group = Path(cache) / folder / f"__grp__{spec.kernel[:150]}.json"
+        try:
+            children = json.loads(group.read_text())["child_paths"]
+            complete = all(Path(p).is_file() for p in children.values())
+        except (OSError, ValueError, KeyError):
+            complete = False
+        if not complete:
+            incomplete.append(e["variant"])
+    return {"variants": len(entries), "other_key": other, "incomplete": incomplete}
 
 
 def print_progress(done: int, total: int, entry: dict[str, Any], seconds: float) -> None:

@@ -292,7 +292,7 @@ def enumerate_specs(ops: Iterable[str] = OPS, dtypes: Iterable[torch.dtype] = DT
               "attention": lambda dt: A.forward_specs(dt) if aligned else [],
               "kv_cache_write": lambda dt: A.kv_write_specs(dt) if aligned else [],
               "attention_backward": lambda dt: A.backward_specs(dt) if aligned else [],
-              "logp": lambda dt: P.logp_specs(dt) if aligned else [],
+              "logp": lambda dt: P.logp_specs(dt, sms) if aligned else [],
               **{op: (lambda dt, op=op: BW.backward_specs(op, dt, sms) if aligned else []) for op in BW.OPS}}
     unknown = set(ops) - set(makers)
     if unknown:

@@ -152,17 +152,23 @@ STORED_CALLS = {
 }
 
 
-def stored_tma_spec(dtype: torch.dtype, tile: tuple[int, ...], a_km: bool, b_kn: bool, sms: int) -> Spec:
-    """``_linear_bwd_tma_kernel`` with the output in the input dtype stored by TMA (``Y_TMA``)."""
+def stored_tma_spec(dtype: torch.dtype, tile: tuple[int, ...], a_km: bool, b_kn: bool, sms: int,
+                    f32_out: bool = False, op: str = "linear_backward") -> Spec:
+    """``_linear_bwd_tma_kernel`` with the output in the input dtype stored by TMA (``Y_TMA``), or (``f32_out``) an
+    fp32 output stored by pointers (``Y_TMA`` False, no y descriptor: ``linear_2d_into``'s fp32 products)."""
     from rlk_core.ops.linear import tiles as rule
 
     c = rule.stored_tile_config(tile, dtype, True)
     bm, bn, bk = c["BLOCK_M"], c["BLOCK_N"], c["BLOCK_K"]
-    const = dict(A_KM=a_km, B_KN=b_kn, Y_TMA=True, NUM_PROGRAMS=sms, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+    const = dict(A_KM=a_km, B_KN=b_kn, Y_TMA=not f32_out, NUM_PROGRAMS=sms, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
                  GROUP_M=c["GROUP_M"])
     boxes = {"a_desc": (bk, bm) if a_km else (bm, bk), "b_desc": (bk, bn) if b_kn else (bn, bk), "y_desc": (bm, bn)}
-    return Spec("linear_backward", LINEAR_MODULE, "_linear_bwd_tma_kernel", _t(dtype), "aligned",
-                tuple(sorted(const.items())), (("y_ptr", "*" + _t(dtype)),), tuple(sorted(boxes.items())),
+    if f32_out:
+        const["y_desc"] = None
+        del boxes["y_desc"]
+    out = "fp32" if f32_out else _t(dtype)
+    return Spec(op, LINEAR_MODULE, "_linear_bwd_tma_kernel", f"{_t(dtype)}->fp32" if f32_out else _t(dtype),
+                "aligned", tuple(sorted(const.items())), (("y_ptr", "*" + out),), tuple(sorted(boxes.items())),
                 ones=("stride_yn",), num_warps=c["num_warps"], num_stages=c["num_stages"],
                 grid="linear.stored_persistent", tile=tuple(tile))
 

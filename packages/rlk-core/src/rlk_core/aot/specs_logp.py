@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from rlk_core.aot.specs import TRITON_TYPE, Spec, int_class
+from rlk_core.aot.specs import DEFAULT_SMS, TRITON_TYPE, Spec, int_class
 
 MODULE = "rlk_core.ops.token_logprobs.triton"
 TARGETS = ("*i32", "*i64")
@@ -85,13 +85,26 @@ def aligned_partials(groups: int, p: int) -> bool:
     return int_class(groups * p) == "16" and p * 4 % 16 == 0
 
 
-def logp_specs(dtype: torch.dtype) -> list[Spec]:
-    """Every variant above a ``dtype`` logits call launches: its leaf-block and gradient variants, and the merges —
+def dhidden_gemm_spec(dtype: torch.dtype, sms: int = DEFAULT_SMS) -> Spec:
+    """``linear_logprobs_backward``'s ``dhidden`` product ``dz [T, C] @ W[chunk]`` (``linear_2d_into(dz, W[chunk].t(),
+    part)``, bf16 / fp16): the stored-layout TMA kernel reading ``dz`` and ``W[chunk]`` as stored (``B_KN``) into an
+    fp32 output stored by pointers, the rule's fp32-output tile. Its other product, ``dW[chunk] = dz^T @ hidden``, is
+    the linear backward's dW variant (:mod:`rlk_core.aot.specs_backward`); in fp32 both are that module's pointer
+    kernels."""
+    from rlk_core.aot import specs_backward as BW
+    from rlk_core.ops.linear import tiles as rule
+
+    return BW.stored_tma_spec(dtype, rule._STORED_F32_OUT, False, True, sms, f32_out=True, op="logp")
+
+
+def logp_specs(dtype: torch.dtype, sms: int = DEFAULT_SMS) -> list[Spec]:
+    """Every variant above a ``dtype`` logits call launches: its leaf-block and gradient variants, the merges —
     fp32 whatever the logits dtype, so every dtype's list has them (``enumerate_specs`` keeps one of each; a build
-    of bf16 alone once left them out, and rlk.cuda declined every bf16 ``token_logprobs`` call)."""
+    of bf16 alone once left them out, and rlk.cuda declined every bf16 ``token_logprobs`` call) — and
+    :func:`dhidden_gemm_spec` for a 16-bit dtype."""
     from rlk_core.ops.token_logprobs import triton as tt
 
-    out = []
+    out = [dhidden_gemm_spec(dtype, sms)] if dtype != torch.float32 else []
     for target in TARGETS:
         for slot0 in (0, 1, 3):  # a multiple of 16, one, neither: the three classes of a chunk's first slot
             out.append(block_spec(dtype, target, slot0))
@@ -117,8 +130,9 @@ def not_built() -> list[dict[str, str]]:
                  "are not multiples of 128), non-unit column strides, slices not 16-byte aligned",
          "why": "the JIT specialises those integers and pointers; only the aligned pattern is built, the rest "
                 "runs on rlk.triton."},
-        {"kernel": "linear_logprobs backward GEMMs", "what": "linear_2d_into on transposed views",
-         "why": "the dhidden product reads W[chunk] transposed, the dW product dz and hidden transposed: GEMM "
-                "specialisations the linear enumeration does not build; linear_logprobs_backward runs on "
+        {"kernel": "linear_logprobs backward GEMMs", "what": "hidden sizes or chunk widths whose strides are not "
+                                                             "multiples of 16, misaligned shards",
+         "why": "the dhidden and dW products are the stored-layout kernels' aligned variants (dW's is the linear "
+                "backward's: a build without linear_backward declines linear_logprobs_backward); the rest runs on "
                 "rlk.triton."},
     ]

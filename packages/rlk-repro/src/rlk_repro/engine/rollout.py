@@ -58,6 +58,9 @@ class RolloutStats:
     chunked_prompts: int = 0  # prompts whose prefill took more than one step
     composition_changes: int = 0  # steps whose set of scheduled requests differs from the previous step's
     max_batch: int = 0
+    # wall time of each step (a step that samples ends on the sampled tokens' read: a sync) and its tokens
+    step_seconds: list[float] = field(default_factory=list)
+    step_tokens: list[int] = field(default_factory=list)
 
 
 class PagedKVCache:
@@ -150,7 +153,10 @@ class RolloutEngine:
             for r, _ in batch:
                 if not r.decoding:
                     prefill_steps[r.rid] = prefill_steps.get(r.rid, 0) + 1
+            t_step = time.perf_counter()
             sampled = self._step(batch, stats)
+            stats.step_seconds.append(time.perf_counter() - t_step)
+            stats.step_tokens.append(sum(n for _, n in batch))
             for r in sampled:
                 if on_token is not None:
                     on_token(1)

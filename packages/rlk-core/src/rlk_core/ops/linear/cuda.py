@@ -241,27 +241,29 @@ def _stored(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) ->
     return lt.stored_layout(x, weight, None)
 
 
-def stored_launch(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> tuple[Any, tuple, list] | str:
+def stored_call(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, dev: int
+                ) -> tuple[Any, tuple[int, int, int], dict[str, Any], dict[str, int], str, list]:
     """``triton._launch_stored`` of ``out = x @ weight^T`` (``x [M, K]``, ``weight [N, K]``, ``out [M, N]``, any of
-    them a meta stand-in) resolved as the JIT specialises it: ``(resolved, grid, [a, b])`` — ``a``, ``b`` the
-    operands as the kernel reads them — or why no AOT variant is that binary. The tile from
-    ``triton._stored_config_for``'s rule (TMA where the device has it and both operands as stored suit it)."""
+    them a meta stand-in; ``K > 0``) on device ``dev``, as its launcher makes it: ``(kernel, grid, args, options,
+    dtype, [a, b])`` — every argument by name (:func:`~rlk_core.ops._cuda_calls.positional`), the variant's dtype
+    string (``bf16``; ``bf16->fp32`` for an fp32 output, ``linear_2d_into``'s) and ``a``, ``b`` the operands as
+    the kernel reads them. The tile from ``triton._stored_config_for``'s rule (TMA where the device has it and
+    both operands as stored suit it)."""
     from rlk_core.ops import _cuda_calls as cl
     from rlk_core.ops.linear import triton as lt
 
     m, k = x.shape
     n = weight.shape[0]
-    dev = x.device.index or 0
     sms = _num_sms(dev)
     a_km, b_kn = lt._transposed(x), lt._transposed(weight)
     a, b = (x.t() if a_km else x), (weight.t() if b_kn else weight)
-    cfg = rule.stored_config(x.dtype, m if a_km else None, n, has_tma(dev) and lt._tma_compatible(a, b), sms,
-                             out.dtype != x.dtype)
+    f32_out = out.dtype != x.dtype
+    cfg = rule.stored_config(x.dtype, m if a_km else None, n, has_tma(dev) and lt._tma_compatible(a, b), sms, f32_out)
     common = dict(BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"])
     options = {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}
     tiles = -(-m // cfg["BLOCK_M"]) * -(-n // cfg["BLOCK_N"])
     if cfg["TMA"]:
-        y_tma = out.dtype == x.dtype and out.stride(1) == 1 and (out.stride(0) * out.element_size()) % 16 == 0 and (
+        y_tma = not f32_out and out.stride(1) == 1 and (out.stride(0) * out.element_size()) % 16 == 0 and (
             cl.address_low_bits(out) == 0)
         args = cl.positional(lt._linear_bwd_tma_kernel, cl.Desc(a), cl.Desc(b), cl.Desc(out) if y_tma else None, out,
                              m, n, k, out.stride(0), out.stride(1), A_KM=a_km, B_KN=b_kn, Y_TMA=y_tma,
@@ -272,8 +274,36 @@ def stored_launch(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> t
                              weight.stride(1), weight.stride(0), out.stride(0), out.stride(1), IEEE=cfg["IEEE"],
                              **common)
         kernel, grid = lt._linear_bwd_kernel, (tiles, 1, 1)
-    r = cl.resolve(dev, kernel, S.TRITON_TYPE[x.dtype], args, options)
-    return r if isinstance(r, str) else (r, grid, [a, b])
+    dtype = S.TRITON_TYPE[x.dtype] + (f"->{S.TRITON_TYPE[out.dtype]}" if f32_out else "")
+    return kernel, grid, args, options, dtype, [a, b]
+
+
+def stored_launch(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> tuple[Any, tuple, list] | str:
+    """:func:`stored_call` resolved as the JIT specialises it: ``(resolved, grid, [a, b])``, or why no AOT variant
+    is that binary."""
+    from rlk_core.ops import _cuda_calls as cl
+
+    dev = x.device.index or 0
+    kernel, grid, args, options, dtype, ab = stored_call(x, weight, out, dev)
+    r = cl.resolve(dev, kernel, dtype, args, options)
+    return r if isinstance(r, str) else (r, grid, ab)
+
+
+def stored_into(calls: Any, x: Any, weight: Any, out: Any) -> None:
+    """``triton.linear_2d_into(x, weight, out)`` of a stored-layout call on a
+    :class:`~rlk_core.ops._cuda_calls.Calls` (its launch made or decided; declined where the operands are not
+    the stored-layout kernels' — ``linear_2d_into`` would run the forward's kernels on them)."""
+    from rlk_core.ops.linear import triton as lt
+
+    m, k = x.shape
+    if m == 0 or weight.shape[0] == 0 or k == 0:  # the callers' GEMMs all have work; no zero-fill launch here
+        calls.reason = calls.reason or f"a stored-layout GEMM with an empty dimension ({m}, {weight.shape[0]}, {k})"
+        return
+    if not lt.stored_layout(x, weight, None):
+        calls.reason = calls.reason or "a GEMM whose operands are not transposed views runs the forward kernels"
+        return
+    kernel, grid, args, options, dtype, _ = stored_call(x, weight, out, calls.index)
+    calls.launch(kernel, grid, args, options, dtype)
 
 
 def _decide_stored(x: torch.Tensor, weight: torch.Tensor) -> tuple:

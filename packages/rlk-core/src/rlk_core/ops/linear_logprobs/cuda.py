@@ -7,11 +7,11 @@ registry picks for it, ``rlk.cuda`` or ``rlk.triton``, gives the same bits).
 The logits are produced between the launches, so these calls run their launches from Python (each resolved as
 the JIT would specialise it); ``supports`` decides a call signature once, on meta stand-ins.
 
-``linear_logprobs_backward`` is registered so that a forced ``rlk.cuda`` (``RLK_BACKENDS``, which forces the
-companions too) says why it cannot run: its GEMMs read transposed views (``dhidden``: each weight chunk; ``dW``:
-``dz`` and ``hidden``, through ``linear_2d_into``), specialisations of the GEMM kernels the AOT set does not build
-(they belong to the linear op's enumeration). Every call is declined, so ``rlk.triton`` runs it (``same_bits_as``:
-not a fallback).
+``linear_logprobs_backward`` the same way: per chunk the logits recomputed (``torch.ops.rlk.linear``), ``dz``
+written over them by the log-prob gradient kernel, then the two products on the stored-layout GEMM kernels as the
+Triton backward makes them (``linear_2d_into``): ``dhidden``'s ``dz @ W[chunk]`` (``W[chunk].t()`` read as stored,
+an fp32 output stored by pointers — a variant built for this op) and ``dW[chunk] = dz^T @ hidden`` (both operands
+read as stored: the linear backward's dW variant); ``dhidden`` accumulated in fp32 in column order between them.
 """
 
 from __future__ import annotations
@@ -22,12 +22,11 @@ import torch
 
 from rlk_core.ops import _cuda_calls as cl
 from rlk_core.ops import _logp_tree as L
+from rlk_core.ops.linear import cuda as lc
 from rlk_core.ops.linear_logprobs import triton as lt
 from rlk_core.ops.token_logprobs import cuda as tc
 
-BACKWARD_NOT_BUILT = ("linear_logprobs_backward on rlk.cuda: its GEMMs read their operands transposed (dhidden: "
-                      "W[chunk].t(); dW: dz.t() and hidden.t(), linear_2d_into), GEMM specialisations the AOT "
-                      "set does not build")
+F32 = torch.float32
 
 
 def _partials_into(calls: cl.Calls, hidden, weight, target, temperature, vocab_start, vocab_size, m, s, zt,
@@ -77,9 +76,37 @@ forward, supports = _FORWARD.run, _FORWARD.supports
 linear_logp_partials, supports_partials = _PARTIALS.run, _PARTIALS.supports
 
 
-def backward(hidden, weights, target, temperature, lse, grad_logp, grad_lse):
-    raise RuntimeError(BACKWARD_NOT_BUILT)
+def _backward(calls: cl.Calls, hidden, weights, target, temperature, lse, grad_logp, grad_lse) -> tuple[Any, list]:
+    """``triton.backward``: ``(dhidden, [dW per shard])``."""
+    target, temperature, lse = calls.contiguous(target), calls.contiguous(temperature), calls.contiguous(lse)
+    g_logp, g_lse = calls.contiguous(grad_logp, F32), calls.contiguous(grad_lse, F32)
+    vocab_size = sum(w.shape[0] for w in weights)
+    t, h = hidden.shape
+    dh = calls.new((t, h), F32, "zeros")
+    part = calls.new((t, h), F32)
+    dws, start = [], 0
+    for w in weights:
+        dw = calls.new(w.shape, w.dtype)
+        for _, c0, c1, _ in lt._chunks(start, w.shape[0], vocab_size, t, hidden.element_size()):
+            wc = w[c0:c1]
+            if calls.meta:  # the logits buffer the linear op returns (a fresh [T, C], overwritten by dz)
+                dz = torch.empty((t, c1 - c0), dtype=hidden.dtype, device="meta")
+            else:
+                dz = torch.ops.rlk.linear(hidden, wc, None)
+            tc.grad_into(calls, dz, dz, target, temperature, lse, g_logp, g_lse, start + c0)
+            lc.stored_into(calls, dz, wc.t(), part)  # dz [T, C] @ W[chunk] [C, H], fp32 out
+            if not calls.meta:
+                dh += part
+            lc.stored_into(calls, dz.t(), hidden.t(), dw[c0:c1])  # dz^T [C, T] @ hidden [T, H]
+            del dz
+        dws.append(dw)
+        start += w.shape[0]
+    return dh.to(hidden.dtype), dws
 
 
-def supports_backward(hidden, weights, target, temperature, lse, grad_logp, grad_lse) -> tuple[bool, str]:
-    return False, BACKWARD_NOT_BUILT
+_BACKWARD = cl.Served("linear_logprobs_backward", _backward,
+                      lambda h, ws, t, temp, *_: lt.supports(h, ws, t, temp) if h.shape[0] else (
+                          False, "no tokens: rlk.triton's backward has no launch to make"),
+                      lambda h, ws, *rest: (h, *ws, *rest), lambda h, ws, *_: (len(ws),),
+                      rebuild=lambda outs: (outs[0], list(outs[1])))
+backward, supports_backward = _BACKWARD.run, _BACKWARD.supports
