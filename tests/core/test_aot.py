@@ -248,6 +248,53 @@ def test_a_build_through_a_triton_cache_reports_that_it_serves_each_variant(tmp_
     assert report["incomplete"] == [specs[0].name, specs[1].name] and report["other_key"] == [specs[2].name]
 
 
+_KEY_ORDER = """
+import importlib, json, sys
+import torch
+from rlk_core.aot import specs as S
+B = importlib.import_module("rlk_core.aot.build")
+specs = S.enumerate_specs(S.OPS, (torch.bfloat16,))
+order = specs[::-1] if sys.argv[1] == "reversed" else specs
+print(json.dumps({repr(s.key): B.compile_key(s) for s in order}))  # (names repeat across unit strides)
+"""
+
+
+@needs_triton
+def test_compile_keys_do_not_depend_on_which_kernel_a_process_hashes_first():
+    """Triton's compile key of every variant is the same whichever kernels a process hashed before (enumeration
+    order, or reversed: the backward attention kernels before the forward ones) — as a build worker, the main
+    process and a run's JIT each hash them in their own order. Triton 3.6 folds a callee's global constexprs into a
+    caller's key only when the callee was hashed first; a global constexpr in a shared helper (find_tile's scan
+    width once) made the attention backward's keys depend on it, and the build's workers compiled some of them
+    under the key no JIT computes (the GPU suite's cache misses)."""
+    runs = {}
+    for order in ("forward", "reversed"):
+        proc = subprocess.run([sys.executable, "-c", _KEY_ORDER, order], capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        runs[order] = json.loads(proc.stdout)
+    differ = [name for name, key in runs["forward"].items() if runs["reversed"][name] != key]
+    assert not differ, (len(differ), differ[:3])
+
+
+@needs_triton
+def test_no_kernel_depends_on_a_global_constexpr():
+    """After every rlk kernel is hashed, no @jit function has recorded a global constexpr (the order-dependent part
+    of Triton's key, above): the constants a kernel needs are its constexpr arguments or locals."""
+    from triton.language.core import constexpr
+    from triton.runtime.jit import JITFunction
+
+    modules = sorted({s.module for s in S.enumerate_specs(S.OPS, (torch.bfloat16,))})
+    fns = []
+    for name in modules:
+        mod = importlib.import_module(name)
+        fns += [v for v in vars(mod).values() if isinstance(v, JITFunction)]
+    for fn in fns:
+        assert fn.cache_key
+    found = sorted({(fn.__name__, var) for fn in fns for (var, _), (val, _) in fn.used_global_vals.items()
+                    if isinstance(val, constexpr)})
+    assert not found, found
+
+
 def test_unknown_target_is_refused():
     from rlk_core.aot.build import parse_target
 

@@ -28,7 +28,7 @@ FIND_TILE = """
                  tl.where(tl.arange(0, 4) == 1, i, tl.where(tl.arange(0, 4) == 2, count, total))))
 
     g = torch.Generator().manual_seed(1)
-    # more than one scan step (SCHED_BLOCK = 128 sequences), empty sequences, one sequence
+    # more than one scan step (find_tile's SCHED = 128 sequences), empty sequences, one sequence
     for lens in ([5], [0, 1, 63, 64, 65, 128, 0, 200], torch.randint(0, 90, (300,), generator=g).tolist()):
         cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
         for tile in (16, 64):

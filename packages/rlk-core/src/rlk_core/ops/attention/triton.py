@@ -111,20 +111,23 @@ def _kv_rows(table_row, seq0, kpos, page_shift, PAGED: tl.constexpr):
     return page, off
 
 
-SCHED_BLOCK = tl.constexpr(128)  # sequences per step of find_tile's scan (a constexpr: read inside kernels)
-
-
 @triton.jit
 def find_tile(pid, cu_ptr, B, TILE: tl.constexpr):
     """Program ``pid``'s tile in a launch over the tiles (``TILE`` rows each) of B packed sequences with
     offsets ``cu[0..B]`` (on the device: no host work, no sync): ``(sequence, index of the tile in it,
     the sequence's tile count, the total tile count)``; a program with ``pid >= total`` has no tile.
-    One vectorised scan over the offsets, ``SCHED_BLOCK`` sequences per step (one step up to 128
-    sequences): every program derives the same schedule from the same offsets."""
+    One vectorised scan over the offsets, ``SCHED`` = 128 sequences per step: every program derives the same
+    schedule from the same offsets.
+
+    ``SCHED`` is a local constexpr, not a module global: Triton 3.6 folds a callee's global constexprs into a
+    caller's compile key only if the callee was hashed first (``DependenciesFinder._update_hash`` merges its
+    globals before computing its key), so a global here gave the backward kernels two keys, by which kernel a
+    process happened to hash first — and the AOT build's parallel workers compiled some under the other one."""
+    SCHED: tl.constexpr = 128
     zero = pid * 0
     seq, first, count, total = zero, zero, zero, zero
-    for c0 in range(0, B, SCHED_BLOCK):
-        idx = c0 + tl.arange(0, SCHED_BLOCK)
+    for c0 in range(0, B, SCHED):
+        idx = c0 + tl.arange(0, SCHED)
         ok = idx < B
         lo = tl.load(cu_ptr + idx, mask=ok, other=0).to(tl.int32)
         hi = tl.load(cu_ptr + idx + 1, mask=ok, other=0).to(tl.int32)
