@@ -66,7 +66,8 @@ class JitWatch:
 
     def take_gc(self) -> dict[str, dict[str, Any]]:
         """Python's garbage collections since the last call, per phase: ``collections``, ``by_generation``
-        (``{"0": n, "1": n, "2": n}``), ``seconds`` (their summed pause) and ``max_s`` (the longest); then cleared."""
+        (``{"0": n, "1": n, "2": n}``), ``seconds`` (their summed pause) and ``max_s`` (the longest); then cleared
+        (a watch's owner takes them every round, as it takes the compiles)."""
         events, self._gc = self._gc, []
         out: dict[str, dict[str, Any]] = {}
         for phase, generation, seconds in events:

@@ -323,6 +323,7 @@ class _Run:
             "weight_sync_seconds": sync["seconds"], "vllm_parameters_changed": sync["changed"],
             "eos_finished": sum(c.finish_reason == "stop" for c in comps),
             "triton_jit": self.watch.take(),  # this rank's JIT compiles per phase (round 0's "setup": start-up)
+            "python_gc": self.watch.take_gc(),  # this process's garbage collections per phase (their pauses)
         }
         if self.lead:
             runs.append_jsonl(self.run_dir / "metrics.jsonl", row)
