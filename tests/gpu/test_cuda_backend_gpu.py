@@ -475,10 +475,10 @@ def _folder(group: dict) -> str:
 def _missed(compiles: list[tuple[bool, str]]) -> str:
     """The misses, each with whether the build compiled that key (a manifest entry's ``triton_key``), and the build's
     own check of its cache (``aot.build.cache_report``)."""
-    import base64
+    from rlk_core.aot.build import cache_folder
 
     _, manifest, idx = cc._manifest(cc.TARGETS[torch.cuda.get_device_capability()])
-    built = {base64.b32encode(bytes.fromhex(e["triton_key"])).decode().rstrip("="): e["variant"]
+    built = {cache_folder(e["triton_key"]): e["variant"]
              for e in idx.values() if e.get("triton_key")}
     missed = [f"{what}: {'built as ' + built[f] if (f := what.rsplit(' ', 1)[-1].rstrip(')')) in built else 'no build'}"
               for hit, what in compiles if not hit]

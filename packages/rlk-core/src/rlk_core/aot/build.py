@@ -19,6 +19,7 @@ with the ptxas bundled in the Triton wheel: no GPU, no CUDA toolkit. Output, in 
 
 from __future__ import annotations
 
+import base64
 import concurrent.futures
 import hashlib
 import json
@@ -352,15 +353,12 @@ def cache_report(cache: str | os.PathLike, specs: list[Spec], entries: list[dict
     worker's compile had another key — with its group file (``<base32 of the key>/__grp__<kernel>.json``) and every
     file the group lists present — ``incomplete``: not. Either way the JIT compiles that launch again at first use
     (the same binary, a compile's time); the GPU suite's cache check fails on it."""
-    import base64
-
     other, incomplete = [], []
     for spec, e in zip(specs, entries, strict=True):
         key = compile_key(spec, target)
         if e.get("triton_key") != key:
             other.append(e["variant"])
-        folder = base64.b32encode(bytes.fromhex(key)).decode().rstrip("=")  # triton.runtime.cache's directory name
-        group = Path(cache) / folder / f"__grp__{spec.kernel[:150]}.json"
+        group = Path(cache) / cache_folder(key) / f"__grp__{spec.kernel[:150]}.json"
         try:
             children = json.loads(group.read_text())["child_paths"]
             complete = all(Path(p).is_file() for p in children.values())
@@ -369,6 +367,12 @@ def cache_report(cache: str | os.PathLike, specs: list[Spec], entries: list[dict
         if not complete:
             incomplete.append(e["variant"])
     return {"variants": len(entries), "other_key": other, "incomplete": incomplete}
+
+
+def cache_folder(key: str) -> str:
+    """The folder of a Triton cache that holds the compile with this key (hex): triton.runtime.cache's name for it,
+    the key's base32 without padding."""
+    return base64.b32encode(bytes.fromhex(key)).decode().rstrip("=")
 
 
 def print_progress(done: int, total: int, entry: dict[str, Any], seconds: float) -> None:
