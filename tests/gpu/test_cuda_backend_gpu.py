@@ -498,6 +498,9 @@ def test_every_served_attention_and_logp_variant_is_bitwise_triton(family, ran_p
     from rlk_core.ops.linear_logprobs import triton as llt
 
     _require_built(family)
+    if family == "logp":  # linear_logprobs' chunk GEMMs are the linear family's variants, its dW linear_backward's
+        _require_built("linear")
+        _require_built("linear_backward")
     monkeypatch.setattr(llt, "CHUNK_BYTES", K.linear_chunk_bytes())
     ran_programs.clear()
     served = 0
@@ -535,7 +538,7 @@ def test_an_independent_jit_compile_gives_the_same_bits(tmp_path):
     import triton
 
     for family in ("attention", "kv_cache_write", "attention_backward", "logp"):
-        _require_built(family)
+        _require_built(family, torch.bfloat16)  # bf16 calls
 
     from rlk_core.ops.attention import triton as at
     from rlk_core.ops.attention import triton_backward as ab
@@ -589,8 +592,8 @@ def _step_calls() -> list[tuple[str, tuple]]:
 def test_attention_and_logp_under_graph_capture_and_replay():
     """Captured in a CUDA graph (after one eager call: loads and decisions happen before capture), replayed on
     new input values: ``torch.equal`` to rlk.triton run eagerly on those values; on a side stream too."""
-    _require_built("attention")
-    _require_built("logp")
+    _require_built("attention", torch.bfloat16)  # the step's calls are bf16
+    _require_built("logp", torch.bfloat16)
     for op, args in _step_calls()[1:]:  # kv_cache_write: the test below
         cuda, triton = _backends(op)
         assert cuda.supports(*args)[0], op
@@ -617,7 +620,7 @@ def test_attention_and_logp_under_graph_capture_and_replay():
 
 
 def test_kv_cache_write_under_graph_capture_writes_the_replayed_values():
-    _require_built("kv_cache_write")
+    _require_built("kv_cache_write", torch.bfloat16)
     cuda, triton = _backends("kv_cache_write")
     op, args = _step_calls()[0]
     k, v, kc, vc, slots = _cloned(op, args)
@@ -639,6 +642,7 @@ def test_decode_captured_before_any_offsets_exist_builds_its_own():
     builds ``arange(B + 1)`` itself, as rlk.triton does, and the replay is rlk.triton's bits."""
     from rlk_core.ops.attention import cuda as ac
 
+    _require_built("attention", torch.bfloat16)
     args = _decode_call(b=5, seed=9)
     cuda, triton = _backends("attention_decode")
     cuda.fn(*args)  # the decision and the loads
@@ -660,6 +664,7 @@ def test_decode_captured_before_any_offsets_exist_builds_its_own():
 def test_negative_control_the_attention_comparison_can_fail():
     """A different scale through rlk.cuda is caught (the comparison above has teeth), and so is rlk.cuda's decode
     against rlk.triton's prefill of another token's position (a wrong row)."""
+    _require_built("attention", torch.bfloat16)
     args = _decode_call(b=4, seed=3)
     cuda, triton = _backends("attention_decode")
     ref = triton.fn(*args)
