@@ -121,7 +121,10 @@ stage() {  # stage NAME SECONDS
         hybrid) timeout "$cap" $py "$G/benchmarks/frameworks/megatron_gpu.py" --hybrid --out "$out" ;;
         megatron) timeout "$cap" $py "$G/benchmarks/frameworks/megatron_gpu.py" --budget-s $((cap - 40)) --out "$out" ;;
         cuda)
-            # $RLK_BUILD_OPS (setup.py) limits the AOT families built; $BUILD_CAP caps the build (default 200 s)
+            # $RLK_BUILD_OPS / $RLK_BUILD_DTYPES (setup.py) limit the AOT families and dtypes built (the GPU suite skips,
+            # by name, what the build left out; the logp sweep needs linear and linear_backward built too: its chunk
+            # GEMMs); $BUILD_CAP caps the build (default 200 s; fp32 attention backward compiles slowly: ~150 s for
+            # the fp16 + fp32 attention families with 16 jobs)
             local t0=$SECONDS
             (cd "$G/packages/rlk-core" && RLK_BUILD_EXT=1 RLK_BUILD_JOBS=16 timeout "${BUILD_CAP:-200}" $py setup.py \
                 build_ext --inplace > "$out/build.log" 2>&1)
