@@ -132,6 +132,8 @@ def per_round(metrics: list[dict]) -> list[dict]:
         steps = r.get("rollout_step_ms") or {}
         if steps:
             row["rollout_steps_ms"] = (steps["median"], steps["max"], steps["slowest"])
+            if "launch_median" in steps:  # (rows before the split have none)
+                row["rollout_step_split_ms"] = (steps["launch_median"], steps["rest_median"])
         rows.append(row)
     return rows
 
@@ -183,8 +185,8 @@ def per_round_markdown(rows: list[dict]) -> str:
                            f"rounds below 0.9x: {st['rounds_below_0.9x'] or 'none'}; round 0 at "
                            f"{st['round0_vs_median']:.2f}x")
         out += ["", "| round | rollout s | rollout tok/s | rollout JIT (compiled / loaded) | rollout step ms "
-                "(median / max) | rollout GC (collections, s, longest s) | train s | train tok/s "
-                "| train JIT (compiled / loaded) | train GC |", "|---|---|---|---|---|---|---|---|---|---|"]
+                "(median / max) | of it: host launch / rest (medians) | rollout GC (collections, s, longest s) "
+                "| train s | train tok/s | train JIT (compiled / loaded) | train GC |", "|---" * 11 + "|"]
         slow = []
         for p in r["per_round"]:
             jit = {ph: "{} / {}".format(*p[f"{ph}_jit"]) if f"{ph}_jit" in p else "not recorded"
@@ -192,9 +194,11 @@ def per_round_markdown(rows: list[dict]) -> str:
             gc = {ph: "{}, {:.3f}, {:.3f}".format(*p[f"{ph}_gc"]) if f"{ph}_gc" in p else "not recorded"
                   for ph in ("rollout", "train")}
             steps = "{:.1f} / {:.1f}".format(*p["rollout_steps_ms"][:2]) if "rollout_steps_ms" in p else "not recorded"
+            split = ("{:.1f} / {:.1f}".format(*p["rollout_step_split_ms"]) if "rollout_step_split_ms" in p
+                     else "not recorded")
             out.append(f"| {p['round']} | {p['rollout_s']:.2f} | {p['rollout_tok_s']:.4g} | {jit['rollout']} | "
-                       f"{steps} | {gc['rollout']} | {p['train_s']:.2f} | {p['train_tok_s']:.4g} | {jit['train']} | "
-                       f"{gc['train']} |")
+                       f"{steps} | {split} | {gc['rollout']} | {p['train_s']:.2f} | {p['train_tok_s']:.4g} | "
+                       f"{jit['train']} | {gc['train']} |")
             if "rollout_steps_ms" in p:
                 slow.append(f"round {p['round']}: " + ", ".join(f"step {i} {ms:.1f} ms ({t} tokens)"
                                                                  for i, ms, t in p["rollout_steps_ms"][2]))

@@ -38,6 +38,8 @@ def test_rr_run_exercises_chunking_batching_and_mixed_lengths(rr_run):
         steps = r["rollout_step_ms"]
         assert steps["steps"] == r["rollout_steps"] and 0 < steps["median"] <= steps["p90"] <= steps["max"]
         assert steps["total_s"] <= r["rollout_seconds"] and len(steps["slowest"]) == min(5, r["rollout_steps"])
+        # the host's part of a step before its first wait, and the rest: both there, both within the step
+        assert 0 < steps["launch_median"] <= steps["max"] and 0 <= steps["rest_median"] <= steps["max"]
         assert isinstance(r["python_gc"], dict)
     lengths = set()
     for path in sorted((rr_run.run_dir / "train-data").glob("*.safetensors")):

@@ -253,18 +253,24 @@ def _requests(cfg: LocalRunConfig, ses: _Session, rnd: int) -> tuple[list[int], 
     return chosen, requests
 
 
-def step_summary(seconds: list[float], tokens: list[int], slowest: int = 5) -> dict[str, Any]:
+def step_summary(seconds: list[float], tokens: list[int], slowest: int = 5,
+                 launch: list[float] | None = None) -> dict[str, Any]:
     """A rollout's step times: ``median``, ``p90`` and ``max`` milliseconds, ``total`` seconds, and the
     ``slowest`` steps as ``[step, ms, tokens]`` — where a slow round's time went (a few long stalls, or every step
-    slower)."""
+    slower); with ``launch`` (each step's host time before its first wait on the device), ``launch_median`` and
+    ``rest_median`` — whether a slower round's steps were slower on the host or in the wait."""
     if not seconds:
         return {}
     ms = sorted(x * 1e3 for x in seconds)
     top = sorted(range(len(seconds)), key=lambda i: -seconds[i])[:slowest]
-    return {"steps": len(ms), "median": round(statistics.median(ms), 3),
-            "p90": round(ms[min(len(ms) - 1, int(0.9 * len(ms)))], 3), "max": round(ms[-1], 3),
-            "total_s": round(sum(seconds), 4),
-            "slowest": [[i, round(seconds[i] * 1e3, 3), tokens[i]] for i in sorted(top)]}
+    out = {"steps": len(ms), "median": round(statistics.median(ms), 3),
+           "p90": round(ms[min(len(ms) - 1, int(0.9 * len(ms)))], 3), "max": round(ms[-1], 3),
+           "total_s": round(sum(seconds), 4),
+           "slowest": [[i, round(seconds[i] * 1e3, 3), tokens[i]] for i in sorted(top)]}
+    if launch is not None and len(launch) == len(seconds):
+        out["launch_median"] = round(statistics.median(x * 1e3 for x in launch), 3)
+        out["rest_median"] = round(statistics.median((t - x) * 1e3 for t, x in zip(seconds, launch)), 3)
+    return out
 
 
 def _round(cfg: LocalRunConfig, ses: _Session, run_dir: Path, rnd: int, watch: JitWatch) -> dict[str, Any]:
@@ -303,7 +309,7 @@ def _round(cfg: LocalRunConfig, ses: _Session, run_dir: Path, rnd: int, watch: J
         "eos_finished": sum(r.finish_reason == "eos" for r in requests),
         "triton_jit": watch.take(),  # the round's JIT compiles per phase (round 0's "setup": model and engine)
         "python_gc": watch.take_gc(),  # the round's garbage collections per phase (their pauses)
-        "rollout_step_ms": step_summary(stats.step_seconds, stats.step_tokens),
+        "rollout_step_ms": step_summary(stats.step_seconds, stats.step_tokens, launch=stats.step_launch_seconds),
     }
     runs.append_jsonl(run_dir / "metrics.jsonl", row)
     log.info("round %d: %d tokens compared, %d mismatches (max |diff| %.3g), reward %.3f, loss %.4g, "

@@ -61,6 +61,9 @@ class RolloutStats:
     # wall time of each step (a step that samples ends on the sampled tokens' read: a sync) and its tokens
     step_seconds: list[float] = field(default_factory=list)
     step_tokens: list[int] = field(default_factory=list)
+    # of each step's wall time, the host's part before the first wait on the device: its inputs copied and every
+    # layer queued (the rest is the wait for the layers, the LM head and sampling: the device's time shows there)
+    step_launch_seconds: list[float] = field(default_factory=list)
 
 
 class PagedKVCache:
@@ -194,6 +197,7 @@ class RolloutEngine:
 
     @torch.no_grad()
     def _step(self, batch: list[tuple[Request, int]], stats: RolloutStats) -> list[Request]:
+        t0 = time.perf_counter()
         cfg, ops, dev, page = self.cfg, self.ops, self.device, self.cache.page_size
         ids, pos, slots = [], [], []
         for r, n in batch:
@@ -237,6 +241,7 @@ class RolloutEngine:
             o = torch.cat(parts) if len(parts) > 1 else parts[0]
             h = h + qwen3.attention_out(ops, w, layer, o)
             h = h + qwen3.ffn(ops, cfg, w, layer, h)
+        stats.step_launch_seconds.append(time.perf_counter() - t0)
         stats.decode_calls += bool(dec)
         stats.prefill_calls += bool(pre)
         stats.tokens += len(ids)
