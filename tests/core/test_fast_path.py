@@ -206,3 +206,49 @@ def test_lesson_refuses_what_it_cannot_repeat():
     assert cc.lesson((x, w), y.view(-1), _seen([x, w], y)) is None  # the backend changed the result
     assert cc.lesson((x, w), y, _seen([x, w, "text"], y)) is None
     assert cc.lesson((x, w), y, _seen([x, w[:, :4].t()], y)) is None  # not the .t() of an argument
+
+
+@pytest.fixture
+def logp_ext(tmp_path, monkeypatch):
+    """The fake device with rlk.cuda's ``logp_partials`` and ``merge_logp_partials`` for CPU tensors."""
+    tlc = importlib.import_module("rlk_core.ops.token_logprobs.cuda")
+    F.write_manifest(tmp_path, S.enumerate_specs(("logp",), (torch.bfloat16,)))
+    with F.fake_device(monkeypatch, tmp_path, tlc) as (recorder, _):
+        pairs = {"logp_partials": (tlc.logp_partials, tlc.supports_logp_partials),
+                 "merge_logp_partials": (tlc.merge_logp_partials, tlc.supports_merge_logp_partials)}
+        builtin = {op: REGISTRY.get(op, cc.BACKEND_ID) for op in pairs}
+        for op, (fn, supports) in pairs.items():
+            REGISTRY.register(Backend(cc.BACKEND_ID, op, fn, devices=("cpu",), priority=100, supports=supports,
+                                      builtin=True), replace=True)
+        try:
+            cc.extension()
+            yield recorder
+        finally:
+            for backend in builtin.values():
+                REGISTRY.register(backend, replace=True)
+
+
+def test_the_vocab_parallel_log_prob_halves_repeat_on_the_fast_path(logp_ext):
+    """``logp_partials`` and ``merge_logp_partials`` (custom ops run directly): the first call of a signature runs
+    rlk.cuda's program and teaches it, a repeat is one fast call with the same launches and fresh outputs of the
+    same shapes; another ``vocab_start`` (a scalar in the signature) is not the taught call."""
+    t, vocab = 5, 8192  # half a vocabulary of 8 groups of 4 padded leaf blocks: a served stride class
+    shard = _x(t, vocab // 2)
+    target = torch.randint(0, vocab, (t,), generator=torch.Generator().manual_seed(3))
+    temp = torch.full((t,), 0.7)
+    first = ops.logp_partials(shard, target, temp, 0, vocab)
+    n = len(logp_ext.via)
+    assert logp_ext.via == ["run_program"] * n and n >= 1
+    again = ops.logp_partials(shard, target, temp, 0, vocab)
+    assert logp_ext.via[n:] == ["run_program"] * (n - 1) + ["fast"]
+    assert [(h, g) for h, g, _ in logp_ext.calls[n:]] == [(h, g) for h, g, _ in logp_ext.calls[:n]]
+    assert [x.shape for x in again] == [x.shape for x in first] and again[0] is not first[0]
+    logp_ext.clear()
+    ops.logp_partials(shard, target, temp, vocab // 2, vocab)  # the other half: taught on its own
+    assert logp_ext.via[-1] == "run_program"
+    logp_ext.clear()
+    m, s = torch.randn(t, 8), torch.rand(t, 8) + 1.0
+    zt = torch.randn(t)
+    ops.merge_logp_partials(m, s, zt, vocab), ops.merge_logp_partials(m, s, zt, vocab)
+    assert logp_ext.via[-1] == "fast" and logp_ext.via[0] == "run_program"
+    assert logp_ext.fast_entries() == 3

@@ -70,6 +70,10 @@ def _cases():
     qv, kv_, vv = _randn(256, hq, d, seed=15), _randn(256, hkv, d, seed=16), _randn(256, hkv, d, seed=17)
     cu = torch.tensor([0, 100, 256], dtype=torch.int32, device="cuda")
     scale = d ** -0.5
+    vocab = 151936  # one TP-8 shard of the Qwen3 vocabulary, and the merge of its 8 groups
+    shard, target = _randn(64, vocab // 8, seed=18), torch.randint(0, vocab, (64,), device="cuda")
+    temp = torch.full((64,), 0.7, device="cuda")
+    m, s_, zt = _randn(64, 8, seed=19).float(), _randn(64, 8, seed=20).float().abs() + 1, _randn(64, seed=21).float()
     tri = lambda op: REGISTRY.get(op, "rlk.triton").fn  # noqa: E731
     return [
         ("linear", lambda: ops.linear(x, w), lambda: tri("linear")(x, w, None)),
@@ -92,6 +96,10 @@ def _cases():
          lambda: tri("attention_varlen")(qv, kv_, vv, cu, cu, scale, True, None)),
         ("kv_cache_write", lambda: (kv_cache_write(kn, vn, kc, vc, slots), kc.clone())[1],
          lambda: (tri("kv_cache_write")(kn, vn, kc, vc, slots), kc.clone())[1]),
+        ("logp_partials", lambda: ops.logp_partials(shard, target, temp, 0, vocab),
+         lambda: tri("logp_partials")(shard, target, temp, 0, vocab)),
+        ("merge_logp_partials", lambda: ops.merge_logp_partials(m, s_, zt, vocab),
+         lambda: tri("merge_logp_partials")(m, s_, zt, vocab)),
     ]
 
 
@@ -105,6 +113,8 @@ def _built_ops() -> set[str]:
     ops = set(families)
     if "attention" in ops:
         ops |= {"attention_decode", "attention_paged_prefill", "attention_varlen"}
+    if "logp" in ops:
+        ops |= {"logp_partials", "merge_logp_partials"}
     return ops
 
 
@@ -114,7 +124,7 @@ def _equal(a, b) -> bool:
     return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
 
 
-@pytest.mark.parametrize("case", range(13))
+@pytest.mark.parametrize("case", range(15))
 def test_a_repeat_is_served_by_the_fast_path_with_the_python_path_s_bits(hits, case):
     name, call, triton = _cases()[case]
     op = "linear_backward" if "stored layout" in name else name.split(" ")[0]

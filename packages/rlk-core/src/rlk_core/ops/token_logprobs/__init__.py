@@ -126,10 +126,12 @@ def token_logprobs(logits: torch.Tensor | Sequence[torch.Tensor], target: torch.
 
 
 # -- the vocab-parallel halves ---------------------------------------------------------------------
-@torch.library.custom_op("rlk::logp_partials", mutates_args=())
+@custom_op("logp_partials", direct_run=True)
 def _logp_partials_op(logits_shard: torch.Tensor, target: torch.Tensor, temperature: torch.Tensor,
                       vocab_start: int, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     _check_partials(logits_shard, target, temperature, vocab_start, vocab_size)
+    # (contiguous: the same tensors where they are — what logp_partials passes — so the fast path's signature is
+    # this call's; a strided target or temperature from a direct torch.ops call is copied here, as before)
     return run("logp_partials", logits_shard.device, logits_shard, target.contiguous(), temperature.contiguous(),
                vocab_start, vocab_size)
 
@@ -175,7 +177,8 @@ def logp_partials(logits_shard: torch.Tensor, target: torch.Tensor, temperature:
     Each group partial depends only on that row and the group's columns. Not differentiable.
     """
     temp = L.as_temperature("logp_partials", temperature, logits_shard.shape[0], logits_shard.device)
-    return torch.ops.rlk.logp_partials(logits_shard, target, temp, int(vocab_start), int(vocab_size))
+    target = target.contiguous() if isinstance(target, torch.Tensor) else target  # (a non-tensor: the checks say)
+    return call("logp_partials", logits_shard, target, temp.contiguous(), int(vocab_start), int(vocab_size))
 
 
 def _check_merge(m, s, z_target, vocab_size) -> None:
@@ -194,7 +197,7 @@ def _check_merge(m, s, z_target, vocab_size) -> None:
     C.same_device(op, m=m, s=s, z_target=z_target)
 
 
-@torch.library.custom_op("rlk::merge_logp_partials", mutates_args=())
+@custom_op("merge_logp_partials", direct_run=True)
 def _merge_op(m: torch.Tensor, s: torch.Tensor, z_target: torch.Tensor, vocab_size: int
               ) -> tuple[torch.Tensor, torch.Tensor]:
     _check_merge(m, s, z_target, vocab_size)
@@ -224,7 +227,7 @@ def merge_logp_partials(m: torch.Tensor, s: torch.Tensor, z_target: torch.Tensor
     trailing groups are exact identities), ``lse = m + log(s)``, ``logp = z_target - lse``. Each row
     depends only on that row's partials.
     """
-    return torch.ops.rlk.merge_logp_partials(m, s, z_target, int(vocab_size))
+    return call("merge_logp_partials", m, s, z_target, int(vocab_size))
 
 
 REGISTRY.register(Backend("rlk.reference", OP, token_logprobs_reference, devices=("cpu", "cuda"), builtin=True))
