@@ -267,9 +267,9 @@ def step_summary(seconds: list[float], tokens: list[int], slowest: int = 5,
            "p90": round(ms[min(len(ms) - 1, int(0.9 * len(ms)))], 3), "max": round(ms[-1], 3),
            "total_s": round(sum(seconds), 4),
            "slowest": [[i, round(seconds[i] * 1e3, 3), tokens[i]] for i in sorted(top)]}
-    if launch is not None and len(launch) == len(seconds):
+    if launch is not None:
         out["launch_median"] = round(statistics.median(x * 1e3 for x in launch), 3)
-        out["rest_median"] = round(statistics.median((t - x) * 1e3 for t, x in zip(seconds, launch)), 3)
+        out["rest_median"] = round(statistics.median((t - x) * 1e3 for t, x in zip(seconds, launch, strict=True)), 3)
     return out
 
 

@@ -130,8 +130,8 @@ def token_logprobs(logits: torch.Tensor | Sequence[torch.Tensor], target: torch.
 def _logp_partials_op(logits_shard: torch.Tensor, target: torch.Tensor, temperature: torch.Tensor,
                       vocab_start: int, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     _check_partials(logits_shard, target, temperature, vocab_start, vocab_size)
-    # (contiguous: the same tensors where they are — what logp_partials passes — so the fast path's signature is
-    # this call's; a strided target or temperature from a direct torch.ops call is copied here, as before)
+    # (contiguous: the same tensors where they already are, so a taught call's signature is its caller's; a strided
+    # target or temperature misses the fast path in call() and is copied here, then run() finds the taught call)
     return run("logp_partials", logits_shard.device, logits_shard, target.contiguous(), temperature.contiguous(),
                vocab_start, vocab_size)
 
@@ -177,8 +177,7 @@ def logp_partials(logits_shard: torch.Tensor, target: torch.Tensor, temperature:
     Each group partial depends only on that row and the group's columns. Not differentiable.
     """
     temp = L.as_temperature("logp_partials", temperature, logits_shard.shape[0], logits_shard.device)
-    target = target.contiguous() if isinstance(target, torch.Tensor) else target  # (a non-tensor: the checks say)
-    return call("logp_partials", logits_shard, target, temp.contiguous(), int(vocab_start), int(vocab_size))
+    return call("logp_partials", logits_shard, target, temp, int(vocab_start), int(vocab_size))
 
 
 def _check_merge(m, s, z_target, vocab_size) -> None:
