@@ -11,7 +11,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 COMMITTED = REPO / "benchmarks" / "results" / "h200" / "local-engine"
-RUNS = ("qwen3-0.6b-f6aead2", "qwen3-0.6b-30a4e8d", "qwen3-0.6b-df9eb7b")
+RUNS = ("qwen3-0.6b-f6aead2", "qwen3-0.6b-30a4e8d", "qwen3-0.6b-df9eb7b", "qwen3-0.6b-ec98a15")
 
 
 @pytest.fixture()
@@ -23,7 +23,7 @@ def spread():
 
 
 def test_the_committed_rr_runs_did_the_same_work_and_their_slowest_rounds_differ(spread, tmp_path):
-    """The three committed R/R runs: the same work every round, and the table computed from their metrics (the
+    """The four committed R/R runs: the same work every round, and the table computed from their metrics (the
     slowest rollout round after round 0 is another round in each run)."""
     assert spread.main([str(COMMITTED / r) for r in RUNS] + ["--out", str(tmp_path)]) == 0
     md = (tmp_path / "round_spread.md").read_text()

@@ -24,13 +24,14 @@
 # log-prob GPU tests — or the files in $CUDA_TESTS, selected by $CUDA_TESTS_K —, host_overhead.py $HOST_SECTIONS
 # within $HOST_CAP s, default 90), tests ($GPU_TESTS, default tests/gpu, no
 # build), local (bench_local_engine.py: the local
-# engine R/R and P/P, 8 rounds, per-round throughput).
+# engine R/R and P/P, 8 rounds, per-round throughput), profile (profile_rollout.py: a rollout step's host time by
+# callee, R/R or $PROFILE_MODE, 2 rounds).
 set -u
 HERE=$(cd "$(dirname "$0")" && pwd)
 ROOT=$(cd "$HERE/../.." && pwd)
 SHIP=/tmp/ship
 declare -A CAP=([vllm]=420 [vllm-capture]=300 [loop]=420 [matrix-a]=400 [matrix-b]=400 [hybrid]=180
-                [megatron]=240 [cuda]=330 [local]=420 [tests]=300)
+                [megatron]=240 [cuda]=330 [local]=420 [tests]=300 [profile]=200)
 
 prepare() {
     cd "$ROOT" || exit 2
@@ -145,6 +146,11 @@ stage() {  # stage NAME SECONDS
         local) (cd "$G/benchmarks" && RLK_BENCH_OUT="$out" timeout "$cap" $py bench_local_engine.py --device cuda \
                    --model qwen3-0.6b --rounds 8 --prompts 32 --samples 8 --max-new-tokens 60 --max-num-seqs 256 \
                    --chunk-size 16 --page-size 16 > "$out/local.log" 2>&1) ;;
+        profile)  # the rollout step under cProfile (benchmarks/profile_rollout.py; $PROFILE_MODE, default consistency)
+            (cd "$G/benchmarks" && timeout "$cap" $py profile_rollout.py --device cuda --model qwen3-0.6b --rounds 2 \
+                 --prompts 32 --samples 8 --max-new-tokens 60 --max-num-seqs 256 --chunk-size 16 --page-size 16 \
+                 --mode "${PROFILE_MODE:-consistency}" --out "$out" > "$out/profile.log" 2>&1)
+            rm -rf "$out/runs" ;;
         *) echo "unknown stage $name"; return 2 ;;
     esac
     echo "rc $? after $(date +%T)"
