@@ -4,6 +4,7 @@ every mixed cell runs and reports its own mismatch."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from rlk_core.plan import RoutePlan
 from rlk_repro.engine.local import run_local
@@ -83,3 +84,20 @@ def test_mixed_cell_runs_and_reports_its_mismatch(module, case, tmp_path, small_
         assert rec["case"] == letter
         assert rec["implementation"] == ("rlk" if letter == "R" else "production")
         assert rec["backend_id"].startswith("rlk." if letter == "R" else "production.")
+
+
+@pytest.mark.parametrize("cases, reserved", [(dict(attention="R/R", ffn="P/P", logp="P/P"), True),
+                                              (dict(attention="P/R", ffn="R/R", logp="R/R"), True),
+                                              (dict(attention="P/P", ffn="R/R", logp="R/R"), False)])
+def test_the_rope_table_is_reserved_where_rlk_runs_attention(cases, reserved, tmp_path, small_config, monkeypatch):
+    """Where either side runs rlk attention, the engine reserves rope's cos/sin table for every position the model
+    can see, once, before any step (else each rope call sizes it from positions.max(): a host sync per call on a
+    GPU); where neither does, nothing is reserved."""
+    from rlk_repro.engine import local
+
+    calls = []
+    monkeypatch.setattr(local, "reserve_tables", lambda *a: calls.append(a))
+    run_local(small_config(RoutePlan(**cases), rounds=1), tmp_path)
+    cfg = local.PRESETS["tiny"]
+    expected = [(torch.device("cpu"), cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings)]
+    assert calls == (expected if reserved else [])

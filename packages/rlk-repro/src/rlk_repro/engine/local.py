@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from rlk_core.errors import RlkConfigError
+from rlk_core.ops.rope import reserve_tables
 from rlk_core.plan import RoutePlan
 from rlk_core.readback import ReadbackRecorder
 from rlk_repro import runs
@@ -210,6 +211,11 @@ def _start(cfg: LocalRunConfig, run_id: str, run_dir: Path, device: torch.device
         for module in ("attention", "ffn", "logp"):
             rec.add_hook(f"rlk_repro.ops.{module}", f"{target}.{module}", "ops_table",
                          installed=plan.uses_rlk(module, rec.side))
+    if any(plan.uses_rlk("attention", side) for side in ("train", "rollout")):
+        # as the vLLM plugin and the Megatron provider do: rlk's rope reads this cos/sin table as it is; without it
+        # every rope call sizes its table from positions.max(), a host sync (two per layer in every rollout step and
+        # training forward). The rows are the same whatever the table's size: the bits do not change.
+        reserve_tables(device, model_cfg.head_dim, model_cfg.rope_theta, model_cfg.max_position_embeddings)
     engine = RolloutEngine(model_cfg, weights, Ops(plan, "rollout", rec_roll), device=device, dtype=dtype,
                            page_size=cfg.page_size, chunk_size=cfg.chunk_size, max_num_seqs=cfg.max_num_seqs,
                            max_model_len=max_len, seed=cfg.seed)
