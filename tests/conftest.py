@@ -105,3 +105,16 @@ def clean_registry():
     for op, backends in before.items():
         REGISTRY._backends[op] = backends
     REGISTRY.refresh()
+
+
+@pytest.fixture
+def benchmark_script():
+    """``load(name)``: the script ``benchmarks/<name>.py`` as a module (the benchmarks are scripts, not a package)."""
+    def load(name: str):
+        path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", f"{name}.py")
+        spec = importlib.util.spec_from_file_location(f"rlk_benchmark_{name}", path)
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        return mod
+
+    return load

@@ -2,22 +2,15 @@
 
 from __future__ import annotations
 
-import importlib.util
 import pstats
 import re
-from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
-
 
 @pytest.fixture()
-def profile():
-    spec = importlib.util.spec_from_file_location("rlk_profile_rollout", REPO / "benchmarks" / "profile_rollout.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+def profile(benchmark_script):
+    return benchmark_script("profile_rollout")
 
 
 def _shares(md: str, section: str) -> dict[str, float]:

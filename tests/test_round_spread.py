@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import shutil
 from pathlib import Path
@@ -15,11 +14,8 @@ RUNS = ("qwen3-0.6b-f6aead2", "qwen3-0.6b-30a4e8d", "qwen3-0.6b-df9eb7b", "qwen3
 
 
 @pytest.fixture()
-def spread():
-    spec = importlib.util.spec_from_file_location("rlk_round_spread", REPO / "benchmarks" / "round_spread.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+def spread(benchmark_script):
+    return benchmark_script("round_spread")
 
 
 def test_the_committed_rr_runs_did_the_same_work_and_their_slowest_rounds_differ(spread, tmp_path):
