@@ -3,6 +3,8 @@ every mixed cell runs and reports its own mismatch."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -101,3 +103,9 @@ def test_the_rope_table_is_reserved_where_rlk_runs_attention(cases, reserved, tm
     cfg = local.PRESETS["tiny"]
     expected = [(torch.device("cpu"), cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings)]
     assert calls == (expected if reserved else [])
+    if reserved:  # a run longer than the model's positions reserves its own length (no position past the table)
+        calls.clear()
+        longer = dataclasses.replace(cfg, max_position_embeddings=8)
+        monkeypatch.setitem(local.PRESETS, "tiny", longer)
+        run_local(small_config(RoutePlan(**cases), rounds=1), tmp_path / "longer")
+        assert len(calls) == 1 and calls[0][3] > 8

@@ -215,7 +215,8 @@ def _start(cfg: LocalRunConfig, run_id: str, run_dir: Path, device: torch.device
         # as the vLLM plugin and the Megatron provider do: rlk's rope reads this cos/sin table as it is; without it
         # every rope call sizes its table from positions.max(), a host sync (two per layer in every rollout step and
         # training forward). The rows are the same whatever the table's size: the bits do not change.
-        reserve_tables(device, model_cfg.head_dim, model_cfg.rope_theta, model_cfg.max_position_embeddings)
+        rows = max(max_len, model_cfg.max_position_embeddings)  # a position past the table would give NaN
+        reserve_tables(device, model_cfg.head_dim, model_cfg.rope_theta, rows)
     engine = RolloutEngine(model_cfg, weights, Ops(plan, "rollout", rec_roll), device=device, dtype=dtype,
                            page_size=cfg.page_size, chunk_size=cfg.chunk_size, max_num_seqs=cfg.max_num_seqs,
                            max_model_len=max_len, seed=cfg.seed)
