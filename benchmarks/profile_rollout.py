@@ -61,7 +61,7 @@ def summarise(stats: pstats.Stats, top: int = 30) -> str:
     """``profile.md``'s text from a profile that contains the rollout step."""
     steps = [k for k in stats.stats if k[0].endswith(STEP[0]) and k[2] == STEP[1]]
     if not steps:
-        raise SystemExit("the profile holds no rollout step (RolloutEngine._step): --rounds must be >= 2")
+        raise SystemExit("the profile holds no rollout step (RolloutEngine._step)")
     step = steps[0]
     calls, _, own, cum, _ = stats.stats[step]
     out = [f"Rollout step (`{_name(step)}`): {calls} calls, {cum:.2f} s under cProfile "
@@ -72,16 +72,15 @@ def summarise(stats: pstats.Stats, top: int = 30) -> str:
         out.append(f"| `{_name(key)}` | {n} | {ct:.3f} | {ct / cum:.1%} |")
     out += ["", "## Layers (cumulative, nested: each contains the ones below it where they call each other)", "",
             "| layer | calls | s | share of the step |", "|---|---|---|---|"]
-    below = set(stats.stats)  # the profile holds the steps only
-    for label, suffix, name in LAYERS:
-        keys = [k for k in below if _is(k, suffix, name)]
+    for label, suffix, name in LAYERS:  # the profile holds the steps only: every function in it ran under one
+        keys = [k for k in stats.stats if _is(k, suffix, name)]
         # the outermost calls only: time a function spends under another of the same layer is counted once
         n = sum(stats.stats[k][1] for k in keys)
         ct = sum(t for k in keys for caller, (_, _, _, t) in stats.stats[k][4].items() if not _is(caller, suffix, name))
         out.append(f"| {label} | {n} | {ct:.3f} | {ct / cum:.1%} |")
     out += ["", f"## The {top} functions with the most own time in the steps", "",
             "| function | calls | own s | share of the step |", "|---|---|---|---|"]
-    for key in sorted(below, key=lambda k: -stats.stats[k][2])[:top]:
+    for key in sorted(stats.stats, key=lambda k: -stats.stats[k][2])[:top]:
         n, _, tt, _, _ = stats.stats[key]
         out.append(f"| `{_name(key)}` | {n} | {tt:.3f} | {tt / cum:.1%} |")
     return "\n".join(out) + "\n"
