@@ -6,7 +6,7 @@ One training step (forward + backward of the GRPO loss, no optimizer) of a ``GPT
 ``benchmarks/frameworks/megatron_gpu.py`` builds it (rlk layer spec, every module R, strict; or the stock
 local spec), on the CPU (fp32, gloo, a world of 1). Two measurements, each on its own step:
 
-1. **ops**: ``rlk_megatron_provider.opcount.OpCounter`` (a ``TorchDispatchMode``) sees every top-level op
+1. **ops**: ``tests/megatron/_opcount.py``'s ``OpCounter`` (a ``TorchDispatchMode``) sees every top-level op
    the step issues — an rlk op (``rlk::linear``, ``rlk::rms_norm`` ...) counts as one, its own inner kernels
    are not seen — and charges each to the innermost Python frame outside torch that issued it: ``provider``
    (rlk_megatron_provider), ``rlk_core`` (an rlk op's Python around its kernel, e.g. the linear backward's
@@ -37,6 +37,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "frameworks"))
+sys.path.insert(0, os.path.join(HERE, os.pardir, "tests", "megatron"))  # the op and sync counters (test support)
 
 
 def provider_python(prof: cProfile.Profile) -> dict:
@@ -82,8 +83,8 @@ def main() -> int:
     warnings.filterwarnings("ignore")
     import megatron_gpu as mg
     import torch
+    from _opcount import OpCounter, kind
 
-    from rlk_megatron_provider.opcount import OpCounter, kind
     from rlk_repro.model.config import Qwen3Config
 
     torch.set_num_threads(max(1, os.cpu_count() or 1))

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 import rlk_core.ops as ops
-from rlk_core.backends import REGISTRY, Backend, hookimpl
+from rlk_core.backends import REGISTRY, Backend
 from rlk_core.errors import RlkBackendError, RlkPolicyError
 from rlk_core.plan import RoutePlan
 from rlk_core.readback import ReadbackRecorder
@@ -21,7 +21,6 @@ def _reference_linear(x, w, b):
 class GoodPlugin:
     """A third-party package that re-implements the contract correctly (here: by delegation)."""
 
-    @hookimpl
     def rlk_register_backends(self, registry):
         registry.register(Backend("acme.good", "linear", _reference_linear, devices=("cpu",), priority=50,
                                   origin="acme-kernels"))
@@ -30,7 +29,6 @@ class GoodPlugin:
 class BadPlugin:
     """Claims the GEMM contract with a BLAS matmul that is not batch-invariant on this CPU."""
 
-    @hookimpl
     def rlk_register_backends(self, registry):
         registry.register(Backend("acme.bad", "linear", lambda x, w, b: F.linear(x, w, b), devices=("cpu",),
                                   priority=60, origin="acme-kernels"))
@@ -91,9 +89,8 @@ def test_forced_backend_for_ab_tests(clean_registry, monkeypatch):
 def test_entry_point_plugins_are_discovered_without_editing_rlk_core(clean_registry, tmp_path, monkeypatch):
     pkg = tmp_path / "acme_rlk_kernels.py"
     pkg.write_text(textwrap.dedent("""
-        from rlk_core.backends import Backend, REGISTRY, hookimpl
+        from rlk_core.backends import Backend, REGISTRY
 
-        @hookimpl
         def rlk_register_backends(registry):
             ref = REGISTRY.get("rms_norm", "rlk.reference").fn
             registry.register(Backend("acme.rms", "rms_norm", ref, devices=("cpu",), priority=9,

@@ -18,17 +18,17 @@ from ._modes import Spy as _Spy
 
 def test_path_direct_only_when_the_dispatcher_has_nothing_to_add():
     x = torch.randn(3, 8)
-    assert D._path((x, [x], None, 1.0)) == "direct"
+    assert D._how((x, [x], None, 1.0)) == D.DIRECT
     leaf = x.clone().requires_grad_()
-    assert D._path((leaf,)) == "function"
-    assert D._path((x, [leaf])) == "dispatcher"  # autograd.Function does not see tensors inside lists
+    assert D._how((leaf,)) == D.AUTOGRAD
+    assert D._how((x, [leaf])) == D.DISPATCHER  # autograd.Function does not see tensors inside lists
     with torch.no_grad():
-        assert D._path((leaf,)) == D._path((x, [leaf])) == "direct"
-    assert D._path((torch.nn.Parameter(x, requires_grad=False),)) == "direct"
+        assert D._how((leaf,)) == D._how((x, [leaf])) == D.DIRECT
+    assert D._how((torch.nn.Parameter(x, requires_grad=False),)) == D.DIRECT
     with _Spy():
-        assert D._path((x,)) == D._path((leaf,)) == "dispatcher"
+        assert D._how((x,)) == D._how((leaf,)) == D.DISPATCHER
     with FakeTensorMode() as mode:
-        assert D._path((mode.from_tensor(x),)) == "dispatcher"
+        assert D._how((mode.from_tensor(x),)) == D.DISPATCHER
 
 
 def test_path_scalars_and_their_subclasses_take_the_same_answers():
@@ -37,20 +37,20 @@ def test_path_scalars_and_their_subclasses_take_the_same_answers():
     x = torch.randn(3, 8)
     leaf = x.clone().requires_grad_()
     scalars = (None, True, 2, 1.5, "s", torch.float32, torch.device("cpu"), torch.contiguous_format, torch.strided)
-    assert D._path((x, *scalars)) == "direct"
-    assert D._path((*scalars, leaf)) == "function"
-    assert D._path((x, x.shape)) == "direct"  # torch.Size: a tuple of ints
+    assert D._how((x, *scalars)) == D.DIRECT
+    assert D._how((*scalars, leaf)) == D.AUTOGRAD
+    assert D._how((x, x.shape)) == D.DIRECT  # torch.Size: a tuple of ints
 
     class Pair(tuple):
         pass
 
-    assert D._path((x, Pair((x, 1)))) == "direct"
-    assert D._path((x, Pair((leaf, 1)))) == "dispatcher"
+    assert D._how((x, Pair((x, 1)))) == D.DIRECT
+    assert D._how((x, Pair((leaf, 1)))) == D.DISPATCHER
     with FakeTensorMode() as mode:
         fake = mode.from_tensor(x)
-    assert D._path((1.0, fake)) == D._path((x, Pair((fake,)))) == "dispatcher"
+    assert D._how((1.0, fake)) == D._how((x, Pair((fake,)))) == D.DISPATCHER
     with torch.no_grad():
-        assert D._path((leaf, 1.0)) == "direct"
+        assert D._how((leaf, 1.0)) == D.DIRECT
 
 
 def test_function_path_unwraps_dead_functorch_wrappers_as_function_apply_does():
@@ -63,7 +63,7 @@ def test_function_path_unwraps_dead_functorch_wrappers_as_function_apply_does():
     torch.func.grad(lambda x: escaped.append(x * leaf) or (x * x).sum())(torch.randn(2, 8))
     dead = escaped[0]
     assert torch._C._functorch.is_functorch_wrapped_tensor(dead) and dead.requires_grad
-    assert D._path((dead,)) == "function"
+    assert D._how((dead,)) == D.AUTOGRAD
 
     def spy(x):
         seen.append(torch._C._functorch.is_functorch_wrapped_tensor(x))
@@ -178,7 +178,7 @@ def test_eager_autograd_applies_the_function_without_binding_its_signature(monke
     import inspect
 
     x, w = torch.randn(3, 8), torch.randn(5, 8)
-    want_out, want_grads = _grads(lambda *t: D._FUNCTIONS["linear"].apply(*t, None), (x, w))
+    want_out, want_grads = _grads(lambda *t: D.op("linear").function.apply(*t, None), (x, w))
     signatures = []
     real = inspect.signature
     monkeypatch.setattr(inspect, "signature", lambda *a, **k: signatures.append(a) or real(*a, **k))
@@ -190,7 +190,7 @@ def test_eager_autograd_applies_the_function_without_binding_its_signature(monke
     got = torch.func.grad(lambda t: ops.linear(t, w).sum())(torch.randn(2, 8))
     assert signatures and got.shape == (2, 8)  # under torch.func the Function's own apply (custom_function_call)
     leaf = x.clone().requires_grad_()
-    assert type(ops.linear(leaf, w).grad_fn) is type(D._FUNCTIONS["linear"].apply(leaf, w, None).grad_fn)
+    assert type(ops.linear(leaf, w).grad_fn) is type(D.op("linear").function.apply(leaf, w, None).grad_fn)
 
 
 # -- one selection path: every public op, forward and backward, reports to the recorder -------------------------
@@ -291,20 +291,16 @@ def test_select_asks_the_first_candidate_again_on_every_call(clean_registry):
     assert clean_registry.select("swiglu", "cpu", (torch.randn(2, 8),), strict=True).backend.id == "rlk.picky"
 
 
-def test_select_requalifies_after_the_qualification_cache_is_cleared(clean_registry):
+def test_select_requalifies_after_the_qualification_cache_is_cleared(clean_registry, monkeypatch):
     """A third-party backend's qualification is cached; the fast path holds only while it is."""
-    from rlk_core.backends import Backend, hookimpl
+    import rlk_core.testing.qualify as qualify
+    from rlk_core.backends import Backend
     from rlk_core.errors import RlkBackendError
 
     verdict = {"ok": True}
-
-    class Judge:
-        @hookimpl(tryfirst=True)
-        def rlk_qualify_backend(self, backend, device_type):
-            return (verdict["ok"], "judged") if backend.id == "acme.fast" else None
+    monkeypatch.setattr(qualify, "qualify_backend", lambda backend, device_type: (verdict["ok"], "judged"))
 
     reference = clean_registry.get("swiglu", "rlk.reference").fn
-    clean_registry.add_plugin(Judge(), name="judge")
     clean_registry.register(Backend("acme.fast", "swiglu", reference, devices=("cpu",), priority=50, origin="acme"))
     clean_registry.refresh()
     x = torch.randn(2, 8)

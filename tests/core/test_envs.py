@@ -81,3 +81,11 @@ def test_import_has_no_side_effects():
             "assert 'triton' not in sys.modules; print('ok')")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+
+
+def test_the_case_variables_are_spelled_once_for_the_evidence_modules():
+    from rlk_core import plan
+    from rlk_validate.evidence import MODULES
+
+    assert tuple(envs.CASE_VARS) == tuple(MODULES) and plan.CASE_VARS is envs.CASE_VARS
+    assert [v.name for v in envs.ENV_VARS[:3]] == list(envs.CASE_VARS.values())

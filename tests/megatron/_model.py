@@ -307,7 +307,8 @@ def single_rank(port: int):
     warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not installed.*")
     warnings.filterwarnings("ignore", message=".*Apex is not installed.*")
     torch.set_num_threads(1)
-    from rlk_megatron_provider.testing import cpu_recipe
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from _cpu import cpu_recipe
 
     cpu_recipe()
     import torch.distributed as dist

@@ -1,5 +1,5 @@
 """Worker for test_op_count.py: one gloo rank, the tiny rlk GPTModel (all R), one forward + backward on a
-packed THD batch under :class:`rlk_megatron_provider.opcount.OpCounter`, keeping the torch ops that launch
+packed THD batch under :class:`_opcount.OpCounter`, keeping the torch ops that launch
 work (views, metadata and allocations left out) issued by the provider (``rlk_megatron_provider``) or
 Megatron (``megatron``). rlk ops count as one op each; their insides are not seen.
 
@@ -18,8 +18,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _model
-
-from rlk_megatron_provider.opcount import OpCounter, kind
+from _opcount import OpCounter, kind
 
 
 def step(model, cfg) -> dict:

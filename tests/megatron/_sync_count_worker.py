@@ -1,7 +1,7 @@
 """Worker for test_host_syncs.py: one gloo rank, the GRPO training step of
 ``benchmarks/frameworks/megatron_gpu.py`` (its builders, batch, log-probs and loss: forward + backward, no
 optimizer) on the tiny all-R GPTModel and on the stock local spec, under
-:class:`rlk_megatron_provider.opcount.SyncCounter` — the host syncs the step makes on a CUDA device, each with
+:class:`_opcount.SyncCounter` — the host syncs the step makes on a CUDA device, each with
 the frame that issued it.
 
 ``python _sync_count_worker.py PORT``: prints one JSON line ``{name: {"syncs": {site: count}, "calls": {...}}}``
@@ -20,8 +20,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "benchmarks", "frameworks"))
 import _model
 import megatron_gpu as mg
-
-from rlk_megatron_provider.opcount import SyncCounter
+from _opcount import SyncCounter
 
 DEV, DTYPE = torch.device("cpu"), torch.float32
 LENGTHS = [16] * 4

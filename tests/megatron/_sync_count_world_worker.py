@@ -1,7 +1,7 @@
 """Worker for test_host_syncs.py at TP 2 and CP 2 (two gloo ranks each): the tiny all-R GPTModel's training
 step (packed THD forward on this rank's zigzag shard with global ``cu_seqlens``, vocab-parallel log-probs
 from hidden states, a weighted sum as the loss, backward) under
-:class:`rlk_megatron_provider.opcount.SyncCounter` on a fresh batch, then the same batch again with every
+:class:`_opcount.SyncCounter` on a fresh batch, then the same batch again with every
 layer's collectives checking (``rlk_check_collectives`` on everywhere: the control of
 :func:`rlk_megatron_provider.spec.check_collectives_once`). Inputs are sharded before the counter runs.
 
@@ -31,7 +31,7 @@ LENGTHS = [16] * 4
 def run(rank: int, tp: int, cp: int, port: int, out: str) -> None:
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
-    from rlk_megatron_provider.testing import cpu_recipe
+    from _cpu import cpu_recipe
 
     cpu_recipe()
     import torch.distributed as dist
@@ -51,11 +51,12 @@ def run(rank: int, tp: int, cp: int, port: int, out: str) -> None:
 
 
 def measure(tp: int, cp: int) -> dict:
+    from _opcount import SyncCounter
+
     import rlk_collectives
     import rlk_megatron_provider as prov
     from rlk_megatron_provider import logp
     from rlk_megatron_provider.layers import _RlkLayer
-    from rlk_megatron_provider.opcount import SyncCounter
 
     prov.initialize_from_environment()
     tp_group, cp_group = mg._groups()

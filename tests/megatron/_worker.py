@@ -26,11 +26,11 @@ def run(rank: int, spec: dict, port: int, out: str) -> None:
     warnings.filterwarnings("ignore", message=".*Apex is not installed.*")
     os.environ.update(spec["env"])
     torch.set_num_threads(1)
-    from rlk_megatron_provider.testing import cpu_recipe
+    from _cpu import cpu_recipe
 
     cpu_recipe()
     if spec.get("via") == "hybrid":
-        from rlk_megatron_provider.testing import hybrid_final_norm_without_te
+        from _cpu import hybrid_final_norm_without_te
 
         hybrid_final_norm_without_te()  # the stock final norm of a P logp is TE-only
     import torch.distributed as dist

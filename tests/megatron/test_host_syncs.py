@@ -1,5 +1,5 @@
 """Host syncs of the rlk spec's training step, counted on the CPU as on a CUDA device
-(:class:`rlk_megatron_provider.opcount.SyncCounter`; its module docstring states which ops sync and how a CPU
+(:class:`_opcount.SyncCounter`; its module docstring states which ops sync and how a CPU
 run tells device tensors from host ones): the GRPO step of ``benchmarks/frameworks/megatron_gpu.py`` (forward,
 log-probs from hidden states + LM head, PPO-clip loss, backward) on the tiny all-R GPTModel.
 
@@ -145,8 +145,8 @@ def test_positions_from_device_offsets_match_the_host_construction():
 
 def test_a_logprob_record_costs_one_host_sync():
     import torch
+    from _opcount import SyncCounter
 
-    from rlk_megatron_provider.opcount import SyncCounter
     from rlk_megatron_provider.slime_hooks import record_tensors
 
     train = [torch.randn(3), torch.randn(2)]  # made before the counter: device tensors, as slime's are

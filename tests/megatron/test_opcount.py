@@ -1,12 +1,16 @@
-"""The device model of :class:`rlk_megatron_provider.opcount.SyncCounter` on plain torch code (no Megatron):
+"""The device model of :class:`_opcount.SyncCounter` on plain torch code (no Megatron):
 each rule of its docstring, with a counted case and a free one."""
 
 from __future__ import annotations
 
+import os
+import sys
+
 import pytest
 import torch
 
-from rlk_megatron_provider.opcount import SyncCounter
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _opcount import SyncCounter
 
 
 @pytest.fixture

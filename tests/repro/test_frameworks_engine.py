@@ -135,7 +135,8 @@ def test_hf_from_megatron_is_exact_for_every_tp_split(tp, tied):
 
 def _script(body: str, env: dict[str, str], tmp_path, timeout: int = 600) -> str:
     full = {k: v for k, v in os.environ.items() if k not in ROUTE_VARS}
-    full.update({"PYTHONWARNINGS": "ignore", **env})
+    full.update({"PYTHONWARNINGS": "ignore", "TEST_MEGATRON_DIR": os.path.join(
+        os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "megatron"), **env})
     proc = subprocess.run([sys.executable, "-c", textwrap.dedent(body)], capture_output=True, text=True,
                           timeout=timeout, env=full, cwd=tmp_path)
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stdout[-3000:] + proc.stderr[-5000:]
@@ -199,8 +200,9 @@ def test_megatron_weights_load_into_real_vllm_qwen3(tmp_path):
 
 
 MEGATRON_STEP = r'''
-import os, socket, torch, torch.distributed as dist
-from rlk_megatron_provider.testing import cpu_recipe
+import os, socket, sys, torch, torch.distributed as dist
+sys.path.insert(0, os.environ['TEST_MEGATRON_DIR'])
+from _cpu import cpu_recipe
 cpu_recipe()
 with socket.socket() as s:
     s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]

@@ -2,13 +2,12 @@
 
 Built-in backends register themselves when their op module is imported. Other packages add
 backends without editing rlk-core through the ``rlk.backends`` entry-point group: the entry point
-names a module (or object) that implements the pluggy hook :func:`RlkBackendSpec.rlk_register_backends`
-and calls ``registry.register(Backend(...))``. A backend that is not built in must pass its
-contract's invariance checks on the device before strict mode accepts it. The registry does not know
-those checks: it asks the ``rlk_qualify_backend`` hook, which rlk-core's own entry point
-``rlk-qualification`` (:mod:`rlk_core.qualification`, running :mod:`rlk_core.testing.qualify`)
-implements. ``RLK_BACKENDS=op=backend_id`` forces one backend for A/B tests (and the op's companions:
-a forced ``token_logprobs`` backend also runs ``token_logprobs_backward`` and the partials).
+names a module (or object) with a function ``rlk_register_backends(registry)`` (or a callable taking the
+registry) that calls ``registry.register(Backend(...))``. A backend that is not built in must pass its
+contract's invariance checks on the device before strict mode accepts it: :meth:`BackendRegistry.qualify`
+runs them (:func:`rlk_core.testing.qualify.qualify_backend`, imported on first use: the suite imports the
+ops, which import this registry). ``RLK_BACKENDS=op=backend_id`` forces one backend for A/B tests (and the
+op's companions: a forced ``token_logprobs`` backend also runs ``token_logprobs_backward`` and the partials).
 
 Selection is cheap per call: the ordered candidates of each (op, device type) and the
 ``RLK_BACKENDS`` overrides are computed once per process (:meth:`BackendRegistry.refresh` recomputes
@@ -28,30 +27,19 @@ change bits, so the route is not a fallback (the backend that ran is recorded as
 
 from __future__ import annotations
 
+import importlib
+import importlib.metadata
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import pluggy
-
 from rlk_core import envs
 from rlk_core.contracts import COMPANION_OF, OP_CONTRACTS
 from rlk_core.errors import RlkBackendError
 
-hookspec = pluggy.HookspecMarker("rlk")
-hookimpl = pluggy.HookimplMarker("rlk")
 ENTRY_POINT_GROUP = "rlk.backends"
-
-
-class RlkBackendSpec:
-    @hookspec
-    def rlk_register_backends(self, registry: BackendRegistry) -> None:
-        """Register :class:`Backend` objects with ``registry.register``."""
-
-    @hookspec(firstresult=True)
-    def rlk_qualify_backend(self, backend: Backend, device_type: str) -> tuple[bool, str] | None:
-        """Run ``backend.op``'s contract checks with ``backend.fn`` on ``device_type``: ``(ok, reason)``."""
+QUALIFY = ("rlk_core.testing.qualify", "qualify_backend")  # the contract suite third-party backends must pass
 
 
 def _always(*args: Any) -> tuple[bool, str]:
@@ -80,6 +68,9 @@ class Backend:
     builtin: bool = False
     origin: str = "rlk-core"
     same_bits_as: str | None = None  # id of a backend whose binaries this one launches (bitwise equal)
+    # a launch plan (rlk_core.ops._plan) that ``fn`` runs on the device's JIT plan: the dispatcher calls it with
+    # that plan itself, one frame less (set once the plan's module is imported)
+    plan_fn: Callable[..., Any] | None = None
     contract_id: str = field(init=False)
 
     def __post_init__(self) -> None:
@@ -117,10 +108,9 @@ class BackendRegistry:
         self._first: dict[tuple[str, str], tuple[Backend, Selection]] = {}
         self._forced: dict[str, str] | None = None
         self._plugins_loaded = False
+        self._plugins: list[str] = []  # the names of the plug-ins loaded or added
         self._on_change: list[Callable[[], None]] = []  # called whenever what select() decides may change
         self._lock = threading.Lock()
-        self.plugin_manager = pluggy.PluginManager("rlk")
-        self.plugin_manager.add_hookspecs(RlkBackendSpec)
 
     def on_change(self, fn: Callable[[], None]) -> None:
         """Call ``fn`` whenever what :meth:`select` decides may change (a backend registered or removed, plug-ins
@@ -157,30 +147,29 @@ class BackendRegistry:
         self._forced = None
 
     def load_plugins(self, force: bool = False) -> list[str]:
-        """Load entry-point plug-ins once; returns the names of plug-ins loaded by this call."""
+        """Load the ``rlk.backends`` entry points once; returns the names of those loaded by this call."""
         with self._lock:
             if self._plugins_loaded and not force:
                 return []
             self._plugins_loaded = True
-        before = {name for name, _ in self.plugin_manager.list_name_plugin()}
-        self.plugin_manager.load_setuptools_entrypoints(ENTRY_POINT_GROUP)
-        new = [n for n, _ in self.plugin_manager.list_name_plugin() if n not in before]
-        for name in new:
-            self._register_from(self.plugin_manager.get_plugin(name))
-        self._candidates.clear()
-        self._changed()
+        new = []
+        for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
+            if ep.name not in self._plugins:
+                self.add_plugin(ep.load(), ep.name)
+                new.append(ep.name)
         return new
 
     def add_plugin(self, plugin: object, name: str | None = None) -> None:
-        """Register an in-process plug-in object (tests, notebooks) and run its hook."""
+        """Register a plug-in: an object (a module) with ``rlk_register_backends(registry)``, or a callable taking
+        the registry; in process too (tests, notebooks)."""
         self._ensure_plugins()
-        self.plugin_manager.register(plugin, name=name)
-        self._register_from(plugin)
-
-    def _register_from(self, plugin: object) -> None:
-        register = getattr(plugin, "rlk_register_backends", None)
-        if register is not None:  # a plug-in may only implement rlk_qualify_backend
-            register(registry=self)
+        register = getattr(plugin, "rlk_register_backends", plugin)
+        if not callable(register):
+            raise RlkBackendError(f"plug-in {name or plugin!r} has no rlk_register_backends(registry)")
+        register(self)
+        self._plugins.append(name or repr(plugin))
+        self._candidates.clear()
+        self._changed()
 
     # -- queries ----------------------------------------------------------------------------------
     def backends(self, op: str) -> list[Backend]:
@@ -241,17 +230,14 @@ class BackendRegistry:
         self._candidates[key] = hit
         return hit
 
-    # -- qualification (third-party backends) -----------------------------------------------------
+    # -- qualification (third-party backends): rlk_core.testing.qualify, by name ----------------------------------
     def qualify(self, backend: Backend, device_type: str) -> tuple[bool, str]:
         key = (backend.op, backend.id, device_type)
         if backend.builtin:
             return True, "built-in (checked by rlk's own test suite)"
         if key not in self._qualified:
-            self._ensure_plugins()
-            result = self.plugin_manager.hook.rlk_qualify_backend(backend=backend, device_type=device_type)
-            self._qualified[key] = result if result is not None else (
-                False, "no qualification suite is loaded (rlk-core's 'rlk-qualification' entry point; "
-                "RLK_LOAD_PLUGINS=0 turns it off with the plug-ins)")
+            module, name = QUALIFY
+            self._qualified[key] = getattr(importlib.import_module(module), name)(backend, device_type)
         return self._qualified[key]
 
     def select(self, op: str, device_type: str, args: Sequence[Any],

@@ -115,15 +115,15 @@ def _backend_overrides(raw: str, var: EnvVar) -> dict[str, str]:
     return out
 
 
+CASE_DOCS = {  # module -> what its case variable routes (the modules of rlk_validate.evidence.MODULES, in order)
+    "attention": "Route of the attention module, train side / rollout side (P = framework production, R = rlk).",
+    "ffn": "Route of the FFN module (post-attention RMSNorm, gate/up, SwiGLU, down projection).",
+    "logp": "Route of the log-prob module (final RMSNorm, LM head, temperature, log-softmax, selection).",
+}
+CASE_VARS = {module: f"RL_KERNEL_{module.upper()}_CASE" for module in CASE_DOCS}  # the one spelling of the names
+
 ENV_VARS: tuple[EnvVar, ...] = (
-    EnvVar("RL_KERNEL_ATTENTION_CASE", _case, "P/P",
-           "Route of the attention module, train side / rollout side (P = framework production, R = rlk).",
-           CASES),
-    EnvVar("RL_KERNEL_FFN_CASE", _case, "P/P",
-           "Route of the FFN module (post-attention RMSNorm, gate/up, SwiGLU, down projection).", CASES),
-    EnvVar("RL_KERNEL_LOGP_CASE", _case, "P/P",
-           "Route of the log-prob module (final RMSNorm, LM head, temperature, log-softmax, selection).",
-           CASES),
+    *(EnvVar(CASE_VARS[module], _case, "P/P", doc, CASES) for module, doc in CASE_DOCS.items()),
     EnvVar("RL_KERNEL_MODE", _choice, "strict",
            "strict: any fallback on an R side raises and an rlk backend on a P side is an error. "
            "audit: both are recorded in the readback and the run continues.", MODES),
@@ -153,8 +153,8 @@ ENV_VARS: tuple[EnvVar, ...] = (
            "Load backends that other packages register through the 'rlk.backends' entry-point group.",
            ("1", "0", "true", "false")),
     EnvVar("RLK_FAST_PATH", _bool, True,
-           "Repeat op calls that rlk.cuda served as one launch record through rlk_core._C's fast path (signature, "
-           "readback count and launch in one C++ call; the same record and bits as the Python path). 0 turns it off.",
+           "Repeat op calls that rlk.cuda ran as one program through rlk_core._C's fast path (signature, readback "
+           "count and launches in one C++ call; the same program and bits as the Python path). 0 turns it off.",
            ("1", "0", "true", "false")),
     EnvVar("RLK_VALUE_CHECKS", _choice, "auto",
            "Range checks on the values of index tensors (cu_seqlens, positions, block tables, slots, targets) and of "
@@ -177,8 +177,9 @@ ENV_VARS: tuple[EnvVar, ...] = (
            "and checked, not launched until a B200 has run the GPU suite: docs/compiled-ops.md).",
            allowed_doc="comma-separated targets, e.g. `cuda:90`, `cuda:90,hip:gfx942`, `cuda:90,cuda:100`"),
     EnvVar("RLK_BUILD_OPS", _names, None,
-           "Build time: the op families whose AOT cubins setup.py builds (python -m rlk_core.aot build --ops; "
-           "rlk_core.aot.OPS). Unset: all. Ops of a family left out run on rlk.triton.",
+           "Build time: the kernel families whose AOT cubins setup.py builds (python -m rlk_core.aot build "
+           "--families; rlk_core.aot.build.FAMILIES: one per Triton module). Unset: all. Calls of a family left out "
+           "run on rlk.triton.",
            allowed_doc="comma-separated, e.g. `linear,rms_norm,swiglu,rope`"),
     EnvVar("RLK_BUILD_DTYPES", _names, None,
            "Build time: the input dtypes whose AOT cubins setup.py builds (python -m rlk_core.aot build --dtypes). "

@@ -16,11 +16,7 @@ from rlk_validate.evidence import MODULES, SIDES
 
 CASES = envs.CASES
 parse_case = envs.parse_case
-CASE_VARS = {
-    "attention": "RL_KERNEL_ATTENTION_CASE",
-    "ffn": "RL_KERNEL_FFN_CASE",
-    "logp": "RL_KERNEL_LOGP_CASE",
-}
+CASE_VARS = envs.CASE_VARS
 
 
 @dataclass(frozen=True)

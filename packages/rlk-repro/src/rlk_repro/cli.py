@@ -105,8 +105,9 @@ def _plan_options(r: argparse.ArgumentParser) -> None:
     r.add_argument("--mode", choices=("native", "consistency"), default=None,
                    help="native = all P/P, consistency = all R/R (default: consistency); RL_KERNEL_<MODULE>_CASE "
                    "and the per-module flags override it")
-    for module, var in (("attention", "RL_KERNEL_ATTENTION_CASE"), ("ffn", "RL_KERNEL_FFN_CASE"),
-                        ("logp", "RL_KERNEL_LOGP_CASE")):
+    from rlk_core.envs import CASE_VARS
+
+    for module, var in CASE_VARS.items():
         r.add_argument(f"--{module}-case", type=_case, default=None, metavar="X/Y",
                        help=f"{module} case, train/rollout, each P (production) or R (rlk); overrides {var}, "
                        "which overrides --mode")
