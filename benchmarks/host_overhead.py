@@ -238,7 +238,7 @@ def _backend_or_none(op: str, backend_id: str, args: tuple) -> Callable[..., Any
         return None
     if not (REGISTRY.is_available(b, "cuda")[0] and b.supports(*args)[0]):
         return None
-    b.fn(*args)  # first call: rlk.cuda puts its module's function in place of the importing stand-in
+    b.fn(*args)  # a first call: the decision made (and the module loaded) before the timing
     return b.fn
 
 

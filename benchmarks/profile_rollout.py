@@ -36,7 +36,7 @@ STEP = ("engine/rollout.py", "_step")
 LAYERS = (
     ("op table (model/ops.py Ops methods)", "model/ops.py", None),
     ("rlk route call (routes.SideRoutes.call)", "rlk_core/routes.py", "call"),
-    ("public op dispatch (rlk_core.ops._dispatch.call)", "rlk_core/ops/_dispatch.py", "call"),
+    ("public op dispatch (rlk_core.ops._dispatch.Op.__call__)", "rlk_core/ops/_dispatch.py", "__call__"),
     ("torch.tensor from host lists", "", "<built-in method torch.tensor>"),
     ("tolist (waits for the device)", "", "<method 'tolist' of 'torch._C.TensorBase' objects>"),
 )

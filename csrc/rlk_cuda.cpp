@@ -1,25 +1,21 @@
 // rlk_core._C: launches the ahead-of-time built Triton cubins of rlk_core.aot (backend rlk.cuda).
 //
-// The driver API is reached through dlopen("libcuda.so.1") + dlsym, as Triton's own launcher does, so the
-// extension links against nothing but torch and builds on a machine without a GPU driver. Per variant
-// (one cubin of the manifest) `load` is called once per device: cuModuleLoadData, cuModuleGetFunction,
-// dynamic shared memory above 48 KiB opted in exactly as Triton 3.6's loadBinary does, and the parameter
-// list kept as a type code string. `launch` then takes the kernel's non-constexpr arguments in the
-// Triton signature's order and builds the cubin's parameter block:
-//   'p' pointer (a tensor's data_ptr, None -> 0), 'i' int32, 'l' int64, 'f' fp32,
-//   'D' a TMA descriptor argument: a 2-D tensor from which the CUtensorMap is encoded (as Triton 3.6's
-//       fill_tma_descriptor does, from the manifest's tensordesc_meta) and followed by its shape (i32 x2)
-//       and strides (i64 x2, in elements),
-// then the two scratch pointers Triton 3.6 appends (null: variants with scratch are refused at load).
-// The launch goes to torch's current stream of the tensors' device with cuLaunchKernelEx, adding the
-// programmatic-stream-serialization attribute for launch_pdl variants.
-// TMA descriptors are kept by their encoding's inputs (a hit copies the same bytes; see DescKey).
-// `run` is `launch` with the arguments described once per call signature by a record (the bytes of
-// rlk_core.ops._cuda_common.Launch.pack): it allocates the output (or none, for a kernel that writes into its
-// inputs), takes the inputs, views of them, scalars and constants the record names, launches the same way and
-// returns the output — one call per op call on the hot path. `run_program` (rlk_core.ops._cuda_common.Program)
-// does the same for an op made of several launches: it allocates (and fills) the buffers the record names,
-// launches each kernel in order on pointers into inputs and buffers, and returns the output buffers.
+// The driver API is reached through dlopen("libcuda.so.1") + dlsym, as Triton's own launcher does, so the extension
+// links against nothing but torch and builds on a machine without a GPU driver. Per variant (one cubin of the
+// manifest) `load` is called once per device: cuModuleLoadData, cuModuleGetFunction, dynamic shared memory above
+// 48 KiB opted in exactly as Triton 3.6's loadBinary does, and the parameter list kept as a type code string:
+//   'p' pointer, 'i' int32, 'l' int64, 'f' fp32, 'D' a TMA descriptor: the CUtensorMap encoded (as Triton 3.6's
+//       fill_tma_descriptor does, from the manifest's tensordesc_meta) followed by its shape (i32 x2) and strides
+//       (i64 x2, in elements),
+// then the two scratch pointers Triton 3.6 appends (null: variants with scratch are not built). A launch goes to
+// torch's current stream of its device with cuLaunchKernelEx, with the programmatic-stream-serialization attribute
+// for launch_pdl variants. Encoded descriptors are kept by their encoding's inputs (see DescKey).
+//
+// `launch(handle, grid, *args)` makes one launch from Python (rlk_core.ops._cuda.Run). `run_program(record, *inputs)`
+// runs a decided call (rlk_core.ops._cuda.Decide.program): it allocates the buffers the record names, makes each
+// launch with its arguments as the record gives them (inputs and buffers at byte offsets, held addresses, numbers,
+// descriptors) and returns the buffers it names — an op call in one C++ call. `fast` repeats a whole op call:
+// the signature of its arguments, the readback count and the program (see "the fast path" below).
 
 #include <torch/extension.h>
 #include <ATen/cuda/EmptyTensor.h>
@@ -35,12 +31,12 @@
 #include <dlfcn.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <mutex>
 #include <string>
 #include <unordered_map>
-#include <cstdlib>
 #include <vector>
 
 namespace py = pybind11;
@@ -182,16 +178,17 @@ constexpr size_t kDescSlots = 1024;
 std::mutex g_desc_mutex;
 DescSlot g_desc_slots[kDescSlots];
 
-void encode(const Variant& v, const DescMeta& m, const at::Tensor& t, CUtensorMap* out) {
-  TORCH_CHECK(t.dim() == 2 && t.stride(1) == 1, "TMA descriptor operand must be 2-D with unit inner stride");
+// A 2-D descriptor over `rows` x `cols` elements from `ptr`, rows `stride` elements apart (unit inner stride).
+void encode(const DescMeta& m, uint64_t ptr, int64_t rows, int64_t cols, int64_t stride, CUtensorMap* out) {
+  TORCH_CHECK(rows >= 0 && cols >= 0 && stride >= 0, "TMA descriptor: bad shape or stride");
   // as fill_tma_descriptor: dims and byte strides innermost first
   DescKey key;
   std::memset(&key, 0, sizeof(key));  // padding bytes take part in the comparison
-  key.ptr = reinterpret_cast<uint64_t>(t.data_ptr());
-  key.shape[0] = cuuint64_t(t.size(1));
-  key.shape[1] = cuuint64_t(t.size(0));
-  key.strides[0] = cuuint64_t(t.stride(0)) * m.elem_size;
-  key.strides[1] = key.shape[1] * cuuint64_t(t.stride(0)) * m.elem_size;
+  key.ptr = ptr;
+  key.shape[0] = cuuint64_t(cols);
+  key.shape[1] = cuuint64_t(rows);
+  key.strides[0] = cuuint64_t(stride) * m.elem_size;
+  key.strides[1] = key.shape[1] * cuuint64_t(stride) * m.elem_size;
   key.box[0] = m.block[1];
   key.box[1] = m.block[0];
   key.elem_type = m.elem_type;
@@ -210,7 +207,7 @@ void encode(const Variant& v, const DescMeta& m, const at::Tensor& t, CUtensorMa
     }
   }
   cuuint32_t elem_strides[2] = {1, 1};
-  check(driver().tensorMapEncodeTiled(out, CUtensorMapDataType(m.elem_type), 2, t.data_ptr(), key.shape,
+  check(driver().tensorMapEncodeTiled(out, CUtensorMapDataType(m.elem_type), 2, reinterpret_cast<void*>(ptr), key.shape,
                                       key.strides, key.box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
                                       CUtensorMapSwizzle(m.swizzle), CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
                                       CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE),
@@ -242,69 +239,37 @@ struct Params {
     params.push_back(slots[s].bytes);
     ++s;
   }
-  void pointer(size_t i, const at::Tensor* t) {  // nullptr: None
-    uint64_t p = 0;
-    if (t != nullptr) {
-      TORCH_CHECK(t->is_cuda() && t->get_device() == v.device, "argument ", i, " is not on cuda:", v.device);
-      p = reinterpret_cast<uint64_t>(t->data_ptr());
+  void pointer(uint64_t p) { put(&p, sizeof(p)); }
+  void integer(size_t i, char c, int64_t x) {
+    if (c == 'i') {
+      TORCH_CHECK(x >= INT32_MIN && x <= INT32_MAX, "argument ", i, " = ", x, " does not fit int32");
+      int32_t y = int32_t(x);
+      put(&y, sizeof(y));
+    } else {
+      TORCH_CHECK(c == 'l', "argument ", i, " (code '", c, "') is not an integer");
+      put(&x, sizeof(x));
     }
-    put(&p, sizeof(p));
   }
-  void pointer_at(size_t i, const at::Tensor& t, int64_t byte_offset) {  // a slice's first element
-    TORCH_CHECK(t.is_cuda() && t.get_device() == v.device, "argument ", i, " is not on cuda:", v.device);
-    TORCH_CHECK(byte_offset >= 0 && byte_offset < std::max<int64_t>(t.numel(), 1) * int64_t(t.element_size()),
-                "argument ", i, ": offset ", byte_offset, " bytes past the tensor");
-    uint64_t p = reinterpret_cast<uint64_t>(t.data_ptr()) + uint64_t(byte_offset);
-    put(&p, sizeof(p));
-  }
-  void int32(size_t i, int64_t x) {
-    TORCH_CHECK(x >= INT32_MIN && x <= INT32_MAX, "argument ", i, " = ", x, " does not fit int32");
-    int32_t y = int32_t(x);
-    put(&y, sizeof(y));
-  }
-  void int64(int64_t x) { put(&x, sizeof(x)); }
-  void fp32(double x) {
+  void fp32(size_t i, char c, double x) {
+    TORCH_CHECK(c == 'f', "argument ", i, " (code '", c, "') is not a float");
     float f = float(x);
     put(&f, sizeof(f));
   }
-  void descriptor(size_t i, const at::Tensor& t) {
-    TORCH_CHECK(t.is_cuda() && t.get_device() == v.device, "descriptor ", i, " is not on cuda:", v.device);
-    encode(v, v.descs[di++], t, reinterpret_cast<CUtensorMap*>(slots[s].bytes));
+  void descriptor(uint64_t ptr, int64_t rows, int64_t cols, int64_t stride) {
+    TORCH_CHECK(di < v.descs.size(), "more descriptor arguments than the variant has");
+    encode(v.descs[di++], ptr, rows, cols, stride, reinterpret_cast<CUtensorMap*>(slots[s].bytes));
     params.push_back(slots[s].bytes);
     ++s;
-    int32_t shape[2] = {int32_t(t.size(0)), int32_t(t.size(1))};
-    int64_t strides[2] = {t.stride(0), t.stride(1)};
+    int32_t shape[2] = {int32_t(rows), int32_t(cols)};
+    int64_t strides[2] = {stride, 1};
     put(&shape[0], 4);
     put(&shape[1], 4);
     put(&strides[0], 8);
     put(&strides[1], 8);
   }
-  // one argument by its parameter code: a tensor (nullptr: None) for 'p' and 'D', a scalar otherwise
-  void arg(size_t i, char c, const at::Tensor* t, py::handle a, const int64_t* constant) {
-    switch (c) {
-      case 'p':
-        TORCH_CHECK(constant == nullptr, "argument ", i, " is a pointer, the record gives an integer");
-        pointer(i, t);
-        break;
-      case 'D':
-        TORCH_CHECK(t != nullptr, "descriptor argument ", i, " must be a tensor");
-        descriptor(i, *t);
-        break;
-      case 'i':
-        int32(i, constant != nullptr ? *constant : a.cast<int64_t>());
-        break;
-      case 'l':
-        int64(constant != nullptr ? *constant : a.cast<int64_t>());
-        break;
-      case 'f':
-        fp32(constant != nullptr ? double(*constant) : a.cast<double>());
-        break;
-      default:
-        TORCH_CHECK(false, "unknown parameter code '", c, "'");
-    }
-  }
 
   void go(int64_t gx, int64_t gy, int64_t gz) {
+    TORCH_CHECK(s + 2 == slots.size(), "the variant takes ", v.codes.size(), " arguments");
     TORCH_CHECK(gx > 0 && gy > 0 && gz > 0 && gx < (1ll << 31) && gy < 65536 && gz < 65536, "bad grid");
     uint64_t null = 0;
     put(&null, sizeof(null));  // global_scratch
@@ -331,188 +296,94 @@ struct Params {
   }
 };
 
-const at::Tensor& tensor_arg(py::handle a, size_t i, char c = 'p') {
-  if (c == 'D') {
-    TORCH_CHECK(THPVariable_Check(a.ptr()), "descriptor argument ", i, " must be a tensor");
-  } else {
-    TORCH_CHECK(THPVariable_Check(a.ptr()), "argument ", i, " must be a tensor or None");
-  }
-  return THPVariable_Unpack(a.ptr());
+const at::Tensor& as_tensor(py::handle a, size_t i, int device) {
+  TORCH_CHECK(THPVariable_Check(a.ptr()), "argument ", i, " must be a tensor");
+  const at::Tensor& t = THPVariable_Unpack(a.ptr());
+  TORCH_CHECK(t.is_cuda() && t.get_device() == device, "argument ", i, " is not on cuda:", device);
+  return t;
 }
 
+uint64_t address(const at::Tensor& t) { return reinterpret_cast<uint64_t>(t.data_ptr()); }
+
+// launch(handle, gx, gy, gz, *args): args in the variant's order — a tensor or None ('p'), (tensor, rows, cols,
+// row stride) ('D'), an int ('i', 'l'), a float ('f').
 void launch(int64_t handle, int64_t gx, int64_t gy, int64_t gz, py::args args) {
   const Variant& v = variant(handle);
-  const size_t n = v.codes.size();
-  TORCH_CHECK(size_t(args.size()) == n, "variant takes ", n, " arguments, got ", args.size());
-  TORCH_CHECK(gx > 0 && gy > 0 && gz > 0 && gx < (1ll << 31) && gy < 65536 && gz < 65536, "bad grid");
+  TORCH_CHECK(size_t(args.size()) == v.codes.size(), "variant takes ", v.codes.size(), " arguments, got ",
+              args.size());
   Params p(v);
-  for (size_t i = 0; i < n; ++i) {
+  for (size_t i = 0; i < v.codes.size(); ++i) {
     py::handle a = args[i];
     const char c = v.codes[i];
-    const bool tensor = c == 'p' || c == 'D';
-    p.arg(i, c, tensor && !(a.is_none() && c == 'p') ? &tensor_arg(a, i, c) : nullptr, a, nullptr);
+    if (c == 'p') {
+      p.pointer(a.is_none() ? 0 : address(as_tensor(a, i, v.device)));
+    } else if (c == 'D') {
+      py::tuple d = py::reinterpret_borrow<py::tuple>(a);
+      TORCH_CHECK(d.size() == 4, "descriptor argument ", i, ": (tensor, rows, cols, row stride)");
+      p.descriptor(address(as_tensor(d[0], i, v.device)), d[1].cast<int64_t>(), d[2].cast<int64_t>(),
+                   d[3].cast<int64_t>());
+    } else if (c == 'f') {
+      p.fp32(i, c, a.cast<double>());
+    } else {
+      p.integer(i, c, a.cast<int64_t>());
+    }
   }
   p.go(gx, gy, gz);
 }
 
-// Kinds of a record's argument (rlk_core.ops._cuda_common: T, V, O, S, C, F, R, B, TA, BA).
-enum Kind : int64_t {
-  kInput = 0,      // input `value`: a tensor (or None for a pointer) or a scalar
-  kInput2d = 1,    // input `value` viewed [-1, last] (a TMA descriptor operand with leading dims)
-  kOutput = 2,     // run: the output it allocates (buffer 0)
-  kScalar = 3,     // input `value`, a Python scalar
-  kConst = 4,      // the integer `value`
-  kConstF = 5,     // the double whose bits are `value` (passed as fp32: exact for fp32-representable values)
-  kInputRows = 6,  // input `value` viewed [size(0), -1] (a TMA descriptor over rows of several heads)
-  kBuffer = 7,     // run_program: buffer `value`
-  kInputAt = 8,    // pointer of input (value & 255) plus (value >> 8) bytes (a column or row slice)
-  kBufferAt = 9,   // pointer of buffer (value & 255) plus (value >> 8) bytes
+// -- programs ---------------------------------------------------------------------------------------------------
+// A program record (rlk_core.ops._cuda.Decide.program) is int64 words:
+//   [device, n_buffers, per buffer (scalar type, fill, ndim, sizes...), n_launches,
+//    per launch (handle, gx, gy, gz, n_args, per argument (kind, a, b, c, d, e, f)), n_outs, buffer per out, ret]
+// fill 0: none, 1: -inf, 2: zeros (as torch.full / torch.zeros on the current stream); ret: what the fast path
+// returns — 0 the first output, 1 all of them, 2 None.
+enum ArgKind : int64_t {
+  kIn = 0,     // pointer of input a, plus b bytes
+  kBuf = 1,    // pointer of buffer a, plus b bytes
+  kAddr = 2,   // the address a (a tensor held for good)
+  kInt = 4,    // the integer a
+  kFloat = 5,  // the double whose bits are a (passed as fp32: exact for fp32 values)
+  kDesc = 6,   // a descriptor: base (a kind, b index or address, c bytes), d rows, e cols, f row stride
 };
+constexpr int kArgWords = 7;
 
 // Reads a packed record: int64 words.
 struct Words {
   const char* buf;
   size_t n, at = 0;
   Words(const char* bytes, size_t size) : buf(bytes), n(size / 8) {}
-  explicit Words(const py::bytes& record)
-      : Words(PyBytes_AS_STRING(record.ptr()), size_t(PyBytes_GET_SIZE(record.ptr()))) {}
   int64_t next() {
-    TORCH_CHECK(at < n, "rlk_core._C: launch record too short");
+    TORCH_CHECK(at < n, "rlk_core._C: program record too short");
     int64_t w;
     std::memcpy(&w, buf + 8 * at++, 8);
     return w;
   }
 };
 
-// The inputs of a record: a call's positional arguments (a tuple's items, or the fast path's own list).
+// A call's positional arguments: a tuple's items.
 struct Inputs {
   PyObject* const* items;
   size_t n;
-  size_t size() const { return n; }
-  py::handle operator[](size_t i) const { return py::handle(items[i]); }
+  explicit Inputs(const py::args& args)
+      : items(reinterpret_cast<PyTupleObject*>(args.ptr())->ob_item), n(size_t(PyTuple_GET_SIZE(args.ptr()))) {}
 };
 
-Inputs inputs_of(const py::args& args) {
-  return {reinterpret_cast<PyTupleObject*>(args.ptr())->ob_item, size_t(PyTuple_GET_SIZE(args.ptr()))};
-}
-
-const at::Tensor& input_tensor(const Inputs& args, int64_t index, size_t i, char c) {
-  TORCH_CHECK(index >= 0 && size_t(index) < args.size(), "rlk_core._C: argument ", i, " names input ", index);
-  return tensor_arg(args[size_t(index)], i, c);
-}
-
-const at::Tensor& buffer(const std::vector<at::Tensor>& bufs, int64_t index, size_t i) {
-  TORCH_CHECK(index >= 0 && size_t(index) < bufs.size(), "rlk_core._C: argument ", i, " names buffer ", index);
-  return bufs[size_t(index)];
-}
-
-// One kernel argument of a record: `i` its position, `c` its parameter code, (kind, value) from the record,
-// `bufs` the tensors the record allocated (run: the output, buffer 0).
-void record_arg(Params& p, size_t i, char c, int64_t kind, int64_t value, const Inputs& args,
-                const std::vector<at::Tensor>& bufs) {
-  const bool tensor = c == 'p' || c == 'D';
-  switch (kind) {
-    case kConst:
-      p.arg(i, c, nullptr, py::none(), &value);
-      return;
-    case kConstF: {
-      TORCH_CHECK(c == 'f', "argument ", i, " (code '", c, "') cannot take a float constant");
-      double x;
-      std::memcpy(&x, &value, 8);
-      p.fp32(x);
-      return;
-    }
-    case kOutput:
-    case kBuffer:
-      TORCH_CHECK(tensor, "argument ", i, " (code '", c, "') cannot take a buffer");
-      p.arg(i, c, &buffer(bufs, kind == kOutput ? 0 : value, i), py::none(), nullptr);
-      return;
-    case kScalar: {
-      TORCH_CHECK(!tensor, "argument ", i, " (code '", c, "') cannot take a scalar");
-      TORCH_CHECK(value >= 0 && size_t(value) < args.size(), "rlk_core._C: argument ", i, " names input ", value);
-      p.arg(i, c, nullptr, args[size_t(value)], nullptr);
-      return;
-    }
-    case kInput2d:
-    case kInputRows: {
-      const at::Tensor& t = input_tensor(args, value, i, c);
-      const at::Tensor t2 = kind == kInput2d ? t.view({-1, t.size(-1)}) : t.view({t.size(0), -1});
-      p.arg(i, c, &t2, py::none(), nullptr);
-      return;
-    }
-    case kInputAt:
-    case kBufferAt: {
-      TORCH_CHECK(c == 'p', "argument ", i, " (code '", c, "') is not a pointer");
-      const at::Tensor& t = kind == kInputAt ? input_tensor(args, value & 255, i, c) : buffer(bufs, value & 255, i);
-      p.pointer_at(i, t, value >> 8);
-      return;
-    }
-    case kInput: {
-      TORCH_CHECK(value >= 0 && size_t(value) < args.size(), "rlk_core._C: argument ", i, " names input ", value);
-      py::handle a = args[size_t(value)];
-      p.arg(i, c, tensor && !(a.is_none() && c == 'p') ? &tensor_arg(a, i, c) : nullptr, a, nullptr);
-      return;
-    }
-    default:
-      TORCH_CHECK(false, "rlk_core._C: unknown argument kind ", kind);
+uint64_t base_of(int64_t kind, int64_t index, int64_t offset, const Inputs& in, const std::vector<at::Tensor>& bufs,
+                 int device, size_t i) {
+  if (kind == kAddr) return uint64_t(index);
+  TORCH_CHECK(index >= 0 && offset >= 0, "rlk_core._C: argument ", i, ": bad index or offset");
+  if (kind == kIn) {
+    TORCH_CHECK(size_t(index) < in.n, "rlk_core._C: argument ", i, " names input ", index);
+    return address(as_tensor(py::handle(in.items[index]), i, device)) + uint64_t(offset);
   }
+  TORCH_CHECK(kind == kBuf && size_t(index) < bufs.size(), "rlk_core._C: argument ", i, " names buffer ", index);
+  return address(bufs[size_t(index)]) + uint64_t(offset);
 }
 
-// One launch of a record: its variant's arguments, (kind, value) each, then the launch.
-void record_launch(Words& w, const Variant& v, int64_t gx, int64_t gy, int64_t gz, const Inputs& args,
-                   const std::vector<at::Tensor>& bufs) {
-  const int64_t n = w.next();
-  TORCH_CHECK(size_t(n) == v.codes.size(), "variant takes ", v.codes.size(), " arguments, the record has ", n);
-  Params p(v);
-  for (size_t i = 0; i < size_t(n); ++i) {
-    const int64_t kind = w.next(), value = w.next();
-    record_arg(p, i, v.codes[i], kind, value, args, bufs);
-  }
-  p.go(gx, gy, gz);
-}
-
-// run(record, *inputs): record = int64s [handle, out_aligned, gx, gy, gz, like, n_alloc, alloc...,
-// n_final, final..., n_args, (kind, value) per kernel argument]. Returns the output viewed as `final`, or
-// None (nothing launched) where out_aligned is set and the allocation is not 16-byte aligned. n_alloc = -1:
-// the kernel writes no output of its own (only its inputs, e.g. a KV cache): nothing is allocated, the launch
-// always happens and None is returned.
-// run's work on a record's bytes; `launched` says whether the kernel ran (false: the allocation was misaligned).
-py::object run_record(Words w, const Inputs& args, bool& launched) {
-  launched = false;
-  const int64_t handle = w.next(), out_aligned = w.next(), gx = w.next(), gy = w.next(), gz = w.next(),
-                like = w.next();
-  const int64_t n_alloc = w.next();
-  c10::SmallVector<int64_t, 4> alloc, final_shape;
-  for (int64_t k = n_alloc; k > 0; --k) alloc.push_back(w.next());
-  for (int64_t k = w.next(); k > 0; --k) final_shape.push_back(w.next());
-  const Variant& v = variant(handle);
-  std::vector<at::Tensor> bufs;
-  if (n_alloc >= 0) {
-    // the CUDA allocation itself (torch.empty's, less the dispatcher): the caching allocator, the current stream
-    bufs.push_back(at::Tensor(at::detail::empty_cuda(alloc, input_tensor(args, like, 0, 'p').options())));
-    if (out_aligned && reinterpret_cast<uintptr_t>(bufs[0].data_ptr()) % 16 != 0) return py::none();
-  } else {
-    TORCH_CHECK(!out_aligned && final_shape.empty(), "rlk_core._C.run: a record without output returns none");
-  }
-  record_launch(w, v, gx, gy, gz, args, bufs);
-  launched = true;
-  if (n_alloc < 0) return py::none();
-  return py::cast(bufs[0].sizes().equals(final_shape) ? bufs[0] : bufs[0].view(final_shape));
-}
-
-py::object run(py::bytes record, py::args args) {
-  bool launched;
-  return run_record(Words(record), inputs_of(args), launched);
-}
-
-// run_program(record, *inputs): several launches over buffers it allocates, for an op made of a few kernels.
-// record = int64s [like, n_bufs, per buffer (scalar type, fill, ndim, sizes...), n_launches, per launch
-// (handle, gx, gy, gz, n_args, (kind, value) per argument), n_outs, buffer index per output]; fill 0: none,
-// 1: -inf, 2: zeros (as torch.full / torch.zeros would: on the current stream). Buffers are allocated like
-// input `like` (its device); returns the output buffers as a tuple, or None (nothing launched) where a buffer
-// is not 16-byte aligned (the variants assume it: the caller's general code then runs the call).
-py::object run_program_record(Words w, const Inputs& args) {
-  const at::TensorOptions options = input_tensor(args, w.next(), 0, 'p').options();
+// The program on `in`; None where a buffer is not 16-byte aligned (nothing launched: the caller runs the plan).
+py::object run_program_record(Words w, const Inputs& in) {
+  const int device = int(w.next());
+  const at::TensorOptions options = at::TensorOptions().device(at::kCUDA, static_cast<c10::DeviceIndex>(device));
   std::vector<at::Tensor> bufs;
   for (int64_t b = w.next(); b > 0; --b) {
     const int64_t type = w.next(), fill = w.next();
@@ -526,45 +397,84 @@ py::object run_program_record(Words w, const Inputs& args) {
       bufs.push_back(at::zeros(shape, o));
     } else {
       TORCH_CHECK(fill == 0, "rlk_core._C: buffer fill ", fill);
-      bufs.push_back(at::empty(shape, o));
+      bufs.push_back(at::Tensor(at::detail::empty_cuda(shape, o)));  // torch.empty's allocation, no dispatcher
     }
     if (reinterpret_cast<uintptr_t>(bufs.back().data_ptr()) % 16 != 0) return py::none();
   }
   for (int64_t l = w.next(); l > 0; --l) {
-    const int64_t handle = w.next(), gx = w.next(), gy = w.next(), gz = w.next();
-    record_launch(w, variant(handle), gx, gy, gz, args, bufs);
+    const Variant& v = variant(w.next());
+    const int64_t gx = w.next(), gy = w.next(), gz = w.next(), n = w.next();
+    TORCH_CHECK(size_t(n) == v.codes.size(), "variant takes ", v.codes.size(), " arguments, the record has ", n);
+    Params p(v);
+    for (size_t i = 0; i < size_t(n); ++i) {
+      int64_t a[kArgWords];
+      for (int64_t& x : a) x = w.next();
+      const char c = v.codes[i];
+      switch (a[0]) {
+        case kIn:
+        case kBuf:
+        case kAddr:
+          TORCH_CHECK(c == 'p', "argument ", i, " (code '", c, "') is not a pointer");
+          p.pointer(base_of(a[0], a[1], a[2], in, bufs, v.device, i));
+          break;
+        case kInt:
+          p.integer(i, c, a[1]);
+          break;
+        case kFloat: {
+          double x;
+          std::memcpy(&x, &a[1], 8);
+          p.fp32(i, c, x);
+          break;
+        }
+        case kDesc:
+          TORCH_CHECK(c == 'D', "argument ", i, " (code '", c, "') is not a descriptor");
+          p.descriptor(base_of(a[1], a[2], a[3], in, bufs, v.device, i), a[4], a[5], a[6]);
+          break;
+        default:
+          TORCH_CHECK(false, "rlk_core._C: unknown argument kind ", a[0]);
+      }
+    }
+    p.go(gx, gy, gz);
   }
   const int64_t n_outs = w.next();
   py::tuple outs(n_outs);
-  for (int64_t k = 0; k < n_outs; ++k) outs[size_t(k)] = py::cast(buffer(bufs, w.next(), 0));
+  for (int64_t k = 0; k < n_outs; ++k) {
+    const int64_t b = w.next();
+    TORCH_CHECK(b >= 0 && size_t(b) < bufs.size(), "rlk_core._C: output names buffer ", b);
+    outs[size_t(k)] = py::cast(bufs[size_t(b)]);
+  }
   return outs;
 }
 
-py::object run_program(py::bytes record, py::args args) { return run_program_record(Words(record), inputs_of(args)); }
+py::object run_program(py::bytes record, py::args args) {
+  return run_program_record(Words(PyBytes_AS_STRING(record.ptr()), size_t(PyBytes_GET_SIZE(record.ptr()))),
+                            Inputs(args));
+}
 
+int64_t program_ret(const std::string& packed) {  // the record's last word
+  int64_t ret;
+  TORCH_CHECK(packed.size() >= 8, "rlk_core._C: program record too short");
+  std::memcpy(&ret, packed.data() + packed.size() - 8, 8);
+  return ret;
+}
 
-// -- the fast path: a whole op call in one C++ call ------------------------------------------------------------
-// rlk_core.ops._dispatch teaches, per op (a slot) and call signature, the record its rlk.cuda backend launched for
-// that signature in a Python call (what the op would do again: select rlk.cuda, note the call, one _C.run or
-// _C.run_program of that record on the same arguments). `fast(slot, *args)` then does the call itself: it builds
+// -- the fast path: a whole op call in one C++ call ---------------------------------------------------------------
+// rlk_core.ops._dispatch stores, per op (a slot) and call signature, the program rlk.cuda decided the call into
+// (a call whose arguments are exactly the program's inputs). `fast(slot, *args)` then does the call itself: it builds
 // the signature from the arguments (per tensor: dims, sizes, strides, dtype, device, address low bits and the
-// dispatch key set, which must be one taught from a plain call; None, bools, ints and floats by value; anything
-// else is a miss), finds the entry, counts the call in the active readback scope (the `_OpRecord` the Python
-// call counted into, taught per scope, op and execution mode: a scope not taught is a miss) and runs the record.
-// It returns `MISS` (the caller runs the Python path, which teaches) where anything differs from the taught call:
-// a tensor that requires grad in grad mode, a tensor subclass or a type not registered as plain, a key set not
-// seen, a torch function mode, a dispatch mode or a TLS-included dispatch key, RLK_VALUE_CHECKS=always, a
-// misaligned allocation. Python calls `fast_reset` whenever what a selection or a decision depends on changes.
+// dispatch key set, which must be one stored from a plain call; None, bools, ints and floats by value; anything
+// else is a miss), finds the program, counts the call in the active readback scope (the `_OpRecord` the Python call
+// counted into, stored per scope, op and execution mode: a scope not stored is a miss) and runs the program.
+// It returns `MISS` (the caller takes the Python path, which stores the call) where anything differs: a tensor that
+// requires grad in grad mode, a tensor subclass or a type not registered as plain, a key set not seen, a torch
+// function mode, a dispatch mode or a TLS-included dispatch key, RLK_VALUE_CHECKS=always, a misaligned buffer.
+// Python calls `fast_clear` whenever what a selection or a decision depends on changes.
 
 struct FastEntry {
-  bool program = false;                 // run_program (else run)
-  std::string packed;                   // the record's bytes
-  std::vector<int64_t> map;             // per record input: argument i (>= 0), i + kTransposed (its .t()), -1-j
-  std::vector<py::object> extras;       // extra j: a tensor the op keeps alive for good, or a constant
-  int rebuild = 0;                      // 0: the record's result as it is, 1: its first element
+  std::string packed;  // the program record
+  int64_t ret = 0;
 };
-constexpr int64_t kTransposed = 10000;
-constexpr size_t kMaxEntries = 16384;    // per slot, as rlk_core.ops._cuda_common.MAX_RECORDS
+constexpr size_t kMaxEntries = 16384;  // per slot, as rlk_core.ops._cuda.MAX_DECISIONS
 
 struct ScopeKey {
   PyObject* scope;
@@ -582,7 +492,7 @@ struct Fast {
   std::vector<std::unordered_map<std::string, FastEntry>> slots;
   std::unordered_map<ScopeKey, std::pair<py::object, py::object>, ScopeKeyHash> scopes;  // -> (scope, record)
   std::vector<PyTypeObject*> plain_types;
-  std::vector<uint64_t> key_sets;  // raw dispatch key sets of taught tensors
+  std::vector<uint64_t> key_sets;  // raw dispatch key sets of stored tensors
   PyObject* scope_var = nullptr;   // rlk_core.readback._ACTIVE
   PyObject* miss = nullptr;
   PyObject* call_count = nullptr;  // the attribute name
@@ -598,14 +508,14 @@ void put_bytes(std::string& key, const T& x) {
   key.append(reinterpret_cast<const char*>(&x), sizeof(T));
 }
 
-// The call signature of `args` into `key` (false: not a call the fast path takes); `device` the first tensor's.
-bool signature(const Inputs& args, std::string& key, int& device, bool teach) {
+// The call signature of `args` into `key` (false: not a call the fast path takes).
+bool signature(const Inputs& args, std::string& key, bool store) {
   Fast& f = fast_state();
   key.clear();
-  device = -1;
+  bool any_tensor = false;
   const bool grad = at::GradMode::is_enabled();
-  for (size_t i = 0; i < args.size(); ++i) {
-    PyObject* a = args[i].ptr();
+  for (size_t i = 0; i < args.n; ++i) {
+    PyObject* a = args.items[i];
     if (a == Py_None) {
       key.push_back('N');
     } else if (PyBool_Check(a)) {
@@ -627,15 +537,14 @@ bool signature(const Inputs& args, std::string& key, int& device, bool teach) {
       if (!t.defined() || !t.is_cuda() || (grad && t.requires_grad())) return false;
       const uint64_t ks = t.key_set().raw_repr();
       if (std::find(f.key_sets.begin(), f.key_sets.end(), ks) == f.key_sets.end()) {
-        if (!teach) return false;
+        if (!store) return false;
         f.key_sets.push_back(ks);
       }
-      const int dev = t.get_device();
-      if (device < 0) device = dev;
+      any_tensor = true;
       key.push_back('t');
       put_bytes(key, ks);
       put_bytes(key, int64_t(t.scalar_type()));
-      put_bytes(key, int64_t(dev));
+      put_bytes(key, int64_t(t.get_device()));
       put_bytes(key, int64_t(reinterpret_cast<uintptr_t>(t.data_ptr()) & 15));
       put_bytes(key, int64_t(t.dim()));
       for (int64_t d = 0; d < t.dim(); ++d) {
@@ -644,7 +553,7 @@ bool signature(const Inputs& args, std::string& key, int& device, bool teach) {
       }
     }
   }
-  return device >= 0;
+  return any_tensor;
 }
 
 bool context_is_plain() {
@@ -667,10 +576,9 @@ py::object fast(int64_t slot, py::args args) {
   if (slot < 0 || size_t(slot) >= f.slots.size() || f.slots[size_t(slot)].empty() || !context_is_plain()) {
     return miss();
   }
-  const Inputs in = inputs_of(args);
+  const Inputs in(args);
   thread_local std::string key;
-  int device;
-  if (!signature(in, key, device, false)) return miss();
+  if (!signature(in, key, false)) return miss();
   auto& entries = f.slots[size_t(slot)];
   auto it = entries.find(key);
   if (it == entries.end()) return miss();
@@ -684,81 +592,50 @@ py::object fast(int64_t slot, py::args args) {
     if (s == f.scopes.end()) return miss();
     record = s->second.second.ptr();
   }
-  c10::SmallVector<PyObject*, 8> items(e.map.size());
-  c10::SmallVector<py::object, 2> views;
-  for (size_t i = 0; i < e.map.size(); ++i) {
-    const int64_t m = e.map[i];
-    if (m < 0) {
-      items[i] = e.extras[size_t(-1 - m)].ptr();
-    } else if (m >= kTransposed) {
-      views.push_back(py::cast(THPVariable_Unpack(in[size_t(m - kTransposed)].ptr()).t()));
-      items[i] = views.back().ptr();
-    } else {
-      items[i] = in[size_t(m)].ptr();
-    }
-  }
-  const Inputs record_in{items.data(), items.size()};
-  const Words words(e.packed.data(), e.packed.size());
-  py::object out;
-  if (e.program) {
-    out = run_program_record(words, record_in);
-    if (out.is_none()) return miss();  // a misaligned buffer: nothing launched
-  } else {
-    bool launched;
-    out = run_record(words, record_in, launched);
-    if (!launched) return miss();
-  }
+  py::object out = run_program_record(Words(e.packed.data(), e.packed.size()), in);
+  if (out.is_none()) return miss();  // a misaligned buffer: nothing launched
   if (record != nullptr) {  // the call counted as readback.note_op_call counts a repeat
     PyObject* count = PyObject_GetAttr(record, f.call_count);
     if (count == nullptr) throw py::error_already_set();
     py::object next = py::reinterpret_steal<py::object>(count) + py::int_(1);
     if (PyObject_SetAttr(record, f.call_count, next.ptr()) < 0) throw py::error_already_set();
   }
-  return e.rebuild == 1 ? py::object(out[py::int_(0)]) : out;
+  if (e.ret == 0) return py::object(out[py::int_(0)]);
+  if (e.ret == 2) return py::none();
+  return out;
 }
 
-bool fast_teach(int64_t slot, bool program, py::bytes packed, const std::vector<int64_t>& map, py::tuple extras,
-                int rebuild, py::args args) {
+bool fast_store(int64_t slot, py::bytes packed, py::args args) {
   Fast& f = fast_state();
-  TORCH_CHECK(slot >= 0 && slot < 4096, "rlk_core._C.fast_teach: slot ", slot);
-  TORCH_CHECK(rebuild == 0 || rebuild == 1, "rlk_core._C.fast_teach: rebuild ", rebuild);
-  const Inputs in = inputs_of(args);
-  for (int64_t m : map) {
-    const bool ok = m < 0 ? size_t(-1 - m) < size_t(extras.size())
-                          : size_t(m >= kTransposed ? m - kTransposed : m) < in.size();
-    TORCH_CHECK(ok, "rlk_core._C.fast_teach: input ", m, " names nothing");
-  }
+  TORCH_CHECK(slot >= 0 && slot < 4096, "rlk_core._C.fast_store: slot ", slot);
   std::string key;
-  int device;
-  if (!signature(in, key, device, true)) return false;
+  if (!signature(Inputs(args), key, true)) return false;
   if (f.slots.size() <= size_t(slot)) f.slots.resize(size_t(slot) + 1);
   auto& entries = f.slots[size_t(slot)];
   if (entries.size() >= kMaxEntries) entries.clear();
   FastEntry e;
-  e.program = program;
   e.packed = packed;
-  e.map = map;
-  for (auto x : extras) e.extras.push_back(py::reinterpret_borrow<py::object>(x));
-  e.rebuild = rebuild;
+  e.ret = program_ret(e.packed);
+  TORCH_CHECK(e.ret >= 0 && e.ret <= 2, "rlk_core._C.fast_store: return kind ", e.ret);
   entries[key] = std::move(e);
   return true;
 }
 
-void fast_scope(py::object scope, int64_t slot, bool graph, py::object record) {
+void fast_count_into(py::object scope, int64_t slot, bool graph, py::object record) {
   Fast& f = fast_state();
   if (f.scopes.size() >= 4096) f.scopes.clear();
   f.scopes[{scope.ptr(), slot, graph}] = {scope, record};
 }
 
-void fast_reset() {
+void fast_clear() {
   Fast& f = fast_state();
   f.slots.clear();
   f.scopes.clear();
 }
 
-void fast_init(py::object scope_var, py::object miss_object, const std::vector<py::object>& plain_types) {
+void fast_setup(py::object scope_var, py::object miss_object, const std::vector<py::object>& plain_types) {
   Fast& f = fast_state();
-  TORCH_CHECK(PyContextVar_CheckExact(scope_var.ptr()), "rlk_core._C.fast_init: a contextvars.ContextVar");
+  TORCH_CHECK(PyContextVar_CheckExact(scope_var.ptr()), "rlk_core._C.fast_setup: a contextvars.ContextVar");
   Py_XDECREF(f.scope_var);
   Py_XDECREF(f.miss);
   f.scope_var = scope_var.inc_ref().ptr();
@@ -766,13 +643,13 @@ void fast_init(py::object scope_var, py::object miss_object, const std::vector<p
   if (f.call_count == nullptr) f.call_count = PyUnicode_InternFromString("call_count");
   f.plain_types.clear();
   for (const auto& t : plain_types) {
-    TORCH_CHECK(PyType_Check(t.ptr()), "rlk_core._C.fast_init: plain types must be types");
+    TORCH_CHECK(PyType_Check(t.ptr()), "rlk_core._C.fast_setup: plain types must be types");
     f.plain_types.push_back(reinterpret_cast<PyTypeObject*>(t.inc_ref().ptr()));
   }
-  fast_reset();
+  fast_clear();
 }
 
-size_t fast_entries() {
+size_t fast_size() {
   size_t n = 0;
   for (const auto& s : fast_state().slots) n += s.size();
   return n;
@@ -786,15 +663,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("load", &load, "load one cubin variant on a device; returns its handle",
         py::arg("device"), py::arg("cubin"), py::arg("name"), py::arg("shared"), py::arg("num_warps"),
         py::arg("pdl"), py::arg("codes"), py::arg("desc_meta"));
-  m.def("launch", &launch, "launch a loaded variant on the current stream: launch(handle, gx, gy, gz, *args)");
-  m.def("run", &run, "launch a record's variant on the current stream, allocating its output: run(record, *inputs)");
-  m.def("run_program", &run_program,
-        "a record's launches over the buffers it allocates, on the current stream: run_program(record, *inputs)");
-  m.def("fast", &fast, "a whole op call, taught before: fast(slot, *args) -> the op's result, or the MISS object");
-  m.def("fast_teach", &fast_teach, "teach fast() one call signature of an op: its record, inputs and result",
-        py::arg("slot"), py::arg("program"), py::arg("packed"), py::arg("map"), py::arg("extras"), py::arg("rebuild"));
-  m.def("fast_scope", &fast_scope, "teach fast() the _OpRecord a readback scope counts an op's calls into");
-  m.def("fast_reset", &fast_reset, "forget everything fast() was taught");
-  m.def("fast_init", &fast_init, "the readback scope variable, the MISS object and the plain tensor types");
-  m.def("fast_entries", &fast_entries, "how many call signatures fast() knows");
+  m.def("launch", &launch, "one launch on the current stream: launch(handle, gx, gy, gz, *args)");
+  m.def("run_program", &run_program, "a decided call's launches over the buffers it allocates: run_program(record, "
+        "*inputs) -> the output buffers, or None (a buffer not 16-byte aligned: nothing launched)");
+  m.def("fast", &fast, "a whole op call, stored before: fast(slot, *args) -> the op's result, or the MISS object");
+  m.def("fast_store", &fast_store, "store one call signature of an op with its program: fast_store(slot, record, "
+        "*args)");
+  m.def("fast_count_into", &fast_count_into, "the _OpRecord a readback scope counts an op's calls into");
+  m.def("fast_clear", &fast_clear, "forget every stored call");
+  m.def("fast_setup", &fast_setup, "the readback scope variable, the MISS object and the plain tensor types");
+  m.def("fast_size", &fast_size, "how many call signatures fast() knows");
 }

@@ -33,6 +33,10 @@ def _patched(tensor, scope):
 
 
 interp._patch_lang_tensor = _patched
+
+from rlk_core.ops._plan import jit_plan  # noqa: E402
+
+CPU = jit_plan(torch.device("cpu"))  # the launch plans' JIT runner on the interpreter (first argument of a plan)
 '''
 
 
@@ -94,14 +98,12 @@ def clean_registry():
     """The backend registry, restored after the test (backends, plug-ins, qualification and probe caches)."""
     from rlk_core.backends import REGISTRY
 
-    REGISTRY.backends("linear")  # the entry-point plug-ins (rlk's qualification suite among them) are loaded
+    REGISTRY.backends("linear")  # the entry-point plug-ins are loaded
     before = {op: dict(REGISTRY._backends[op]) for op in REGISTRY._backends}
-    plugins = {name for name, _ in REGISTRY.plugin_manager.list_name_plugin()}
+    plugins = list(REGISTRY._plugins)
     REGISTRY.refresh()
     yield REGISTRY
-    for name, _ in REGISTRY.plugin_manager.list_name_plugin():
-        if name not in plugins:
-            REGISTRY.plugin_manager.unregister(name=name)
+    REGISTRY._plugins[:] = plugins
     for op, backends in before.items():
         REGISTRY._backends[op] = backends
     REGISTRY.refresh()

@@ -9,7 +9,7 @@ Set ``RLK_BUILD_EXT=0`` to force a pure-Python install, ``RLK_BUILD_EXT=1`` to f
 With the extension, the ahead-of-time cubins of ``rlk_core.aot`` (Triton's compiler, no GPU needed) are built
 for each of ``RLK_BUILD_TARGETS`` (default ``cuda:90``) into the package data ``rlk_core/_aot/<target>/``
 (``manifest.json`` + one cubin per variant), ``RLK_BUILD_JOBS`` compiles in parallel (default: the CPU
-count), ``RLK_BUILD_OPS`` / ``RLK_BUILD_DTYPES`` limit them to some op families / input dtypes (default: all).
+count), ``RLK_BUILD_OPS`` / ``RLK_BUILD_DTYPES`` limit them to some kernel families / input dtypes (default: all).
 A failed variant fails the build. The variables are declared in ``rlk_core.envs`` (docs/envvars.md);
 this script reads them directly, as it runs before rlk-core is installed. An in-place build
 (``build_ext --inplace``) compiles them through one Triton cache folder, ``rlk_core/_aot/triton-cache`` (git-ignored,
@@ -91,7 +91,7 @@ def build_cubins(target: str, out: Path, triton_cache: Path | None = None) -> No
     cmd = [sys.executable, "-m", "rlk_core.aot", "build", "--target", target, "--out", str(out)]
     if os.environ.get("RLK_BUILD_JOBS"):
         cmd += ["--jobs", os.environ["RLK_BUILD_JOBS"]]
-    for var, flag in (("RLK_BUILD_OPS", "--ops"), ("RLK_BUILD_DTYPES", "--dtypes")):
+    for var, flag in (("RLK_BUILD_OPS", "--families"), ("RLK_BUILD_DTYPES", "--dtypes")):
         if os.environ.get(var, "").strip():  # the aot CLI refuses unknown names
             cmd += [flag, os.environ[var]]
     if triton_cache is not None:

@@ -14,7 +14,8 @@ from typing import Any
 
 import torch
 
-from rlk_core.aot import specs_attention as A
+from rlk_core.ops.attention.triton import HEAD_DIMS
+from rlk_core.ops.attention.triton_backward import GROUPS as BACKWARD_GROUPS
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # (Hq, Hkv): every padded GQA group 1..128 of the forward rule (G = 3, 5, 9, ... round up), MHA and GQA
@@ -40,7 +41,40 @@ def _forward_ok(dtype: torch.dtype, d: int, hq: int, hkv: int) -> bool:
     from rlk_core.ops.attention import triton as tr
 
     q, k = (torch.empty((1, h, d), dtype=dtype, device="meta") for h in (hq, hkv))
-    return d in A.HEAD_DIMS and tr._supports_heads(q, k)[0]
+    return d in HEAD_DIMS and tr._supports_heads(q, k)[0]
+
+
+def rowwise_and_linear_cases(device, dtypes=DTYPES) -> Iterator[Case]:
+    """The forward ops the sweeps of ``_cuda_cases`` leave out: linear at every M the tile rule treats apart and the
+    model shapes, rms_norm, swiglu, rope (every built pair, head classes, positions int32 / int64); then the
+    declined (misaligned operands, sizes not multiples of 16, a rope pair not built)."""
+    gen = _gen(device, 22)
+
+    def rnd(*shape, dtype=torch.bfloat16):
+        return _rand(shape, dtype, device, gen)
+
+    for dtype in dtypes:
+        for m in (1, 5, 16, 17, 64, 65, 80, 96, 128, 129, 300, 1000, 4096):
+            for n, k in ((1024, 1024), (3072, 1024), (1536, 4096), (4096, 1536)):
+                x, w = rnd(m, k, dtype=dtype), rnd(n, k, dtype=dtype)
+                yield "linear", (x, w, None), True
+            yield "linear", (rnd(2, m, 1024, dtype=dtype), w, rnd(1536, dtype=dtype)), True
+        yield "linear", (_misaligned(rnd(5, 1536, dtype=dtype)), w, None), False
+        yield "linear", (rnd(5, 1000, dtype=dtype), rnd(48, 1000, dtype=dtype), None), False
+        for h in (16, 128, 1024, 4096, 65536):
+            for wd in sorted({dtype, torch.float32}, key=str):
+                yield "rms_norm", (rnd(7, h, dtype=dtype), rnd(h, dtype=wd), 1e-6), True
+        qkv = rnd(5, 16 + 2 * 8, 128, dtype=dtype)
+        yield "rms_norm", (qkv[:, :16], rnd(128, dtype=dtype), 1e-6), True  # a head view: copied, from Python
+        yield "rms_norm", (rnd(3, 100, dtype=dtype), rnd(100, dtype=dtype), 1e-6), False
+        for inter in (16, 256, 1536, 3072):
+            yield "swiglu", (rnd(3, 2 * inter, dtype=dtype),), True
+            yield "swiglu", (_misaligned(rnd(3, 2 * inter, dtype=dtype)),), True  # the variant with no alignment
+        for d, r in ((128, 128), (128, 64), (64, 64)):
+            for nh in (1, 7, 8, 16, 32):
+                for pt in (torch.int32, torch.int64):
+                    yield "rope", (rnd(4, nh, d, dtype=dtype), torch.arange(4, dtype=pt, device=device), 1e6, r), True
+        yield "rope", (rnd(4, 8, 96, dtype=dtype), torch.arange(4, device=device), 1e6, 96), False
 
 
 def attention_forward_cases(device, dtypes=DTYPES, page_sizes=(16,), contexts=((5, 130, 64),)) -> Iterator[Case]:
@@ -50,7 +84,7 @@ def attention_forward_cases(device, dtypes=DTYPES, page_sizes=(16,), contexts=((
     a GQA group past the decode tile."""
     gen = _gen(device, 11)
     for dtype in dtypes:
-        for d in A.HEAD_DIMS:
+        for d in HEAD_DIMS:
             if dtype == torch.float32 and d == 256:
                 continue
             for hq, hkv in HEADS:
@@ -100,7 +134,7 @@ def kv_cache_write_cases(device, dtypes=DTYPES) -> Iterator[Case]:
     a head size not built, more heads than built, a misaligned ``k``."""
     gen = _gen(device, 12)
     for dtype in dtypes:
-        for d in A.HEAD_DIMS:
+        for d in HEAD_DIMS:
             for h in (1, 2, 3, 5, 9, 16, 17, 32, 33, 64, 65, 128):
                 for page in (1, 4, 16):
                     yield "kv_cache_write", _kv_args(device, gen, dtype, d, h, page, 6), True
@@ -125,7 +159,7 @@ def attention_backward_cases(device, dtypes=DTYPES) -> Iterator[Case]:
     gen = _gen(device, 13)
     for dtype in dtypes:
         for d in (64, 128):
-            for g in A.BACKWARD_GROUPS:
+            for g in BACKWARD_GROUPS:
                 hkv = 1 if g > 4 else 2
                 for mode in ("aligned", "full", "pos32", "pos64"):
                     yield "attention_varlen_backward", _bwd_args(device, gen, dtype, d, g * hkv, hkv, mode), True
@@ -322,7 +356,7 @@ def rope_backward_cases(device, dtypes=DTYPES) -> Iterator[Case]:
     """``rope_backward`` for every built ``(head_dim, rotary_dim)``, every head-count class, positions int32 and
     int64, the gradient contiguous or a head view of a wider one; then the declined: a pair not built (96, 96), a
     misaligned gradient, a position slice at a 4-byte offset."""
-    from rlk_core.aot.specs import ROPE_SHAPES
+    from rlk_core.ops.rope.triton import SHAPES as ROPE_SHAPES
 
     gen = _gen(device, 18)
     t = 3
@@ -384,26 +418,3 @@ def backward_cases(device) -> Iterator[Case]:
     yield from swiglu_backward_cases(device)
     yield from rope_backward_cases(device)
     yield from linear_backward_cases(device)
-
-
-def triton_as_on_sm90(monkeypatch) -> None:
-    """rlk.triton's linear launcher on CPU tensors choosing as on an sm_90 device: TMA where the operands suit it."""
-    from rlk_core.ops.linear import triton as lt
-
-    monkeypatch.setattr(lt, "_device_tma", lambda x: True)
-
-
-def as_on_sm90(launches: list, sms: int = 132) -> list:
-    """rlk.triton's captured launches (``_cuda_fakes.TritonLaunches``) as on a device of ``sms`` SMs: on CPU tensors
-    the stored-layout TMA kernel is launched with ``NUM_PROGRAMS = 3`` and ``min(tiles, 3)`` programs (the
-    interpreter's setting, so that its programs walk several tiles), on the GPU with the SM count; nothing else
-    differs (``ops/linear/triton.py::_launch_stored``)."""
-    out = []
-    for kernel, grid, args, kwargs in launches:
-        if kernel.__name__ == "_linear_bwd_tma_kernel":
-            assert kwargs["NUM_PROGRAMS"] == 3, kwargs
-            bound = dict(zip(kernel.arg_names, args))
-            tiles = -(-bound["M"] // kwargs["BLOCK_M"]) * -(-bound["N"] // kwargs["BLOCK_N"])
-            kwargs, grid = {**kwargs, "NUM_PROGRAMS": sms}, (min(tiles, sms), 1, 1)
-        out.append((kernel, grid, args, kwargs))
-    return out

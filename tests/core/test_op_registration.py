@@ -1,4 +1,4 @@
-"""How the rlk ops are registered with the PyTorch dispatcher (:func:`rlk_core.ops._dispatch.custom_op`:
+"""How the rlk ops are registered with the PyTorch dispatcher (:func:`rlk_core.ops._dispatch.define`:
 ``torch.library.Library`` directly, not ``torch.library.custom_op``) and what that registration keeps: the
 schemas ``custom_op`` inferred, the mutation annotations and version counters, autograd in and out of
 inference mode, fake and meta tensors, ``torch.compile(fullgraph=True)`` tracing the ops opaquely."""
@@ -66,18 +66,18 @@ def test_every_op_keeps_the_schema_custom_op_inferred():
 
 
 def test_every_dispatch_op_has_the_schema_custom_op_would_infer():
-    """For each op :func:`~rlk_core.ops._dispatch.custom_op` registered (those recorded above and any added since):
-    ``torch.library.infer_schema`` of its implementation with its ``mutates_args`` — what custom_op defined."""
-    for name, fn in D._IMPLS.items():
+    """For each op :func:`~rlk_core.ops._dispatch.define` registered (those recorded above and any added since):
+    ``torch.library.infer_schema`` of its check function with its ``mutates_args`` — what custom_op would define."""
+    for name, rlk_op in D._OPS.items():
         op = getattr(torch.ops.rlk, name).default
-        inferred = torch.library.infer_schema(fn, mutates_args=D._MUTATES[name])
+        inferred = torch.library.infer_schema(rlk_op.check, mutates_args=rlk_op.mutates_args)
         assert str(op._schema) == f"rlk::{name}{inferred}", name
         assert torch.Tag.pt2_compliant_tag in op.tags, name
 
 
 def test_dispatch_ops_are_library_ops_with_cpu_cuda_meta_and_autograd_kernels():
-    assert {"linear", "rms_norm", "swiglu", "rope", "attention_decode", "kv_cache_write"} <= set(D._IMPLS)
-    for name in D._IMPLS:
+    assert {"linear", "rms_norm", "swiglu", "rope", "attention_decode", "kv_cache_write"} <= set(D._OPS)
+    for name in D._OPS:
         qualname = f"rlk::{name}"
         assert torch._library.custom_ops._maybe_get_opdef(qualname) is None, name  # not a CustomOpDef
         for key in ("CPU", "CUDA", "Meta", "Autograd"):
@@ -128,7 +128,7 @@ def test_no_autograd_formula_for_a_mutating_op():
     from rlk_core.ops import attention
 
     with pytest.raises(RuntimeError, match="mutates its arguments"):
-        attention._kv_cache_write_op.register_autograd(lambda ctx, g: g, setup_context=lambda ctx, i, o: None)
+        attention._kv_cache_write.register_autograd(lambda ctx, g: g, setup_context=lambda ctx, i, o: None)
 
 
 # -- autograd ----------------------------------------------------------------------------------------------------

@@ -1,5 +1,5 @@
-"""The ops' fast path (``rlk_core._C.fast``, csrc/rlk_cuda.cpp) on the GPU: for each op ``rlk.cuda`` serves as one
-launch record, a repeat call is taken by the fast path (counted), and its result is ``torch.equal`` to the Python
+"""The ops' fast path (``rlk_core._C.fast``, csrc/rlk_cuda.cpp) on the GPU: for each op ``rlk.cuda`` runs as one
+program, a repeat call is taken by the fast path (counted), and its result is ``torch.equal`` to the Python
 path's (the fast path off) and to ``rlk.triton``'s; the readback counts every call, eager and under CUDA-graph
 capture; a side stream gets the launch; what the fast path must refuse (grad, subclasses, value checks) it refuses.
 Negative control: the same comparison tells apart a call with another eps.
@@ -9,6 +9,9 @@ unavailable: a missing build cannot pass as green). bf16 only (what a sitting's 
 """
 
 from __future__ import annotations
+
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -40,7 +43,7 @@ def hits(monkeypatch):
 
     def counting(slot, *args):
         out = real(slot, *args)
-        seen.append(out is not D._MISS)
+        seen.append(out is not D.MISS)
         return out
 
     monkeypatch.setattr(D, "_FAST", [counting])  # _dispatch reads _FAST[0] per call
@@ -77,16 +80,16 @@ def _cases():
     tri = lambda op: REGISTRY.get(op, "rlk.triton").fn  # noqa: E731
     return [
         ("linear", lambda: ops.linear(x, w), lambda: tri("linear")(x, w, None)),
-        ("linear dx (stored layout)", lambda: D.call("linear", g, w.t(), None), lambda: tri("linear")(g, w.t(), None)),
-        ("linear dW (stored layout)", lambda: D.call("linear", g.t(), x.t(), None),
+        ("linear dx (stored layout)", lambda: D.op("linear")(g, w.t(), None), lambda: tri("linear")(g, w.t(), None)),
+        ("linear dW (stored layout)", lambda: D.op("linear")(g.t(), x.t(), None),
          lambda: tri("linear")(g.t(), x.t(), None)),
         ("rms_norm", lambda: ops.rms_norm(h, wn, 1e-6), lambda: tri("rms_norm")(h, wn, 1e-6)),
-        ("rms_norm_backward", lambda: D.call("rms_norm_backward", h, h, wn, 1e-6),
+        ("rms_norm_backward", lambda: D.op("rms_norm_backward")(h, h, wn, 1e-6),
          lambda: tri("rms_norm_backward")(h, h, wn, 1e-6)),
         ("swiglu", lambda: ops.swiglu(gu), lambda: tri("swiglu")(gu)),
-        ("swiglu_backward", lambda: D.call("swiglu_backward", gd, gu), lambda: tri("swiglu_backward")(gd, gu)),
+        ("swiglu_backward", lambda: D.op("swiglu_backward")(gd, gu), lambda: tri("swiglu_backward")(gd, gu)),
         ("rope", lambda: ops.rope(xr, pos, 1e6, 128), lambda: tri("rope")(xr, pos, 1e6, 128)),
-        ("rope_backward", lambda: D.call("rope_backward", xr, pos, 1e6, 128),
+        ("rope_backward", lambda: D.op("rope_backward")(xr, pos, 1e6, 128),
          lambda: tri("rope_backward")(xr, pos, 1e6, 128)),
         ("attention_decode", lambda: attention_decode(q, kc, vc, table, lens, scale),
          lambda: tri("attention_decode")(q, kc, vc, table, lens, scale)),
@@ -105,17 +108,15 @@ def _cases():
 
 def _built_ops() -> set[str]:
     """The ops whose variants this AOT build has (its manifest's ``selection``; none recorded: all)."""
-    from rlk_core.aot import specs as S
-    from rlk_core.ops import _cuda_common as cc
+    from rlk_core.ops import _cuda
 
-    target = cc.TARGETS[torch.cuda.get_device_capability()]
-    families = (cc._manifest(target)[1].get("selection") or {}).get("ops") or list(S.OPS)
-    ops = set(families)
-    if "attention" in ops:
-        ops |= {"attention_decode", "attention_paged_prefill", "attention_varlen"}
-    if "logp" in ops:
-        ops |= {"logp_partials", "merge_logp_partials"}
-    return ops
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from test_cuda_backend_gpu import FAMILY_OPS
+
+    families = (_cuda.manifest(_cuda.TARGETS[torch.cuda.get_device_capability()])[1].get("selection") or {}).get(
+        "families") or list(FAMILY_OPS)
+    ops = {op for f in families for op in FAMILY_OPS.get(f, ())}
+    return ops | ({"linear_backward"} if "linear" in families else set())
 
 
 def _equal(a, b) -> bool:
@@ -131,11 +132,11 @@ def test_a_repeat_is_served_by_the_fast_path_with_the_python_path_s_bits(hits, c
     built = _built_ops()
     if op not in built:
         pytest.skip(f"{op}: this build's AOT selection has no {op} variants ({sorted(built)})")
-    counting, D._FAST[0] = D._FAST[0], None  # the Python path (without forgetting what was taught)
+    counting, D._FAST[0] = D._FAST[0], None  # the Python path (without forgetting what was stored)
     python = call()
     D._FAST[0] = counting
     torch.cuda.synchronize()
-    outs = [call() for _ in range(3)]  # the first teaches (a miss), the next two are served
+    outs = [call() for _ in range(3)]  # the first stores it (a miss), the next two are served
     torch.cuda.synchronize()
     assert hits[-2:] == [True, True], (name, hits)
     want = triton()
@@ -172,8 +173,8 @@ def test_the_readback_counts_every_call_eager_and_captured(hits):
     torch.cuda.synchronize()
     doc = rec.to_dict()["modules"]["ffn"]["ops"]["linear"]
     assert doc["call_count"] == 5 + 2 + 3 and doc["execution_mode"] == "mixed"
-    # the first captured call misses twice (call, run: the scope's 'graph' record is not taught), then served
-    assert hits[-4:] == [False, False, True, True]
+    # the first captured call misses (the scope's 'graph' record is not stored yet), then served
+    assert hits[-3:] == [False, True, True]
     for y in captured:
         assert torch.equal(y, eager[0])
 
@@ -209,9 +210,9 @@ def test_what_the_fast_path_refuses(hits, monkeypatch):
     monkeypatch.setenv("RLK_VALUE_CHECKS", "always")
     n = len(hits)
     ops.linear(x, w)
-    assert hits[n:] == [False, False]
+    assert hits[n:] == [False]
     monkeypatch.delenv("RLK_VALUE_CHECKS")
     REGISTRY.refresh()
     n = len(hits)
     ops.linear(x, w)
-    assert hits[n:] == [False, False]  # forgotten: the Python path runs (and teaches again)
+    assert hits[n:] == [False]  # forgotten: the Python path runs (and stores it again)

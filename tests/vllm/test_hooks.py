@@ -135,10 +135,10 @@ def test_vllm_weight_parameters_take_the_direct_path(plugin, monkeypatch):
     from rlk_core.ops import _dispatch, linear
     from rlk_vllm_plugin import layers
 
-    monkeypatch.setattr(_dispatch, "_PLAIN", {torch.Tensor, torch.nn.Parameter})
+    monkeypatch.setattr(_dispatch, "PLAIN", {torch.Tensor, torch.nn.Parameter})
     x = _bf16(6, 64)
     w = vparam.ModelWeightParameter.__new__(vparam.ModelWeightParameter, data=_bf16(96, 64, seed=5))
-    assert _dispatch._path((x, w, None)) == "dispatcher"
+    assert _dispatch._how((x, w, None)) == _dispatch.DISPATCHER
     before = linear(x, w)
 
     class Wrapping(vparam.ModelWeightParameter):
@@ -149,7 +149,7 @@ def test_vllm_weight_parameters_take_the_direct_path(plugin, monkeypatch):
     monkeypatch.setattr(vparam, "Wrapping", Wrapping, raising=False)
     types = layers.plain_weight_types()
     assert vparam.ModelWeightParameter in types and vparam.PackedvLLMParameter in types and Wrapping not in types
-    assert _dispatch._path((x, w, None)) == "direct"
+    assert _dispatch._how((x, w, None)) == _dispatch.DIRECT
     assert torch.equal(linear(x, w), before)
     with pytest.raises(TypeError, match="tensor types"):
         _dispatch.treat_as_plain(int)

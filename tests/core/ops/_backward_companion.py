@@ -22,7 +22,7 @@ def check_registered(registry, op: str) -> None:
     backends = {b.id: b for b in registry.backends(backward)}
     assert set(backends) >= {"rlk.reference", "rlk.triton"}
     assert backends["rlk.reference"].devices == ("cpu", "cuda") and backends["rlk.triton"].devices == ("cuda",)
-    assert backends["rlk.triton"].fn.__name__ == f"rlk_core.ops.{op}.triton.backward"
+    assert backends["rlk.triton"].plan == f"rlk_core.ops.{op}.triton:backward"
 
 
 def check_reported(op: str, module: str, fwd_bwd: Callable[[], object]) -> None:

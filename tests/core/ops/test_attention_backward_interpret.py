@@ -27,7 +27,7 @@ _SCRIPT = '''
         cfg = config(dtype, d)
         if split is not None:  # both dK/dV schedules: per KV head, or per query head + group sum
             cfg["dkdv"]["SPLIT_G"] = split
-        out = attention_varlen_backward(do, q, k, v, cq, ck, d ** -0.5, causal, pos, cfg)
+        out = attention_varlen_backward(CPU, do, q, k, v, cq, ck, d ** -0.5, causal, pos, cfg)
         want = ref(do, q, k, v, cq, ck, d ** -0.5, causal, pos)
         rtol = dtype_tols(dtype)["rtol"]
         for name, a, b in zip(("dq", "dk", "dv"), out, want):

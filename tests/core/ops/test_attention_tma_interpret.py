@@ -36,7 +36,8 @@ SCRIPT = """
         ks = (k.stride(0), k.stride(0), k.stride(1), k.stride(2))
         vs = (v.stride(0), v.stride(0), v.stride(1), v.stride(2))
         loads[0] = 0
-        out = at._launch(q, k, v, ck, 1, 0, ks, vs, cq, lens, None, causal, q.shape[-1] ** -0.5, "prefill", cfg)
+        out = at._launch(CPU, q, k, v, ck, 1, 0, ks, vs, cq, cq.shape[0] - 1, lens, None, causal,
+                         q.shape[-1] ** -0.5, "prefill", cfg)
         return out, loads[0]
 
     def unmasked_blocks(lq, lk, causal, tok, block_n):
@@ -57,7 +58,7 @@ SCRIPT = """
             k = torch.randn(sum(lk), hkv, d).to(dtype)
             v = torch.randn(sum(lk), hkv, d).to(dtype)
             cfg = at.config(dtype, d)
-            assert at.kv_tma_ok(k, v, d, cfg["D_PAD"])
+            assert at.kv_tma_ok(CPU, k, v, d, cfg["D_PAD"])
             tok = cfg["BLOCK_M"] // 2  # G = G_PAD = 2
             for causal in (True, False):
                 ptr, n_ptr = varlen(q, k, v, lq, lk, causal, cfg)
@@ -79,7 +80,7 @@ SCRIPT = """
         k = torch.randn(sum(lk), hkv, heads_stride).to(dtype)[..., :d]
         v = torch.randn(sum(lk), hkv, heads_stride).to(dtype)[..., :d]
         cfg = at.config(dtype, d)
-        assert not at.kv_tma_ok(k, v, d, cfg["D_PAD"]), d
+        assert not at.kv_tma_ok(CPU, k, v, d, cfg["D_PAD"]), d
         ptr, _ = varlen(q, k, v, lq, lk, True, cfg)
         tma, n_tma = varlen(q, k, v, lq, lk, True, dict(cfg, KV_TMA=True))
         assert n_tma == 0 and torch.equal(tma, ptr), (d, n_tma)
@@ -87,13 +88,15 @@ SCRIPT = """
     q = torch.randn(sum(lq), hq, d).to(dtype)
     ks = [torch.randn(n, hkv, d).to(dtype) for n in lk]
     vs = [torch.randn(n, hkv, d).to(dtype) for n in lk]
-    c = build_paged_kv(ks, vs, 16, generator=torch.Generator().manual_seed(0), write=at.kv_cache_write)
+    c = build_paged_kv(ks, vs, 16, generator=torch.Generator().manual_seed(0),
+                       write=lambda *a: at.kv_cache_write(CPU, *a))
     cfg = dict(at.config(dtype, d), KV_TMA=True)
     loads[0] = 0
-    out = at._launch(q, c.k_cache, c.v_cache, c.block_table, c.block_table.stride(0), 16, tuple(c.k_cache.stride()),
-                     tuple(c.v_cache.stride()), cq, c.seq_lens, None, True, d ** -0.5, "prefill", cfg)
+    out = at._launch(CPU, q, c.k_cache, c.v_cache, c.block_table, c.block_table.stride(0), 16,
+                     tuple(c.k_cache.stride()), tuple(c.v_cache.stride()), cq, cq.shape[0] - 1, c.seq_lens, None,
+                     True, d ** -0.5, "prefill", cfg)
     assert loads[0] == 0
-    assert torch.equal(out, at.attention_paged_prefill(q, c.k_cache, c.v_cache, c.block_table, cq, c.seq_lens,
+    assert torch.equal(out, at.attention_paged_prefill(CPU, q, c.k_cache, c.v_cache, c.block_table, cq, c.seq_lens,
                                                        d ** -0.5))
     print("ok")
 """

@@ -23,20 +23,21 @@ SCRIPT = """
         cq, ck, scale = cu_seqlens(lq), cu_seqlens(lens), d ** -0.5
         pos = torch.cat([torch.randint(0, n, (m,)) for n, m in zip(lens, lq)])
         for causal, qp in ((True, None), (False, None), (True, pos)):
-            err = (at.attention_varlen(q, k, v, cq, ck, scale, causal, qp).double()
+            err = (at.attention_varlen(CPU, q, k, v, cq, ck, scale, causal, qp).double()
                    - R.attention_varlen_reference(q, k, v, cq, ck, scale, causal, qp).double()).abs().max()
             assert err <= tol, ("varlen", dtype, causal, qp is not None, float(err))
         ks = [k[ck[i]:ck[i + 1]] for i in range(3)]
         vs = [v[ck[i]:ck[i + 1]] for i in range(3)]
         for page in (1, 16):
-            c = build_paged_kv(ks, vs, page, generator=torch.Generator().manual_seed(page), write=at.kv_cache_write)
+            c = build_paged_kv(ks, vs, page, generator=torch.Generator().manual_seed(page),
+                               write=lambda *a: at.kv_cache_write(CPU, *a))
             args = (c.k_cache, c.v_cache, c.block_table, cq, c.seq_lens, scale)
-            out = at.attention_paged_prefill(q, *args)
+            out = at.attention_paged_prefill(CPU, q, *args)
             err = (out.double() - R.attention_paged_prefill_reference(q, *args).double()).abs().max()
             assert err <= tol and not out.isnan().any(), ("paged", dtype, page, float(err))
             qd = q[cq[1:] - 1]
             args = (c.k_cache, c.v_cache, c.block_table, c.seq_lens, scale)
-            out = at.attention_decode(qd, *args)
+            out = at.attention_decode(CPU, qd, *args)
             err = (out.double() - R.attention_decode_reference(qd, *args).double()).abs().max()
             assert err <= tol and not out.isnan().any(), ("decode", dtype, page, float(err))
 
@@ -45,7 +46,7 @@ SCRIPT = """
     slots = torch.tensor([3, -1, 7, 15, 0])
     kc, vc = vllm_kv_cache(4, 4, 2, 16, torch.float32)
     kc2, vc2 = vllm_kv_cache(4, 4, 2, 16, torch.float32)
-    at.kv_cache_write(k, v, kc, vc, slots)
+    at.kv_cache_write(CPU, k, v, kc, vc, slots)
     R.kv_cache_write_reference(k, v, kc2, vc2, slots)
     raw = lambda c: c.as_strided((4, 4, 2, 32), (256, 64, 32, 1), 0).contiguous().view(torch.int32)
     assert torch.equal(raw(kc), raw(kc2)) and torch.equal(raw(vc), raw(vc2))

@@ -257,7 +257,7 @@ def test_swiglu_backward_kernel_compiles(inter):
 def test_rope_kernels_compile(kernel, heads, d, rd):
     """The forward and the backward (the forward's code with sin negated), with the table-row bound N_POS; the
     launches pass enable_fp_fusion=False, which only splits FMAs (this helper compiles with Triton's defaults)."""
-    from rlk_core.ops._triton_common import next_pow2
+    from rlk_core.ops._plan import next_pow2
     from rlk_core.ops.rope import triton as rope
 
     c = rope.config(heads, rd // 2)

@@ -122,14 +122,14 @@ def test_each_gemm_gets_views_of_its_operands_no_copies(monkeypatch):
     x, w, b, dy = _inputs((4, 9), 12, 20, torch.bfloat16)
     seen = []
 
-    def spy(name, *args):
+    def spy(*args):
         seen.append(args)
-        return real(name, *args)
+        return real(*args)
 
-    real = linear_mod.call
+    real = linear_mod._linear
     leaves = [t.clone().requires_grad_() for t in (x, w, b)]
     out = ops.linear(*leaves)
-    monkeypatch.setattr(linear_mod, "call", spy)
+    monkeypatch.setattr(linear_mod, "_linear", spy)
     out.backward(dy)
     assert len(seen) == 3
 
@@ -182,10 +182,11 @@ def triton_on_cpu():
     """``rlk.triton``'s linear (its launcher, not a GPU) registered as the preferred CPU backend of ``linear``
     for the test, so that the op's own backward reaches it with the views it passes."""
     from rlk_core.backends import REGISTRY, Backend
+    from rlk_core.ops._plan import jit_plan
     from rlk_core.ops.linear import triton as lt
 
-    REGISTRY.register(Backend("test.triton-on-cpu", "linear", lt.forward, devices=("cpu",), priority=50,
-                              builtin=True))
+    REGISTRY.register(Backend("test.triton-on-cpu", "linear", lambda *a: lt.forward(jit_plan(a[0].device), *a),
+                              devices=("cpu",), priority=50, builtin=True))
     yield lt
     REGISTRY.unregister("linear", "test.triton-on-cpu")
 
@@ -196,7 +197,9 @@ def _record_launches(monkeypatch, lt, tma):
     seen = []
     for name in ("_linear_bwd_tma_kernel", "_linear_bwd_kernel", "_linear_tma_kernel", "_linear_fwd_kernel"):
         monkeypatch.setattr(lt, name, _Recorder(getattr(lt, name), seen))
-    monkeypatch.setattr(lt, "_device_tma", lambda x: tma)
+    from rlk_core.ops._plan import jit_plan
+
+    monkeypatch.setattr(jit_plan(torch.device("cpu")), "tma", tma)
     return seen
 
 

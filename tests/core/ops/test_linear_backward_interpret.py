@@ -16,11 +16,12 @@ SCRIPT = """
     from rlk_core.ops.linear import triton as LT
     from rlk_core.testing import dtype_tols
 
-    REGISTRY.register(Backend("test.triton-on-cpu", "linear", LT.forward, devices=("cpu",), priority=50,
-                              builtin=True))
-    ran = []
-    _launch_stored = LT._launch_stored
-    LT._launch_stored = lambda x, w, out, cfg: ran.append(cfg["TMA"]) or _launch_stored(x, w, out, cfg)
+    REGISTRY.register(Backend("test.triton-on-cpu", "linear", lambda *a: LT.forward(CPU, *a), devices=("cpu",),
+                              priority=50, builtin=True))
+    ran = []  # per stored-layout launch: whether it was the TMA kernel
+    _launch = CPU.launch
+    STORED = (LT._linear_bwd_tma_kernel, LT._linear_bwd_kernel)
+    CPU.launch = lambda k, grid, *a, **kw: (k in STORED and ran.append(k is STORED[0])) or _launch(k, grid, *a, **kw)
 
 
     def close(got, want, absdot, dtype, what):
@@ -41,7 +42,7 @@ SCRIPT = """
     torch.manual_seed(0)
     N, K = 40, 24  # rows of 80 / 48 bytes in fp16: TMA-compatible, no multiple of any tile
     for tma in (True, False):
-        LT._device_tma = lambda x, tma=tma: tma
+        CPU.tma = tma
         for dtype in (torch.float16, torch.float32):
             for lead, need, bias in (((1,), (1, 1, 1), True), ((17,), (1, 1, 1), True), ((64,), (1, 1, 0), False),
                                      ((1000,), (1, 1, 1), True), ((3, 7), (1, 0, 1), True), ((2, 9), (0, 1, 0), True),
@@ -83,16 +84,16 @@ SCRIPT = """
                     if not tma:  # broadcast ones: pointer loads only
                         close(LT.linear_2d(g.t(), ones, None, cfg)[:, 0], g64.sum(0), g64.abs().sum(0), dtype,
                               ("db", tile))
-    # linear_2d_into as the log-prob backward calls it: dz [T, C] @ W[chunk] [C, H] into an fp32 buffer (TMA loads,
+    # into() as the log-prob backward calls it: dz [T, C] @ W[chunk] [C, H] into an fp32 buffer (TMA loads,
     # pointer stores) and dz^T @ hidden from the views dz.t(), hidden.t() into a row slice of dW
-    LT._device_tma = lambda x: True
+    CPU.tma = True
     t, c, h = 70, 40, 24
     dz, hidden, wc = torch.randn(t, c).half(), torch.randn(t, h).half(), torch.randn(c, h).half()
     part = torch.empty(t, h)
-    LT.linear_2d_into(dz, wc.t(), part)
+    LT.into(CPU, dz, wc.t(), None, part)
     close(part, dz.double() @ wc.double(), dz.double().abs() @ wc.double().abs(), torch.float32, "dz W")
     dw = torch.zeros(3 * c, h).half()
-    LT.linear_2d_into(dz.t(), hidden.t(), dw[c:2 * c])
+    LT.into(CPU, dz.t(), hidden.t(), None, dw[c:2 * c])
     close(dw[c:2 * c], dz.double().t() @ hidden.double(), dz.double().abs().t() @ hidden.double().abs(),
           torch.float16, "dz^T hidden")
     assert not dw[:c].any() and not dw[2 * c:].any()

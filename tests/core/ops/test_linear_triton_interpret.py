@@ -44,11 +44,13 @@ def test_linear_triton_kernels_interpreted(run_interpreted):
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
 def test_launch_does_not_mutate_the_cached_rule():
     """``config`` is cached per shape; ``_launch`` pops keys from its own copy, never from the cache."""
+    from rlk_core.ops._plan import jit_plan
     from rlk_core.ops.linear import tiles
     from rlk_core.ops.linear import triton as lt
 
     before = dict(tiles.config(torch.float32, 5, 48, 40, False, 132))
     x, w = torch.randn(5, 40), torch.randn(48, 40)
     with pytest.raises(Exception):  # noqa: B017  (no GPU, no interpreter: the launch fails after the copy)
-        lt._launch(x, w, None, torch.empty(5, 48), tiles.config(torch.float32, 5, 48, 40, False, 132))
+        lt._launch(jit_plan(x.device), x, w, None, torch.empty(5, 48),
+                   tiles.config(torch.float32, 5, 48, 40, False, 132))
     assert tiles.config(torch.float32, 5, 48, 40, False, 132) == before

@@ -98,16 +98,16 @@ def test_triton_backward_interpreted(run_interpreted):
         for shape, dt, wdt in cases:
             x, g = randn(*shape, dtype=dt), randn(*shape, dtype=dt)
             w = (1 + 0.5 * randn(shape[-1])).to(wdt)
-            dx, dw = K.backward(g, x, w, 1e-6)
+            dx, dw = K.backward(CPU, g, x, w, 1e-6)
             rdx, rdw = ref(g, x, w, 1e-6)
             assert dx.dtype == dt and dw.dtype == wdt and dx.shape == x.shape and dw.shape == w.shape
             close(dx, rdx, dt)
             close(dw, rdw, wdt)
-            dx2, dw2 = K.backward(g, x, w, 1e-6)
+            dx2, dw2 = K.backward(CPU, g, x, w, 1e-6)
             assert torch.equal(dx, dx2) and torch.equal(dw, dw2), shape
             rows_x, rows_g = x.reshape(-1, shape[-1]), g.reshape(-1, shape[-1])
             for r in sorted({0, rows_x.shape[0] // 2, rows_x.shape[0] - 1}):
-                alone = K.backward(rows_g[r:r + 1], rows_x[r:r + 1], w, 1e-6)[0]
+                alone = K.backward(CPU, rows_g[r:r + 1], rows_x[r:r + 1], w, 1e-6)[0]
                 assert torch.equal(alone[0], dx.reshape(-1, shape[-1])[r]), (shape, r)
         assert K.partition(300, 64)[1] == 5  # dweight from 5 partial programs in the (300, 64) case
 
@@ -118,19 +118,19 @@ def test_triton_backward_interpreted(run_interpreted):
         g = randn(8, 40, 128, dtype=torch.bfloat16).transpose(0, 1)
         for wdt in (torch.float32, torch.bfloat16):
             w = (1 + 0.5 * randn(128)).to(wdt)
-            dx, dw = K.backward(g, x, w, 1e-6)
+            dx, dw = K.backward(CPU, g, x, w, 1e-6)
             rdx, rdw = ref(g, x, w, 1e-6)
             close(dx, rdx, torch.bfloat16)
             close(dw, rdw, wdt)
-            cdx, cdw = K.backward(g.contiguous(), x.contiguous(), w, 1e-6)
+            cdx, cdw = K.backward(CPU, g.contiguous(), x.contiguous(), w, 1e-6)
             assert torch.equal(dx, cdx) and torch.equal(dw, cdw)
-            assert K.rows_view(x).data_ptr() == x.data_ptr()  # read in place, no copy
+            assert K.rows_view(CPU, x).data_ptr() == x.data_ptr()  # read in place, no copy
         assert K.partition(320, 128) == (64, 5)
 
         # negative controls: dx with another weight, dweight with another gradient are not within tolerance
         x, g, w = randn(6, 256), randn(6, 256), 1 + 0.5 * randn(256)
         good = ref(g, x, w, 1e-6)
-        wrong = (K.backward(g, x, w * 1.01, 1e-6)[0], K.backward(g * 1.01, x, w, 1e-6)[1])
+        wrong = (K.backward(CPU, g, x, w * 1.01, 1e-6)[0], K.backward(CPU, g * 1.01, x, w, 1e-6)[1])
         for got, want in zip(wrong, good):
             try:
                 close(got, want, torch.float32)
@@ -138,7 +138,7 @@ def test_triton_backward_interpreted(run_interpreted):
                 continue
             raise SystemExit("the tolerance check passed a wrong input")
 
-        dx, dw = K.backward(torch.zeros(0, 32), torch.zeros(0, 32), w[:32].bfloat16(), 1e-6)
+        dx, dw = K.backward(CPU, torch.zeros(0, 32), torch.zeros(0, 32), w[:32].bfloat16(), 1e-6)
         assert dx.shape == (0, 32) and dw.dtype == torch.bfloat16 and not dw.any()
         print("ok")
     """)

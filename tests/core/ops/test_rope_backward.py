@@ -110,32 +110,33 @@ def test_triton_backward_and_tables_interpreted(run_interpreted):
             for dt in (torch.float32, torch.bfloat16, torch.float16):
                 g = randn(t, nh, d, dtype=dt)
                 pos = torch.randint(0, 3000, (t,), generator=gen)
-                dx = K.backward(g, pos, theta, rd)
+                dx = K.backward(CPU, g, pos, theta, rd)
                 want = interpreted(ref(g.float(), pos, theta, rd), dt)
                 assert dx.dtype == dt and torch.equal(dx, want), (t, nh, d, rd, dt)
                 if dt != torch.float32:  # the fp32 math is the reference's: only the last rounding differs
                     assert torch.equal(ref(g, pos, theta, rd), ref(g.float(), pos, theta, rd).to(dt))
-                assert torch.equal(K.backward(g, pos, theta, rd), dx)
-                assert torch.equal(K.backward(g[-1:], pos[-1:], theta, rd)[0], dx[-1])
-        assert not torch.equal(K.backward(g, pos, 1e4, rd), interpreted(ref(g, pos, theta, rd), g.dtype))  # control
+                assert torch.equal(K.backward(CPU, g, pos, theta, rd), dx)
+                assert torch.equal(K.backward(CPU, g[-1:], pos[-1:], theta, rd)[0], dx[-1])
+        control = interpreted(ref(g, pos, theta, rd), g.dtype)
+        assert not torch.equal(K.backward(CPU, g, pos, 1e4, rd), control)  # control
 
         g = randn(3, 40, 64).transpose(0, 1)[:, ::2]  # [40, 2, 64], strided
         pos = torch.arange(40)
-        assert torch.equal(K.backward(g, pos, theta, 64), ref(g, pos, theta, 64))
+        assert torch.equal(K.backward(CPU, g, pos, theta, 64), ref(g, pos, theta, 64))
 
         # the backward reads the cached table as it is; without one it builds one
         real_tables = K.tables
         K.tables = lambda *a: (_ for _ in ()).throw(AssertionError("sized a table"))
         g, pos = randn(6, 2, 64), torch.randint(0, 3000, (6,), generator=gen)
-        assert torch.equal(K.backward(g, pos, theta, 64), ref(g, pos, theta, 64))  # cached above
+        assert torch.equal(K.backward(CPU, g, pos, theta, 64), ref(g, pos, theta, 64))  # cached above
         try:
-            K.backward(g, pos, 777.5, 32)
+            K.backward(CPU, g, pos, 777.5, 32)
         except AssertionError:
             pass
         else:
             raise SystemExit("a backward without a cached table did not build one")
         K.tables = real_tables
-        assert torch.equal(K.backward(g, pos, 777.5, 32), ref(g, pos, 777.5, 32))
+        assert torch.equal(K.backward(CPU, g, pos, 777.5, 32), ref(g, pos, 777.5, 32))
 
         # a reserved table: read as it is; positions past it give NaN for their token only
         x = randn(5, 3, 16)
@@ -144,26 +145,26 @@ def test_triton_backward_and_tables_interpreted(run_interpreted):
         pos = torch.tensor([0, rows - 1, rows, 7, -1])
         K.tables = lambda *a: (_ for _ in ()).throw(AssertionError("sized a table"))
         os.environ["RLK_VALUE_CHECKS"] = "never"
-        for fn, r in ((K.forward, rope_reference), (K.backward, ref)):
+        for fn, r in ((lambda *a: K.forward(CPU, *a), rope_reference), (lambda *a: K.backward(CPU, *a), ref)):
             out = fn(x, pos, 555.0, 16)
             inside = torch.tensor([True, True, False, True, False])
             assert torch.isnan(out[~inside]).all() and not torch.isnan(out[inside]).any()
             assert torch.equal(out[inside], r(x[inside], pos[inside], 555.0, 16))
-        out = K.forward(x, pos.clamp(0, rows - 1), 555.0, 16)
+        out = K.forward(CPU, x, pos.clamp(0, rows - 1), 555.0, 16)
         assert torch.equal(out, rope_reference(x, pos.clamp(0, rows - 1), 555.0, 16))
         os.environ["RLK_VALUE_CHECKS"] = "always"
         try:
-            K.forward(x, pos.clamp(0, rows), 555.0, 16)
+            K.forward(CPU, x, pos.clamp(0, rows), 555.0, 16)
         except RlkInputError as exc:
             assert "past the reserved cos/sin table" in str(exc), exc
         else:
             raise SystemExit("a position past the reserved table passed RLK_VALUE_CHECKS=always")
-        K.forward(x, pos.clamp(0, rows - 1), 555.0, 16)  # in range: no error
+        K.forward(CPU, x, pos.clamp(0, rows - 1), 555.0, 16)  # in range: no error
         # the pass-through dims of a token past the table are NaN too
         x = randn(2, 1, 24)
-        out = K.launch(x, torch.tensor([3, 9]), *K.reserved_tables(cpu, 16, 555.0), 16)
+        out = K.launch(CPU, x, torch.tensor([3, 9]), *K.reserved_tables(cpu, 16, 555.0), 16)
         assert not torch.isnan(out[0]).any()
-        out = K.launch(x, torch.tensor([3, 9]), *(t[:5] for t in K.reserved_tables(cpu, 16, 555.0)), 16)
+        out = K.launch(CPU, x, torch.tensor([3, 9]), *(t[:5] for t in K.reserved_tables(cpu, 16, 555.0)), 16)
         assert torch.isnan(out[1]).all() and not torch.isnan(out[0]).any()
         print("ok")
     """)

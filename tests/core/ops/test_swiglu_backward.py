@@ -76,28 +76,28 @@ def test_triton_backward_interpreted(run_interpreted):
             for dt in (torch.float32, torch.bfloat16, torch.float16):
                 x = randn(*shape, dtype=dt, scale=3.0)
                 g = randn(*shape[:-1], shape[-1] // 2, dtype=dt)
-                dx = K.backward(g, x)
+                dx = K.backward(CPU, g, x)
                 assert dx.dtype == dt and dx.shape == x.shape
                 close(dx, ref(g, x), dt)
-                assert torch.equal(dx, K.backward(g, x))
+                assert torch.equal(dx, K.backward(CPU, g, x))
                 rows_x, rows_g, rows_dx = (t.reshape(-1, t.shape[-1]) for t in (x, g, dx))
                 for r in sorted({0, rows_x.shape[0] - 1}):
-                    assert torch.equal(K.backward(rows_g[r:r + 1], rows_x[r:r + 1])[0], rows_dx[r]), (shape, r)
+                    assert torch.equal(K.backward(CPU, rows_g[r:r + 1], rows_x[r:r + 1])[0], rows_dx[r]), (shape, r)
 
         x = randn(16, 9, dtype=torch.bfloat16, scale=3.0).T[:, ::2]  # [9, 8] strided both ways
         g = randn(4, 9, dtype=torch.bfloat16).T                     # [9, 4] transposed
-        dx = K.backward(g, x)
-        assert torch.equal(dx, K.backward(g.contiguous(), x.contiguous()))
+        dx = K.backward(CPU, g, x)
+        assert torch.equal(dx, K.backward(CPU, g.contiguous(), x.contiguous()))
         close(dx, ref(g, x), torch.bfloat16)
 
         x, g = randn(4, 64, scale=3.0), randn(4, 32)
         try:
-            close(K.backward(g * 1.01, x), ref(g, x), torch.float32)
+            close(K.backward(CPU, g * 1.01, x), ref(g, x), torch.float32)
         except AssertionError:
             pass
         else:
             raise SystemExit("the tolerance check passed a wrong gradient")
-        assert K.backward(torch.zeros(0, 4), torch.zeros(0, 8)).shape == (0, 8)
+        assert K.backward(CPU, torch.zeros(0, 4), torch.zeros(0, 8)).shape == (0, 8)
         print("ok")
     """)
 

@@ -297,6 +297,10 @@ from rlk_core.ops.linear_logprobs import triton as LLT
 from rlk_core.ops.linear_logprobs.reference import linear_logprobs_backward_reference, linear_logprobs_reference
 from rlk_core.ops.token_logprobs import triton as TT
 from rlk_core.ops.token_logprobs.reference import token_logprobs_backward_reference, token_logprobs_reference
+from rlk_core.ops._plan import jit_plan
+
+CPU = jit_plan(torch.device("cpu"))
+
 
 def close(a, b, rtol, atol, what):
     torch.testing.assert_close(a.double(), b.double(), rtol=rtol, atol=atol, msg=lambda m: what + ": " + m)
@@ -308,7 +312,7 @@ for t, v, dt in ((5, 1000, torch.float32), (3, 2051, torch.bfloat16), (2, 9, tor
     y = torch.randint(0, v, (t,), generator=g)
     y[0] = v - 1
     temp = torch.rand(t, generator=g) + 0.5
-    lp, lse = TT.forward([x], y, temp)
+    lp, lse = TT.forward(CPU, [x], y, temp)
     rl, rs = token_logprobs_reference([x], y, temp)
     close(lp, rl, 1e-5, 1e-5, "logp")
     close(lse, rs, 1e-5, 1e-5, "lse")
@@ -316,41 +320,42 @@ for t, v, dt in ((5, 1000, torch.float32), (3, 2051, torch.bfloat16), (2, 9, tor
     for n in (2, 4, 8):
         per = 8 // n
         sh = [x[:, b[i * per]:b[(i + 1) * per]] for i in range(n)]
-        a = TT.forward(sh, y, temp)
+        a = TT.forward(CPU, sh, y, temp)
         assert torch.equal(a[0], lp) and torch.equal(a[1], lse), ("shards", n)
-        parts = [TT.logp_partials(s_, y, temp, b[i * per], v) for i, s_ in enumerate(sh)]
+        parts = [TT.logp_partials(CPU, s_, y, temp, b[i * per], v) for i, s_ in enumerate(sh)]
         m, s = torch.cat([p[0] for p in parts], 1), torch.cat([p[1] for p in parts], 1)
         zt = torch.stack([p[2] for p in parts]).amax(0)
-        c = TT.merge_logp_partials(m, s, zt, v)
+        c = TT.merge_logp_partials(CPU, m, s, zt, v)
         assert torch.equal(c[0], lp) and torch.equal(c[1], lse), ("partials", n)
     for i in range(t):
-        a = TT.forward([x[i:i + 1]], y[i:i + 1], temp[i:i + 1])
+        a = TT.forward(CPU, [x[i:i + 1]], y[i:i + 1], temp[i:i + 1])
         assert torch.equal(a[0], lp[i:i + 1]) and torch.equal(a[1], lse[i:i + 1]), ("row", i)
     gl, gs = torch.randn(t, generator=g), torch.randn(t, generator=g)
-    d = TT.backward([x], y, temp, lse, gl, gs)[0]
+    d = TT.backward(CPU, [x], y, temp, lse, gl, gs)[0]
     r = token_logprobs_backward_reference([x], y, temp, lse, gl, gs)[0]
     close(d, r, 1.6e-2, 1e-5, "dlogits")
 
 # linear_logprobs: the GEMM kernel does not run under the interpreter; a torch stand-in takes its place
-LT.linear_2d_into = lambda x, w, out: out.copy_((x.double() @ w.double().t()).to(out.dtype))
+LT.forward = lambda p, x, w, b: torch.ops.rlk.linear(x, w, b)  # rlk.reference on the CPU, as the unfused side's
+LT.into = lambda p, x, w, b, out: out.copy_((x.double() @ w.double().t()).to(out.dtype))
 LLT.CHUNK_BYTES = 5 * 4 * 512  # several chunks per group
 for t, v, h, dt in ((5, 4000, 64, torch.float32), (3, 1030, 48, torch.bfloat16)):
     hid = torch.randn(t, h, generator=g).to(dt)
     w = (torch.randn(v, h, generator=g) * 3 * h ** -0.5).to(dt)
     y = torch.randint(0, v, (t,), generator=g)
     temp = torch.rand(t, generator=g) + 0.5
-    lp, lse = LLT.forward(hid, [w], y, temp)
-    un = TT.forward([torch.ops.rlk.linear(hid, w, None)], y, temp)
+    lp, lse = LLT.forward(CPU, hid, [w], y, temp)
+    un = TT.forward(CPU, [torch.ops.rlk.linear(hid, w, None)], y, temp)
     assert torch.equal(lp, un[0]) and torch.equal(lse, un[1]), "fused != unfused"
     rl, rs = linear_logprobs_reference(hid, [w], y, temp)
     close(lp, rl, 1e-5, 1e-5, "linear logp")
     b = L.group_bounds(v)
-    parts = [LLT.linear_logp_partials(hid, w[b[2 * i]:b[2 * i + 2]], y, temp, b[2 * i], v) for i in range(4)]
+    parts = [LLT.linear_logp_partials(CPU, hid, w[b[2 * i]:b[2 * i + 2]], y, temp, b[2 * i], v) for i in range(4)]
     m, s = torch.cat([p[0] for p in parts], 1), torch.cat([p[1] for p in parts], 1)
     zt = torch.stack([p[2] for p in parts]).amax(0)
-    assert torch.equal(TT.merge_logp_partials(m, s, zt, v)[0], lp), "linear partials"
+    assert torch.equal(TT.merge_logp_partials(CPU, m, s, zt, v)[0], lp), "linear partials"
     gl, gs = torch.randn(t, generator=g), torch.randn(t, generator=g)
-    dh, dws = LLT.backward(hid, [w], y, temp, lse, gl, gs)
+    dh, dws = LLT.backward(CPU, hid, [w], y, temp, lse, gl, gs)
     rh, rws = linear_logprobs_backward_reference(hid, [w], y, temp, lse, gl, gs)
     tol = 1e-5 if dt == torch.float32 else 3e-2
     close(dh, rh, tol, tol, "dhidden")
@@ -379,7 +384,9 @@ import numpy as np
 import torch
 from rlk_core.ops import _logp_tree as L
 from rlk_core.ops.token_logprobs import triton as TT
+from rlk_core.ops._plan import jit_plan
 
+CPU = jit_plan(torch.device("cpu"))
 # equal maxima in a row make every exp factor exp(0) = 1 exactly, so the merged s is a plain fp32 sum whose
 # bits depend on the order of the adds: equal bits <=> the kernel's tree is _logp_tree's tree
 g = torch.Generator().manual_seed(1)
@@ -389,14 +396,14 @@ s = torch.rand(t, groups, p, generator=g) * torch.logspace(-3, 3, p)[torch.randp
 m[:, :, 75:] = float("-inf")  # padded slots: identities
 s[:, :, 75:] = 0.0
 m[3], s[3] = float("-inf"), 0.0  # a row of identities only
-gm, gs = TT.merge_blocks(m, s)
+gm, gs = TT.merge_blocks(CPU, m, s)
 wm, ws = L.tree_merge_halves(m, s)
 assert torch.equal(gm, wm) and torch.equal(gs, ws), "merge_blocks != the halves tree"
 other = s.view(t, groups, p // 2, 2).sum(-1)  # adjacent pairs first: another tree (negative control)
 assert not torch.equal(L.tree_merge_halves(m[..., ::2], other)[1], ws), "the control tree gave the same bits"
 for k in (8, 5, 1):
     zt = torch.randn(t, generator=g)
-    lp, lse = TT.merge_logp_partials(gm[:, :k], gs[:, :k], zt, 1000)
+    lp, lse = TT.merge_logp_partials(CPU, gm[:, :k], gs[:, :k], zt, 1000)
     mm, ss = L.tree_merge_groups(gm[:, :k], gs[:, :k])
     want = torch.from_numpy(mm.numpy() + np.log(ss.numpy()))  # the interpreter's tl.log is numpy's
     assert torch.equal(lse, want) and torch.equal(lp, zt - want), ("merge_logp_partials != the groups tree", k)

@@ -310,3 +310,20 @@ def flush_at_exit() -> None:
     if not _AT_EXIT:
         atexit.register(_flush_at_exit)
         _AT_EXIT = True
+
+
+def patch(cls: type, attr: str, make) -> bool:
+    """``cls.attr = make(cls.attr)`` unless already patched (the wrapper keeps the original as ``_rlk_original``);
+    whether it patched. Each patch's target, reason and removal are in ``PATCHES.md``."""
+    current = getattr(cls, attr)
+    if getattr(current, "_rlk_original", None) is not None:
+        return False
+    setattr(cls, attr, make(current))
+    return True
+
+
+def unpatch(cls: type, attr: str) -> None:
+    """Put ``cls.attr``'s original back where :func:`patch` replaced it."""
+    original = getattr(getattr(cls, attr), "_rlk_original", None)
+    if original is not None:
+        setattr(cls, attr, original)

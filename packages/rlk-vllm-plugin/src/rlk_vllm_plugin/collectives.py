@@ -49,15 +49,13 @@ def _all_reduce_out_place(original):
 
 
 def install(probe: _compat.Probe) -> list[str]:
-    from rlk_vllm_plugin.layers import _patch
-    _patch(_compat.module("vllm.distributed.parallel_state").GroupCoordinator, "_all_reduce_out_place",
+    _runtime.patch(_compat.module("vllm.distributed.parallel_state").GroupCoordinator, "_all_reduce_out_place",
            _all_reduce_out_place)
     return [TARGET]
 
 
 def uninstall() -> None:
-    from rlk_vllm_plugin.layers import _unpatch
-    _unpatch(_compat.module("vllm.distributed.parallel_state").GroupCoordinator, "_all_reduce_out_place")
+    _runtime.unpatch(_compat.module("vllm.distributed.parallel_state").GroupCoordinator, "_all_reduce_out_place")
 
 
 def check_config(rt: _runtime.Runtime) -> None:

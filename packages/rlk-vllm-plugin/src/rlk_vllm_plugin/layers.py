@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from rlk_vllm_plugin import _compat, _runtime
-from rlk_vllm_plugin._runtime import module_of
+from rlk_vllm_plugin._runtime import module_of, patch, unpatch
 
 OOT_NAMES = ("RMSNorm", "SiluAndMul", "RotaryEmbedding")
 _FORWARDS = ("forward_native", "forward_cuda", "forward_cpu", "forward_hip", "forward_xpu")
@@ -202,39 +202,25 @@ def _lm_head_apply(original):
     return apply
 
 
-def _patch(cls: type, attr: str, make) -> bool:
-    current = getattr(cls, attr)
-    if getattr(current, "_rlk_original", None) is not None:
-        return False
-    setattr(cls, attr, make(current))
-    return True
-
-
-def _unpatch(cls: type, attr: str) -> None:
-    original = getattr(getattr(cls, attr), "_rlk_original", None)
-    if original is not None:
-        setattr(cls, attr, original)
-
-
 def install_linear(probe: _compat.Probe) -> None:
     linear = _compat.module("vllm.model_executor.layers.linear")
-    _patch(linear.UnquantizedLinearMethod, "apply", _linear_apply)
+    patch(linear.UnquantizedLinearMethod, "apply", _linear_apply)
 
 
 def install_lm_head(probe: _compat.Probe) -> None:
     vpe = _compat.module("vllm.model_executor.layers.vocab_parallel_embedding")
-    _patch(vpe.UnquantizedEmbeddingMethod, "apply", _lm_head_apply)
+    patch(vpe.UnquantizedEmbeddingMethod, "apply", _lm_head_apply)
     plain_weight_types()
 
 
 def plain_weight_types() -> list[type]:
     """Tell rlk_core's op layer that vLLM's weight parameters are plain tensors for its direct path
-    (:func:`rlk_core.ops._dispatch.treat_as_plain`): ``BasevLLMParameter.__torch_function__`` only forwards
+    (:func:`rlk_core.ops.treat_as_plain`): ``BasevLLMParameter.__torch_function__`` only forwards
     to ``Parameter``'s, which is torch's disabled (pass-through) implementation, so an eager rlk call with a
     vLLM weight need not go through the dispatcher (~80 us of host time per LM-head call on the H200).
     Only classes of ``vllm.model_executor.parameter`` that do not override ``__torch_function__`` again are
     registered; on a vLLM where the base's chain is not that, none (they keep the dispatcher path)."""
-    from rlk_core.ops._dispatch import treat_as_plain
+    from rlk_core.ops import treat_as_plain
 
     mod = _compat.module("vllm.model_executor.parameter")
     base = getattr(mod, "BasevLLMParameter", None)
@@ -249,11 +235,11 @@ def plain_weight_types() -> list[type]:
 
 
 def uninstall() -> None:
-    _unpatch(_compat.module("vllm.model_executor.layers.linear").UnquantizedLinearMethod, "apply")
-    _unpatch(_compat.module("vllm.model_executor.layers.vocab_parallel_embedding").UnquantizedEmbeddingMethod,
+    unpatch(_compat.module("vllm.model_executor.layers.linear").UnquantizedLinearMethod, "apply")
+    unpatch(_compat.module("vllm.model_executor.layers.vocab_parallel_embedding").UnquantizedEmbeddingMethod,
              "apply")
     base_loader = _compat.module("vllm.model_executor.model_loader.base_loader")
-    _unpatch(base_loader.BaseModelLoader, "load_model")
+    unpatch(base_loader.BaseModelLoader, "load_model")
     unregister_oot()
 
 
@@ -307,7 +293,7 @@ def _load_model(original):
 
 def install_loader(probe: _compat.Probe) -> None:
     base_loader = _compat.module("vllm.model_executor.model_loader.base_loader")
-    _patch(base_loader.BaseModelLoader, "load_model", _load_model)
+    patch(base_loader.BaseModelLoader, "load_model", _load_model)
 
 
 def check_head_dtype(rt: _runtime.Runtime) -> None:

@@ -167,15 +167,14 @@ def _restore_global(module_name: str, attr: str) -> None:
 
 def install(probe: _compat.Probe) -> list[str]:
     """Install the log-prob hooks; returns the targets patched."""
-    from rlk_vllm_plugin.layers import _patch
     targets = [f"{LOGPROB_MODULE}.compute_token_logprobs"]
     _set_global(LOGPROB_MODULE, "compute_token_logprobs", token_logprobs_hook)
     if probe.features.get("prompt_logprob_binding"):
         _set_global(PROMPT_LOGPROB_MODULE, "compute_token_logprobs", token_logprobs_hook)
         targets.append(f"{PROMPT_LOGPROB_MODULE}.compute_token_logprobs")
     sampler = _compat.module(SAMPLER_MODULE).Sampler
-    _patch(sampler, "__call__", _sampler_call)
-    _patch(sampler, "add_request", _add_request)
+    _runtime.patch(sampler, "__call__", _sampler_call)
+    _runtime.patch(sampler, "add_request", _add_request)
     params = _compat.module("vllm.sampling_params").SamplingParams
     warmup = getattr(params, "for_sampler_warmup", None)
     if warmup is not None and getattr(warmup, "_rlk_original", None) is None:  # a staticmethod
@@ -189,15 +188,14 @@ def install(probe: _compat.Probe) -> list[str]:
 
 
 def uninstall() -> None:
-    from rlk_vllm_plugin.layers import _unpatch
     _restore_global(LOGPROB_MODULE, "compute_token_logprobs")
     try:
         _restore_global(PROMPT_LOGPROB_MODULE, "compute_token_logprobs")
     except (ImportError, AttributeError):
         pass
     sampler = _compat.module(SAMPLER_MODULE).Sampler
-    _unpatch(sampler, "__call__")
-    _unpatch(sampler, "add_request")
+    _runtime.unpatch(sampler, "__call__")
+    _runtime.unpatch(sampler, "add_request")
     params = _compat.module("vllm.sampling_params").SamplingParams
     original = getattr(getattr(params, "for_sampler_warmup", None), "_rlk_original", None)
     if original is not None:

@@ -1,20 +1,19 @@
-"""Compile :func:`rlk_core.aot.specs.enumerate_specs` to cubins with ``triton.compile`` and write a manifest.
+"""The AOT build: the launches of every op's build calls, compiled to cubins with ``triton.compile``, and a manifest.
 
-Every variant is compiled from scratch (a private Triton cache per variant, so a stale cache can neither
-hide a compile failure nor make two builds differ) through Triton's whole pipeline down to the cubin,
-with the ptxas bundled in the Triton wheel: no GPU, no CUDA toolkit. Output, in ``out_dir``:
+Each op's Triton module names the calls its plan is compiled for (``build_calls(dtype, sms)``: calls on meta
+tensors covering its configurations, tiles and integer classes); :func:`enumerate_variants` runs them on a plan that
+launches nothing and keeps, per distinct key of Triton's own specialisation (:func:`rlk_core.ops._plan.specialize`),
+what ``JITFunction._pack_args`` would hand the compiler — the signature, constexprs, attributes and options. Adding a
+kernel is its source and its plan (and the calls to build it for): nothing here changes.
 
-- ``<kernel>-<hash>.cubin`` per variant, ``hash`` the first 16 hex digits of the SHA-256 of the variant's
-  identity, the kernel's source hash, the target and the Triton version;
-- ``manifest.json``: per variant what a launcher needs — the function name in the cubin, the Triton-level
-  signature, the cubin's parameter list in order (TMA descriptors expanded into the ``CUtensorMap`` and
-  their shape and strides, the two scratch pointers Triton appends), constexprs, divisibility
-  assumptions, ``num_warps``, dynamic shared memory, the descriptors' encoding (``tensordesc_meta``),
-  whether it is launched with PDL, the grid rule's name — plus the variants that failed (with the error)
-  and the launches no variant serves (``not_built``). No timestamps: two builds of one tree are
-  byte-identical (tested).
-
-``rlk_core._C`` (``csrc/rlk_cuda.cpp``) launches them as the backend ``rlk.cuda`` (docs/compiled-ops.md).
+Every variant is compiled from scratch (a private Triton cache per variant, so a stale cache can neither hide a
+compile failure nor make two builds differ) through Triton's whole pipeline down to the cubin with the ptxas bundled
+in the Triton wheel: no GPU, no CUDA toolkit. Output, in ``out_dir``: ``<kernel>-<hash>.cubin`` per variant (``hash``
+of its key, the kernel's source hash, the target and the Triton version) and ``manifest.json``: per variant its key,
+the function name, the launcher's parameter codes and descriptor encodings, dynamic shared memory, warps, PDL,
+Triton's cache key of the compile; the failed variants with their error; no timestamps (two builds of one tree are
+byte-identical). With ``triton_cache``, Triton's cache folder is that one (a JIT pointed at it, ``TRITON_CACHE_DIR``,
+loads these compiles for the same launches: the compile key is the JIT's by construction).
 """
 
 from __future__ import annotations
@@ -22,6 +21,7 @@ from __future__ import annotations
 import base64
 import concurrent.futures
 import hashlib
+import importlib
 import json
 import multiprocessing
 import os
@@ -33,22 +33,118 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-from rlk_core.aot.specs import DEFAULT_SMS, DTYPES, LAYOUTS, OPS, TRITON_TYPE, Spec, enumerate_specs, not_built
-from rlk_core.ops._cuda_common import TARGETS as _RUNTIME_TARGETS
+import torch
+
+from rlk_core.ops import _plan
+from rlk_core.ops._cuda import GENERIC_BITWISE
+from rlk_core.ops._cuda import TARGETS as SERVED_BY_CAPABILITY
 
 MANIFEST = "manifest.json"
-FORMAT = 1
+FORMAT = 2
 TARGETS = {"cuda:90": ("cuda", 90, 32), "cuda:100": ("cuda", 100, 32), "hip:gfx942": ("hip", "gfx942", 64)}
-# targets rlk.cuda launches (their one home: rlk_core.ops._cuda_common.TARGETS): the others are built and checked, not
-# served, until a device of that target has run the GPU suite on them (the CLI builds cuda:100 for 148 SMs, a B200)
-SERVED = tuple(sorted(set(_RUNTIME_TARGETS.values())))
-TARGET_SMS = {"cuda:90": DEFAULT_SMS, "cuda:100": 148}  # the CLI's default --sms: the H200's 132, the B200's 148
-# families whose kernels a hip target can take as they are: no TMA, no NVIDIA-only instruction, configs that do
+SERVED = tuple(sorted(set(SERVED_BY_CAPABILITY.values())))  # the targets rlk.cuda launches; others built, checked
+TARGET_SMS = {"cuda:90": 132, "cuda:100": 148}  # the persistent kernels' NUM_PROGRAMS: the H200's, the B200's
+FAMILIES = {  # family -> the Triton module whose build_calls it compiles
+    "linear": "rlk_core.ops.linear.triton",
+    "rms_norm": "rlk_core.ops.rms_norm.triton",
+    "swiglu": "rlk_core.ops.swiglu.triton",
+    "rope": "rlk_core.ops.rope.triton",
+    "attention": "rlk_core.ops.attention.triton",
+    "attention_backward": "rlk_core.ops.attention.triton_backward",
+    "logp": "rlk_core.ops.token_logprobs.triton",
+    "linear_logprobs": "rlk_core.ops.linear_logprobs.triton",
+}
+# families whose kernels a hip target can take as they are: no TMA, no NVIDIA-only instruction, configurations that do
 # not depend on the device (the GEMM, attention and log-prob rules are tuned for the H200 and use TMA / PDL)
-HIP_OPS = ("rms_norm", "swiglu", "rope")
+HIP_FAMILIES = ("rms_norm", "swiglu", "rope")
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 ELF_MACHINE_AMDGPU = 224
 ELF_MACHINE_CUDA = 190
 ELF_OSABI_CUDA_V2 = 0x41  # the cubin ELF layout of CUDA 12.8+ (sm_100 and later): the SM in e_flags bits 8-15
+
+
+def parse_target(target: str) -> tuple[str, Any, int]:
+    if target not in TARGETS:
+        raise ValueError(f"target {target!r}: the AOT build knows {sorted(TARGETS)}")
+    return TARGETS[target]
+
+
+# -- enumerating: the build calls' launches -------------------------------------------------------------------------
+class Enumerate(_plan.Plan):
+    """A plan on meta tensors that launches nothing: each launch's specialisation (and, for the kernels of
+    ``GENERIC_BITWISE``, the one that assumes nothing) kept in ``variants`` by key."""
+
+    def __init__(self, target: _plan.Target, family: str, sms: int, variants: dict[str, dict[str, Any]]) -> None:
+        self.target, self.family, self.sms, self.variants = target, family, sms, variants
+        self.tma = target.gpu_target.backend == "cuda"
+        self.device = torch.device("meta")
+
+    def new(self, shape, dtype, fill="empty"):
+        return torch.empty(shape, dtype=dtype, device="meta")
+
+    def contiguous(self, x, dtype=None):
+        return x if (dtype or x.dtype) == x.dtype and x.is_contiguous() else torch.empty(
+            x.shape, dtype=dtype or x.dtype, device="meta")
+
+    def host(self, fn, *args):
+        return fn(*args)  # on meta tensors: shapes only
+
+    def launch(self, kernel, grid, *args, **kwargs):
+        for generic in (False, True) if kernel.__name__ in GENERIC_BITWISE else (False,):
+            key, bound, spec, options = _plan.specialize(self.target, kernel, args, kwargs, generic)
+            if key not in self.variants:
+                opts, signature, constexprs, attrs = kernel._pack_args(self.target.backend, kwargs | {
+                    "debug": options["debug"], "instrumentation_mode": options["instrumentation_mode"]},
+                    bound, spec, options)
+                self.variants[key] = {"key": key, "family": self.family, "module": kernel.module,
+                                      "kernel": kernel.__name__, "spec": _plan.describe(spec), "signature": signature,
+                                      "constexprs": constexprs, "attrs": attrs, "options": opts.__dict__,
+                                      "generic": generic}
+
+
+def enumerate_variants(families: Iterable[str], dtypes: Iterable[str], target: str = "cuda:90",
+                       sms: int | None = None) -> list[dict[str, Any]]:
+    """Every variant the build calls of ``families`` for ``dtypes`` launch on ``target`` (distinct keys, in the order
+    first launched)."""
+    backend, arch, warp = parse_target(target)
+    tgt = _plan.Target(backend, arch, warp)
+    sms = sms or TARGET_SMS.get(target, 132)
+    variants: dict[str, dict[str, Any]] = {}
+    for family in families:
+        if family not in FAMILIES:
+            raise ValueError(f"no AOT family {family!r}; known: {sorted(FAMILIES)}")
+        module = importlib.import_module(FAMILIES[family])
+        plan = Enumerate(tgt, family, sms, variants)
+        for dtype in dtypes:
+            for fn, args in module.build_calls(DTYPES[dtype], sms):
+                fn(plan, *args)
+    return list(variants.values())
+
+
+# -- compiling one variant ------------------------------------------------------------------------------------------
+def param_codes(signature: dict[str, str], metas: list | None) -> tuple[str, list[list[int]], list[str]]:
+    """The launcher's codes of a signature (``p`` pointer, ``i`` int32, ``l`` int64, ``f`` fp32, ``D`` descriptor), the
+    descriptors' encodings ``[box0, box1, swizzle, elem_size, elem_type]`` and the cubin's parameter types as Triton
+    3.6's launcher passes them (a descriptor as a ``CUtensorMap`` and its shape and strides; the two scratch
+    pointers last)."""
+    codes, descs, params = [], [], []
+    metas = iter(metas or [])
+    for name, ty in signature.items():
+        if ty == "constexpr":
+            continue
+        if ty.startswith("tensordesc"):
+            meta = next(metas)
+            if meta is None or meta.get("fp4_padded") or len(meta["block_size"]) != 2:
+                raise ValueError(f"descriptor {name} is not a plain 2-D TMA descriptor")
+            codes.append("D")
+            descs.append([*meta["block_size"], meta["swizzle"], meta["elem_size"], meta["elem_type"]])
+            params += ["CUtensorMap", "i32", "i32", "i64", "i64"]
+        elif ty.startswith("*") or ty in ("i32", "i64", "fp32"):
+            codes.append("p" if ty.startswith("*") else {"i32": "i", "i64": "l", "fp32": "f"}[ty])
+            params.append(ty)
+        else:
+            raise ValueError(f"argument {name} of type {ty} has no launcher code")
+    return "".join(codes), descs, params + ["*i8", "*i8"]
 
 
 def cubin_sm(binary: bytes) -> int | None:
@@ -60,8 +156,7 @@ def cubin_sm(binary: bytes) -> int | None:
 
 
 def check_cubin(binary: bytes, function: str, sm: int) -> str | None:
-    """Why a cubin is not what the manifest says, or None: a CUDA ELF (``e_machine`` 190) for ``sm_<sm>`` holding the
-    kernel's symbol (what ``cuModuleGetFunction`` looks up)."""
+    """Why a cubin is not what the manifest says, or None: a CUDA ELF for ``sm_<sm>`` holding the kernel's symbol."""
     got = cubin_sm(binary)
     if got is None:
         return "not a CUDA ELF file"
@@ -73,9 +168,8 @@ def check_cubin(binary: bytes, function: str, sm: int) -> str | None:
 
 
 def check_code_object(binary: bytes, function: str, arch: str) -> str | None:
-    """Why an AMD GPU code object (``.hsaco``) is not what the manifest says, or None: an ELF for AMDGPU
-    (``e_machine`` 224) holding the kernel's symbol and its kernel descriptor (``<name>.kd``, what
-    ``hipModuleGetFunction`` looks up) and the target triple ``amdgcn-amd-amdhsa--<arch>``."""
+    """Why an AMD GPU code object is not what the manifest says, or None: an ELF for AMDGPU holding the kernel's
+    symbol, its kernel descriptor (``<name>.kd``) and the target triple ``amdgcn-amd-amdhsa--<arch>``."""
     if binary[:4] != b"\x7fELF":
         return "not an ELF file"
     machine = int.from_bytes(binary[18:20], "little")
@@ -88,227 +182,110 @@ def check_code_object(binary: bytes, function: str, arch: str) -> str | None:
     return None
 
 
-def parse_target(target: str) -> tuple[str, int, int]:
-    if target not in TARGETS:
-        raise ValueError(f"target {target!r}: the AOT build knows {sorted(TARGETS)}")
-    return TARGETS[target]
-
-
-def _kernel(spec: Spec):
-    import importlib
-
-    return getattr(importlib.import_module(spec.module), spec.kernel)
-
-
-def _dns(kernel) -> list[str]:
-    """The kernel's ``do_not_specialize`` arguments, by name."""
-    return [p.name for p in kernel.params if p.do_not_specialize]
-
-
-def triton_signature(spec: Spec, kernel=None) -> tuple[dict[str, str], dict[str, Any], list[str]]:
-    """``(signature, constexprs, divisible)`` as ``triton.compile`` takes them: every argument of the
-    kernel in order with its Triton type (``constexpr`` for constexprs and the layout's unit strides),
-    and the names marked divisible by 16 (``aligned`` layout: pointers and integers except the kernel's
-    ``do_not_specialize`` and the variant's ``plain``)."""
-    kernel = kernel or _kernel(spec)
-    const = {**dict(spec.constexprs), **{n: 1 for n in spec.ones}}
-    ptrs, boxes, loose = dict(spec.pointers), dict(spec.descriptors), {*_dns(kernel), *spec.plain}
-    sig, divisible = {}, []
-    dtype = spec.dtype.split("->")[0].split(",")[0]
-    for name in kernel.arg_names:
-        if name in const:
-            sig[name] = "constexpr"
-        elif name in boxes:
-            sig[name] = "tensordesc<{}[{}, {}]>".format(dtype, *boxes[name])
-        else:
-            if name.endswith("_ptr"):
-                sig[name] = ptrs.get(name, "*" + dtype)
-            else:
-                sig[name] = "fp32" if name in spec.floats else "i32"
-            if spec.layout == "aligned" and name not in spec.floats and name not in loose:
-                divisible.append(name)
-    return sig, const, divisible
-
-
-def cubin_params(signature: dict[str, str], tensordesc_meta: list | None) -> list[dict[str, str]]:
-    """The cubin's kernel parameters in order, as Triton 3.6's CUDA launcher passes them: constexprs
-    dropped, a TMA descriptor lowered to a ``CUtensorMap`` (by value, 128 bytes) followed by its shape
-    (i32 each) and strides (i64 each), then the global and profile scratch pointers."""
-    params, d = [], 0
-    for name, ty in signature.items():
-        if ty == "constexpr":
-            continue
-        if ty.startswith("tensordesc"):
-            ndim = ty.count(",") + 1
-            assert tensordesc_meta and tensordesc_meta[d] is not None, f"{name}: descriptor not lowered to TMA"
-            d += 1
-            params.append({"name": name, "type": "CUtensorMap"})
-            params += [{"name": f"{name}.shape[{i}]", "type": "i32"} for i in range(ndim)]
-            params += [{"name": f"{name}.strides[{i}]", "type": "i64"} for i in range(ndim)]
-        else:
-            params.append({"name": name, "type": ty})
-    return params + [{"name": "global_scratch", "type": "*i8"}, {"name": "profile_scratch", "type": "*i8"}]
-
-
-def ptx_param_count(ptx: str, function: str) -> int:
-    """Parameters of ``.entry function`` in the PTX (checks :func:`cubin_params` against the compiler)."""
-    m = re.search(r"\.entry\s+" + re.escape(function) + r"\s*\((.*?)\)", ptx, re.S)
-    assert m, f"no .entry {function} in the PTX"
-    return m.group(1).count(".param")
-
-
-def variant_hash(spec: Spec, source_hash: str, target: str, triton_version: str) -> str:
-    ident = json.dumps([spec.identity(), source_hash, target, triton_version])
-    return hashlib.sha256(ident.encode()).hexdigest()[:16]
-
-
-def jit_source(spec: Spec, kernel=None):
-    """``(ASTSource, options)`` of the variant exactly as Triton's JIT builds them for a launch with this
-    specialisation (``JITFunction._pack_args``): the signature, the constexprs, an attribute list for every
-    argument the JIT specialises (divisible by 16, or empty: an unmarked integer or pointer) and the launch's
-    options (``launch_pdl`` included: the JIT takes it as an option). Triton's compile key of the pair is then the
-    JIT's own, so a Triton cache the build writes (``triton_cache``) serves the JIT's launches unchanged."""
+def _source(v: dict[str, Any]):
     from triton.compiler import ASTSource
 
-    kernel = kernel or _kernel(spec)
-    sig, const, divisible = triton_signature(spec, kernel)
-    loose, floats = set(_dns(kernel)), set(spec.floats)
-    attrs = {}
-    for i, name in enumerate(kernel.arg_names):
-        ty = sig[name]
-        if ty == "constexpr" or ty.startswith("tensordesc") or name in floats or (name in loose and ty[0] != "*"):
-            continue
-        attrs[(i,)] = [["tt.divisibility", 16]] if name in divisible else []
-    options = {"num_warps": spec.num_warps, "num_stages": spec.num_stages, **dict(spec.options)}
-    if spec.launch_pdl:
-        options["launch_pdl"] = True
-    return ASTSource(fn=kernel, signature=sig, constexprs=const, attrs=attrs), options
+    kernel = getattr(importlib.import_module(v["module"]), v["kernel"])
+    return kernel, ASTSource(fn=kernel, signature=v["signature"], constexprs=v["constexprs"], attrs=v["attrs"])
 
 
-def compile_key(spec: Spec, target: str = "cuda:90") -> str:
-    """Triton's compile (and cache) key of the variant: the hash its cache directory is named by."""
-    import hashlib
-
+def compile_key(v: dict[str, Any], target: str = "cuda:90") -> str:
+    """Triton's compile (and cache) key of a variant: the hash its JIT cache directory is named by."""
     from triton._C.libtriton import get_cache_invalidating_env_vars
     from triton.backends.compiler import GPUTarget
     from triton.compiler.compiler import make_backend
     from triton.runtime.cache import get_cache_key
 
-    src, options = jit_source(spec)
+    _, src = _source(v)
     backend = make_backend(GPUTarget(*parse_target(target)))
-    opts = backend.parse_options(dict(options, **src.parse_options()))
+    opts = backend.parse_options(dict(v["options"], **src.parse_options()))
     key = get_cache_key(src, backend, opts, env_vars=get_cache_invalidating_env_vars())
     return hashlib.sha256(key.encode("utf-8")).hexdigest()
 
 
-def compile_spec(spec: Spec, target: str = "cuda:90",
-                 triton_cache: str | None = None) -> tuple[dict[str, Any], bytes | None]:
-    """Compile one variant; ``(manifest entry, cubin bytes)``, or ``(entry with "error", None)``. With
-    ``triton_cache``, Triton's cache directory is that folder (shared, as a JIT's is) instead of a fresh private
-    one: the JIT of a process pointed at it (``TRITON_CACHE_DIR``) then loads this compile for the same launch."""
+def compile_variant(v: dict[str, Any], target: str = "cuda:90",
+                    triton_cache: str | None = None) -> tuple[dict[str, Any], bytes | None]:
+    """Compile one variant: ``(manifest entry, cubin bytes)``, or ``(entry with "error", None)``."""
     import triton
     from triton.backends.compiler import GPUTarget
 
-    kernel = _kernel(spec)
+    kernel, src = _source(v)
     source_hash = kernel.cache_key  # the kernel's source and every @jit function it calls, Triton's own hash
-    name = f"{spec.kernel}-{variant_hash(spec, source_hash, target, triton.__version__)}"
-    sig, const, divisible = triton_signature(spec, kernel)
-    entry: dict[str, Any] = {
-        "op": spec.op, "kernel": spec.kernel, "module": spec.module, "variant": spec.name, "dtype": spec.dtype,
-        "layout": spec.layout, "tile": list(spec.tile) if spec.tile else None,
-        "signature": [{"name": k, "type": v} for k, v in sig.items()],
-        "constexprs": {k: v for k, v in const.items()},
-        "divisible_by_16": divisible,
-        "plain": list(spec.plain),
-        "do_not_specialize": _dns(kernel),
-        "num_warps": spec.num_warps, "num_stages": spec.num_stages, "options": dict(spec.options),
-        "grid": spec.grid, "launch_pdl": spec.launch_pdl, "target": target,
-        "triton_version": triton.__version__, "source_hash": source_hash,
-    }
-    src, options = jit_source(spec, kernel)
+    digest = hashlib.sha256(json.dumps([v["key"], source_hash, target, triton.__version__]).encode()).hexdigest()
+    entry: dict[str, Any] = {k: v[k] for k in ("key", "family", "module", "kernel", "spec", "generic")}
+    entry.update({"signature": v["signature"], "num_warps": v["options"]["num_warps"],
+                  "num_stages": v["options"]["num_stages"], "launch_pdl": bool(v["options"].get("launch_pdl")),
+                  "target": target, "triton_version": triton.__version__, "source_hash": source_hash})
     try:
         with triton.knobs.cache.scope(), tempfile.TemporaryDirectory(prefix="rlk-aot-") as cache:
             triton.knobs.cache.dir = triton_cache or cache
-            compiled = triton.compile(src, target=GPUTarget(*parse_target(target)), options=options)
+            compiled = triton.compile(src, target=GPUTarget(*parse_target(target)), options=v["options"])
+        md = compiled.metadata
+        if getattr(md, "global_scratch_size", 0) or md.profile_scratch_size or md.num_ctas != 1:
+            raise ValueError("the variant needs scratch memory or several CTAs: no launcher passes them")
+        metas = [dict(m) if m is not None else None for m in (md.tensordesc_meta or [])]
+        codes, descs, params = param_codes(v["signature"], metas)
+        backend, arch, _ = parse_target(target)
+        if backend == "hip":  # an AMD GPU code object; nothing in rlk launches it yet (docs/rocm.md)
+            binary, suffix, problem = compiled.asm["hsaco"], ".hsaco", check_code_object(compiled.asm["hsaco"], md.name,
+                                                                                         str(arch))
+        else:
+            n_ptx = len(re.search(r"\.entry\s+" + re.escape(md.name) + r"\s*\((.*?)\)", compiled.asm["ptx"],
+                                  re.S).group(1).split(".param")) - 1
+            binary, suffix, problem = compiled.asm["cubin"], ".cubin", check_cubin(compiled.asm["cubin"], md.name, arch)
+            if problem is None and n_ptx != len(params):
+                problem = f"the cubin has {n_ptx} parameters, the launcher passes {len(params)}"
+        if problem is not None:
+            raise ValueError(problem)
     except Exception as exc:  # recorded in the manifest; the CLI exits non-zero
         entry["error"] = f"{type(exc).__name__}: {str(exc)[-2000:]}"
         return entry, None
-    md = compiled.metadata
-    meta = [dict(m) if m is not None else None for m in (md.tensordesc_meta or [])]
-    params = cubin_params(sig, meta)
-    backend, arch, _ = parse_target(target)
-    if backend == "hip":  # an AMD GPU code object; nothing in rlk launches it yet (docs/rocm.md)
-        cubin, suffix = compiled.asm["hsaco"], ".hsaco"
-        problem = check_code_object(cubin, md.name, str(arch))
-        if problem is not None:
-            entry["error"] = problem
-            return entry, None
-        entry.update({"arch": md.arch, "warp_size": md.warp_size})
-    else:
-        n_ptx = ptx_param_count(compiled.asm["ptx"], md.name)
-        if n_ptx != len(params):
-            entry["error"] = f"cubin has {n_ptx} parameters, the manifest's list {len(params)}"
-            return entry, None
-        cubin, suffix = compiled.asm["cubin"], ".cubin"
-        problem = check_cubin(cubin, md.name, arch)
-        if problem is not None:
-            entry["error"] = problem
-            return entry, None
-    entry.update({
-        "cubin": name + suffix, "function": md.name, "params": params,
-        "shared_bytes": md.shared, "num_ctas": md.num_ctas, "cluster_dims": list(getattr(md, "cluster_dims", ()) or ()),
-        # (the hip backend's metadata has no global scratch fields: None there)
-        "global_scratch_size": getattr(md, "global_scratch_size", None),
-        "global_scratch_align": getattr(md, "global_scratch_align", None),
-        "profile_scratch_size": md.profile_scratch_size, "tensordesc_meta": meta,
-        "cubin_sha256": hashlib.sha256(cubin).hexdigest(),
-        "triton_key": compiled.hash,  # the compile's Triton cache directory (compile_key of the spec, as compiled)
-    })
-    return entry, cubin
+    entry.update({"cubin": f"{v['kernel']}-{digest[:16]}{suffix}", "function": md.name, "codes": codes, "descs": descs,
+                  "params": params, "shared_bytes": md.shared, "cubin_sha256": hashlib.sha256(binary).hexdigest(),
+                  "triton_key": compiled.hash})
+    return entry, binary
 
 
-def _compile_many(specs: list[Spec], target: str,
-                  triton_cache: str | None = None) -> list[tuple[dict[str, Any], bytes | None]]:
-    return [compile_spec(s, target, triton_cache) for s in specs]
+def _compile_many(variants: list[dict[str, Any]], target: str, cache: str | None) -> list[tuple[dict, bytes | None]]:
+    return [compile_variant(v, target, cache) for v in variants]
 
 
-def build(target: str = "cuda:90", out_dir: str | os.PathLike = "aot-build", specs: Iterable[Spec] | None = None,
-          sms: int = DEFAULT_SMS, jobs: int | None = None,
+def build(target: str = "cuda:90", out_dir: str | os.PathLike = "aot-build", families: Iterable[str] | None = None,
+          dtypes: Iterable[str] = tuple(DTYPES), sms: int | None = None, jobs: int | None = None,
           progress: Callable[[int, int, dict[str, Any], float], None] | None = None,
-          triton_cache: str | os.PathLike | None = None, selection: dict[str, list[str]] | None = None
-          ) -> dict[str, Any]:
-    """Compile ``specs`` (default: :func:`enumerate_specs` with ``sms``) for ``target`` into ``out_dir``;
-    returns the manifest (also written to ``out_dir/manifest.json``). ``jobs`` worker processes (default:
-    the CPU count); ``progress(done, total, entry, seconds)`` after each variant; ``triton_cache``: see
-    :func:`compile_spec` (not recorded in the manifest: the cubins are the same either way). Failures are
-    recorded in the manifest's ``failed``, not raised. ``selection``: the ops / dtypes / layouts the specs were
-    enumerated for (``python -m rlk_core.aot build``'s options), recorded as the manifest's ``selection`` so a reader
-    knows a partial build from a full one (with ``specs`` None: the full enumeration; else None: unknown)."""
+          triton_cache: str | os.PathLike | None = None,
+          variants: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """Compile the variants of ``families`` (default: all, or :data:`HIP_FAMILIES` on a hip target) for ``dtypes`` into
+    ``out_dir`` — or the given ``variants`` (:func:`enumerate_variants`' entries; tests build samples); returns the
+    manifest (also written there). ``jobs`` worker processes (default: the CPU count); ``progress(done, total, entry,
+    seconds)`` after each variant. Failures are recorded (``failed``), not raised."""
     import triton
 
     hip = parse_target(target)[0] == "hip"
-    full = specs is None
-    specs = list(specs) if specs is not None else enumerate_specs(HIP_OPS if hip else OPS, sms=sms)
-    if hip:
-        other = sorted({s.op for s in specs} - set(HIP_OPS))
-        if other:
-            raise ValueError(f"target {target}: the AOT build compiles only {HIP_OPS} for it, not {other} "
-                             "(their rules use TMA / PDL and H200 tiles; docs/rocm.md)")
+    families = list(families or (HIP_FAMILIES if hip else FAMILIES))
+    if variants is not None:
+        families = sorted({v["family"] for v in variants})
+    other = sorted(set(families) - set(HIP_FAMILIES)) if hip else []
+    if other:
+        raise ValueError(f"target {target}: the AOT build compiles only {HIP_FAMILIES} for it, not {other} "
+                         "(their rules use TMA / PDL and H200 tiles; docs/rocm.md)")
+    sms = sms or TARGET_SMS.get(target, 132)
+    dtypes = list(dtypes)
+    if variants is None:
+        variants = enumerate_variants(families, dtypes, target, sms)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    jobs = max(1, min(jobs or os.cpu_count() or 1, len(specs) or 1))
-    chunks = [specs[i:i + 4] for i in range(0, len(specs), 4)]
+    jobs = max(1, min(jobs or os.cpu_count() or 1, len(variants) or 1))
+    chunks = [variants[i:i + 4] for i in range(0, len(variants), 4)]
     cache = None if triton_cache is None else str(Path(triton_cache).resolve())
     results: dict[int, tuple[dict[str, Any], bytes | None]] = {}
-    start, done = time.monotonic(), 0
+    start = time.monotonic()
 
     def record(i0: int, res: list) -> None:
-        nonlocal done
         for j, r in enumerate(res):
             results[i0 + j] = r
-            done += 1
             if progress:
-                progress(done, len(specs), r[0], time.monotonic() - start)
+                progress(len(results), len(variants), r[0], time.monotonic() - start)
 
     if jobs == 1:
         for ci, chunk in enumerate(chunks):
@@ -319,15 +296,15 @@ def build(target: str = "cuda:90", out_dir: str | os.PathLike = "aot-build", spe
             futures = {pool.submit(_compile_many, chunk, target, cache): ci * 4 for ci, chunk in enumerate(chunks)}
             for f in concurrent.futures.as_completed(futures):
                 record(futures[f], f.result())
-    kernels, failed, built_specs = [], [], []
-    for i in range(len(specs)):
-        entry, cubin = results[i]
-        if cubin is None:
+    kernels, failed, built = [], [], []
+    for i, v in enumerate(variants):
+        entry, binary = results[i]
+        if binary is None:
             failed.append(entry)
             continue
-        (out / entry["cubin"]).write_bytes(cubin)
+        (out / entry["cubin"]).write_bytes(binary)
         kernels.append(entry)
-        built_specs.append(specs[i])
+        built.append(v)
     manifest = {
         "format": FORMAT, "target": target, "triton_version": triton.__version__, "sms": sms,
         "note": ("built ahead of time by rlk_core.aot; no launcher for this target yet (docs/rocm.md)" if hip else
@@ -335,46 +312,41 @@ def build(target: str = "cuda:90", out_dir: str | os.PathLike = "aot-build", spe
                  if target in SERVED else
                  "built ahead of time by rlk_core.aot; not launched: rlk.cuda serves this target once a device of it "
                  "has run the GPU suite (docs/compiled-ops.md)"),
+        "selection": {"families": families, "dtypes": dtypes},
         "kernels": sorted(kernels, key=lambda e: e["cubin"]),
-        "failed": sorted(failed, key=lambda e: e["variant"]),
-        "not_built": not_built(sms),
-        **({"triton_cache": cache_report(cache, built_specs, kernels, target)} if cache is not None else {}),
-        "selection": selection if selection is not None or not full else {
-            "ops": list(HIP_OPS if hip else OPS), "dtypes": [TRITON_TYPE[d] for d in DTYPES], "layouts": list(LAYOUTS)},
+        "failed": sorted(failed, key=lambda e: e["key"]),
+        **({"triton_cache": cache_report(cache, built, kernels, target)} if cache is not None else {}),
     }
     (out / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
     return manifest
 
 
-def cache_report(cache: str | os.PathLike, specs: list[Spec], entries: list[dict[str, Any]],
+def cache_report(cache: str | os.PathLike, variants: list[dict[str, Any]], entries: list[dict[str, Any]],
                  target: str = "cuda:90") -> dict[str, Any]:
     """Whether the Triton cache a build compiled through serves each variant to the JIT: its compile under the key
-    this process computes for the variant (:func:`compile_key`, the JIT's for the same launch) — ``other_key``: the
-    worker's compile had another key — with its group file (``<base32 of the key>/__grp__<kernel>.json``) and every
-    file the group lists present — ``incomplete``: not. Either way the JIT compiles that launch again at first use
-    (the same binary, a compile's time); the GPU suite's cache check fails on it."""
+    this process computes for it (:func:`compile_key`, the JIT's for the same launch) — ``other_key`` where the
+    worker's had another — with its group file and every file the group lists present (``incomplete`` where not)."""
     other, incomplete = [], []
-    for spec, e in zip(specs, entries, strict=True):
-        key = compile_key(spec, target)
+    for v, e in zip(variants, entries, strict=True):
+        key = compile_key(v, target)
         if e.get("triton_key") != key:
-            other.append(e["variant"])
-        group = Path(cache) / cache_folder(key) / f"__grp__{spec.kernel[:150]}.json"
+            other.append(e["key"])
+        group = Path(cache) / cache_folder(key) / f"__grp__{v['kernel'][:150]}.json"
         try:
-            children = json.loads(group.read_text())["child_paths"]
-            complete = all(Path(p).is_file() for p in children.values())
+            complete = all(Path(p).is_file() for p in json.loads(group.read_text())["child_paths"].values())
         except (OSError, ValueError, KeyError):
             complete = False
         if not complete:
-            incomplete.append(e["variant"])
+            incomplete.append(e["key"])
     return {"variants": len(entries), "other_key": other, "incomplete": incomplete}
 
 
 def cache_folder(key: str) -> str:
-    """The folder of a Triton cache that holds the compile with this key (hex): triton.runtime.cache's name for it,
-    the key's base32 without padding."""
+    """The folder of a Triton cache that holds the compile with this key (hex): its base32 without padding."""
     return base64.b32encode(bytes.fromhex(key)).decode().rstrip("=")
 
 
 def print_progress(done: int, total: int, entry: dict[str, Any], seconds: float) -> None:
     status = "FAILED " + entry["error"].splitlines()[0][:200] if "error" in entry else entry["cubin"]
-    print(f"[{done}/{total} {seconds:6.1f}s] {entry['variant']}: {status}", file=sys.stderr, flush=True)
+    print(f"[{done}/{total} {seconds:6.1f}s] {entry['kernel']}{entry['spec'][:80]}: {status}", file=sys.stderr,
+          flush=True)

@@ -5,6 +5,7 @@ where training needs it, autograd). Backend choice happens inside each op; see
 :mod:`rlk_core.backends`. Every docstring states the op's contract id and what a result depends on.
 """
 
+from rlk_core.ops._dispatch import treat_as_plain
 from rlk_core.ops.attention import (
     attention_decode,
     attention_paged_prefill,
@@ -33,4 +34,5 @@ __all__ = [
     "rope_cos_sin",
     "swiglu",
     "token_logprobs",
+    "treat_as_plain",
 ]

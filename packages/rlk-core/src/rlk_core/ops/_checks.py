@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 
 import torch
 
+from rlk_core import _compat as compat
 from rlk_core import envs
 from rlk_core.errors import RlkInputError
 
@@ -93,18 +94,14 @@ def in_range(t: torch.Tensor, op: str, name: str, low: int, high: int) -> None:
 
 
 def _is_fake(t: torch.Tensor) -> bool:
-    # torch._subclasses.fake_tensor.is_fake, whose answer for a tensor of plain type that wraps nothing
-    # (neither functionalization nor functorch) is False: that case without the call
-    if type(t) in _PLAIN and not torch._is_functional_tensor(t) and not _functorch_wrapped(t):
+    # fake_tensor.is_fake, whose answer for a tensor of plain type that wraps nothing (neither functionalization nor
+    # functorch) is False: that case without the call
+    if type(t) in PLAIN and not compat.is_functional(t) and not compat.functorch_wrapped(t):
         return False
-    global _is_fake_fn
-    if _is_fake_fn is None:
-        from torch._subclasses.fake_tensor import is_fake
-
-        _is_fake_fn = is_fake
-    return _is_fake_fn(t)
+    return compat.is_fake(t)
 
 
-_is_fake_fn: Callable[[torch.Tensor], bool] | None = None
-_PLAIN = (torch.Tensor, torch.nn.Parameter)
-_functorch_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+# the tensor types taken as plain tensors: the fast path and the direct path take them past the dispatcher
+# (rlk_core.ops.treat_as_plain adds types whose __torch_function__ only passes calls through), and no test of a
+# tracer's tensor is needed for them here
+PLAIN = {torch.Tensor, torch.nn.Parameter}

@@ -4,7 +4,7 @@
 ``swiglu_backward``, ``rope_backward`` — so the backward is selected, run and reported like a forward op:
 ``rlk.reference`` (the closed form in plain torch, CPU and CUDA) or ``rlk.triton`` (one or two fused
 kernels), forced together with the main op by ``RLK_BACKENDS`` (``rlk_core.contracts.COMPANION_OF``). The
-call goes through :func:`~rlk_core.ops._dispatch.call`, which runs the implementation directly inside a
+call goes through the op's call path, which runs the implementation directly inside a
 backward pass (no autograd needed there), so a backward costs its kernels and one registry selection.
 """
 
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from rlk_core.ops._dispatch import call, register_autograd
+from rlk_core.ops._dispatch import op as op_named
 
 
 def backward_companion(op, backward_op: str, n_tensor_inputs: int, saved: tuple[int, ...] | None = None) -> None:
@@ -26,11 +26,12 @@ def backward_companion(op, backward_op: str, n_tensor_inputs: int, saved: tuple[
         ctx.rest = inputs[n_tensor_inputs:]
 
     def _backward(ctx, grad):
-        grads = call(backward_op, grad, *ctx.saved_tensors, *ctx.rest)
+        grads = backward(grad, *ctx.saved_tensors, *ctx.rest)
         if isinstance(grads, torch.Tensor):
             grads = (grads,)
         needs = ctx.needs_input_grad
         grads = (*grads, *([None] * (len(needs) - len(grads))))
         return tuple(g if need else None for g, need in zip(grads, needs, strict=True))
 
-    register_autograd(op, _backward, setup_context)
+    backward = op_named(backward_op)
+    op.register_autograd(_backward, setup_context=setup_context)

@@ -18,7 +18,8 @@ from __future__ import annotations
 import torch
 
 from rlk_core.backends import REGISTRY, Backend
-from rlk_core.ops._dispatch import call, custom_op, register_autograd, run
+from rlk_core.ops._backends import register_kernel_backends
+from rlk_core.ops._dispatch import define
 from rlk_core.ops.attention import _validate as V
 from rlk_core.ops.attention._core import KV_BLOCK
 from rlk_core.ops.attention.reference import (
@@ -41,30 +42,26 @@ Tensor = torch.Tensor
 
 
 # -- varlen prefill (with autograd) ---------------------------------------------------------------
-@custom_op("attention_varlen", direct_run=True)
-def _attention_varlen_op(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
+@define("attention_varlen")
+def _attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
                          scale: float, causal: bool, q_positions: Tensor | None) -> Tensor:
     V.check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, causal, q_positions)
-    return run("attention_varlen", q.device, q, k, v, cu_seqlens_q, cu_seqlens_k, scale, causal, q_positions)
 
 
-@_attention_varlen_op.register_fake
+@_attention_varlen.register_fake
 def _(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, causal, q_positions):
     V.check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, causal, q_positions)
     return torch.empty_like(q)
 
 
-@custom_op("attention_varlen_backward")
-def _attention_varlen_backward_op(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
+@define("attention_varlen_backward")
+def _attention_varlen_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
                                   cu_seqlens_k: Tensor, scale: float, causal: bool,
                                   q_positions: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
     V.check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, causal, q_positions)
-    dq, dk, dv = run("attention_varlen_backward", q.device, grad_out, q, k, v, cu_seqlens_q, cu_seqlens_k, scale,
-                     causal, q_positions)
-    return dq, dk, dv
 
 
-@_attention_varlen_backward_op.register_fake
+@_attention_varlen_backward.register_fake
 def _(grad_out, q, k, v, cu_seqlens_q, cu_seqlens_k, scale, causal, q_positions):
     V.check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, causal, q_positions)
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
@@ -78,12 +75,12 @@ def _varlen_setup_context(ctx, inputs, output) -> None:
 
 def _varlen_backward(ctx, grad):
     q, k, v, cu_q, cu_k, q_positions = ctx.saved_tensors
-    dq, dk, dv = call("attention_varlen_backward", grad.contiguous(), q, k, v, cu_q, cu_k, ctx.scale, ctx.causal,
+    dq, dk, dv = _attention_varlen_backward(grad.contiguous(), q, k, v, cu_q, cu_k, ctx.scale, ctx.causal,
                       q_positions)
     return dq, dk, dv, None, None, None, None, None
 
 
-register_autograd(_attention_varlen_op, _varlen_backward, _varlen_setup_context)
+_attention_varlen.register_autograd(_varlen_backward, setup_context=_varlen_setup_context)
 
 
 def attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, scale: float,
@@ -120,19 +117,18 @@ def attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_s
     Backward (dq, dk, dv) is the flash-style recomputation in fp32 with every reduction in a fixed
     tree (no atomics): deterministic run to run.
     """
-    return call("attention_varlen", q, k, v, cu_seqlens_q, cu_seqlens_k, float(scale), bool(causal),
+    return _attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, float(scale), bool(causal),
                                           q_positions)
 
 
 # -- chunked prefill over a paged KV cache ---------------------------------------------------------
-@custom_op("attention_paged_prefill", direct_run=True)
-def _attention_paged_prefill_op(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Tensor,
+@define("attention_paged_prefill")
+def _attention_paged_prefill(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Tensor,
                                 cu_seqlens_q: Tensor, seq_lens: Tensor, scale: float) -> Tensor:
     V.check_paged_prefill(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, scale)
-    return run("attention_paged_prefill", q.device, q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, scale)
 
 
-@_attention_paged_prefill_op.register_fake
+@_attention_paged_prefill.register_fake
 def _(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, scale):
     V.check_paged_prefill(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, scale)
     return torch.empty_like(q)
@@ -164,19 +160,18 @@ def attention_paged_prefill(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_t
     result is bitwise equal to a full prefill, any other chunking, and :func:`attention_decode`, for
     any page size and block table.
     """
-    return call("attention_paged_prefill", q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens,
+    return _attention_paged_prefill(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens,
                                                  float(scale))
 
 
 # -- decode over a paged KV cache ------------------------------------------------------------------
-@custom_op("attention_decode", direct_run=True)
-def _attention_decode_op(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Tensor, seq_lens: Tensor,
+@define("attention_decode")
+def _attention_decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Tensor, seq_lens: Tensor,
                          scale: float) -> Tensor:
     V.check_decode(q, k_cache, v_cache, block_table, seq_lens, scale)
-    return run("attention_decode", q.device, q, k_cache, v_cache, block_table, seq_lens, scale)
 
 
-@_attention_decode_op.register_fake
+@_attention_decode.register_fake
 def _(q, k_cache, v_cache, block_table, seq_lens, scale):
     V.check_decode(q, k_cache, v_cache, block_table, seq_lens, scale)
     return torch.empty_like(q)
@@ -205,17 +200,16 @@ def attention_decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: T
     points) is that of :func:`attention_varlen`, so decode at position ``t`` is bitwise equal to the
     prefill output at ``t``. No split of the KV length that depends on the batch.
     """
-    return call("attention_decode", q, k_cache, v_cache, block_table, seq_lens, float(scale))
+    return _attention_decode(q, k_cache, v_cache, block_table, seq_lens, float(scale))
 
 
 # -- writing K/V into the paged cache --------------------------------------------------------------
-@custom_op("kv_cache_write", mutates_args=("k_cache", "v_cache"), direct_run=True)
-def _kv_cache_write_op(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor) -> None:
+@define("kv_cache_write", mutates_args=("k_cache", "v_cache"))
+def _kv_cache_write(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor) -> None:
     V.check_kv_cache_write(k, v, k_cache, v_cache, slot_mapping)
-    run("kv_cache_write", k.device, k, v, k_cache, v_cache, slot_mapping)
 
 
-@_kv_cache_write_op.register_fake
+@_kv_cache_write.register_fake
 def _(k, v, k_cache, v_cache, slot_mapping):
     V.check_kv_cache_write(k, v, k_cache, v_cache, slot_mapping)
 
@@ -236,7 +230,7 @@ def kv_cache_write(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_
     None. ``k_cache[slot // page_size, slot % page_size] = k[i]`` (and ``v``) for every ``slot >= 0``;
     nothing else in the caches (or their underlying buffer) changes.
     """
-    call("kv_cache_write", k, v, k_cache, v_cache, slot_mapping)
+    _kv_cache_write(k, v, k_cache, v_cache, slot_mapping)
 
 
 for _op, _fn in (("attention_varlen", attention_varlen_reference),
@@ -246,21 +240,9 @@ for _op, _fn in (("attention_varlen", attention_varlen_reference),
                  ("attention_varlen_backward", attention_varlen_backward_reference)):
     REGISTRY.register(Backend("rlk.reference", _op, _fn, devices=("cpu", "cuda"), builtin=True))
 
-from rlk_core.ops._triton_common import triton_backend  # noqa: E402  (imports no Triton until used on CUDA)
-
-for _op, _fn, _sup in (("attention_varlen", "attention_varlen", "supports_varlen"),
-                       ("attention_paged_prefill", "attention_paged_prefill", "supports_paged_prefill"),
-                       ("attention_decode", "attention_decode", "supports_decode"),
-                       ("kv_cache_write", "kv_cache_write", "supports_kv_cache_write")):
-    REGISTRY.register(triton_backend(_op, module="rlk_core.ops.attention.triton", fn=_fn, supports=_sup))
-REGISTRY.register(triton_backend("attention_varlen_backward", module="rlk_core.ops.attention.triton_backward",
-                                 fn="attention_varlen_backward", supports="supports_backward"))
-
-from rlk_core.ops._cuda_common import cuda_backend  # noqa: E402  (imports neither Triton nor the extension)
-
-for _op, _fn, _sup in (("attention_varlen", "attention_varlen", "supports_varlen"),
-                       ("attention_paged_prefill", "attention_paged_prefill", "supports_paged_prefill"),
-                       ("attention_decode", "attention_decode", "supports_decode"),
-                       ("kv_cache_write", "kv_cache_write", "supports_kv_cache_write"),
-                       ("attention_varlen_backward", "attention_varlen_backward", "supports_backward")):
-    REGISTRY.register(cuda_backend(_op, module="rlk_core.ops.attention.cuda", fn=_fn, supports=_sup))
+M, B = "rlk_core.ops.attention.triton", "rlk_core.ops.attention.triton_backward"
+register_kernel_backends("attention_varlen", f"{M}:attention_varlen", f"{M}:supports_varlen")
+register_kernel_backends("attention_paged_prefill", f"{M}:attention_paged_prefill", f"{M}:supports_paged_prefill")
+register_kernel_backends("attention_decode", f"{M}:attention_decode", f"{M}:supports_decode")
+register_kernel_backends("kv_cache_write", f"{M}:kv_cache_write", f"{M}:supports_kv_cache_write")
+register_kernel_backends("attention_varlen_backward", f"{B}:attention_varlen_backward", f"{B}:supports_backward")

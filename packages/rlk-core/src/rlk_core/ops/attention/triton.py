@@ -44,9 +44,8 @@ import struct
 import torch
 import triton
 import triton.language as tl
-from triton.tools.tensor_descriptor import TensorDescriptor
 
-from rlk_core.ops._triton_common import has_tma, next_pow2
+from rlk_core.ops._plan import hold, next_pow2
 from rlk_core.ops.attention._core import KV_BLOCK
 
 LOG2E = 1.4426950408889634
@@ -83,7 +82,7 @@ def config(dtype: torch.dtype, head_size: int, form: str = "prefill") -> dict[st
             "num_stages": stages}
 
 
-def kv_tma_ok(k: torch.Tensor, v: torch.Tensor, d: int, d_pad: int) -> bool:
+def kv_tma_ok(p, k: torch.Tensor, v: torch.Tensor, d: int, d_pad: int) -> bool:
     """Whether contiguous varlen K/V ``[Tk, Hkv, d]`` can be read as 2-D TMA descriptors ``[Tk, Hkv * d]``
     with ``[BLOCK_N, d_pad]`` boxes: ``d == d_pad`` (a wider box would read the next head's columns),
     heads contiguous (``stride(2) == 1``, ``stride(1) == d``, rows not overlapping), at least one row,
@@ -91,12 +90,12 @@ def kv_tma_ok(k: torch.Tensor, v: torch.Tensor, d: int, d_pad: int) -> bool:
     return d == d_pad and all(
         t.dim() == 3 and t.shape[0] > 0 and t.stride(2) == 1 and t.stride(1) == d and t.stride(0) >= t.shape[1] * d
         and (t.stride(0) * t.element_size()) % 16 == 0 and t.data_ptr() % 16 == 0 for t in (k, v)
-    ) and (not k.is_cuda or has_tma(k.device.index))  # CPU tensors: the Triton interpreter
+    ) and (p.tma or p.device.type == "cpu")  # CPU tensors: the Triton interpreter
 
 
-def kv_descriptor(t: torch.Tensor, block_n: int, d_pad: int) -> TensorDescriptor:
+def kv_descriptor(p, t: torch.Tensor, block_n: int, d_pad: int):
     """``t [Tk, Hkv, d]`` viewed as ``[Tk, Hkv * d]``: head ``h`` of token ``i`` is the box at ``[i, h * d]``."""
-    return TensorDescriptor(t, [t.shape[0], t.shape[1] * t.shape[2]], [t.stride(0), 1], [block_n, d_pad])
+    return p.desc(t, [block_n, d_pad], [t.shape[0], t.shape[1] * t.shape[2]], [t.stride(0), 1])
 
 
 @triton.jit
@@ -279,63 +278,86 @@ def _attention_fwd_kernel(
              mask=row_ok[:, None] & d_ok[None, :])
 
 
-def _launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, table: torch.Tensor, stride_tb: int,
+def _launch(p, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, table: torch.Tensor, stride_tb: int,
             page_size: int, k_strides: tuple[int, int, int, int], v_strides: tuple[int, int, int, int],
-            cu_q: torch.Tensor, lens: torch.Tensor | None, q_positions: torch.Tensor | None, causal: bool,
+            cu_q: torch.Tensor, b: int, lens: torch.Tensor | None, q_positions: torch.Tensor | None, causal: bool,
             scale: float, form: str, cfg: dict[str, int | bool] | None = None) -> torch.Tensor:
-    """Launch the forward kernel. ``page_size = 0`` means contiguous varlen K/V (``table`` is
-    ``cu_seqlens_k``, from which the kernel takes the key counts: ``lens`` is not read, may be None);
-    paged: ``lens`` is ``seq_lens``. ``cfg`` is for exploratory benchmarks only (anything but :func:`config` is
-    outside the contract). ``KV_TMA`` is dropped for this call (pointer loads: the same bits) when the
-    call is paged or :func:`kv_tma_ok` fails."""
+    """Launch the forward kernel for ``b`` sequences (``cu_q`` may be longer than ``b + 1``). ``page_size = 0`` means
+    contiguous varlen K/V (``table`` is ``cu_seqlens_k``, from which the kernel takes the key counts: ``lens`` is not
+    read, may be None); paged: ``lens`` is ``seq_lens``. ``cfg`` is for exploratory benchmarks only (anything but
+    :func:`config` is outside the contract). ``KV_TMA`` is dropped for this call (pointer loads: the same bits) when
+    the call is paged or :func:`kv_tma_ok` fails."""
     t, hq, d = q.shape
     hkv = k.shape[-2]
-    out = torch.empty_like(q)
-    b = cu_q.shape[0] - 1
+    out = p.new(q.shape, q.dtype)
     if t == 0 or b == 0:
         return out
     g = hq // hkv
     cfg = dict(cfg or config(q.dtype, d, form))
-    kv_tma = bool(cfg.pop("KV_TMA", False)) and page_size == 0 and kv_tma_ok(k, v, d, cfg["D_PAD"])
-    k_desc = kv_descriptor(k, cfg["BLOCK_N"], cfg["D_PAD"]) if kv_tma else None
-    v_desc = kv_descriptor(v, cfg["BLOCK_N"], cfg["D_PAD"]) if kv_tma else None
+    kv_tma = bool(cfg.pop("KV_TMA", False)) and page_size == 0 and kv_tma_ok(p, k, v, d, cfg["D_PAD"])
+    k_desc = kv_descriptor(p, k, cfg["BLOCK_N"], cfg["D_PAD"]) if kv_tma else None
+    v_desc = kv_descriptor(p, v, cfg["BLOCK_N"], cfg["D_PAD"]) if kv_tma else None
     g_pad = next_pow2(g)
     tok = cfg["BLOCK_M"] // g_pad
-    qpos = q_positions.to(torch.int32) if q_positions is not None else cu_q  # not read without positions
-    qk_scale = qk_scale_f32(scale)
-    grid = ((triton.cdiv(t, tok) + b) * hkv,)
-    _attention_fwd_kernel[grid](
-        q, k, v, out, k_desc, v_desc, table, cu_q, lens, qpos,
-        b, g, hkv, (page_size.bit_length() - 1) if page_size else _VARLEN_SHIFT, stride_tb,
-        q.stride(0), q.stride(1), q.stride(2),
-        *k_strides, *v_strides,
-        out.stride(0), out.stride(1), out.stride(2),
-        qk_scale, int(q_positions is not None), int(bool(causal)),
-        G_PAD=g_pad, PAGED=page_size != 0, KV_TMA=kv_tma, enable_fp_fusion=False, **cfg,
-    )
+    if q_positions is not None and q_positions.dtype != torch.int32:
+        q_positions = p.contiguous(q_positions, torch.int32)
+    qpos = q_positions if q_positions is not None else cu_q  # not read without positions
+    p.launch(_attention_fwd_kernel, ((triton.cdiv(t, tok) + b) * hkv,),
+             q, k, v, out, k_desc, v_desc, table, cu_q, lens, qpos,
+             b, g, hkv, (page_size.bit_length() - 1) if page_size else _VARLEN_SHIFT, stride_tb,
+             q.stride(0), q.stride(1), q.stride(2), *k_strides, *v_strides, hq * d, d, 1,
+             qk_scale_f32(scale), int(q_positions is not None), int(bool(causal)),
+             G_PAD=g_pad, PAGED=page_size != 0, KV_TMA=kv_tma, enable_fp_fusion=False, **cfg)
     return out
 
 
-def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, causal, q_positions):
+def attention_varlen(p, q, k, v, cu_seqlens_q, cu_seqlens_k, scale, causal, q_positions):
     ks = (k.stride(0), k.stride(0), k.stride(1), k.stride(2))
     vs = (v.stride(0), v.stride(0), v.stride(1), v.stride(2))
-    return _launch(q, k, v, cu_seqlens_k, 1, 0, ks, vs, cu_seqlens_q, None,
+    return _launch(p, q, k, v, cu_seqlens_k, 1, 0, ks, vs, cu_seqlens_q, cu_seqlens_q.shape[0] - 1, None,
                    q_positions if causal else None, causal, scale, "prefill")
 
 
-def _paged(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, scale, form):
-    return _launch(q, k_cache, v_cache, block_table, block_table.stride(0), k_cache.shape[1],
-                   tuple(k_cache.stride()), tuple(v_cache.stride()), cu_seqlens_q, seq_lens, None, True, scale, form)
+def _paged(p, q, k_cache, v_cache, block_table, cu_q, b, seq_lens, scale, form):
+    return _launch(p, q, k_cache, v_cache, block_table, block_table.stride(0), k_cache.shape[1],
+                   tuple(k_cache.stride()), tuple(v_cache.stride()), cu_q, b, seq_lens, None, True, scale, form)
 
 
-def attention_paged_prefill(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, scale):
-    return _paged(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, scale, "prefill")
+def attention_paged_prefill(p, q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, scale):
+    return _paged(p, q, k_cache, v_cache, block_table, cu_seqlens_q, cu_seqlens_q.shape[0] - 1, seq_lens, scale,
+                  "prefill")
 
 
-def attention_decode(q, k_cache, v_cache, block_table, seq_lens, scale):
+_OFFSETS: dict[torch.device, torch.Tensor] = {}  # device -> arange(n) int32, n >= every decode batch seen
+_KEEP: list[torch.Tensor] = []  # every offsets tensor ever made (a captured graph may still read one)
+
+
+def decode_offsets(device: torch.device, n: int) -> torch.Tensor | None:
+    """``arange(m)`` int32 on ``device`` with ``m >= n`` (decode's ``cu_seqlens_q``, read up to ``B + 1``): one
+    cached tensor per device, grown outside CUDA-graph capture (None under capture) and synchronised with its stream
+    once, so that any stream may read it; never freed, never written again (:func:`~rlk_core.ops._plan.hold`)."""
+    cu = _OFFSETS.get(device)
+    if cu is not None and cu.shape[0] >= n:
+        return cu
+    cuda = device.type == "cuda"
+    if cuda and torch.cuda.is_current_stream_capturing():
+        return None
+    cu = torch.arange(max(1024, next_pow2(n)), dtype=torch.int32, device=device)
+    if cuda:
+        torch.cuda.current_stream(device).synchronize()  # once per size: ready before any stream reads it
+    _KEEP.append(cu)
+    _OFFSETS[device] = cu
+    hold(cu)
+    return cu
+
+
+def attention_decode(p, q, k_cache, v_cache, block_table, seq_lens, scale):
     # decode is chunked prefill with one token per sequence: the same kernel and per-row arithmetic
-    cu_q = torch.arange(q.shape[0] + 1, dtype=torch.int32, device=q.device)
-    return _paged(q, k_cache, v_cache, block_table, cu_q, seq_lens, scale, "decode")
+    b = q.shape[0]
+    cu_q = decode_offsets(q.device, b + 1)
+    if cu_q is None:  # under capture before any offsets exist: this call's own
+        cu_q = p.host(torch.arange, b + 1, dtype=torch.int32, device=q.device)
+    return _paged(p, q, k_cache, v_cache, block_table, cu_q, b, seq_lens, scale, "decode")
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -362,16 +384,58 @@ def _kv_cache_write_kernel(
     tl.store(vc_ptr + page * stride_vcp + off * stride_vco + hh * stride_vch + d[None, :] * stride_vcd, vx, mask=mask)
 
 
-def kv_cache_write(k, v, k_cache, v_cache, slot_mapping):
+def kv_cache_write(p, k, v, k_cache, v_cache, slot_mapping):
     t, h, d = k.shape
     if t == 0:
         return None
-    _kv_cache_write_kernel[(t,)](
-        k, v, k_cache, v_cache, slot_mapping, t, h, k_cache.shape[1],
-        *k.stride(), *v.stride(), *k_cache.stride(), *v_cache.stride(),
-        HEAD_D=d, D_PAD=next_pow2(d), H_PAD=next_pow2(h),
-    )
+    p.launch(_kv_cache_write_kernel, (t,), k, v, k_cache, v_cache, slot_mapping, t, h, k_cache.shape[1],
+             *k.stride(), *v.stride(), *k_cache.stride(), *v_cache.stride(),
+             HEAD_D=d, D_PAD=next_pow2(d), H_PAD=next_pow2(h))
     return None
+
+
+# -- what the AOT build compiles (rlk_core.aot.build) ---------------------------------------------------------------
+HEAD_DIMS = (64, 128, 256)  # HEAD_D and D_PAD are constexprs: each head size is a family of binaries
+KV_HEADS_MAX = 128  # kv_cache_write: H_PAD is a constexpr; head counts 1..128 per rank are built
+
+
+def build_calls(dtype: torch.dtype, sms: int):
+    """The forward for each head size of :data:`HEAD_DIMS` with a configuration for ``dtype``, every padded GQA group
+    ``_supports_heads`` accepts, in its three forms — varlen prefill (contiguous K/V, with ``KV_TMA`` where the config
+    has it and without, as :func:`kv_tma_ok` may drop it), chunked prefill and decode over a paged cache — and
+    ``kv_cache_write`` for 1..:data:`KV_HEADS_MAX` KV heads and page sizes of every class (1, < 16, 16k)."""
+    m = dict(dtype=dtype, device="meta")
+    i32 = dict(dtype=torch.int32, device="meta")
+    for d in HEAD_DIMS:
+        yield from _kv_write_calls(dtype, d)
+        if (dtype, max(16, next_pow2(d))) not in CONFIGS:
+            continue
+        block_m = min(c[0] for c in CONFIGS[(dtype, max(16, next_pow2(d)))].values())
+        for g in (1 << i for i in range(block_m.bit_length()) if 1 << i <= block_m):
+            hkv = 2
+            q = torch.empty((64, g * hkv, d), **m)
+            kv = torch.empty((64, hkv, d), **m)
+            cu = torch.empty((3,), **i32)
+            cfg = config(dtype, d, "prefill")
+            for kv_tma in sorted({cfg["KV_TMA"], False}):
+                ks = (kv.stride(0), kv.stride(0), kv.stride(1), kv.stride(2))
+                yield _launch, (q, kv, kv, cu, 1, 0, ks, ks, cu, 2, None, None, True, 0.125, "prefill",
+                                dict(cfg, KV_TMA=kv_tma))
+            cache = torch.empty((8, 16, hkv, d), **m)
+            table = torch.empty((2, 4), **i32)
+            for form in ("prefill", "decode"):
+                yield _paged, (q, cache, cache, table, cu, 2, cu[:2], 0.125, form)
+
+
+def _kv_write_calls(dtype: torch.dtype, d: int):
+    k_i64 = torch.empty((8,), dtype=torch.int64, device="meta")
+    for h in range(1, KV_HEADS_MAX + 1):
+        if next_pow2(h) * next_pow2(d) > 1 << 16:
+            continue
+        k = torch.empty((8, h, d), dtype=dtype, device="meta")
+        for page in (1, 2, 16):
+            cache = torch.empty((4, page, h, d), dtype=dtype, device="meta")
+            yield kv_cache_write, (k, k, cache, cache, k_i64)
 
 
 # -- supports: (ok, reason); anything else falls back to the reference --------------------------

@@ -47,8 +47,8 @@ import torch
 import triton
 import triton.language as tl
 
-from rlk_core.ops._triton_common import next_pow2
-from rlk_core.ops.attention.triton import find_tile, kv_descriptor, kv_tma_ok, qk_scale_f32
+from rlk_core.ops._plan import next_pow2
+from rlk_core.ops.attention.triton import HEAD_DIMS, find_tile, kv_descriptor, kv_tma_ok, qk_scale_f32
 
 MAX_HEAD_DIM = 128
 
@@ -385,18 +385,18 @@ def _attn_bwd_dq_kernel(
              mask=row_ok[:, None] & d_ok[None, :])
 
 
-def _with_descriptors(cfg: dict[str, int | bool], k: torch.Tensor, v: torch.Tensor, d: int
+def _with_descriptors(p, cfg: dict[str, int | bool], k: torch.Tensor, v: torch.Tensor, d: int
                       ) -> tuple[dict[str, int | bool], tuple]:
     """``cfg`` with ``KV_TMA`` kept only where the layout and the GPU allow it (else pointer loads,
     the same bits), and the K/V descriptors for the kernel's block (``None`` without TMA)."""
     cfg = dict(cfg)
-    cfg["KV_TMA"] = bool(cfg.get("KV_TMA", False)) and kv_tma_ok(k, v, d, cfg["BLOCK_D"])
+    cfg["KV_TMA"] = bool(cfg.get("KV_TMA", False)) and kv_tma_ok(p, k, v, d, cfg["BLOCK_D"])
     if not cfg["KV_TMA"]:
         return cfg, (None, None)
-    return cfg, (kv_descriptor(k, cfg["BLOCK_N"], cfg["BLOCK_D"]), kv_descriptor(v, cfg["BLOCK_N"], cfg["BLOCK_D"]))
+    return cfg, tuple(kv_descriptor(p, t, cfg["BLOCK_N"], cfg["BLOCK_D"]) for t in (k, v))
 
 
-def attention_varlen_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+def attention_varlen_backward(p, grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                               cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, scale: float, causal: bool,
                               q_positions: torch.Tensor | None, cfg: dict[str, dict[str, int | bool]] | None = None
                               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -404,18 +404,17 @@ def attention_varlen_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.
     ``cfg`` is for exploratory benchmarks only (the backend always uses :func:`config`)."""
     t, hq, d = q.shape
     tk, hkv = k.shape[0], k.shape[1]
-    q, k, v, do = (x.contiguous() for x in (q, k, v, grad_out.to(q.dtype)))
-    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    q, k, v = (p.contiguous(x) for x in (q, k, v))
+    do = p.contiguous(grad_out, q.dtype)
+    dq, dk, dv = p.new(q.shape, q.dtype), p.new(k.shape, k.dtype), p.new(v.shape, v.dtype)
     nb = cu_seqlens_q.shape[0] - 1
     if tk == 0 or hq == 0 or d == 0 or nb == 0:
-        return dq.zero_(), dk.zero_(), dv.zero_()
-    dev = q.device
-    cu_q = cu_seqlens_q.to(device=dev, dtype=torch.int32).contiguous()
-    cu_k = cu_seqlens_k.to(device=dev, dtype=torch.int32).contiguous()
+        return p.host(lambda: (dq.zero_(), dk.zero_(), dv.zero_()))
+    cu_q, cu_k = p.contiguous(cu_seqlens_q, torch.int32), p.contiguous(cu_seqlens_k, torch.int32)
     if not causal:
         mode, pos = MODE_FULL, cu_q
     elif q_positions is not None:
-        mode, pos = MODE_POSITIONS, q_positions.to(device=dev).contiguous()
+        mode, pos = MODE_POSITIONS, p.contiguous(q_positions)
     else:
         mode, pos = MODE_ALIGNED, cu_q
     c = cfg or config(q.dtype, d)
@@ -425,35 +424,32 @@ def attention_varlen_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.
     strides = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), do.stride(0), do.stride(1))
     common = dict(G=hq // hkv, MODE=mode, IEEE=q.dtype == torch.float32)
 
-    lse, delta = torch.empty((2, hq, max(t, 1)), dtype=torch.float32, device=dev)  # one allocation (host time)
+    stats = p.new((2, hq, max(t, 1)), torch.float32)  # lse, delta: one allocation (host time)
+    lse, delta = stats[0], stats[1]
     if t:
-        s_cfg, s_desc = _with_descriptors(c["stats"], k, v, d)
-        _attn_bwd_stats_kernel[((triton.cdiv(t, bm_s) + nb) * hq,)](
-            q, k, v, do, pos, cu_q, cu_k, *s_desc, lse, delta, t, tk, nb, hq, d, qk_scale2, *strides,
-            **common, **s_cfg,
-        )
-        q_cfg, q_desc = _with_descriptors(c["dq"], k, v, d)
-        _attn_bwd_dq_kernel[((triton.cdiv(t, bm_q) + nb) * hq,)](
-            q, k, v, do, pos, cu_q, cu_k, *q_desc, lse, delta, dq, t, tk, nb, hq, d, qk_scale2, scale,
-            *strides,
-            dq.stride(0), dq.stride(1), **common, **q_cfg,
-        )
+        s_cfg, s_desc = _with_descriptors(p, c["stats"], k, v, d)
+        p.launch(_attn_bwd_stats_kernel, ((triton.cdiv(t, bm_s) + nb) * hq,),
+                 q, k, v, do, pos, cu_q, cu_k, *s_desc, lse, delta, t, tk, nb, hq, d, qk_scale2, *strides,
+                 **common, **s_cfg)
+        q_cfg, q_desc = _with_descriptors(p, c["dq"], k, v, d)
+        p.launch(_attn_bwd_dq_kernel, ((triton.cdiv(t, bm_q) + nb) * hq,),
+                 q, k, v, do, pos, cu_q, cu_k, *q_desc, lse, delta, dq, t, tk, nb, hq, d, qk_scale2, scale,
+                 *strides, dq.stride(0), dq.stride(1), **common, **q_cfg)
     kv_cfg = dict(c["dkdv"])
     split = bool(kv_cfg.pop("SPLIT_G", False)) and hq > hkv
     if split:  # fp32 per-query-head sums, then the fixed-order group sum
-        dk_out, dv_out = torch.empty((2, tk, hq, d), dtype=torch.float32, device=dev)
+        parts = p.new((2, tk, hq, d), torch.float32)
+        dk_out, dv_out = parts[0], parts[1]
     else:
         dk_out, dv_out = dk, dv
     nh_kv = hq if split else hkv
-    _attn_bwd_dkdv_kernel[((triton.cdiv(tk, bn_kv) + nb) * nh_kv,)](
-        q, k, v, do, pos, cu_q, cu_k, lse, delta, dk_out, dv_out, t, tk, nb, nh_kv, d, qk_scale2, scale,
-        *strides, dk_out.stride(0), dk_out.stride(1), **common, SPLIT_G=split, **kv_cfg,
-    )
+    p.launch(_attn_bwd_dkdv_kernel, ((triton.cdiv(tk, bn_kv) + nb) * nh_kv,),
+             q, k, v, do, pos, cu_q, cu_k, lse, delta, dk_out, dv_out, t, tk, nb, nh_kv, d, qk_scale2, scale,
+             *strides, dk_out.stride(0), dk_out.stride(1), **common, SPLIT_G=split, **kv_cfg)
     if split:
-        _attn_bwd_group_sum_kernel[(triton.cdiv(tk, _SUM_BLOCK_T), hkv)](
-            dk_out, dv_out, dk, dv, tk, d, scale, dk_out.stride(0), dk_out.stride(1), dk.stride(0), dk.stride(1),
-            G=hq // hkv, BLOCK_T=_SUM_BLOCK_T, BLOCK_D=kv_cfg["BLOCK_D"],
-        )
+        p.launch(_attn_bwd_group_sum_kernel, (triton.cdiv(tk, _SUM_BLOCK_T), hkv),
+                 dk_out, dv_out, dk, dv, tk, d, scale, dk_out.stride(0), dk_out.stride(1), dk.stride(0), dk.stride(1),
+                 G=hq // hkv, BLOCK_T=_SUM_BLOCK_T, BLOCK_D=kv_cfg["BLOCK_D"])
     return dq, dk, dv
 
 
@@ -465,3 +461,26 @@ def supports_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, 
     if q.shape[-1] > MAX_HEAD_DIM:
         return False, f"head size {q.shape[-1]} > {MAX_HEAD_DIM} (rlk.triton attention backward)"
     return True, ""
+
+
+GROUPS = (1, 2, 4, 5, 6, 7, 8)  # Hq / Hkv of the backward (a constexpr): the GQA ratios of Qwen2.5/3, Llama 3
+
+
+def build_calls(dtype: torch.dtype, sms: int):
+    """The four backward kernels for every head size of ``HEAD_DIMS`` up to :data:`MAX_HEAD_DIM` that is a power of
+    two, every group size of :data:`GROUPS` (``G`` is a constexpr of every kernel: a family of binaries per group),
+    each mode (aligned causal, full, explicit positions int32 or int64)."""
+    if dtype not in CONFIGS:
+        return
+    m = dict(dtype=dtype, device="meta")
+    cu = torch.empty((3,), dtype=torch.int32, device="meta")
+    for d in HEAD_DIMS:
+        if d > MAX_HEAD_DIM or next_pow2(d) != d:
+            continue
+        for g in GROUPS:
+            q = torch.empty((64, 2 * g, d), **m)
+            kv = torch.empty((64, 2, d), **m)
+            for causal, positions in ((True, None), (False, None),
+                                      *((True, torch.empty((64,), dtype=pt, device="meta"))
+                                        for pt in (torch.int32, torch.int64))):
+                yield attention_varlen_backward, (q, q, kv, kv, cu, cu, 0.125, causal, positions)

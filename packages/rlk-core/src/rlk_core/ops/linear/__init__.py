@@ -6,7 +6,8 @@ import torch
 
 from rlk_core.backends import REGISTRY, Backend
 from rlk_core.ops import _checks as C
-from rlk_core.ops._dispatch import call, custom_op, register_autograd, run
+from rlk_core.ops._backends import register_kernel_backends
+from rlk_core.ops._dispatch import define
 from rlk_core.ops.linear.reference import linear_reference
 
 
@@ -37,13 +38,12 @@ def _check_full(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
                   f"bias must have shape ({weight.shape[0]},), got {tuple(bias.shape)}")
 
 
-@custom_op("linear", direct_run=True)
-def _linear_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+@define("linear")
+def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     _check(x, weight, bias)
-    return run("linear", x.device, x, weight, bias)
 
 
-@_linear_op.register_fake
+@_linear.register_fake
 def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     _check(x, weight, bias)
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
@@ -71,18 +71,18 @@ def _backward(ctx, grad):
     g2 = _rows(grad.reshape(-1, grad.shape[-1]).to(x.dtype))
     dx = dw = db = None
     if ctx.needs_input_grad[0]:
-        dx = call("linear", g2, _rows(weight).t(), None).reshape(x.shape)
+        dx = _linear(g2, _rows(weight).t(), None).reshape(x.shape)
     if ctx.needs_input_grad[1]:
         x2 = _rows(x.reshape(-1, x.shape[-1]))
-        dw = call("linear", g2.t(), x2.t(), None).to(weight.dtype)
+        dw = _linear(g2.t(), x2.t(), None).to(weight.dtype)
     if ctx.has_bias and ctx.needs_input_grad[2]:
         # one element seen as [1, T] with stride 0 along T (also at T = 1: the strides are the kernel's key)
         ones = g2.new_ones(1).as_strided((1, g2.shape[0]), (1, 0))
-        db = call("linear", g2.t(), ones, None).reshape(-1).to(weight.dtype)
+        db = _linear(g2.t(), ones, None).reshape(-1).to(weight.dtype)
     return dx, dw, db
 
 
-register_autograd(_linear_op, _backward, _setup_context)
+_linear.register_autograd(_backward, setup_context=_setup_context)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -103,16 +103,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     pairwise-halves tree of :func:`rlk_core.ops._fixed.tree_sum`), bias added in fp32, one rounding
     to the output dtype; no split-K, no atomics. Backward (dx, dW, db) is deterministic run to run.
     """
-    return call("linear", x, weight, bias)
+    return _linear(x, weight, bias)
 
 
 REGISTRY.register(Backend("rlk.reference", "linear", linear_reference, devices=("cpu", "cuda"),
                           priority=0, builtin=True))
-
-from rlk_core.ops._triton_common import triton_backend  # noqa: E402  (imports no Triton until used on CUDA)
-
-REGISTRY.register(triton_backend("linear"))
-
-from rlk_core.ops._cuda_common import cuda_backend  # noqa: E402  (imports neither Triton nor the extension)
-
-REGISTRY.register(cuda_backend("linear"))
+register_kernel_backends("linear", "rlk_core.ops.linear.triton:forward", "rlk_core.ops.linear.triton:supports")

@@ -31,30 +31,16 @@ where it is the token count: a training run compiles each variant once (``docs/o
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-from triton.tools.tensor_descriptor import TensorDescriptor
 
-from rlk_core.ops._triton_common import has_tma
+from rlk_core.ops.linear import tiles as rule
 from rlk_core.ops.linear.tiles import DTYPES, config, rem_rows, stored_config, stored_tile_config, tile_config
 
-__all__ = ["DTYPES", "config", "forward", "linear_2d", "linear_2d_into", "rem_rows", "stored_config", "stored_layout",
-           "stored_tile_config", "supports", "tile_config"]
-
-
-@functools.cache
-def _num_sms(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
-def _tma_compatible(*ts: torch.Tensor) -> bool:
-    """TMA descriptors need a unit last stride and 16-byte aligned base and row strides."""
-    return all(t.stride(1) == 1 and (t.stride(0) * t.element_size()) % 16 == 0 and t.data_ptr() % 16 == 0
-               for t in ts)
+__all__ = ["DTYPES", "build_calls", "config", "forward", "into", "linear_2d", "rem_rows", "stored_config",
+           "stored_layout", "stored_tile_config", "supports", "tile_config", "tma_compatible"]
 
 
 @triton.jit
@@ -276,52 +262,10 @@ def _linear_bwd_kernel(
     _store_tile(y_ptr, acc, rows, cols, M, N, stride_ym, stride_yn)
 
 
-def _config_for(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> dict[str, int | bool]:
-    dev = x.device.index or 0
-    # TMA only for an output in the input dtype: an fp32 output tile would not fit shared memory
-    # beside the pipeline buffers of the large tile
-    tma = x.is_cuda and out.dtype == x.dtype and has_tma(dev) and _tma_compatible(x, weight, out)
-    return config(x.dtype, x.shape[0], weight.shape[0], x.shape[1], tma, _num_sms(dev) if x.is_cuda else 132)
-
-
-def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
-            cfg: dict[str, int | bool], pdl: int = 0) -> None:
-    m, k = x.shape
-    n = weight.shape[0]
-    c = dict(cfg)
-    rows, rest = c.pop("SPLIT_ROWS", 0), c.pop("REST", None)
-    if rows:  # two launches on row ranges of the same operands (views; rows is a multiple of 128), the
-        # second by programmatic dependent launch on the GPU (the interpreter has no grid dependency control)
-        _launch(x[:rows], weight, bias, out[:rows], c, int(x.is_cuda))
-        _launch(x[rows:], weight, bias, out[rows:], rest, 2 * int(x.is_cuda))
-        return
-    tail = c.pop("TAIL_M")
-    rem_box = c.pop("REM_BOX")
-    if c.pop("TMA"):
-        bm, bn, bk = c["BLOCK_M"], c["BLOCK_N"], c["BLOCK_K"]
-        tiles = triton.cdiv(m, bm + tail) * triton.cdiv(n, bn)
-        rem = rem_rows(m, bm) if rem_box and not tail else 0
-        # one program per SM (on the interpreter 3, so that programs walk several tiles)
-        programs = min(tiles, _num_sms(x.device.index or 0) if x.is_cuda else 3)
-        x_desc, y_desc = TensorDescriptor.from_tensor(x, [bm, bk]), TensorDescriptor.from_tensor(out, [bm, bn])
-        small = tail or rem  # the tail's or the last row block's box
-        xt_desc = TensorDescriptor.from_tensor(x, [small, bk]) if small else None
-        yt_desc = TensorDescriptor.from_tensor(out, [small, bn]) if small else None
-        _linear_tma_kernel[(programs,)](
-            x_desc, TensorDescriptor.from_tensor(weight, [bn, bk]), y_desc, xt_desc, yt_desc,
-            bias if bias is not None else out, m, n, k,
-            HAS_BIAS=bias is not None, IEEE=c["IEEE"], NUM_PROGRAMS=programs, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-            GROUP_M=c["GROUP_M"], TAIL_M=tail, REM_M=rem, num_warps=c["num_warps"], num_stages=c["num_stages"],
-            **({"PDL": pdl, "launch_pdl": pdl == 2} if pdl else {}),
-        )
-        return
-    grid = (triton.cdiv(m, c["BLOCK_M"]) * triton.cdiv(n, c["BLOCK_N"]),)
-    _linear_fwd_kernel[grid](
-        x, weight, bias if bias is not None else out, out,
-        m, n, k,
-        x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), out.stride(0), out.stride(1),
-        HAS_BIAS=bias is not None, **c,
-    )
+def tma_compatible(*ts: torch.Tensor) -> bool:
+    """TMA descriptors need a unit last stride and 16-byte aligned base and row strides."""
+    return all(t.stride(1) == 1 and (t.stride(0) * t.element_size()) % 16 == 0 and t.data_ptr() % 16 == 0
+               for t in ts)
 
 
 def _transposed(t: torch.Tensor) -> bool:
@@ -335,79 +279,105 @@ def stored_layout(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return bias is None and (_transposed(x) or _transposed(weight))
 
 
-def _device_tma(x: torch.Tensor) -> bool:
-    """Whether ``x``'s device has TMA (a CUDA sm_90+ device)."""
-    return x.is_cuda and has_tma(x.device.index or 0)
+# -- the launch plans (rlk_core.ops._plan) ------------------------------------------------------------------------
+def forward(p, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """The op ``linear``: ``x [..., K] @ weight[N, K]^T (+ bias)`` into a fresh ``[..., N]``."""
+    lead, k = x.shape[:-1], x.shape[-1]
+    n = weight.shape[0]
+    y = p.new((*lead, n), x.dtype)
+    m = lead.numel()
+    if m and n:
+        x2, y2 = p.reshape(x, m, k), y.view(m, n)
+        if k and not stored_layout(x2, weight, bias):  # the forward's kernels (the common case, launched from here)
+            _launch(p, x2, weight, bias, y2, _rule(p, x2, weight, y2))
+        else:
+            into(p, x2, weight, bias, y2)
+    return y
 
 
-def _stored_config_for(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> dict[str, int | bool]:
-    dev = x.device.index or 0
-    a_km = _transposed(x)
-    a, b = (x.t() if a_km else x), (weight.t() if _transposed(weight) else weight)
-    tma = _device_tma(x) and _tma_compatible(a, b)
-    # the output's rows are read only where they are not the token count (x stored [K, M]: dW, db)
-    return stored_config(x.dtype, x.shape[0] if a_km else None, weight.shape[0], tma,
-                         _num_sms(dev) if x.is_cuda else 132, out.dtype != x.dtype)
+def _rule(p, x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> dict[str, int | bool]:
+    """The forward kernels' configuration of a call (:func:`config`). TMA only for an output in the input dtype: an
+    fp32 output tile would not fit shared memory beside the pipeline buffers of the large tile."""
+    tma = p.tma and out.dtype == x.dtype and tma_compatible(x, weight, out)
+    return config(x.dtype, x.shape[0], weight.shape[0], x.shape[1], tma, p.sms)
 
 
-def _launch_stored(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, cfg: dict[str, int | bool]) -> None:
+def into(p, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
+         cfg: dict[str, int | bool] | None = None) -> torch.Tensor:
+    """``out[M, N] = x[M, K] @ weight[N, K]^T (+ bias)``, rounded once to ``out``'s dtype (an fp32 ``out`` keeps the
+    fp32 accumulator), any strides on all three: transposed views run the stored-layout kernels
+    (:func:`stored_layout`), the rest the forward's. ``cfg`` only for benchmarks and the tile tests (anything but
+    :func:`config` / :func:`stored_config` is outside the contract)."""
+    m, k = x.shape
+    n = weight.shape[0]
+    if m == 0 or n == 0:
+        return out
+    if k == 0:
+        p.host(lambda: out.copy_(bias.float().expand(m, n) if bias is not None else torch.zeros_like(out)))
+    elif stored_layout(x, weight, bias):
+        _launch_stored(p, x, weight, out, cfg)
+    else:
+        _launch(p, x, weight, bias, out, cfg or _rule(p, x, weight, out))
+    return out
+
+
+def _launch(p, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
+            cfg: dict[str, int | bool], pdl: int = 0) -> None:
+    m, k = x.shape
+    n = weight.shape[0]
+    c = dict(cfg)
+    rows, rest = c.pop("SPLIT_ROWS", 0), c.pop("REST", None)
+    if rows:  # two launches on row ranges of the same operands (views; rows is a multiple of 128), the second by
+        # programmatic dependent launch on an sm_90 GPU (the interpreter has no grid dependency control)
+        _launch(p, x[:rows], weight, bias, out[:rows], c, int(p.tma))
+        _launch(p, x[rows:], weight, bias, out[rows:], rest, 2 * int(p.tma))
+        return
+    tail = c.pop("TAIL_M")
+    rem_box = c.pop("REM_BOX")
+    b = bias if bias is not None else out
+    if c.pop("TMA"):
+        bm, bn, bk = c["BLOCK_M"], c["BLOCK_N"], c["BLOCK_K"]
+        tiles = triton.cdiv(m, bm + tail) * triton.cdiv(n, bn)
+        rem = rem_rows(m, bm) if rem_box and not tail else 0
+        small = tail or rem  # the tail's or the last row block's box
+        # NUM_PROGRAMS is the SM count whatever the tile count; a grid of fewer tiles leaves each program one tile
+        p.launch(_linear_tma_kernel, (min(tiles, p.sms),),
+                 p.desc(x, [bm, bk]), p.desc(weight, [bn, bk]), p.desc(out, [bm, bn]),
+                 p.desc(x, [small, bk]) if small else None, p.desc(out, [small, bn]) if small else None, b, m, n, k,
+                 HAS_BIAS=bias is not None, IEEE=c["IEEE"], NUM_PROGRAMS=p.sms, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+                 GROUP_M=c["GROUP_M"], TAIL_M=tail, REM_M=rem, num_warps=c["num_warps"], num_stages=c["num_stages"],
+                 **({"PDL": pdl, "launch_pdl": pdl == 2} if pdl else {}))
+        return
+    p.launch(_linear_fwd_kernel, (triton.cdiv(m, c["BLOCK_M"]) * triton.cdiv(n, c["BLOCK_N"]),),
+             x, weight, b, out, m, n, k,
+             x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), out.stride(0), out.stride(1),
+             HAS_BIAS=bias is not None, **c)
+
+
+def _launch_stored(p, x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor,
+                   cfg: dict[str, int | bool] | None) -> None:
     """``out = x @ weight^T`` by the stored-layout kernels, each operand read as its storage holds it."""
     m, k = x.shape
     n = weight.shape[0]
+    a_km, b_kn = _transposed(x), _transposed(weight)
+    a, b = (x.t() if a_km else x), (weight.t() if b_kn else weight)
+    if cfg is None:
+        # the output's rows are read only where they are not the token count (x stored [K, M]: dW, db)
+        cfg = stored_config(x.dtype, m if a_km else None, n, p.tma and tma_compatible(a, b), p.sms,
+                            out.dtype != x.dtype)
     bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
     tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
     common = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg["GROUP_M"], num_warps=cfg["num_warps"],
                   num_stages=cfg["num_stages"])
     if cfg["TMA"]:
-        a_km, b_kn = _transposed(x), _transposed(weight)
-        a, b = (x.t() if a_km else x), (weight.t() if b_kn else weight)
-        y_tma = out.dtype == x.dtype and _tma_compatible(out)
-        # NUM_PROGRAMS, a constexpr, is the SM count whatever the tile count (on the interpreter 3, so that
-        # programs walk several tiles); a grid of fewer programs leaves each one tile
-        programs = _num_sms(x.device.index or 0) if x.is_cuda else 3
-        _linear_bwd_tma_kernel[(min(tiles, programs),)](
-            TensorDescriptor.from_tensor(a, [bk, bm] if a_km else [bm, bk]),
-            TensorDescriptor.from_tensor(b, [bk, bn] if b_kn else [bn, bk]),
-            TensorDescriptor.from_tensor(out, [bm, bn]) if y_tma else None, out,
-            m, n, k, out.stride(0), out.stride(1),
-            A_KM=a_km, B_KN=b_kn, Y_TMA=y_tma, NUM_PROGRAMS=programs, **common,
-        )
+        y_tma = out.dtype == x.dtype and tma_compatible(out)
+        p.launch(_linear_bwd_tma_kernel, (min(tiles, p.sms),),
+                 p.desc(a, [bk, bm] if a_km else [bm, bk]), p.desc(b, [bk, bn] if b_kn else [bn, bk]),
+                 p.desc(out, [bm, bn]) if y_tma else None, out, m, n, k, out.stride(0), out.stride(1),
+                 A_KM=a_km, B_KN=b_kn, Y_TMA=y_tma, NUM_PROGRAMS=p.sms, **common)
         return
-    _linear_bwd_kernel[(tiles,)](
-        x, weight, out, m, n, k, x.stride(0), x.stride(1), weight.stride(1), weight.stride(0),
-        out.stride(0), out.stride(1), IEEE=cfg["IEEE"], **common,
-    )
-
-
-def _gemm_into(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
-               cfg: dict[str, int | bool] | None) -> torch.Tensor:
-    """``out = x @ weight^T (+ bias)`` for ``K > 0`` by the kernel family the operands' layout selects."""
-    if stored_layout(x, weight, bias):
-        _launch_stored(x, weight, out, cfg or _stored_config_for(x, weight, out))
-    else:
-        _launch(x, weight, bias, out, cfg or _config_for(x, weight, out))
-    return out
-
-
-def linear_2d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-              cfg: dict[str, int | bool] | None = None) -> torch.Tensor:
-    """``x [M, K] @ weight[N, K]^T (+ bias)`` with the contract configuration (``cfg`` is for
-    exploratory benchmarks only; anything but :func:`config` / :func:`stored_config` is outside the
-    contract). Operands given as transposed views (:func:`stored_layout`) are read as stored."""
-    m, k = x.shape
-    n = weight.shape[0]
-    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    if m == 0 or n == 0:
-        return y
-    if k == 0:
-        return y.copy_(bias.float().expand(m, n) if bias is not None else torch.zeros_like(y))
-    return _gemm_into(x, weight, bias, y, cfg)
-
-
-def forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    lead = x.shape[:-1]
-    y = linear_2d(x.reshape(lead.numel(), x.shape[-1]), weight, bias)
-    return y.reshape(*lead, weight.shape[0])
+    p.launch(_linear_bwd_kernel, (tiles,), x, weight, out, m, n, k, x.stride(0), x.stride(1), weight.stride(1),
+             weight.stride(0), out.stride(0), out.stride(1), IEEE=cfg["IEEE"], **common)
 
 
 def supports(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> tuple[bool, str]:
@@ -416,16 +386,74 @@ def supports(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -
     return True, ""
 
 
-def linear_2d_into(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """Internal: ``out[M, N] = x[M, K] @ weight[N, K]^T`` with the contract configuration of
-    ``x.dtype``, any strides on all three (transposed views need no copy: :func:`stored_layout`), rounded
-    once to ``out.dtype`` (an fp32 ``out`` keeps the fp32 accumulator). The same kernels and arithmetic as
-    :func:`linear_2d`; used by the log-prob backward GEMMs."""
-    m, k = x.shape
-    n = weight.shape[0]
-    assert weight.shape[1] == k and tuple(out.shape) == (m, n), (x.shape, weight.shape, out.shape)
-    if m == 0 or n == 0:
-        return out
-    if k == 0:
-        return out.zero_()
-    return _gemm_into(x, weight, None, out, None)
+def linear_2d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+              cfg: dict[str, int | bool] | None = None) -> torch.Tensor:
+    """``x [M, K] @ weight[N, K]^T (+ bias)`` on rlk.triton, into a fresh ``[M, N]`` (``cfg``: see :func:`into`)."""
+    y = torch.empty((x.shape[0], weight.shape[0]), dtype=x.dtype, device=x.device)
+    return into(jit_plan(x.device), x, weight, bias, y, cfg)
+
+
+# -- what the AOT build compiles (rlk_core.aot.build) ---------------------------------------------------------------
+def build_calls(dtype: torch.dtype, sms: int):
+    """The calls whose launches the AOT build compiles for ``dtype``: every tile :func:`config` can pick, each in the
+    kernel the rule runs it in (the persistent TMA kernel with every last-row-block box :func:`rem_rows` gives it,
+    both launches of a row split for its 128-row tiles; the pointer kernel with and without ``EVEN_K`` and, without
+    bias, into an fp32 output: the log-prob backward's products), bias or not — on aligned operands with sizes
+    multiples of 16; and the stored-layout kernels of the backward's dx / dW / db (:func:`stored_build_calls`)."""
+    large = {e[0] for e in rule._LARGE_TMA}
+    k = 1024
+    w = torch.empty((256, k), dtype=dtype, device="meta")
+    bias = torch.empty((256,), dtype=dtype, device="meta")
+    tma = [] if dtype == torch.float32 else sorted(
+        {*rule._SMALL_TMA, *rule._MID_TMA, *rule._TAIL_TMA, *large})
+    for tile in tma:
+        bm = tile[0]
+        rows = {0: 2 * bm}  # per last-row-block box a row count that gives it (a tail tile has none)
+        if len(tile) <= 6:
+            for m in range(2 * bm, 0, -1):
+                rows.setdefault(rule.rem_rows(m, bm), m)
+        for m in rows.values():
+            for b in (None, bias):
+                x = torch.empty((m, k), dtype=dtype, device="meta")
+                y = torch.empty((m, 256), dtype=dtype, device="meta")
+                yield into, (x, w, b, y, rule.tile_config(tile, k, dtype, True))
+                if tile in large and bm == 128:  # a row split: the first launch (PDL 1), the second (PDL 2)
+                    x, y = x.new_empty((2 * m, k)), y.new_empty((2 * m, 256))
+                    cfg = dict(rule.tile_config(tile, k, dtype, True), SPLIT_ROWS=m,
+                               REST=rule.tile_config(tile, k, dtype, True))
+                    yield into, (x, w, b, y, cfg)
+    ptr = rule.shipped_tiles(dtype) if dtype == torch.float32 else sorted({*rule._DECODE, rule._SMALL_PTR,
+                                                                           rule._LARGE_PTR})
+    outs = (dtype,) if dtype == torch.float32 else (dtype, torch.float32)
+    for tile in ptr:
+        for even_k in (False, True):
+            kk = tile[2] * 4 if even_k else tile[2] * 4 + 16
+            x = torch.empty((64, kk), dtype=dtype, device="meta")
+            wk = torch.empty((256, kk), dtype=dtype, device="meta")
+            for o in outs:
+                for b in (None, bias) if o == dtype else (None,):
+                    yield into, (x, wk, b, x.new_empty((64, 256), dtype=o), rule.tile_config(tile, kk, dtype, False))
+    yield from stored_build_calls(dtype, sms)
+
+
+def stored_build_calls(dtype: torch.dtype, sms: int):
+    """The backward's stored-layout GEMMs (``ops/linear/__init__.py::_backward``): dx = dy W (``W.t()`` read as
+    stored), dW = dy^T x (both read as stored) and db = dy^T 1 (a column of ones of stride 0), for every tile
+    :func:`stored_config` picks — the rule's TMA tiles (bf16/fp16) and its pointer tiles, wide and narrow."""
+    t, k = 4096, 1024
+    dy = torch.empty((t, 256), dtype=dtype, device="meta")
+    x = torch.empty((t, k), dtype=dtype, device="meta")
+    w = torch.empty((256, k), dtype=dtype, device="meta")
+    ones = torch.empty((1,), dtype=dtype, device="meta").as_strided((1, t), (1, 0))
+    narrow = rule.stored_tile_config(rule._STORED_NARROW[dtype], dtype, False)
+    if dtype == torch.float32:
+        wide = [rule.stored_tile_config(rule._STORED_PTR[dtype], dtype, False)]
+    else:
+        wide = [rule.stored_tile_config(tile, dtype, True) for tile, _ in rule._STORED_TMA]
+    for cfg in [*wide, narrow]:
+        yield into, (dy, w.t(), None, x.new_empty((t, k)), cfg)  # dx
+        yield into, (dy.t(), x.t(), None, w.new_empty((256, k)), cfg)  # dW
+    yield into, (dy.t(), ones, None, dy.new_empty((256, 1)), narrow)  # db
+
+
+from rlk_core.ops._plan import jit_plan  # noqa: E402  (rlk_core.ops._plan imports no Triton)

@@ -14,8 +14,8 @@ import torch
 from rlk_core.backends import REGISTRY, Backend
 from rlk_core.ops import _checks as C
 from rlk_core.ops import _logp_tree as L
-from rlk_core.ops._dispatch import call, companion, custom_op, run
-from rlk_core.ops._triton_common import triton_backend
+from rlk_core.ops._backends import register_kernel_backends
+from rlk_core.ops._dispatch import define
 from rlk_core.ops.linear_logprobs.reference import (
     linear_logp_partials_reference,
     linear_logprobs_backward_reference,
@@ -49,29 +49,27 @@ def _check(hidden: torch.Tensor, weights: Sequence[torch.Tensor], target: torch.
     C.same_device(OP, hidden=hidden, target=target, temperature=temperature)
 
 
-@custom_op("linear_logprobs")
-def _linear_logprobs_op(hidden: torch.Tensor, weight: list[torch.Tensor], target: torch.Tensor,
+@define("linear_logprobs")
+def _linear_logprobs(hidden: torch.Tensor, weight: list[torch.Tensor], target: torch.Tensor,
                         temperature: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     _check(hidden, weight, target, temperature)
-    return run(OP, hidden.device, hidden, list(weight), target, temperature)
 
 
-@_linear_logprobs_op.register_fake
+@_linear_logprobs.register_fake
 def _(hidden, weight, target, temperature):
     _check(hidden, weight, target, temperature)
     t = hidden.shape[0]
     return hidden.new_empty((t,), dtype=torch.float32), hidden.new_empty((t,), dtype=torch.float32)
 
 
-@torch.library.custom_op("rlk::linear_logprobs_backward", mutates_args=())
-def _linear_logprobs_backward_op(hidden: torch.Tensor, weight: list[torch.Tensor], target: torch.Tensor,
+@define("linear_logprobs_backward")
+def _linear_logprobs_backward(hidden: torch.Tensor, weight: list[torch.Tensor], target: torch.Tensor,
                                  temperature: torch.Tensor, lse: torch.Tensor, grad_logp: torch.Tensor,
                                  grad_lse: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    return run("linear_logprobs_backward", hidden.device, hidden, list(weight), target, temperature, lse,
-               grad_logp, grad_lse)
+    pass
 
 
-@_linear_logprobs_backward_op.register_fake
+@_linear_logprobs_backward.register_fake
 def _(hidden, weight, target, temperature, lse, grad_logp, grad_lse):
     return torch.empty_like(hidden), [torch.empty_like(w) for w in weight]
 
@@ -84,11 +82,11 @@ def _setup_context(ctx, inputs, output) -> None:
 def _backward(ctx, grad_logp, grad_lse):
     hidden, target, temperature, lse, *weight = ctx.saved_tensors
     g_logp, g_lse = L.grads_or_zeros(lse, grad_logp, grad_lse)
-    dh, dws = torch.ops.rlk.linear_logprobs_backward(hidden, weight, target, temperature, lse, g_logp, g_lse)
+    dh, dws = _linear_logprobs_backward(hidden, weight, target, temperature, lse, g_logp, g_lse)
     return dh, list(dws), None, None
 
 
-_linear_logprobs_op.register_autograd(_backward, setup_context=_setup_context)
+_linear_logprobs.register_autograd(_backward, setup_context=_setup_context)
 
 
 def linear_logprobs(hidden: torch.Tensor, weight: torch.Tensor | Sequence[torch.Tensor], target: torch.Tensor,
@@ -128,7 +126,7 @@ def linear_logprobs(hidden: torch.Tensor, weight: torch.Tensor | Sequence[torch.
     C.require(isinstance(hidden, torch.Tensor) and hidden.dim() == 2, OP,
               f"hidden must be a tensor [T, H], got {getattr(hidden, 'shape', type(hidden).__name__)}")
     temp = L.as_temperature(OP, temperature, hidden.shape[0], hidden.device)
-    return call("linear_logprobs", hidden, weights, target, temp)
+    return _linear_logprobs(hidden, weights, target, temp)
 
 
 def _check_partials(hidden, weight, target, temperature, vocab_start, vocab_size) -> tuple[int, int]:
@@ -140,16 +138,14 @@ def _check_partials(hidden, weight, target, temperature, vocab_start, vocab_size
     return g0, g1
 
 
-@torch.library.custom_op("rlk::linear_logp_partials", mutates_args=())
-def _linear_logp_partials_op(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
+@define("linear_logp_partials")
+def _linear_logp_partials(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
                              temperature: torch.Tensor, vocab_start: int, vocab_size: int
                              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     _check_partials(hidden, weight, target, temperature, vocab_start, vocab_size)
-    return run("linear_logp_partials", hidden.device, hidden, weight, target, temperature, vocab_start,
-               vocab_size)
 
 
-@_linear_logp_partials_op.register_fake
+@_linear_logp_partials.register_fake
 def _(hidden, weight, target, temperature, vocab_start, vocab_size):
     g0, g1 = _check_partials(hidden, weight, target, temperature, vocab_start, vocab_size)
     t, f = hidden.shape[0], torch.float32
@@ -169,7 +165,7 @@ def linear_logp_partials(hidden: torch.Tensor, weight_shard: torch.Tensor, targe
     :func:`~rlk_core.ops.token_logprobs.merge_logp_partials`. Not differentiable.
     """
     temp = L.as_temperature("linear_logp_partials", temperature, hidden.shape[0], hidden.device)
-    return torch.ops.rlk.linear_logp_partials(hidden, weight_shard, target, temp, int(vocab_start),
+    return _linear_logp_partials(hidden, weight_shard, target, temp, int(vocab_start),
                                               int(vocab_size))
 
 
@@ -178,15 +174,7 @@ REGISTRY.register(Backend("rlk.reference", "linear_logprobs_backward", linear_lo
                           devices=("cpu", "cuda"), builtin=True))
 REGISTRY.register(Backend("rlk.reference", "linear_logp_partials", linear_logp_partials_reference,
                           devices=("cpu", "cuda"), builtin=True))
-# imports no Triton until used on CUDA
-REGISTRY.register(triton_backend(OP))
-REGISTRY.register(companion(triton_backend, "linear_logprobs_backward", "backward",
-                            lambda h, ws, t, temp, *_: (h, ws, t, temp)))
-REGISTRY.register(companion(triton_backend, "linear_logp_partials", "linear_logp_partials",
-                            lambda h, w, t, temp, *_: (h, [w], t, temp)))
-
-from rlk_core.ops._cuda_common import cuda_backend  # noqa: E402  (imports neither Triton nor the extension)
-
-for _op, _fn, _sup in ((OP, "forward", "supports"), ("linear_logprobs_backward", "backward", "supports_backward"),
-                       ("linear_logp_partials", "linear_logp_partials", "supports_partials")):
-    REGISTRY.register(cuda_backend(_op, module="rlk_core.ops.linear_logprobs.cuda", fn=_fn, supports=_sup))
+M = "rlk_core.ops.linear_logprobs.triton"
+register_kernel_backends(OP, f"{M}:forward", f"{M}:supports")
+register_kernel_backends("linear_logprobs_backward", f"{M}:backward", f"{M}:supports_backward")
+register_kernel_backends("linear_logp_partials", f"{M}:linear_logp_partials", f"{M}:supports_partials")

@@ -1,9 +1,9 @@
 """``linear_logprobs`` on the GPU (backend ``rlk.triton``, contract ``rlk.logp.v1``).
 
 Forward: the vocab is walked group by group, each group in column chunks that start on its leaf
-blocks (256-column multiples from the group start); a chunk's logits are
-``torch.ops.rlk.linear(hidden, W[chunk])`` — the contract GEMM, whose elements do not depend on N
-or the column offset — and its block partials come from the very kernel ``token_logprobs`` uses
+blocks (256-column multiples from the group start); a chunk's logits are ``linear``'s own plan on
+``(hidden, W[chunk])`` (:func:`rlk_core.ops.linear.triton.forward`) — the contract GEMM, whose elements do not
+depend on N or the column offset — and its block partials come from the very kernel ``token_logprobs`` uses
 (:mod:`rlk_core.ops.token_logprobs.triton`), written into the same ``[T, groups, P]`` buffer and
 merged by the same code. So ``linear_logprobs(h, W) == token_logprobs(linear(h, W))`` bit for bit
 by construction. Extra memory: one chunk of logits (at most ``CHUNK_BYTES``) plus the partials.
@@ -48,66 +48,95 @@ def _chunks(vocab_start: int, width: int, vocab_size: int, t: int, itemsize: int
             yield i, c0, min(c0 + step, hi), (c0 - lo) // L.BLOCK
 
 
-def _partials_into(hidden, weight, target, temperature, vocab_start, vocab_size, m, s, zt) -> None:
+def _partials_into(p, hidden, weight, target, temperature, vocab_start, vocab_size, m, s, zt) -> None:
     t = hidden.shape[0]
     for i, c0, c1, slot in _chunks(vocab_start, weight.shape[0], vocab_size, t, hidden.element_size()):
-        logits = torch.ops.rlk.linear(hidden, weight[c0:c1], None)
-        TT.block_partials_into(logits, temperature, target, m[:, i], s[:, i], zt, vocab_start + c0, slot)
+        logits = LT.forward(p, hidden, weight[c0:c1], None)
+        TT.block_partials_into(p, logits, temperature, target, m[:, i], s[:, i], zt, vocab_start + c0, slot)
+        p.free(logits)
         del logits
 
 
-def linear_logp_partials(hidden, weight, target, temperature, vocab_start, vocab_size):
-    target, temperature = target.contiguous(), temperature.contiguous()
+def linear_logp_partials(p, hidden, weight, target, temperature, vocab_start, vocab_size):
+    target, temperature = p.contiguous(target), p.contiguous(temperature)
     g0, g1 = L.shard_groups("linear_logp_partials", vocab_start, weight.shape[0], vocab_size)
-    m, s, zt = TT.new_partials(hidden.shape[0], g1 - g0, vocab_size, hidden.device)
-    _partials_into(hidden, weight, target, temperature, vocab_start, vocab_size, m, s, zt)
-    gm, gs = TT.merge_blocks(m, s)
-    return gm.contiguous(), gs.contiguous(), zt
+    m, s, zt = TT.new_partials(p, hidden.shape[0], g1 - g0, vocab_size)
+    _partials_into(p, hidden, weight, target, temperature, vocab_start, vocab_size, m, s, zt)
+    gm, gs = TT.merge_blocks(p, m, s)
+    return gm, gs, zt
 
 
-def forward(hidden: torch.Tensor, weights: list[torch.Tensor], target: torch.Tensor, temperature: torch.Tensor
+def forward(p, hidden: torch.Tensor, weights: list[torch.Tensor], target: torch.Tensor, temperature: torch.Tensor
             ) -> tuple[torch.Tensor, torch.Tensor]:
-    target, temperature = target.contiguous(), temperature.contiguous()
+    target, temperature = p.contiguous(target), p.contiguous(temperature)
     vocab_size = sum(w.shape[0] for w in weights)
-    m, s, zt = TT.new_partials(hidden.shape[0], L.num_groups(vocab_size), vocab_size, hidden.device)
+    m, s, zt = TT.new_partials(p, hidden.shape[0], L.num_groups(vocab_size), vocab_size)
     start, gi = 0, 0
     for w in weights:
         g0, g1 = L.shard_groups("linear_logprobs", start, w.shape[0], vocab_size)
-        _partials_into(hidden, w, target, temperature, start, vocab_size, m[:, gi:gi + g1 - g0],
+        _partials_into(p, hidden, w, target, temperature, start, vocab_size, m[:, gi:gi + g1 - g0],
                        s[:, gi:gi + g1 - g0], zt)
         gi += g1 - g0
         start += w.shape[0]
-    return TT.merge_logp_partials(*TT.merge_blocks(m, s), zt, vocab_size)
+    return TT.merge_logp_partials(p, *TT.merge_blocks(p, m, s), zt, vocab_size)
 
 
-def backward(hidden: torch.Tensor, weights: list[torch.Tensor], target: torch.Tensor, temperature: torch.Tensor,
+def backward(p, hidden: torch.Tensor, weights: list[torch.Tensor], target: torch.Tensor, temperature: torch.Tensor,
              lse: torch.Tensor, grad_logp: torch.Tensor, grad_lse: torch.Tensor
              ) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    target, temperature, lse = target.contiguous(), temperature.contiguous(), lse.contiguous()
-    g_logp, g_lse = grad_logp.float().contiguous(), grad_lse.float().contiguous()
+    target, temperature, lse = p.contiguous(target), p.contiguous(temperature), p.contiguous(lse)
+    g_logp, g_lse = p.contiguous(grad_logp, torch.float32), p.contiguous(grad_lse, torch.float32)
     vocab_size = sum(w.shape[0] for w in weights)
     t, h = hidden.shape
-    dh = torch.zeros((t, h), dtype=torch.float32, device=hidden.device)
-    part = torch.empty_like(dh)
+    dh = p.new((t, h), torch.float32, "zeros")
+    part = p.new((t, h), torch.float32)
     # the dW products read dz and hidden as stored ([T, C], [T, H]: transposed views, the reduction over the tokens):
     # the linear backward's stored-layout kernels, no copy, no padding, no variant that depends on T
     dws, start = [], 0
     for w in weights:
-        dw = torch.empty_like(w)
+        dw = p.new(w.shape, w.dtype)
         for _, c0, c1, _ in _chunks(start, w.shape[0], vocab_size, t, hidden.element_size()):
             wc = w[c0:c1]
-            dz = torch.ops.rlk.linear(hidden, wc, None)  # logits, overwritten by dz in place
-            TT.grad_into(dz, dz, target, temperature, lse, g_logp, g_lse, start + c0)
-            LT.linear_2d_into(dz, wc.t(), part)  # dz [T, C] @ W[chunk] [C, H], fp32 out
-            dh += part
-            LT.linear_2d_into(dz.t(), hidden.t(), dw[c0:c1])  # dz^T [C, T] @ hidden [T, H]
+            dz = LT.forward(p, hidden, wc, None)  # logits, overwritten by dz in place
+            TT.grad_into(p, dz, dz, target, temperature, lse, g_logp, g_lse, start + c0)
+            LT.into(p, dz, wc.t(), None, part)  # dz [T, C] @ W[chunk] [C, H], fp32 out
+            p.host(dh.add_, part)
+            LT.into(p, dz.t(), hidden.t(), None, dw[c0:c1])  # dz^T [C, T] @ hidden [T, H]
+            p.free(dz)
             del dz
         dws.append(dw)
         start += w.shape[0]
-    return dh.to(hidden.dtype), dws
+    return p.host(dh.to, hidden.dtype), dws
 
 
 def supports(hidden, weights, target, temperature) -> tuple[bool, str]:
     if hidden.dtype not in LT.DTYPES:
         return False, f"dtype {hidden.dtype} has no rlk.triton GEMM configuration"
     return True, ""
+
+
+def supports_partials(hidden, weight, target, temperature, vocab_start, vocab_size) -> tuple[bool, str]:
+    return supports(hidden, [weight], target, temperature)
+
+
+def supports_backward(hidden, weights, target, temperature, lse, grad_logp, grad_lse) -> tuple[bool, str]:
+    if hidden.shape[0] == 0:
+        return False, "no tokens: nothing to launch"
+    return supports(hidden, weights, target, temperature)
+
+
+def build_calls(dtype: torch.dtype, sms: int):
+    """The forward and the backward at a Qwen3 LM head (hidden 1024, vocabulary 151936) whole and split over 2 and
+    8 shards, target ids int32 or int64, at a token count whose chunks start on every class of leaf slot (a
+    multiple of 16, one, neither): the chunk GEMMs are ``linear``'s variants, the partials and merges
+    ``token_logprobs``', the backward's ``dz @ W[chunk]`` the stored-layout kernel into an fp32 output."""
+    vocab, h = 151936, 1024
+    for tp in (1, 2, 8):
+        w = torch.empty((vocab // tp, h), dtype=dtype, device="meta")
+        for t in (17, 1 << 19):  # chunks of CHUNK_BYTES // (t * itemsize) columns: one a group / one leaf block each
+            hidden = torch.empty((t, h), dtype=dtype, device="meta")
+            f32 = torch.empty((t,), dtype=torch.float32, device="meta")
+            for target_dtype in (torch.int32, torch.int64):
+                target = torch.empty((t,), dtype=target_dtype, device="meta")
+                yield forward, (hidden, [w] * tp, target, f32)
+            yield backward, (hidden, [w] * tp, target, f32, f32, f32, f32)

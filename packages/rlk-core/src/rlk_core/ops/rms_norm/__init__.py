@@ -6,7 +6,8 @@ import torch
 
 from rlk_core.backends import REGISTRY, Backend
 from rlk_core.ops import _checks as C
-from rlk_core.ops._dispatch import call, companion, custom_op, run
+from rlk_core.ops._backends import register_kernel_backends
+from rlk_core.ops._dispatch import define
 from rlk_core.ops._grad import backward_companion
 from rlk_core.ops.rms_norm.reference import rms_norm_backward_reference, rms_norm_reference
 
@@ -31,26 +32,24 @@ def _check_full(x: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
     C.same_device("rms_norm", x=x, weight=weight)
 
 
-@custom_op("rms_norm", direct_run=True)
-def _rms_norm_op(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+@define("rms_norm")
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     _check(x, weight, eps)
-    return run("rms_norm", x.device, x, weight, eps)
 
 
-@_rms_norm_op.register_fake
+@_rms_norm.register_fake
 def _(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     _check(x, weight, eps)
     return torch.empty_like(x)
 
 
-@custom_op("rms_norm_backward", direct_run=True)
-def _rms_norm_backward_op(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float
+@define("rms_norm_backward")
+def _rms_norm_backward(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float
                           ) -> tuple[torch.Tensor, torch.Tensor]:
     _check_backward(grad, x, weight, eps)
-    return run("rms_norm_backward", x.device, grad, x, weight, eps)
 
 
-@_rms_norm_backward_op.register_fake
+@_rms_norm_backward.register_fake
 def _(grad, x, weight, eps):
     _check_backward(grad, x, weight, eps)
     return torch.empty_like(x, memory_format=torch.contiguous_format), torch.empty_like(weight)
@@ -65,7 +64,7 @@ def _check_backward(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, e
 
 
 # autograd: rms_norm_backward(grad, x, weight, eps) -> (dx, dweight), a registry op (reported, forced with rms_norm)
-backward_companion(_rms_norm_op, "rms_norm_backward", n_tensor_inputs=2)
+backward_companion(_rms_norm, "rms_norm_backward", n_tensor_inputs=2)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -91,7 +90,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.
     rounded once to x's dtype; ``dweight = sum over rows of f32(grad) * xhat`` in fp32, reduced in an order
     fixed by the shape (no atomics), rounded once to the weight's dtype. Deterministic run to run.
     """
-    return call("rms_norm", x, weight, float(eps))
+    return _rms_norm(x, weight, float(eps))
 
 
 REGISTRY.register(Backend("rlk.reference", "rms_norm", rms_norm_reference, devices=("cpu", "cuda"),
@@ -99,13 +98,6 @@ REGISTRY.register(Backend("rlk.reference", "rms_norm", rms_norm_reference, devic
 REGISTRY.register(Backend("rlk.reference", "rms_norm_backward", rms_norm_backward_reference,
                           devices=("cpu", "cuda"), builtin=True))
 
-from rlk_core.ops._triton_common import triton_backend  # noqa: E402  (imports no Triton until used on CUDA)
-
-REGISTRY.register(triton_backend("rms_norm"))
-REGISTRY.register(companion(triton_backend, "rms_norm_backward", "backward", lambda grad, x, w, eps: (x, w, eps)))
-
-from rlk_core.ops._cuda_common import cuda_backend  # noqa: E402  (imports neither Triton nor the extension)
-
-REGISTRY.register(cuda_backend("rms_norm"))
-REGISTRY.register(cuda_backend("rms_norm_backward", module="rlk_core.ops.rms_norm.cuda", fn="backward",
-                               supports="supports_backward"))
+M = "rlk_core.ops.rms_norm.triton"
+register_kernel_backends("rms_norm", f"{M}:forward", f"{M}:supports")
+register_kernel_backends("rms_norm_backward", f"{M}:backward", f"{M}:supports_backward")

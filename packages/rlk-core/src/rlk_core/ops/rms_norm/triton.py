@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from rlk_core.ops._triton_common import next_pow2
+from rlk_core.ops._plan import next_pow2
 
 MAX_H = 65536  # one row must fit one program
 
@@ -110,10 +110,9 @@ def _rms_norm_bwd_dw_kernel(part_ptr, dw_ptr, P, H, BLOCK_P: tl.constexpr, BLOCK
     tl.store(dw_ptr + cols, acc.to(dw_ptr.dtype.element_ty), mask=cmask)
 
 
-def rows_view(t: torch.Tensor, contiguous=torch.Tensor.contiguous) -> torch.Tensor:
+def rows_view(p, t: torch.Tensor) -> torch.Tensor:
     """``t [..., H]`` as ``[A, NH, H]`` (``NH = t.shape[-2]``, 1 for a vector) with a unit last stride: a view
-    where one exists (a [T, heads, D] slice of a wider tensor is one), else ``contiguous(t)`` viewed so (a copy;
-    rlk.cuda passes its own, recorded in its launch plan)."""
+    where one exists (a [T, heads, D] slice of a wider tensor is one), else a contiguous copy viewed so."""
     h = t.shape[-1]
     nh = t.shape[-2] if t.dim() >= 2 else 1
     try:
@@ -121,46 +120,60 @@ def rows_view(t: torch.Tensor, contiguous=torch.Tensor.contiguous) -> torch.Tens
     except RuntimeError:
         t3 = None
     if t3 is None or (h > 1 and t3.stride(2) != 1):
-        t3 = contiguous(t).view(-1, nh, h)
+        t3 = p.contiguous(t).view(-1, nh, h)
     return t3
 
 
-def backward(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float
+def forward(p, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    h = x.shape[-1]
+    x2 = p.reshape(x, -1, h)
+    if x2.stride(-1) != 1:
+        x2 = p.contiguous(x2)
+    w = weight if weight.stride(0) == 1 else p.contiguous(weight)
+    m = x2.shape[0]
+    y = p.new(x.shape, x.dtype)
+    if m > 0:
+        c = config(h)
+        p.launch(_rms_norm_fwd_kernel, (triton.cdiv(m, c["ROWS"]),), x2, w, y, m, h, x2.stride(0), h, float(eps), **c)
+    return y
+
+
+def backward(p, grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float
              ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(dx, dweight)`` (see the module docstring): dx in x's dtype, dweight in the weight's."""
     h = x.shape[-1]
-    m = x.numel() // h
-    dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    m = x.numel() // h if h else 0
+    dx = p.new(x.shape, x.dtype)
     if m == 0:
-        return dx, torch.zeros((h,), dtype=weight.dtype, device=weight.device)
-    x3, g3 = rows_view(x), rows_view(grad)
-    w = weight if weight.stride(0) == 1 else weight.contiguous()
+        return dx, p.new((h,), weight.dtype, "zeros")
+    x3, g3 = rows_view(p, x), rows_view(p, grad)
+    w = weight if weight.stride(0) == 1 else p.contiguous(weight)
     rpp, programs = partition(m, h)
-    part = torch.empty((programs, h), dtype=torch.float32, device=x.device)
-    _rms_norm_bwd_kernel[(programs,)](x3, w, g3, dx, part, m, h, x3.shape[1], rpp, x3.stride(0), x3.stride(1),
-                                      g3.stride(0), g3.stride(1), float(eps), **config(h))
-    dw = torch.empty((h,), dtype=weight.dtype, device=weight.device)
-    _rms_norm_bwd_dw_kernel[(triton.cdiv(h, DW_BLOCK_N),)](part, dw, programs, h, BLOCK_P=DW_BLOCK_P,
-                                                           BLOCK_N=DW_BLOCK_N, num_warps=DW_WARPS)
+    part = p.new((programs, h), torch.float32)
+    p.launch(_rms_norm_bwd_kernel, (programs,), x3, w, g3, dx, part, m, h, x3.shape[1], rpp, x3.stride(0),
+             x3.stride(1), g3.stride(0), g3.stride(1), float(eps), **config(h))
+    dw = p.new((h,), weight.dtype)
+    p.launch(_rms_norm_bwd_dw_kernel, (triton.cdiv(h, DW_BLOCK_N),), part, dw, programs, h, BLOCK_P=DW_BLOCK_P,
+             BLOCK_N=DW_BLOCK_N, num_warps=DW_WARPS)
     return dx, dw
-
-
-def forward(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    h = x.shape[-1]
-    x2 = x.reshape(-1, h)
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
-    w = weight if weight.stride(0) == 1 else weight.contiguous()
-    m = x2.shape[0]
-    y = torch.empty((m, h), dtype=x.dtype, device=x.device)
-    if m > 0:
-        c = config(h)
-        grid = (triton.cdiv(m, c["ROWS"]),)
-        _rms_norm_fwd_kernel[grid](x2, w, y, m, h, x2.stride(0), y.stride(0), float(eps), **c)
-    return y.reshape(x.shape)
 
 
 def supports(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[bool, str]:
     if x.shape[-1] > MAX_H:
         return False, f"H={x.shape[-1]} > {MAX_H} (one row per program)"
     return True, ""
+
+
+def supports_backward(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[bool, str]:
+    return supports(x, weight, eps)
+
+
+def build_calls(dtype: torch.dtype, sms: int):
+    """Per distinct :func:`config` (a function of ``next_pow2(H)``) with ``H`` a multiple of 16: the forward and the
+    backward on contiguous rows, the weight in the input dtype or fp32."""
+    for h in (1 << i for i in range(4, MAX_H.bit_length())):
+        for wdtype in sorted({dtype, torch.float32}, key=str):
+            x = torch.empty((64, h), dtype=dtype, device="meta")
+            w = torch.empty((h,), dtype=wdtype, device="meta")
+            yield forward, (x, w, 1e-6)
+            yield backward, (x.new_empty(x.shape), x, w, 1e-6)

@@ -6,7 +6,8 @@ import torch
 
 from rlk_core.backends import REGISTRY, Backend
 from rlk_core.ops import _checks as C
-from rlk_core.ops._dispatch import call, companion, custom_op, run
+from rlk_core.ops._backends import register_kernel_backends
+from rlk_core.ops._dispatch import define
 from rlk_core.ops._grad import backward_companion
 from rlk_core.ops.rope.reference import rope_backward_reference, rope_cos_sin, rope_reference
 
@@ -39,25 +40,23 @@ def _check_full(x: torch.Tensor, positions: torch.Tensor, theta: float, rotary_d
     C.in_range(positions, "rope", "positions", 0, MAX_POSITION)
 
 
-@custom_op("rope", direct_run=True)
-def _rope_op(x: torch.Tensor, positions: torch.Tensor, theta: float, rotary_dim: int) -> torch.Tensor:
+@define("rope")
+def _rope(x: torch.Tensor, positions: torch.Tensor, theta: float, rotary_dim: int) -> torch.Tensor:
     _check(x, positions, theta, rotary_dim)
-    return run("rope", x.device, x, positions, theta, rotary_dim)
 
 
-@_rope_op.register_fake
+@_rope.register_fake
 def _(x: torch.Tensor, positions: torch.Tensor, theta: float, rotary_dim: int) -> torch.Tensor:
     _check(x, positions, theta, rotary_dim)
     return torch.empty_like(x)
 
 
-@custom_op("rope_backward", direct_run=True)
-def _rope_backward_op(grad: torch.Tensor, positions: torch.Tensor, theta: float, rotary_dim: int) -> torch.Tensor:
+@define("rope_backward")
+def _rope_backward(grad: torch.Tensor, positions: torch.Tensor, theta: float, rotary_dim: int) -> torch.Tensor:
     _check(grad, positions, theta, rotary_dim)
-    return run("rope_backward", grad.device, grad, positions, theta, rotary_dim)
 
 
-@_rope_backward_op.register_fake
+@_rope_backward.register_fake
 def _(grad: torch.Tensor, positions: torch.Tensor, theta: float, rotary_dim: int) -> torch.Tensor:
     _check(grad, positions, theta, rotary_dim)
     return torch.empty_like(grad, memory_format=torch.contiguous_format)
@@ -65,7 +64,7 @@ def _(grad: torch.Tensor, positions: torch.Tensor, theta: float, rotary_dim: int
 
 # autograd: rope_backward(grad, positions, theta, rotary_dim) -> dx, a registry op (reported, forced with rope);
 # only the positions are saved (the rotation does not read x)
-backward_companion(_rope_op, "rope_backward", n_tensor_inputs=2, saved=(1,))
+backward_companion(_rope, "rope_backward", n_tensor_inputs=2, saved=(1,))
 
 
 def reserve_tables(device: torch.device | str, rotary_dim: int, theta: float, max_positions: int) -> None:
@@ -113,7 +112,7 @@ def rope(x: torch.Tensor, positions: torch.Tensor, theta: float, rotary_dim: int
     ``dx1 = g1*cos + g2*sin``, ``dx2 = g2*cos - g1*sin`` in fp32 (products first), one rounding; dims past
     ``rotary_dim`` pass the gradient through. Elementwise: deterministic run to run.
     """
-    return call("rope", x, positions, float(theta), int(rotary_dim or x.shape[-1]))
+    return _rope(x, positions, float(theta), int(rotary_dim or x.shape[-1]))
 
 
 REGISTRY.register(Backend("rlk.reference", "rope", rope_reference, devices=("cpu", "cuda"), builtin=True))
@@ -122,13 +121,6 @@ REGISTRY.register(Backend("rlk.reference", "rope_backward", rope_backward_refere
 
 __all__ = ["rope", "rope_cos_sin"]
 
-from rlk_core.ops._triton_common import triton_backend  # noqa: E402  (imports no Triton until used on CUDA)
-
-REGISTRY.register(triton_backend("rope"))
-REGISTRY.register(companion(triton_backend, "rope_backward", "backward", lambda *args: args))
-
-from rlk_core.ops._cuda_common import cuda_backend  # noqa: E402  (imports neither Triton nor the extension)
-
-REGISTRY.register(cuda_backend("rope"))
-REGISTRY.register(cuda_backend("rope_backward", module="rlk_core.ops.rope.cuda", fn="backward",
-                               supports="supports_backward"))
+M = "rlk_core.ops.rope.triton"
+register_kernel_backends("rope", f"{M}:forward", f"{M}:supports")
+register_kernel_backends("rope_backward", f"{M}:backward", f"{M}:supports")

@@ -37,7 +37,7 @@ import triton.language as tl
 
 from rlk_core.errors import RlkInputError
 from rlk_core.ops import _checks as C
-from rlk_core.ops._triton_common import next_pow2
+from rlk_core.ops._plan import hold, invalidate, next_pow2
 from rlk_core.ops.rope.reference import rope_cos_sin
 
 MIN_CAP = 4096
@@ -50,11 +50,9 @@ _LOCK = threading.Lock()
 def reserve(device: torch.device, rotary_dim: int, theta: float, max_positions: int) -> None:
     """Build the table for positions ``[0, max_positions)`` and mark it usable under CUDA-graph capture (and by
     the ops' fast path, which holds a reserved table in place of this lookup until a table is replaced)."""
-    from rlk_core.ops import _cuda_common as cc
-
     cos, sin = tables(device, rotary_dim, theta, max_positions)
     _RESERVED.add((str(device), rotary_dim, float(theta)))
-    cc.keep_stable(cos, sin)
+    hold(cos, sin)
 
 
 def reserved_tables(device: torch.device, rotary_dim: int, theta: float
@@ -91,9 +89,7 @@ def tables(device: torch.device, rotary_dim: int, theta: float, need: int) -> tu
             hit = (cap, cos.contiguous(), sin.contiguous())
             _TABLES[key] = hit
             if replaced:
-                from rlk_core.ops._dispatch import fast_reset
-
-                fast_reset()  # a fast-path call may hold the table this one replaces
+                invalidate()  # a kept launch program may hold the address of the table this one replaces
     return hit[1], hit[2]
 
 
@@ -153,23 +149,21 @@ def _rope_bwd_kernel(g_ptr, pos_ptr, cos_ptr, sin_ptr, dx_ptr, T, NH, N_POS,
             HALF, D, R, BLOCK_H, BLOCK_HALF, BLOCK_PASS, True)
 
 
-def launch(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+def launch(p, x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
            rotary_dim: int, kernel=_rope_fwd_kernel) -> torch.Tensor:
     """Run ``kernel`` (the forward, or :data:`_rope_bwd_kernel` on a gradient) with tables from :func:`tables`;
     tokens whose position is past the table's rows get NaN."""
     t, nh, d = x.shape
-    y = torch.empty((t, nh, d), dtype=x.dtype, device=x.device)
+    y = p.new((t, nh, d), x.dtype)
     if t == 0 or nh == 0:
         return y
     if x.stride(-1) != 1:
-        x = x.contiguous()
+        x = p.contiguous(x)
     c = config(nh, rotary_dim // 2)
     block_pass = next_pow2(d - rotary_dim) if d > rotary_dim else 0
-    grid = (t, triton.cdiv(nh, c["BLOCK_H"]))
-    kernel[grid](x, positions, cos, sin, y, t, nh, cos.shape[0],
-                 x.stride(0), x.stride(1), y.stride(0), y.stride(1),
-                 HALF=rotary_dim // 2, D=d, R=rotary_dim, BLOCK_PASS=block_pass,
-                 enable_fp_fusion=False, **c)
+    p.launch(kernel, (t, triton.cdiv(nh, c["BLOCK_H"])), x, positions, cos, sin, y, t, nh, cos.shape[0],
+             x.stride(0), x.stride(1), nh * d, d, HALF=rotary_dim // 2, D=d, R=rotary_dim, BLOCK_PASS=block_pass,
+             enable_fp_fusion=False, **c)
     return y
 
 
@@ -185,7 +179,7 @@ def forward_tables(x: torch.Tensor, positions: torch.Tensor, theta: float, rotar
             C.require(hi < rows, "rope", f"position {hi} is past the reserved cos/sin table of {rows} rows "
                       f"(rotary_dim={rotary_dim}, theta={theta}); reserve_tables a longer one")
         return reserved
-    if torch.cuda.is_current_stream_capturing():
+    if x.is_cuda and torch.cuda.is_current_stream_capturing():
         raise RlkInputError(f"rope under CUDA-graph capture: no cos/sin table reserved for rotary_dim={rotary_dim}, "
                             f"theta={theta} on {x.device}; call rlk_core.ops.rope.reserve_tables(device, "
                             "rotary_dim, theta, max_positions) before capturing")
@@ -201,19 +195,43 @@ def backward_tables(grad: torch.Tensor, positions: torch.Tensor, theta: float, r
     return hit if hit is not None else tables(grad.device, rotary_dim, theta, int(positions.max()) + 1)
 
 
-def forward(x: torch.Tensor, positions: torch.Tensor, theta: float, rotary_dim: int) -> torch.Tensor:
+def forward(p, x: torch.Tensor, positions: torch.Tensor, theta: float, rotary_dim: int) -> torch.Tensor:
     if x.shape[0] == 0:
-        return torch.empty_like(x)
-    return launch(x, positions, *forward_tables(x, positions, theta, rotary_dim), rotary_dim)
+        return p.new(x.shape, x.dtype)
+    return launch(p, x, positions, *forward_tables(x, positions, theta, rotary_dim), rotary_dim)
 
 
-def backward(grad: torch.Tensor, positions: torch.Tensor, theta: float, rotary_dim: int) -> torch.Tensor:
+def backward(p, grad: torch.Tensor, positions: torch.Tensor, theta: float, rotary_dim: int) -> torch.Tensor:
     """``dx`` of ``rope`` for the output gradient ``grad [T, H, D]`` (see the module docstring)."""
     if grad.shape[0] == 0:
-        return torch.empty_like(grad)
-    return launch(grad, positions, *backward_tables(grad, positions, theta, rotary_dim), rotary_dim,
+        return p.new(grad.shape, grad.dtype)
+    return launch(p, grad, positions, *backward_tables(grad, positions, theta, rotary_dim), rotary_dim,
                   kernel=_rope_bwd_kernel)
 
 
 def supports(x: torch.Tensor, positions: torch.Tensor, theta: float, rotary_dim: int) -> tuple[bool, str]:
     return True, ""
+
+
+SHAPES = ((64, 64), (128, 128), (256, 256), (128, 64))  # (head_dim, rotary_dim) pairs the AOT build compiles
+
+
+def build_calls(dtype: torch.dtype, sms: int):
+    """For each ``(head_dim, rotary_dim)`` of :data:`SHAPES` (``D`` and ``R`` are constexprs: each pair is a family
+    of binaries): per distinct ``config(heads, rotary_dim // 2)`` and class of the head count (the JIT specialises
+    ``NH``: 1, a multiple of 16, neither — ``config`` reads ``next_pow2(heads)`` only, so 1, 2 and each power of two
+    ``p >= 4`` with ``p - 1`` cover them), positions int32 or int64: the forward and the backward."""
+    heads = sorted({1, 2, *(q for i in range(2, 17) for q in ((1 << i) - 1, 1 << i))})
+    for d, r in SHAPES:
+        seen = set()
+        for nh in heads:
+            cls = (tuple(sorted(config(nh, r // 2).items())), "1" if nh == 1 else "16" if nh % 16 == 0 else "")
+            if cls in seen:
+                continue
+            seen.add(cls)
+            for pos in (torch.int32, torch.int64):
+                x = torch.empty((8, nh, d), dtype=dtype, device="meta")
+                positions = torch.empty((8,), dtype=pos, device="meta")
+                cos = torch.empty((4096, r // 2), dtype=torch.float32, device="meta")
+                yield launch, (x, positions, cos, cos, r)
+                yield launch, (x, positions, cos, cos, r, _rope_bwd_kernel)

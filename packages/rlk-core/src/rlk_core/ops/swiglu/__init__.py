@@ -6,7 +6,8 @@ import torch
 
 from rlk_core.backends import REGISTRY, Backend
 from rlk_core.ops import _checks as C
-from rlk_core.ops._dispatch import call, companion, custom_op, run
+from rlk_core.ops._backends import register_kernel_backends
+from rlk_core.ops._dispatch import define
 from rlk_core.ops._grad import backward_companion
 from rlk_core.ops.swiglu.reference import swiglu_backward_reference, swiglu_reference
 
@@ -26,25 +27,23 @@ def _check_full(x: torch.Tensor) -> None:
               f"x must be [..., 2*I] (gate then up) with an even, non-zero last dim, got {tuple(x.shape)}")
 
 
-@custom_op("swiglu", direct_run=True)
-def _swiglu_op(x: torch.Tensor) -> torch.Tensor:
+@define("swiglu")
+def _swiglu(x: torch.Tensor) -> torch.Tensor:
     _check(x)
-    return run("swiglu", x.device, x)
 
 
-@_swiglu_op.register_fake
+@_swiglu.register_fake
 def _(x: torch.Tensor) -> torch.Tensor:
     _check(x)
     return x.new_empty((*x.shape[:-1], x.shape[-1] // 2))
 
 
-@custom_op("swiglu_backward", direct_run=True)
-def _swiglu_backward_op(grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+@define("swiglu_backward")
+def _swiglu_backward(grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     _check_backward(grad, x)
-    return run("swiglu_backward", x.device, grad, x)
 
 
-@_swiglu_backward_op.register_fake
+@_swiglu_backward.register_fake
 def _(grad, x):
     _check_backward(grad, x)
     return torch.empty_like(x, memory_format=torch.contiguous_format)
@@ -60,7 +59,7 @@ def _check_backward(grad: torch.Tensor, x: torch.Tensor) -> None:
 
 
 # autograd: swiglu_backward(grad, x) -> dx, a registry op (reported, forced with swiglu)
-backward_companion(_swiglu_op, "swiglu_backward", n_tensor_inputs=1)
+backward_companion(_swiglu, "swiglu_backward", n_tensor_inputs=1)
 
 
 def swiglu(x: torch.Tensor) -> torch.Tensor:
@@ -80,20 +79,13 @@ def swiglu(x: torch.Tensor) -> torch.Tensor:
     ``dgate = dy * u * s * (1 + g * (1 - s))``, ``dup = dy * (g * s)``, each element from its own gate, up
     and output gradient, rounded once to x's dtype. Deterministic run to run (elementwise, no reduction).
     """
-    return call("swiglu", x)
+    return _swiglu(x)
 
 
 REGISTRY.register(Backend("rlk.reference", "swiglu", swiglu_reference, devices=("cpu", "cuda"), builtin=True))
 REGISTRY.register(Backend("rlk.reference", "swiglu_backward", swiglu_backward_reference, devices=("cpu", "cuda"),
                           builtin=True))
 
-from rlk_core.ops._triton_common import triton_backend  # noqa: E402  (imports no Triton until used on CUDA)
-
-REGISTRY.register(triton_backend("swiglu"))
-REGISTRY.register(companion(triton_backend, "swiglu_backward", "backward", lambda grad, x: (x,)))
-
-from rlk_core.ops._cuda_common import cuda_backend  # noqa: E402  (imports neither Triton nor the extension)
-
-REGISTRY.register(cuda_backend("swiglu"))
-REGISTRY.register(cuda_backend("swiglu_backward", module="rlk_core.ops.swiglu.cuda", fn="backward",
-                               supports="supports_backward"))
+M = "rlk_core.ops.swiglu.triton"
+register_kernel_backends("swiglu", f"{M}:forward", f"{M}:supports")
+register_kernel_backends("swiglu_backward", f"{M}:backward", f"{M}:supports_backward")

@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from rlk_core.ops._triton_common import next_pow2
+from rlk_core.ops._plan import next_pow2
 
 
 def config(inter: int) -> dict[str, int]:
@@ -50,41 +50,50 @@ def _swiglu_bwd_kernel(x_ptr, g_ptr, dx_ptr, M, INTER, stride_xm, stride_gm, str
     tl.store(dx_ptr + row * stride_dxm + INTER + cols, dup.to(dx_ptr.dtype.element_ty), mask=mask)
 
 
-def _rows(t: torch.Tensor) -> torch.Tensor:
-    t2 = t.reshape(-1, t.shape[-1])
-    return t2 if t2.stride(-1) == 1 else t2.contiguous()
+def _rows(p, t: torch.Tensor) -> torch.Tensor:
+    t2 = p.reshape(t, -1, t.shape[-1])
+    return t2 if t2.stride(-1) == 1 else p.contiguous(t2)
 
 
-def backward(grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+def forward(p, x: torch.Tensor) -> torch.Tensor:
+    inter = x.shape[-1] // 2
+    x2 = _rows(p, x)
+    m = x2.shape[0]
+    y = p.new((*x.shape[:-1], inter), x.dtype)
+    if m > 0:
+        c = config(inter)
+        p.launch(_swiglu_fwd_kernel, (m, triton.cdiv(inter, c["BLOCK"])), x2, y, m, inter, x2.stride(0), inter, **c)
+    return y
+
+
+def backward(p, grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """``dx = [dgate | dup]`` of ``x [..., 2I]`` for ``grad [..., I]`` (see the module docstring)."""
     two_i = x.shape[-1]
     inter = two_i // 2
-    x2, g2 = _rows(x), _rows(grad)
+    x2, g2 = _rows(p, x), _rows(p, grad)
     m = x2.shape[0]
-    dx = torch.empty((m, two_i), dtype=x.dtype, device=x.device)
+    dx = p.new(x.shape, x.dtype)
     if m > 0:
         c = config(inter)
-        grid = (m, triton.cdiv(inter, c["BLOCK"]))
-        _swiglu_bwd_kernel[grid](x2, g2, dx, m, inter, x2.stride(0), g2.stride(0), dx.stride(0), **c)
-    return dx.reshape(x.shape)
-
-
-def forward(x: torch.Tensor) -> torch.Tensor:
-    two_i = x.shape[-1]
-    inter = two_i // 2
-    x2 = x.reshape(-1, two_i)
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
-    m = x2.shape[0]
-    y = torch.empty((m, inter), dtype=x.dtype, device=x.device)
-    if m > 0:
-        c = config(inter)
-        grid = (m, triton.cdiv(inter, c["BLOCK"]))
-        _swiglu_fwd_kernel[grid](x2, y, m, inter, x2.stride(0), y.stride(0), **c)
-    return y.reshape(*x.shape[:-1], inter)
+        p.launch(_swiglu_bwd_kernel, (m, triton.cdiv(inter, c["BLOCK"])), x2, g2, dx, m, inter, x2.stride(0),
+                 g2.stride(0), two_i, **c)
+    return dx
 
 
 def supports(x: torch.Tensor) -> tuple[bool, str]:
     if triton.cdiv(x.shape[-1] // 2, config(x.shape[-1] // 2)["BLOCK"]) > 65535:
         return False, f"intermediate size {x.shape[-1] // 2} exceeds the grid's second dimension"
     return True, ""
+
+
+def supports_backward(grad: torch.Tensor, x: torch.Tensor) -> tuple[bool, str]:
+    return supports(x)
+
+
+def build_calls(dtype: torch.dtype, sms: int):
+    """Per distinct :func:`config` (``BLOCK = min(2048, next_pow2(I))``) with ``I`` a multiple of 16: the forward
+    and the backward on contiguous rows."""
+    for inter in (16 << i for i in range(8)):
+        x = torch.empty((64, 2 * inter), dtype=dtype, device="meta")
+        yield forward, (x,)
+        yield backward, (x.new_empty((64, inter)), x)

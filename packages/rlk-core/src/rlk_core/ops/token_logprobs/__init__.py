@@ -13,8 +13,8 @@ import torch
 from rlk_core.backends import REGISTRY, Backend
 from rlk_core.ops import _checks as C
 from rlk_core.ops import _logp_tree as L
-from rlk_core.ops._dispatch import call, companion, custom_op, run
-from rlk_core.ops._triton_common import triton_backend
+from rlk_core.ops._backends import register_kernel_backends
+from rlk_core.ops._dispatch import define
 from rlk_core.ops.token_logprobs.reference import (
     logp_partials_reference,
     merge_logp_partials_reference,
@@ -45,29 +45,27 @@ def _check(shards: Sequence[torch.Tensor], target: torch.Tensor, temperature: to
     C.same_device(OP, logits=shards[0], target=target, temperature=temperature)
 
 
-@custom_op("token_logprobs")
-def _token_logprobs_op(logits: list[torch.Tensor], target: torch.Tensor, temperature: torch.Tensor
+@define("token_logprobs")
+def _token_logprobs(logits: list[torch.Tensor], target: torch.Tensor, temperature: torch.Tensor
                        ) -> tuple[torch.Tensor, torch.Tensor]:
     _check(logits, target, temperature)
-    return run(OP, logits[0].device, list(logits), target, temperature)
 
 
-@_token_logprobs_op.register_fake
+@_token_logprobs.register_fake
 def _(logits, target, temperature):
     _check(logits, target, temperature)
     t = logits[0].shape[0]
     return logits[0].new_empty((t,), dtype=torch.float32), logits[0].new_empty((t,), dtype=torch.float32)
 
 
-@torch.library.custom_op("rlk::token_logprobs_backward", mutates_args=())
-def _token_logprobs_backward_op(logits: list[torch.Tensor], target: torch.Tensor, temperature: torch.Tensor,
+@define("token_logprobs_backward")
+def _token_logprobs_backward(logits: list[torch.Tensor], target: torch.Tensor, temperature: torch.Tensor,
                                 lse: torch.Tensor, grad_logp: torch.Tensor, grad_lse: torch.Tensor
                                 ) -> list[torch.Tensor]:
-    return run("token_logprobs_backward", logits[0].device, list(logits), target, temperature, lse, grad_logp,
-               grad_lse)
+    pass
 
 
-@_token_logprobs_backward_op.register_fake
+@_token_logprobs_backward.register_fake
 def _(logits, target, temperature, lse, grad_logp, grad_lse):
     return [torch.empty_like(x) for x in logits]
 
@@ -80,11 +78,11 @@ def _setup_context(ctx, inputs, output) -> None:
 def _backward(ctx, grad_logp, grad_lse):
     target, temperature, lse, *logits = ctx.saved_tensors
     g_logp, g_lse = L.grads_or_zeros(lse, grad_logp, grad_lse)
-    grads = torch.ops.rlk.token_logprobs_backward(logits, target, temperature, lse, g_logp, g_lse)
+    grads = _token_logprobs_backward(logits, target, temperature, lse, g_logp, g_lse)
     return list(grads), None, None
 
 
-_token_logprobs_op.register_autograd(_backward, setup_context=_setup_context)
+_token_logprobs.register_autograd(_backward, setup_context=_setup_context)
 
 
 def token_logprobs(logits: torch.Tensor | Sequence[torch.Tensor], target: torch.Tensor,
@@ -122,18 +120,14 @@ def token_logprobs(logits: torch.Tensor | Sequence[torch.Tensor], target: torch.
               "logits must be a tensor [T, V] or a non-empty list of tensor shards")
     _check_logits(OP, shards)
     temp = L.as_temperature(OP, temperature, shards[0].shape[0] if shards[0].dim() else 0, shards[0].device)
-    return call("token_logprobs", shards, target, temp)
+    return _token_logprobs(shards, target, temp)
 
 
 # -- the vocab-parallel halves ---------------------------------------------------------------------
-@custom_op("logp_partials", direct_run=True)
-def _logp_partials_op(logits_shard: torch.Tensor, target: torch.Tensor, temperature: torch.Tensor,
+@define("logp_partials")
+def _logp_partials(logits_shard: torch.Tensor, target: torch.Tensor, temperature: torch.Tensor,
                       vocab_start: int, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     _check_partials(logits_shard, target, temperature, vocab_start, vocab_size)
-    # (contiguous: the same tensors where they already are, so a taught call's signature is its caller's; a strided
-    # target or temperature misses the fast path in call() and is copied here, then run() finds the taught call)
-    return run("logp_partials", logits_shard.device, logits_shard, target.contiguous(), temperature.contiguous(),
-               vocab_start, vocab_size)
 
 
 def _check_partials(x, target, temperature, vocab_start, vocab_size) -> tuple[int, int]:
@@ -146,7 +140,7 @@ def _check_partials(x, target, temperature, vocab_start, vocab_size) -> tuple[in
     return g0, g1
 
 
-@_logp_partials_op.register_fake
+@_logp_partials.register_fake
 def _(logits_shard, target, temperature, vocab_start, vocab_size):
     g0, g1 = _check_partials(logits_shard, target, temperature, vocab_start, vocab_size)
     t = logits_shard.shape[0]
@@ -177,7 +171,7 @@ def logp_partials(logits_shard: torch.Tensor, target: torch.Tensor, temperature:
     Each group partial depends only on that row and the group's columns. Not differentiable.
     """
     temp = L.as_temperature("logp_partials", temperature, logits_shard.shape[0], logits_shard.device)
-    return call("logp_partials", logits_shard, target, temp, int(vocab_start), int(vocab_size))
+    return _logp_partials(logits_shard, target, temp, int(vocab_start), int(vocab_size))
 
 
 def _check_merge(m, s, z_target, vocab_size) -> None:
@@ -196,14 +190,13 @@ def _check_merge(m, s, z_target, vocab_size) -> None:
     C.same_device(op, m=m, s=s, z_target=z_target)
 
 
-@custom_op("merge_logp_partials", direct_run=True)
-def _merge_op(m: torch.Tensor, s: torch.Tensor, z_target: torch.Tensor, vocab_size: int
+@define("merge_logp_partials")
+def _merge_logp_partials(m: torch.Tensor, s: torch.Tensor, z_target: torch.Tensor, vocab_size: int
               ) -> tuple[torch.Tensor, torch.Tensor]:
     _check_merge(m, s, z_target, vocab_size)
-    return run("merge_logp_partials", m.device, m, s, z_target, vocab_size)
 
 
-@_merge_op.register_fake
+@_merge_logp_partials.register_fake
 def _(m, s, z_target, vocab_size):
     _check_merge(m, s, z_target, vocab_size)
     return torch.empty_like(z_target), torch.empty_like(z_target)
@@ -226,7 +219,7 @@ def merge_logp_partials(m: torch.Tensor, s: torch.Tensor, z_target: torch.Tensor
     trailing groups are exact identities), ``lse = m + log(s)``, ``logp = z_target - lse``. Each row
     depends only on that row's partials.
     """
-    return call("merge_logp_partials", m, s, z_target, int(vocab_size))
+    return _merge_logp_partials(m, s, z_target, int(vocab_size))
 
 
 REGISTRY.register(Backend("rlk.reference", OP, token_logprobs_reference, devices=("cpu", "cuda"), builtin=True))
@@ -236,17 +229,8 @@ REGISTRY.register(Backend("rlk.reference", "logp_partials", logp_partials_refere
                           builtin=True))
 REGISTRY.register(Backend("rlk.reference", "merge_logp_partials", merge_logp_partials_reference,
                           devices=("cpu", "cuda"), builtin=True))
-# imports no Triton until used on CUDA
-REGISTRY.register(triton_backend(OP))
-REGISTRY.register(companion(triton_backend, "token_logprobs_backward", "backward",
-                            lambda shards, t, temp, *_: (shards, t, temp)))
-REGISTRY.register(companion(triton_backend, "logp_partials", "logp_partials", lambda x, t, temp, *_: ([x], t, temp)))
-REGISTRY.register(companion(triton_backend, "merge_logp_partials", "merge_logp_partials",
-                            lambda m, *_: ([m], None, None)))
-
-from rlk_core.ops._cuda_common import cuda_backend  # noqa: E402  (imports neither Triton nor the extension)
-
-for _op, _fn, _sup in ((OP, "forward", "supports"), ("token_logprobs_backward", "backward", "supports_backward"),
-                       ("logp_partials", "logp_partials", "supports_logp_partials"),
-                       ("merge_logp_partials", "merge_logp_partials", "supports_merge_logp_partials")):
-    REGISTRY.register(cuda_backend(_op, module="rlk_core.ops.token_logprobs.cuda", fn=_fn, supports=_sup))
+M = "rlk_core.ops.token_logprobs.triton"
+register_kernel_backends(OP, f"{M}:forward", f"{M}:supports")
+register_kernel_backends("token_logprobs_backward", f"{M}:backward", f"{M}:supports_backward")
+register_kernel_backends("logp_partials", f"{M}:logp_partials", f"{M}:supports_partials")
+register_kernel_backends("merge_logp_partials", f"{M}:merge_logp_partials", f"{M}:supports_merge")

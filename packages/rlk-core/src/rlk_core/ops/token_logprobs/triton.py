@@ -226,16 +226,17 @@ def _logp_grad_kernel(
 
 
 # -- launchers ------------------------------------------------------------------------------------
-def new_partials(t: int, groups: int, vocab_size: int, device: torch.device
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+F32 = torch.float32
+
+
+def new_partials(p, t: int, groups: int, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Identity-filled block partials ``[T, groups, P]`` and ``z_target = -inf`` ``[T]``."""
-    p = L.padded_blocks(vocab_size)
-    m, s = L.identity((t, groups, p), torch.empty(0, device=device))
-    zt = torch.full((t,), L.NEG_INF, dtype=torch.float32, device=device)
-    return m, s, zt
+    blocks = L.padded_blocks(vocab_size)
+    return (p.new((t, groups, blocks), F32, "-inf"), p.new((t, groups, blocks), F32, "zeros"),
+            p.new((t,), F32, "-inf"))
 
 
-def block_partials_into(x: torch.Tensor, temperature: torch.Tensor, target: torch.Tensor, m: torch.Tensor,
+def block_partials_into(p, x: torch.Tensor, temperature: torch.Tensor, target: torch.Tensor, m: torch.Tensor,
                         s: torch.Tensor, zt: torch.Tensor, col0: int, slot0: int) -> None:
     """Block partials of ``x`` (``[T, w]``, columns ``[col0, col0 + w)`` of one group, starting on its
     leaf block ``slot0``) into ``m[:, slot0:]``, ``s[:, slot0:]`` (``[T, P]`` views, unit column
@@ -244,16 +245,12 @@ def block_partials_into(x: torch.Tensor, temperature: torch.Tensor, target: torc
     if t == 0 or w == 0:
         return
     assert m.stride(1) == 1 and s.stride(1) == 1 and m.stride(0) == s.stride(0)
-    grid = (triton.cdiv(t, BLOCK_T), triton.cdiv(w, L.BLOCK))
-    _logp_block_fwd_kernel[grid](
-        x, temperature, target, m, s, zt,
-        t, w, col0, slot0,
-        x.stride(0), x.stride(1), m.stride(0),
-        BLOCK_T=BLOCK_T, BLOCK=L.BLOCK, num_warps=NUM_WARPS,
-    )
+    p.launch(_logp_block_fwd_kernel, (triton.cdiv(t, BLOCK_T), triton.cdiv(w, L.BLOCK)),
+             x, temperature, target, m, s, zt, t, w, col0, slot0, x.stride(0), x.stride(1), m.stride(0),
+             BLOCK_T=BLOCK_T, BLOCK=L.BLOCK, num_warps=NUM_WARPS)
 
 
-def shard_block_partials_into(x: torch.Tensor, temperature: torch.Tensor, target: torch.Tensor,
+def shard_block_partials_into(p, x: torch.Tensor, temperature: torch.Tensor, target: torch.Tensor,
                               vocab_start: int, vocab_size: int, m: torch.Tensor, s: torch.Tensor,
                               zt: torch.Tensor) -> None:
     """All groups of a logits shard (``m``/``s``: ``[T, groups of the shard, P]``)."""
@@ -261,94 +258,87 @@ def shard_block_partials_into(x: torch.Tensor, temperature: torch.Tensor, target
     bounds = L.group_bounds(vocab_size)
     for i, g in enumerate(range(g0, g1)):
         lo, hi = bounds[g] - vocab_start, bounds[g + 1] - vocab_start
-        block_partials_into(x[:, lo:hi], temperature, target, m[:, i], s[:, i], zt, bounds[g], 0)
+        block_partials_into(p, x[:, lo:hi], temperature, target, m[:, i], s[:, i], zt, bounds[g], 0)
 
 
 MERGE_BLOCK_T = 16  # rows per program of the merge kernels (a constant: never a function of T)
 MAX_PADDED_BLOCKS = 4096  # the halves tree's widest level in _merge_blocks_kernel (V up to ~8.4M)
 
 
-def merge_blocks(m: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def merge_blocks(p, m: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``[T, G, P]`` block partials -> ``[T, G]`` group partials (the fixed halves tree), one launch."""
-    t, groups, p = m.shape
-    assert p & (p - 1) == 0 and p <= MAX_PADDED_BLOCKS, p
-    m, s = m.contiguous(), s.contiguous()
-    gm = torch.empty((t, groups), dtype=torch.float32, device=m.device)
-    gs = torch.empty((t, groups), dtype=torch.float32, device=m.device)
+    t, groups, blocks = m.shape
+    assert blocks & (blocks - 1) == 0 and blocks <= MAX_PADDED_BLOCKS, blocks
+    m, s = p.contiguous(m), p.contiguous(s)
+    gm, gs = p.new((t, groups), F32), p.new((t, groups), F32)
     if t == 0 or groups == 0:
         return gm, gs
-    _merge_blocks_kernel[(triton.cdiv(t, MERGE_BLOCK_T), groups)](
-        m, s, gm, gs, t, m.stride(0), m.stride(1), gm.stride(0),
-        BLOCK_T=MERGE_BLOCK_T, P=p, num_warps=NUM_WARPS, enable_fp_fusion=False,
-    )
+    p.launch(_merge_blocks_kernel, (triton.cdiv(t, MERGE_BLOCK_T), groups),
+             m, s, gm, gs, t, m.stride(0), m.stride(1), groups,
+             BLOCK_T=MERGE_BLOCK_T, P=blocks, num_warps=NUM_WARPS, enable_fp_fusion=False)
     return gm, gs
 
 
-def logp_partials(x: torch.Tensor, target: torch.Tensor, temperature: torch.Tensor, vocab_start: int,
+def logp_partials(p, x: torch.Tensor, target: torch.Tensor, temperature: torch.Tensor, vocab_start: int,
                   vocab_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    target, temperature = p.contiguous(target), p.contiguous(temperature)
     g0, g1 = L.shard_groups("logp_partials", vocab_start, x.shape[1], vocab_size)
-    m, s, zt = new_partials(x.shape[0], g1 - g0, vocab_size, x.device)
-    shard_block_partials_into(x, temperature, target, vocab_start, vocab_size, m, s, zt)
-    gm, gs = merge_blocks(m, s)
-    return gm.contiguous(), gs.contiguous(), zt
+    m, s, zt = new_partials(p, x.shape[0], g1 - g0, vocab_size)
+    shard_block_partials_into(p, x, temperature, target, vocab_start, vocab_size, m, s, zt)
+    gm, gs = merge_blocks(p, m, s)
+    return gm, gs, zt
 
 
-def merge_logp_partials(m: torch.Tensor, s: torch.Tensor, z_target: torch.Tensor, vocab_size: int
+def merge_logp_partials(p, m: torch.Tensor, s: torch.Tensor, z_target: torch.Tensor, vocab_size: int
                         ) -> tuple[torch.Tensor, torch.Tensor]:
     """``[T, k]`` group partials (``k <= 8``) and ``z[target]`` -> ``(logp, lse)``, one launch."""
     t, k = m.shape
     assert k <= L.GROUPS, k
-    m, s, z_target = m.float().contiguous(), s.float().contiguous(), z_target.float().contiguous()
-    logp = torch.empty((t,), dtype=torch.float32, device=m.device)
-    lse = torch.empty((t,), dtype=torch.float32, device=m.device)
+    m, s, z_target = p.contiguous(m, F32), p.contiguous(s, F32), p.contiguous(z_target, F32)
+    logp, lse = p.new((t,), F32), p.new((t,), F32)
     if t == 0:
         return logp, lse
-    _merge_groups_kernel[(triton.cdiv(t, MERGE_BLOCK_T),)](
-        m, s, z_target, logp, lse, t, k, m.stride(0), s.stride(0),
-        BLOCK_T=MERGE_BLOCK_T, GROUPS=L.GROUPS, num_warps=NUM_WARPS, enable_fp_fusion=False,
-    )
+    p.launch(_merge_groups_kernel, (triton.cdiv(t, MERGE_BLOCK_T),),
+             m, s, z_target, logp, lse, t, k, m.stride(0), s.stride(0),
+             BLOCK_T=MERGE_BLOCK_T, GROUPS=L.GROUPS, num_warps=NUM_WARPS, enable_fp_fusion=False)
     return logp, lse
 
 
-def forward(shards: list[torch.Tensor], target: torch.Tensor, temperature: torch.Tensor
+def forward(p, shards: list[torch.Tensor], target: torch.Tensor, temperature: torch.Tensor
             ) -> tuple[torch.Tensor, torch.Tensor]:
-    target, temperature = target.contiguous(), temperature.contiguous()
+    target, temperature = p.contiguous(target), p.contiguous(temperature)
     vocab_size = sum(x.shape[1] for x in shards)
-    t = shards[0].shape[0]
-    m, s, zt = new_partials(t, L.num_groups(vocab_size), vocab_size, shards[0].device)
+    m, s, zt = new_partials(p, shards[0].shape[0], L.num_groups(vocab_size), vocab_size)
     start, gi = 0, 0
     for x in shards:
         g0, g1 = L.shard_groups("token_logprobs", start, x.shape[1], vocab_size)
-        shard_block_partials_into(x, temperature, target, start, vocab_size, m[:, gi:gi + g1 - g0],
+        shard_block_partials_into(p, x, temperature, target, start, vocab_size, m[:, gi:gi + g1 - g0],
                                   s[:, gi:gi + g1 - g0], zt)
         gi += g1 - g0
         start += x.shape[1]
-    return merge_logp_partials(*merge_blocks(m, s), zt, vocab_size)
+    return merge_logp_partials(p, *merge_blocks(p, m, s), zt, vocab_size)
 
 
-def grad_into(x: torch.Tensor, out: torch.Tensor, target: torch.Tensor, temperature: torch.Tensor,
+def grad_into(p, x: torch.Tensor, out: torch.Tensor, target: torch.Tensor, temperature: torch.Tensor,
               lse: torch.Tensor, g_logp: torch.Tensor, g_lse: torch.Tensor, col0: int) -> None:
     """``out = dL/dlogits`` of ``x`` (columns ``[col0, col0 + w)``), in ``out``'s dtype; ``out`` may be ``x``."""
     t, w = x.shape
     if t == 0 or w == 0:
         return
-    grid = (triton.cdiv(t, GRAD_BLOCK_T), triton.cdiv(w, GRAD_BLOCK_N))
-    _logp_grad_kernel[grid](
-        x, out, temperature, target, lse, g_logp, g_lse,
-        t, w, col0,
-        x.stride(0), x.stride(1), out.stride(0), out.stride(1),
-        BLOCK_T=GRAD_BLOCK_T, BLOCK_N=GRAD_BLOCK_N, num_warps=NUM_WARPS,
-    )
+    p.launch(_logp_grad_kernel, (triton.cdiv(t, GRAD_BLOCK_T), triton.cdiv(w, GRAD_BLOCK_N)),
+             x, out, temperature, target, lse, g_logp, g_lse, t, w, col0,
+             x.stride(0), x.stride(1), out.stride(0), out.stride(1),
+             BLOCK_T=GRAD_BLOCK_T, BLOCK_N=GRAD_BLOCK_N, num_warps=NUM_WARPS)
 
 
-def backward(shards: list[torch.Tensor], target: torch.Tensor, temperature: torch.Tensor, lse: torch.Tensor,
+def backward(p, shards: list[torch.Tensor], target: torch.Tensor, temperature: torch.Tensor, lse: torch.Tensor,
              grad_logp: torch.Tensor, grad_lse: torch.Tensor) -> list[torch.Tensor]:
     out, start = [], 0
-    target, temperature = target.contiguous(), temperature.contiguous()
-    g_logp, g_lse = grad_logp.float().contiguous(), grad_lse.float().contiguous()
+    target, temperature, lse = p.contiguous(target), p.contiguous(temperature), p.contiguous(lse)
+    g_logp, g_lse = p.contiguous(grad_logp, F32), p.contiguous(grad_lse, F32)
     for x in shards:
-        d = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-        grad_into(x, d, target, temperature, lse.contiguous(), g_logp, g_lse, start)
+        d = p.new(x.shape, x.dtype)
+        grad_into(p, x, d, target, temperature, lse, g_logp, g_lse, start)
         out.append(d)
         start += x.shape[1]
     return out
@@ -358,3 +348,48 @@ def supports(shards: list[torch.Tensor], target: torch.Tensor, temperature: torc
     if shards[0].dtype not in (torch.float32, torch.bfloat16, torch.float16):
         return False, f"dtype {shards[0].dtype} not supported by the rlk.triton log-prob kernels"
     return True, ""
+
+
+def supports_backward(shards, target, temperature, lse, grad_logp, grad_lse) -> tuple[bool, str]:
+    return supports(shards, target, temperature)
+
+
+def supports_partials(x, target, temperature, vocab_start, vocab_size) -> tuple[bool, str]:
+    return supports([x], target, temperature)
+
+
+def supports_merge(m, s, z_target, vocab_size) -> tuple[bool, str]:
+    return True, ""
+
+
+VOCABS = (151936, 128256)  # Qwen3, Llama 3: multiples of 128 (the leaf-block variants depend on that only)
+
+
+def build_calls(dtype: torch.dtype, sms: int):
+    """Per vocabulary of :data:`VOCABS` whole and split over 1, 2, 4 and 8 shards, target ids int32 or int64: the
+    forward, the backward and the vocab-parallel partials (the leaf-block and gradient variants: every group width
+    ``ceil(V / 8)`` a multiple of 16); every group merge an aligned leaf-block variant can feed; the final merge of
+    1..8 groups. (The first leaf slot of a ``linear_logprobs`` chunk is that op's: its build calls.)"""
+    for vocab in VOCABS:
+        for tp in (1, 2, 4, 8):
+            width = vocab // tp
+            for target_dtype in (torch.int32, torch.int64):
+                x = torch.empty((17, width), dtype=dtype, device="meta")
+                target = torch.empty((17,), dtype=target_dtype, device="meta")
+                temp = torch.empty((17,), dtype=F32, device="meta")
+                shards = [x] * tp
+                yield forward, (shards, target, temp)
+                stats = torch.empty((17,), dtype=F32, device="meta")
+                yield backward, (shards, target, temp, stats, stats, stats)
+                for start in range(0, vocab, width):
+                    yield logp_partials, (x, target, temp, start, vocab)
+    blocks = 4  # every group merge whose [T, G, P] partials the leaf-block variant writes aligned: P a multiple of 4
+    while blocks <= MAX_PADDED_BLOCKS:  # (16-byte groups) and a row stride G * P that is a multiple of 16
+        for g in range(1, L.GROUPS + 1):
+            if g * blocks % 16 == 0:
+                m = torch.empty((17, g, blocks), dtype=F32, device="meta")
+                yield merge_blocks, (m, m)
+        blocks *= 2
+    for k in range(1, L.GROUPS + 1):
+        gm = torch.empty((17, k), dtype=F32, device="meta")
+        yield merge_logp_partials, (gm, gm, gm[:, 0].contiguous(), VOCABS[0])
