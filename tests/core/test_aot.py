@@ -293,7 +293,7 @@ def test_an_sm100_build_writes_cubins_for_sm100_that_rlk_cuda_does_not_serve_yet
     variants = [B.enumerate_variants(["rms_norm"], ["bf16"], "cuda:100")[0],
                 next(v for v in B.enumerate_variants(["linear"], ["bf16"], "cuda:100")
                      if v["kernel"] == "_linear_tma_kernel"),
-                next(v for v in B.enumerate_variants(["logp"], ["bf16"], "cuda:100")
+                next(v for v in B.enumerate_variants(["token_logprobs"], ["bf16"], "cuda:100")
                      if v["kernel"] == "_merge_groups_kernel")]
     assert re.search(r"\('constexpr', 148\)", variants[1]["key"])  # NUM_PROGRAMS: the B200's SMs
     m = B.build("cuda:100", tmp_path, variants=variants, jobs=1)

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from rlk_core.aot import build as B
 from rlk_core.backends import REGISTRY
 from rlk_core.ops import _cuda, _plan, rms_norm
 
@@ -26,28 +27,22 @@ import _cuda_cases as K
 
 pytestmark = pytest.mark.gpu
 RAN: set[str] = set()  # the manifest keys of every variant launched in this module
-FAMILY_OPS = {
-    "linear": ("linear",), "rms_norm": ("rms_norm", "rms_norm_backward"), "swiglu": ("swiglu", "swiglu_backward"),
-    "rope": ("rope", "rope_backward"),
-    "attention": ("attention_varlen", "attention_paged_prefill", "attention_decode", "kv_cache_write"),
-    "attention_backward": ("attention_varlen_backward",),
-    "logp": ("token_logprobs", "token_logprobs_backward", "logp_partials", "merge_logp_partials"),
-    "linear_logprobs": ("linear_logprobs", "linear_logprobs_backward", "linear_logp_partials"),
-}
+FAMILY_OPS = B.FAMILY_OPS
 SWEEPS = {  # family -> its sweep over the dtypes built
     "dense": lambda dts: K.rowwise_and_linear_cases("cuda", dts),
     "attention": lambda dts: (*K.attention_forward_cases("cuda", dts, page_sizes=(1, 16, 64, 256),
                                                          contexts=((5, 130, 64), (1, 1, 1), (2048, 64, 4097))),
                               *K.kv_cache_write_cases("cuda", dts)),
     "attention_backward": lambda dts: K.attention_backward_cases("cuda", dts),
-    "logp": lambda dts: K.logprob_cases("cuda", dts),
+    "token_logprobs": lambda dts: K.logprob_cases("cuda", dts),
     "linear_logprobs": lambda dts: (*K.linear_logprob_cases("cuda", dts), *K.linear_logprobs_backward_cases("cuda",
                                                                                                            dts)),
     "backward": lambda dts: K.backward_cases("cuda", dts),
 }
 NEEDS = {"dense": {"linear", "rms_norm", "swiglu", "rope"}, "attention": {"attention"},
-         "attention_backward": {"attention_backward"}, "logp": {"logp"},
-         "linear_logprobs": {"linear_logprobs", "linear", "logp"}, "backward": {"linear", "rms_norm", "swiglu", "rope"}}
+         "attention_backward": {"attention_backward"}, "token_logprobs": {"token_logprobs"},
+         "linear_logprobs": {"linear_logprobs", "linear", "token_logprobs"},
+         "backward": {"linear", "rms_norm", "swiglu", "rope"}}
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
@@ -217,7 +212,8 @@ def _materialize(value, gen, misaligned=False):
     return t
 
 
-DENSE_BUILD = ("linear", "rms_norm", "swiglu", "rope", "logp", "linear_logprobs")  # no index besides positions/targets
+# no index besides positions/targets
+DENSE_BUILD = ("linear", "rms_norm", "swiglu", "rope", "token_logprobs", "linear_logprobs")
 
 
 def _build_calls(module, family: str, dtype: torch.dtype, device: torch.device):
@@ -339,7 +335,7 @@ def _step_calls() -> list[tuple[str, tuple]]:
 def test_the_step_under_graph_capture_and_replay_and_on_a_side_stream():
     """Captured in a CUDA graph (after one eager call: loads and decisions happen before capture), replayed on new
     input values: ``torch.equal`` to rlk.triton run eagerly on those values; on a side stream too."""
-    _require({"attention", "logp", "linear", "rms_norm", "rope"})
+    _require({"attention", "token_logprobs", "linear", "rms_norm", "rope"})
     for op, args in _step_calls():
         cuda, triton = _backends(op)
         assert cuda.supports(*args)[0], op
@@ -410,7 +406,7 @@ def test_an_independent_jit_compile_gives_the_same_bits(tmp_path):
     rlk.cuda's AOT binaries give its bits."""
     import triton
 
-    _require({"attention", "logp", "linear", "rms_norm", "rope"})
+    _require({"attention", "token_logprobs", "linear", "rms_norm", "rope"})
     hits: list[bool] = []
     calls = _step_calls()
     with triton.knobs.cache.scope(), triton.knobs.compilation.scope():

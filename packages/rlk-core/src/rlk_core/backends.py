@@ -124,7 +124,7 @@ class BackendRegistry:
 
     # -- registration -------------------------------------------------------------------------
     def register(self, backend: Backend, *, replace: bool = False) -> Backend:
-        existing = self._backends[backend.op].get(backend.id)
+        existing = self._backends.setdefault(backend.op, {}).get(backend.id)
         if existing is not None and not replace:
             raise RlkBackendError(f"backend {backend.id!r} is already registered for op {backend.op!r}")
         self._backends[backend.op][backend.id] = backend

@@ -35,7 +35,9 @@ from typing import Any
 
 import torch
 
+import rlk_core.ops  # noqa: F401  (registers every op: their kernel modules are the families)
 from rlk_core.ops import _plan
+from rlk_core.ops._backends import KERNEL_MODULES
 from rlk_core.ops._cuda import GENERIC_BITWISE
 from rlk_core.ops._cuda import TARGETS as SERVED_BY_CAPABILITY
 
@@ -44,16 +46,22 @@ FORMAT = 2
 TARGETS = {"cuda:90": ("cuda", 90, 32), "cuda:100": ("cuda", 100, 32), "hip:gfx942": ("hip", "gfx942", 64)}
 SERVED = tuple(sorted(set(SERVED_BY_CAPABILITY.values())))  # the targets rlk.cuda launches; others built, checked
 TARGET_SMS = {"cuda:90": 132, "cuda:100": 148}  # the persistent kernels' NUM_PROGRAMS: the H200's, the B200's
-FAMILIES = {  # family -> the Triton module whose build_calls it compiles
-    "linear": "rlk_core.ops.linear.triton",
-    "rms_norm": "rlk_core.ops.rms_norm.triton",
-    "swiglu": "rlk_core.ops.swiglu.triton",
-    "rope": "rlk_core.ops.rope.triton",
-    "attention": "rlk_core.ops.attention.triton",
-    "attention_backward": "rlk_core.ops.attention.triton_backward",
-    "logp": "rlk_core.ops.token_logprobs.triton",
-    "linear_logprobs": "rlk_core.ops.linear_logprobs.triton",
-}
+
+
+def family_name(module: str) -> str:
+    """An AOT family's name (``RLK_BUILD_OPS``, ``--families``): the op package its Triton module is in, with the
+    module's own suffix — ``rlk_core.ops.rms_norm.triton`` -> ``rms_norm``, ``...attention.triton_backward`` ->
+    ``attention_backward``; a module of another name is its own family (``pkg.my_op`` -> ``my_op``)."""
+    package, _, leaf = module.rpartition(".")
+    if not leaf.startswith("triton") or not package:
+        return leaf
+    return package.rpartition(".")[2] + leaf.removeprefix("triton")
+
+
+# family -> the Triton module whose build_calls it compiles: one per module an op registered its kernel backends from
+# (rlk_core.ops._backends.register_kernel_backends), so a new op's module is a family without a line here
+FAMILIES = {family_name(m): m for m in KERNEL_MODULES}
+FAMILY_OPS = {family_name(m): tuple(ops) for m, ops in KERNEL_MODULES.items()}  # family -> the ops its kernels serve
 # families whose kernels a hip target can take as they are: no TMA, no NVIDIA-only instruction, configurations that do
 # not depend on the device (the GEMM, attention and log-prob rules are tuned for the H200 and use TMA / PDL)
 HIP_FAMILIES = ("rms_norm", "swiglu", "rope")
