@@ -10,7 +10,7 @@ of the GPU, checked on each one by the contract suite (``rlk_core.testing.contra
 
 Tiles are tuples ``(BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages[, TAIL_M])``, chosen from
 the H200 sweeps (``benchmarks/results/h200/sweep/``; the numbers behind each choice are in
-``docs/ops/gpu-kernels.md`` and ``benchmarks/NOTES.md``). TMA = the persistent TMA-descriptor kernel
+``docs/ops/gpu-kernels.md``). TMA = the persistent TMA-descriptor kernel
 (sm_90+, operands with unit last stride and 16-byte aligned rows); otherwise the pointer-load kernel.
 
 :func:`stored_config` is the rule of the stored-layout kernels (operands given as transposed views: the
@@ -197,8 +197,8 @@ def rem_rows(m: int, block_m: int) -> int:
 # must not multiply with it): its inputs are the dtype, the output's columns, its rows where they are not the
 # token count (an operand stored [K, M]: dW's and db's rows are the weight's), whether TMA applies, the SM count.
 #
-# UNSWEPT: no backward sweep exists; the choices are reasoned from the forward's (docs/ops/gpu-kernels.md,
-# benchmarks/NOTES.md). Candidates are the forward's M > 128 TMA tiles with their full-wave rates relative to cuBLAS
+# UNSWEPT: no backward sweep exists; the choices are reasoned from the forward's (docs/ops/gpu-kernels.md).
+# Candidates are the forward's M > 128 TMA tiles with their full-wave rates relative to cuBLAS
 # (the rates without the weight re-read discount: both operands of dW stream over the tokens, and dx's weight is
 # read as in the forward). A fixed reduction of 4096 tokens is as long as the K >= 2048 the rates were measured at.
 # - token rows (dx): many waves at training sizes, so the tile with the least padded columns per unit of rate,
