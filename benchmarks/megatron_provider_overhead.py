@@ -3,7 +3,7 @@
 Python time, vs Megatron's stock local spec.
 
 One training step (forward + backward of the GRPO loss, no optimizer) of a ``GPTModel`` built as
-``benchmarks/frameworks/megatron_gpu.py`` builds it (rlk layer spec, every module R, strict; or the stock
+``tests/frameworks/megatron_setup.py`` builds it (rlk layer spec, every module R, strict; or the stock
 local spec), on the CPU (fp32, gloo, a world of 1). Two measurements, each on its own step:
 
 1. **ops**: ``rlk_megatron_provider.opcount.OpCounter`` (a ``TorchDispatchMode``) sees every top-level op
@@ -36,7 +36,7 @@ import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "frameworks"))
+sys.path.insert(0, os.path.join(HERE, "..", "tests", "frameworks"))  # the framework tests' model builders
 
 
 def provider_python(prof: cProfile.Profile) -> dict:
@@ -80,7 +80,7 @@ def main() -> int:
     import warnings
 
     warnings.filterwarnings("ignore")
-    import megatron_gpu as mg
+    import megatron_setup as mg
     import torch
 
     from rlk_megatron_provider.opcount import OpCounter, kind
