@@ -200,7 +200,7 @@ def main(argv=None) -> int:
     for prof in Path(result["work_dir"]).glob("profile-*.txt"):
         (Path(a.out) / prof.name).write_bytes(prof.read_bytes())
     V.finish_work(result, a.keep_work)
-    ran = not any(s["status"] == "failed" for s in result["stages"].values())  # skipped (budget, --skip): recorded
+    ran = not any(s["status"] == "failed" for s in result["stages"].values()) and "evaluate_error" not in result
     print(json.dumps({"stages": {n: s["status"] for n, s in result["stages"].items()},
                       "throughput": result.get("throughput")}, indent=1))
     return 0 if ran else 1

@@ -67,5 +67,6 @@ def failed(proc: subprocess.CompletedProcess, path: Path) -> str:
         doc = json.loads(path.read_text())
         bad = doc.get("failed") or [c["name"] for c in doc.get("checks", []) if c.get("required") and not c["passed"]]
         stages = {n: s.get("error") for n, s in doc.get("stages", {}).items() if s.get("error")}
-        return f"exit {proc.returncode}; failed: {bad}; stage errors: {stages}\n{proc.log[-3000:]}"
+        return (f"exit {proc.returncode}; failed: {bad}; stage errors: {stages}; evaluate: {doc.get('evaluate_error')}"
+                f"\n{proc.log[-3000:]}")
     return f"exit {proc.returncode}, no {path.name}\n{proc.log[-6000:]}"

@@ -428,7 +428,11 @@ def drive(a, script: Path, name: str, order: tuple[str, ...], caps: dict[str, fl
         with contextlib.suppress(Exception):
             evaluate(result, work)
         save()
-    evaluate(result, work)
+    try:
+        evaluate(result, work)
+    except Exception as exc:  # recorded: the caller's verdict must see it
+        result["evaluate_error"] = f"{type(exc).__name__}: {exc}"
+        result["evaluate_traceback"] = traceback.format_exc()
     save()
     with contextlib.suppress(Exception):
         _tar(out, "readbacks.tar.gz", work / "readbacks")

@@ -277,9 +277,11 @@ def main(argv=None) -> int:
         return V.run_stage(a, STAGES)
     result = V.drive(a, Path(__file__).resolve(), "vllm_exact", ORDER, CAPS, evaluate, markdown)
     V.finish_work(result, a.keep_work)
-    print(json.dumps({"passed": result["passed"], "elapsed_s": result["elapsed_s"],
-                        "checks": {c["name"]: c["passed"] for c in result["checks"]}}, indent=1))
-    return 0 if result["passed"] else 1
+    passed = bool(result.get("passed")) and "evaluate_error" not in result
+    print(json.dumps({"passed": passed, "elapsed_s": result["elapsed_s"],
+                      "evaluate_error": result.get("evaluate_error"),
+                      "checks": {c["name"]: c["passed"] for c in result.get("checks", [])}}, indent=1))
+    return 0 if passed else 1
 
 
 if __name__ == "__main__":
