@@ -3,7 +3,7 @@
 Native path: the Hugging Face / Qwen3 formulation ``x * cos + rotate_half(x) * sin`` with cos/sin
 gathered from a cached fp32 table by position and cast to the activation dtype. Heads 32/16/8/4/2 of
 head dim 128 cover q and k of Qwen3-8B and 0.6B at TP 1, 2, 4. The rlk time is the kernel with the
-cached table (the op path adds one host sync for the table size; see benchmarks/NOTES.md).
+cached table.
 """
 
 from __future__ import annotations

@@ -8,6 +8,9 @@ it; then the call is bracketed by CUDA events and the median over ``repeats`` is
 numbers are device time: host launch overhead (Triton's launcher costs more host time than
 cuBLAS's) is excluded for both sides and reported separately where it matters (bench_linear).
 
+``step_times`` and ``wall_times`` time whole steps instead (a training step, an engine's ``generate``), where the
+host's share is part of what is measured: no flush, no head start.
+
 ``write_results`` writes ``<name>.json`` (every number, plus GPU, driver, torch, Triton, commit)
 and ``<name>.md`` (a table) into one directory.
 """
@@ -54,6 +57,54 @@ def time_fns(fns: Sequence[Callable[[], Any]], warmup: int = 3, repeats: int = 2
     torch.cuda.synchronize()
     ms = [s.elapsed_time(e) for s, e in zip(starts, ends, strict=True)]
     return {"median_ms": statistics.median(ms), "min_ms": min(ms), "max_ms": max(ms), "repeats": repeats}
+
+
+def step_times(step: Callable[[], Any], warmup: int, repeats: int, cuda: bool) -> dict[str, Any]:
+    """``repeats`` calls of ``step`` after ``warmup`` untimed ones, each timed alone: wall milliseconds (the GPU
+    synchronised before and after) and, on CUDA, the device milliseconds between events recorded around it; the
+    peak memory of the timed calls. ``median_ms`` is the events' median on CUDA, the wall clock's elsewhere."""
+    t = time.monotonic()
+    for _ in range(warmup):
+        step()
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    out: dict[str, Any] = {"warmup_s": round(time.monotonic() - t, 2)}
+    wall, events = [], []
+    for _ in range(repeats):
+        if cuda:
+            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda.synchronize()
+            w0 = time.perf_counter()
+            e0.record()
+            step()
+            e1.record()
+            torch.cuda.synchronize()
+            events.append(e0.elapsed_time(e1))
+        else:
+            w0 = time.perf_counter()
+            step()
+        wall.append((time.perf_counter() - w0) * 1e3)
+    out.update(wall_ms=[round(x, 2) for x in wall], median_wall_ms=round(statistics.median(wall), 2))
+    if cuda:
+        out.update(events_ms=[round(x, 2) for x in events], median_ms=round(statistics.median(events), 2),
+                   peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2))
+    else:
+        out["median_ms"] = out["median_wall_ms"]
+    return out
+
+
+def wall_times(fn: Callable[[], Any], repeats: int, before: Callable[[], Any] | None = None) -> dict[str, Any]:
+    """Wall seconds of ``repeats`` calls of ``fn`` (each call its own measurement; ``before()`` runs untimed ahead of
+    each and its values are kept, e.g. a cache reset that returns the GPU clock). ``result``: the first call's."""
+    seconds, befores, result = [], [], None
+    for i in range(repeats):
+        befores.append(before() if before is not None else None)
+        t0 = time.perf_counter()
+        got = fn()
+        seconds.append(time.perf_counter() - t0)
+        result = got if i == 0 else result
+    return {"seconds_each": seconds, "median_s": statistics.median(seconds), "before_each": befores, "result": result}
 
 
 def best_host_us(fn: Callable[[], Any], calls: int, loops: int, clock: Callable[[], float] = time.perf_counter,

@@ -3,7 +3,7 @@
 Python time, vs Megatron's stock local spec.
 
 One training step (forward + backward of the GRPO loss, no optimizer) of a ``GPTModel`` built as
-``benchmarks/frameworks/megatron_gpu.py`` builds it (rlk layer spec, every module R, strict; or the stock
+``tests/frameworks/megatron_setup.py`` builds it (rlk layer spec, every module R, strict; or the stock
 local spec), on the CPU (fp32, gloo, a world of 1). Two measurements, each on its own step:
 
 1. **ops**: ``tests/megatron/_opcount.py``'s ``OpCounter`` (a ``TorchDispatchMode``) sees every top-level op
@@ -36,8 +36,8 @@ import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "frameworks"))
-sys.path.insert(0, os.path.join(HERE, os.pardir, "tests", "megatron"))  # the op and sync counters (test support)
+sys.path.insert(0, os.path.join(HERE, "..", "tests", "frameworks"))  # the framework tests' model builders
+sys.path.insert(0, os.path.join(HERE, "..", "tests", "megatron"))  # the op and sync counters (test support)
 
 
 def provider_python(prof: cProfile.Profile) -> dict:
@@ -81,7 +81,7 @@ def main() -> int:
     import warnings
 
     warnings.filterwarnings("ignore")
-    import megatron_gpu as mg
+    import megatron_setup as mg
     import torch
     from _opcount import OpCounter, kind
 

@@ -18,7 +18,7 @@ step's device time from numbers committed in ``benchmarks/results/``:
 - element-wise ops (RMSNorm, SwiGLU, RoPE) at the measured copy bandwidth.
 
 Host time is not modelled: at 8192 tokens per GPU the smallest GEMM takes ~0.1 ms, above the ~0.09 ms host
-time of an rlk launch measured in ``h200/host_overhead.md``, so the step is device-bound on paper; the
+time of an rlk launch measured in ``h200/host_overhead.json``, so the step is device-bound on paper; the
 0.6B Megatron profile (``h200/frameworks/megatron_profile.json``) shows that smaller shapes are not.
 
 Writes ``projection_qwen3-8b_tp4_cp2.json`` / ``.md`` to ``--out`` (default
@@ -119,7 +119,7 @@ def _step(which: str, t_local: int, micro_batches: int, rates: dict, attn: dict,
     attn_ms = layers * causal_flop / CP * (1 / attn["fwd"][which] + 2.5 / attn["bwd"][which]) / 1e12 * 1e3
 
     # Element-wise ops: ~2 norms, SwiGLU, RoPE per layer, read+write, forward and backward (~3x); the
-    # same on both paths (rlk's are at copy bandwidth, h200/SUMMARY.md).
+    # same on both paths (rlk's are at copy bandwidth, SUMMARY.md).
     act_bytes = t_local * (2 * h + 2 * m["ffn"] // TP + (m["heads"] + m["kv_heads"]) // TP * d) * 2 * 2
     elementwise_ms = layers * 3 * act_bytes / (copy_tbps * 1e12) * 1e3
 

@@ -1,8 +1,9 @@
 """Hardware markers become skips here, never ``if`` statements in test bodies.
 
 ``gpu`` needs CUDA; ``multi_gpu`` two devices; ``vllm`` / ``megatron`` the real packages. With
-``RLK_REQUIRE_GPU=1`` (set on the GPU machine) a ``gpu``/``multi_gpu`` test that would be skipped
-fails instead, so a GPU run cannot pass by skipping.
+``RLK_REQUIRE_GPU=1`` (set on the GPU machine) a ``gpu``/``multi_gpu`` test that would be skipped — for want of
+the device or of a framework it also needs (``tests/frameworks``) — fails instead, so a GPU run cannot pass by
+skipping.
 """
 
 from __future__ import annotations
@@ -79,9 +80,10 @@ def _require_gpu() -> bool:
 def pytest_collection_modifyitems(config, items):
     probes = _probes()
     for item in items:
+        hardware = "gpu" in item.keywords or "multi_gpu" in item.keywords
         for marker, (ok, reason) in probes.items():
             if marker in item.keywords and not ok:
-                if _require_gpu() and marker in ("gpu", "multi_gpu"):
+                if _require_gpu() and hardware:
                     item.user_properties.append(("rlk_missing_hardware", reason))
                 else:
                     item.add_marker(pytest.mark.skip(reason=reason))

@@ -3,14 +3,36 @@
 from __future__ import annotations
 
 import json
-import shutil
+import statistics
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
-COMMITTED = REPO / "benchmarks" / "results" / "h200" / "local-engine"
-RUNS = ("qwen3-0.6b-f6aead2", "qwen3-0.6b-30a4e8d", "qwen3-0.6b-df9eb7b", "qwen3-0.6b-ec98a15")
+ROUNDS = 8
+# per run: the round that is slowest after round 0, and by how much
+SLOW = {"run-a": (3, 0.80), "run-b": (2, 0.85), "run-c": (6, 0.75), "run-d": (7, 0.90)}
+
+
+def _rows(slow_round: int, factor: float, mode: str) -> list[dict]:
+    rows = []
+    for r in range(ROUNDS):
+        rate = 5000.0 * (factor if r == slow_round else 1.0 + 0.01 * r) * (0.7 if r == 0 else 1.0)
+        work = {"rollout_tokens": 11_000 + 17 * r, "rollout_steps": 180 + r, "prefill_steps": 40,
+                "train_tokens": 11_500, "reward_mean": 0.25 + r / 1000}
+        if mode == "native":  # P/P runs are not bitwise reproducible: their sampled tokens differ between runs
+            work["rollout_tokens"] += slow_round
+        rows.append({"round": r, **work, "rollout_tokens_per_s": rate, "train_tokens_per_s": 9 * rate})
+    return rows
+
+
+def _write(root: Path, mode: str = "consistency") -> list[Path]:
+    runs = []
+    for name, (slow_round, factor) in SLOW.items():
+        path = root / name / mode / "metrics.jsonl"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("".join(json.dumps(row) + "\n" for row in _rows(slow_round, factor, mode)))
+        runs.append(root / name)
+    return runs
 
 
 @pytest.fixture()
@@ -18,31 +40,32 @@ def spread(benchmark_script):
     return benchmark_script("round_spread")
 
 
-def test_the_committed_rr_runs_did_the_same_work_and_their_slowest_rounds_differ(spread, tmp_path):
-    """The four committed R/R runs: the same work every round, and the table computed from their metrics (the
-    slowest rollout round after round 0 is another round in each run)."""
-    assert spread.main([str(COMMITTED / r) for r in RUNS] + ["--out", str(tmp_path)]) == 0
-    md = (tmp_path / "round_spread.md").read_text()
+def test_runs_of_the_same_work_side_by_side(spread, tmp_path):
+    """The table names each run's slowest round after round 0 and each round's share of the run's median."""
+    runs = _write(tmp_path / "runs")
+    assert spread.main([str(r) for r in runs] + ["--out", str(tmp_path / "out")]) == 0
+    md = (tmp_path / "out" / "round_spread.md").read_text()
     slowest = next(line for line in md.splitlines() if line.startswith("| slowest after 0"))
-    rounds = [cell.split("(round ")[1].rstrip(")") for cell in slowest.split("|")[2:-1]]
-    assert len(set(rounds)) == len(RUNS), slowest
-    rows = [json.loads(x) for x in (COMMITTED / RUNS[2] / "consistency" / "metrics.jsonl").read_text().splitlines()]
-    med = sorted(r["rollout_tokens_per_s"] for r in rows[1:])[len(rows[1:]) // 2]
-    assert "| 6 | " in md and f"{rows[6]['rollout_tokens_per_s'] / med:.2f}x" in md
+    want = []
+    for slow_round, factor in SLOW.values():
+        rates = [row["rollout_tokens_per_s"] for row in _rows(slow_round, factor, "consistency")]
+        want.append(f"{rates[slow_round] / statistics.median(rates[1:]):.2f}x (round {slow_round})")
+    assert [cell.strip() for cell in slowest.split("|")[2:-1]] == want
+    assert "| 3 | 4000 (0.77x) |" in md  # run-a's round 3 against the median of its rounds 1-7 (5,200 tok/s)
 
 
 def test_runs_of_different_work_are_refused(spread, tmp_path):
-    """A run whose round 3 generated other tokens is not compared (exit 2, nothing written); the P/P runs, not
-    bitwise reproducible, are refused too."""
-    for r in RUNS[:2]:
-        shutil.copytree(COMMITTED / r / "consistency", tmp_path / r / "consistency")
-    path = tmp_path / RUNS[1] / "consistency" / "metrics.jsonl"
+    """A run whose round 3 generated other tokens is not compared (exit 2, nothing written); P/P runs, whose
+    work differs run to run, are refused too."""
+    runs = _write(tmp_path / "runs")
+    path = runs[1] / "consistency" / "metrics.jsonl"
     rows = [json.loads(x) for x in path.read_text().splitlines()]
     rows[3]["rollout_tokens"] += 1
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     out = tmp_path / "out"
-    assert spread.main([str(tmp_path / r) for r in RUNS[:2]] + ["--out", str(out)]) == 2
+    assert spread.main([str(r) for r in runs[:2]] + ["--out", str(out)]) == 2
     assert not out.exists()
-    assert spread.main([str(COMMITTED / r) for r in RUNS] + ["--mode", "native", "--out", str(out)]) == 2
+    native = _write(tmp_path / "native", mode="native")
+    assert spread.main([str(r) for r in native] + ["--mode", "native", "--out", str(out)]) == 2
     with pytest.raises(SystemExit, match="no consistency/metrics.jsonl"):
         spread.main([str(tmp_path / "missing"), "--out", str(out)])

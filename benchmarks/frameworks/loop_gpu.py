@@ -1,6 +1,9 @@
 #!/usr/bin/env python3
-"""``rlk-repro run --engine frameworks`` on one H200: R/R (>= 10 rounds, >= 200k compared tokens, Qwen3-0.6B
-shape), then native P/P, then ``rlk-validate --require-bitwise`` on the R/R run; a JSON + MD summary.
+"""Throughput of ``rlk-repro run --engine frameworks`` on one H200: R/R (10 rounds x 64 prompts x 8 samples x up to 80
+tokens, Qwen3-0.6B shape), then native P/P, per-round rollout and training tokens/s and their R/R / P/P ratios
+(medians of the rounds after the first). The loop's bitwise claim — R/R 0 mismatches, ``rlk-validate
+--require-bitwise`` passes, P/P differs — is a test: ``tests/frameworks/test_loop_exact.py``; here each run's own
+counts are only recorded.
 
     PYTHONPATH=/tmp/site:/tmp/mcore:packages/rlk-core/src:packages/rlk-validate/src:packages/rlk-collectives/src:\
 packages/rlk-vllm-plugin/src:packages/rlk-megatron-provider/src:packages/rlk-repro/src \
@@ -8,9 +11,10 @@ packages/rlk-vllm-plugin/src:packages/rlk-megatron-provider/src:packages/rlk-rep
 
 Each stage is its own process (own session, killed by group at its time cap), its output in
 ``$OUT/logs/<stage>.log``; ``loop_gpu.json`` / ``loop_gpu.md`` are rewritten after every stage (status,
-error, log tail). The plugin is found by vLLM through a dist-info on PYTHONPATH (vllm_gpu.py's
-``_write_plugin_site``, no pip). Run directories land in ``$OUT/runs`` (commit them under
-``benchmarks/results/h200/frameworks/``). ``--tp 2`` runs each run stage under ``torchrun --nproc-per-node 2``.
+error, log tail). The plugin is found by vLLM through a dist-info on PYTHONPATH (``vllm_stages._write_plugin_site``,
+no pip). Run directories land in ``$OUT/runs``. ``--tp 2`` runs each run stage under ``torchrun --nproc-per-node 2``.
+``--matrix CELLS``: the route matrix instead (validated by ``rlk-repro matrix`` itself), then ``rlk-repro report``.
+Exit 1 if a stage failed.
 """
 
 from __future__ import annotations
@@ -27,10 +31,10 @@ import time
 import traceback
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent.parent
-sys.path.insert(0, str(HERE))
-from vllm_gpu import _write_plugin_site  # noqa: E402  (the one dist-info writer)
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT / "tests" / "frameworks") not in sys.path:
+    sys.path.insert(0, str(ROOT / "tests" / "frameworks"))
+from vllm_stages import _write_plugin_site  # noqa: E402  (the one dist-info writer)
 
 CLEARED = ("RL_KERNEL_ATTENTION_CASE", "RL_KERNEL_FFN_CASE", "RL_KERNEL_LOGP_CASE", "RL_KERNEL_MODE",
            "RL_KERNEL_READBACK_DIR", "RL_KERNEL_RUN_ID", "VLLM_PLUGINS", "VLLM_BATCH_INVARIANT")
@@ -129,7 +133,7 @@ def _markdown(res: dict) -> str:
                      f"{s['weight_sync_s_median']} |")
     for k, v in res.get("ratios", {}).items():
         lines.append(f"\n{k}: {v}")
-    lines.append(f"\npassed: {res.get('passed')}")
+    lines.append(f"\nevery stage ran: {res.get('stages_ok', res.get('passed'))}")
     return "\n".join(lines) + "\n"
 
 
@@ -162,7 +166,7 @@ def main(argv=None) -> int:
         meta["gpu"] = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total",
                                       "--format=csv,noheader"], capture_output=True, text=True,
                                      timeout=20).stdout.strip()
-    res: dict = {"meta": meta, "settings": vars(a), "stages": {}, "runs": {}, "checks": {}}
+    res: dict = {"meta": meta, "settings": vars(a), "stages": {}, "runs": {}}
     t0 = time.monotonic()
 
     def save():
@@ -172,7 +176,6 @@ def main(argv=None) -> int:
 
     if a.matrix:
         return _matrix(a, out, env, res, save)
-    found: dict[str, Path] = {}
     for name, mode, rounds, cap in (("rr", "consistency", a.rounds, a.rr_cap_s),
                                     ("pp", "native", a.native_rounds, a.pp_cap_s)):
         before = {q.name for q in runs.iterdir()}
@@ -180,38 +183,21 @@ def main(argv=None) -> int:
             res["stages"][name] = _stage(name, _run_cmd(a, mode, rounds, runs), env, cap, out)
             run = _newest_run(runs, before)
             if run is not None:
-                found[name] = run
                 res["runs"][name] = _summary(run)
         except Exception as exc:  # recorded; the next stage still runs
             res["stages"].setdefault(name, {}).update(error=f"{type(exc).__name__}: {exc}",
                                                       traceback=traceback.format_exc())
         save()
-    if "rr" in found:
-        try:
-            res["stages"]["validate"] = _stage(
-                "validate", [sys.executable, "-m", "rlk_validate", str(found["rr"]), "--require-bitwise", "--json",
-                             str(out / "rr-validation.json")], env, 60, out)
-            res["stages"]["validate"]["output"] = (out / "logs" / "validate.log").read_text(errors="replace")[-3000:]
-        except Exception as exc:
-            res["stages"]["validate"] = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
     rr, pp = res["runs"].get("rr"), res["runs"].get("pp")
     if rr and pp:
         for k in ("rollout_tok_s_median_after_first", "train_tok_s_median_after_first"):
             if rr[k] and pp[k]:
                 res["ratios"] = res.get("ratios", {})
                 res["ratios"][k.replace("_median_after_first", "") + " R/R vs P/P"] = round(rr[k] / pp[k], 3)
-    res["checks"] = {
-        "rr.rounds_ge_10": bool(rr and rr["rounds"] >= 10),
-        "rr.compared_ge_200k": bool(rr and rr["compared_tokens"] >= 200_000),
-        "rr.zero_mismatches": bool(rr and rr["rounds"] and rr["mismatches"] == 0),
-        "rr.weights_changed_every_round": bool(rr and rr["weights_changed_every_round"]),
-        "rr.rlk_validate_require_bitwise": res["stages"].get("validate", {}).get("rc") == 0,
-        "pp.differs": bool(pp and pp["mismatches"] > 0),
-    }
-    res["passed"] = all(res["checks"].values())
+    res["stages_ok"] = all(st.get("rc") == 0 for st in res["stages"].values())
     save()
-    print(json.dumps({"passed": res["passed"], "checks": res["checks"], "ratios": res.get("ratios")}, indent=1))
-    return 0 if res["passed"] else 1
+    print(json.dumps({"stages_ok": res["stages_ok"], "ratios": res.get("ratios")}, indent=1))
+    return 0 if res["stages_ok"] else 1
 
 
 def _matrix(a, out: Path, env: dict, res: dict, save) -> int:

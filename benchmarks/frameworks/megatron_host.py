@@ -4,8 +4,9 @@
 The H200 step of ``megatron_gpu.py`` is host-bound (rlk's kernels take a third of the step), so what the
 provider's Python costs per layer is the number to cut. This measures it where compute is negligible or
 can be taken out: a tiny-width, many-layer ``GPTModel`` (hidden 64, 4 heads, the builders, weights, batch
-and GRPO loss of ``megatron_gpu.py``) on the real megatron-core, forward + backward per step (the AdamW
-step runs between timed steps, untimed, so the weight caches see a new weight every step as in training).
+and GRPO loss of ``tests/frameworks/megatron_setup.py``) on the real megatron-core, forward + backward per step
+(the AdamW step runs between timed steps, untimed, so the weight caches see a new weight every step as in
+training).
 
 Per layer = the difference between two depths (``--layers 2,10``: (t(10) - t(2)) / 8), so the embedding,
 the LM head and the loss are not charged to the layers. Columns:
@@ -50,7 +51,9 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import megatron_gpu as mg  # the builders of the H200 check, beside this file
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "tests", "frameworks"))
+import megatron_gpu as mg  # the H200 step timing, beside this file
+import megatron_setup as S  # the framework tests' model builders
 
 AREAS = (("provider", "rlk_megatron_provider/"), ("rlk-core ops", "rlk_core/"),
          ("rlk-collectives", "rlk_collectives/"), ("megatron-core", "megatron/core/"), ("torch", "torch/"))
@@ -133,7 +136,7 @@ class BackendClock:
 def _cfg(layers: int):
     from rlk_repro.model.config import Qwen3Config
 
-    return Qwen3Config(**dict(mg.SHAPES["tiny"], num_hidden_layers=layers), rms_norm_eps=1e-6, rope_theta=1e6,
+    return Qwen3Config(**dict(S.SHAPES["tiny"], num_hidden_layers=layers), rms_norm_eps=1e-6, rope_theta=1e6,
                        max_position_embeddings=4096, tie_word_embeddings=True, bos_token_id=None, eos_token_id=1)
 
 
@@ -143,16 +146,16 @@ def _setup(layers: int, rlk: bool, dev, dtype, n: int, s: int):
     from rlk_repro.engine.frameworks_megatron import MasterOptimizer
 
     cfg = _cfg(layers)
-    w = mg.make_weights(cfg, dev, seed=5)
-    model, _ = mg.build(cfg, dev, dtype, rlk)
-    opt = MasterOptimizer(model, mg.load(model, cfg, w), lr=mg.LR, foreach=True)
-    b = mg.Batch(cfg, [s] * n, 1, dev, seed=17)
-    box = mg.hidden_head(model) if rlk else None
+    w = S.make_weights(cfg, dev, seed=5)
+    model, _ = S.build(cfg, dev, dtype, rlk)
+    opt = MasterOptimizer(model, S.load(model, cfg, w), lr=S.LR, foreach=True)
+    b = S.Batch(cfg, [s] * n, 1, dev, seed=17)
+    box = S.hidden_head(model) if rlk else None
 
     def fwd_bwd():
         opt.zero_grad()
-        lp = mg.rlk_logp(model, box, b) if rlk else mg.stock_logp(model, b)
-        mg.grpo_loss(lp, b.adv).backward()
+        lp = S.rlk_logp(model, box, b) if rlk else S.stock_logp(model, b)
+        S.grpo_loss(lp, b.adv).backward()
 
     return fwd_bwd, opt.step
 
@@ -273,7 +276,7 @@ def main() -> int:
     if stub and args.device == "cuda":
         ap.error("--backends stub is for the CPU (on CUDA the launches are the host time measured)")
     lo, hi = (int(x) for x in args.layers.split(","))
-    os.environ.update(mg.R_ENV)
+    os.environ.update(S.R_ENV)
     os.environ["RLK_VALUE_CHECKS"] = args.value_checks
     import torch
 
@@ -282,7 +285,7 @@ def main() -> int:
         torch.set_flush_denormal(True)
     dev = torch.device(args.device)
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
-    mg.init_world(args.device)
+    S.init_world(args.device)
     import rlk_megatron_provider as prov
 
     prov.initialize_from_environment()
@@ -292,7 +295,7 @@ def main() -> int:
                     "torch": torch.__version__, "commit": _commit(), "argv": sys.argv,
                     "threads": torch.get_num_threads(), "RLK_VALUE_CHECKS": args.value_checks,
                     "backends": "stub (zero outputs of the recorded shapes, after the warm-up)" if stub else "real",
-                    "model": {**mg.SHAPES["tiny"], "num_hidden_layers": [lo, hi]},
+                    "model": {**S.SHAPES["tiny"], "num_hidden_layers": [lo, hi]},
                     "tokens": args.seqs * args.seq_len, "layout": {"rlk": "thd packed", "stock": "sbhd"},
                     "clock": "thread CPU time" if args.device == "cpu" else "wall (CUDA synchronised)",
                     "what": "forward + backward (AdamW between steps, untimed); per layer = (t(hi) - t(lo)) / "
@@ -309,8 +312,8 @@ def main() -> int:
         r["depths"] = [a, b]
         if "enqueue_ms" in a:
             r["per_layer_us"]["enqueue_ms"] = round(per_layer(a, b, "enqueue_ms"), 1)
-        mg._free()
-        mg.log(f"{name}: per layer {r['per_layer_us']}")
+        S._free()
+        S.log(f"{name}: per layer {r['per_layer_us']}")
     res["host_ratio_rlk_over_stock"] = round(res["rlk"]["per_layer_us"]["host_ms"]
                                              / res["stock"]["per_layer_us"]["host_ms"], 3)
     clock.uninstall()

@@ -1,6 +1,6 @@
 """Where a Megatron training step with the rlk provider spends its time, next to the stock local spec.
 
-One H200, the Qwen3-0.6B shape (or ``--shape``) of ``megatron_gpu.py``: its timing step (same model builder,
+One H200, the Qwen3-0.6B shape (or ``--shape``) of ``megatron_gpu.py``: its timing step (the same model builders,
 weights, batch, GRPO loss and AdamW; ``megatron_gpu.time_steps``) with more profiled steps than its timing
 stage takes — per model, the wall and CUDA-event time per step, the host syncs (torch's sync debug mode, with
 the Python lines that made them), and from ``torch.profiler`` the kernels, their device time, the host's
@@ -19,7 +19,9 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import megatron_gpu as mg  # the builders of the H200 check, beside this file
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "tests", "frameworks"))
+import megatron_gpu as mg  # the H200 step timing, beside this file
+import megatron_setup as S  # the framework tests' model builders
 
 
 def main() -> int:
@@ -28,24 +30,24 @@ def main() -> int:
     ap.add_argument("--shape", default="qwen3-0.6b", choices=("qwen3-0.6b", "qwen3-1.7b"))
     ap.add_argument("--steps", type=int, default=3, help="profiled steps per model")
     args = ap.parse_args()
-    os.environ.update(mg.R_ENV)
+    os.environ.update(S.R_ENV)
     import torch
 
     dev, dtype = torch.device("cuda"), torch.bfloat16
-    mg.init_world("cuda")
+    S.init_world("cuda")
     import rlk_megatron_provider as prov
 
     prov.initialize_from_environment()
-    cfg = mg.qwen_cfg(args.shape)
-    w = mg.make_weights(cfg, dev, seed=5)
+    cfg = S.qwen_cfg(args.shape)
+    w = S.make_weights(cfg, dev, seed=5)
     out = {"meta": {"commit": os.environ.get("RLK_COMMIT"), "gpu": torch.cuda.get_device_name(),
                     "torch": torch.__version__, "shape": args.shape, "tokens": 16 * 256}}
     for name, rlk in (("rlk", True), ("stock", False)):
         out[name] = r = mg.time_steps(cfg, dev, dtype, rlk, w, 16, 256, warmup=2, iters=3, profile_steps=args.steps)
         p = r["profile"]
-        mg.log(f"{name}: wall {r['median_wall_ms']} ms, kernels {p['kernel_ms_per_step']} ms, "
+        S.log(f"{name}: wall {r['median_wall_ms']} ms, kernels {p['kernel_ms_per_step']} ms, "
                f"{p['kernels_per_step']} kernels, {r['host_syncs']['per_step']} host syncs per step")
-        mg._free()
+        S._free()
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "megatron_profile.json"), "w") as f:
         json.dump(out, f, indent=1)

@@ -18,9 +18,12 @@
 # $OUT/<stage>.tar.gz (the device returns a limited number of files, only shallow ones); a stage is killed at its
 # time cap (defaults below), so a sitting cannot overrun its call; the device budget is 30 min a session.
 #
-# Stages: vllm (vllm_gpu.py, every stage), vllm-capture (R/R and P/P with --capture-max 4096), loop (loop_gpu.py,
-# R/R 10 rounds + P/P), matrix-a / matrix-b (loop_gpu.py --matrix, 4 cells each, 2 rounds), hybrid
-# (megatron_gpu.py --hybrid), megatron (megatron_gpu.py), cuda (build rlk_core._C + cubins, the rlk.cuda and
+# Stages: exact-megatron / exact-vllm / exact-loop (tests/frameworks/test_<name>_exact.py under RLK_REQUIRE_GPU=1: the
+# bitwise tests of the adapters in the real frameworks and of the frameworks loop; $EXACT_MARK, default
+# "gpu and not multi_gpu"; the loop's R/R run directory is kept as rr-run/), exact (every one of them; $EXACT_MARK
+# "multi_gpu" on an x2 machine), vllm (vllm_gpu.py: throughput), vllm-capture (R/R and P/P with --capture-max 4096),
+# loop (loop_gpu.py: R/R 10 rounds + P/P, throughput), matrix-a / matrix-b (loop_gpu.py --matrix, 4 cells each, 2
+# rounds), hybrid (megatron_gpu.py --hybrid), megatron (megatron_gpu.py: step time), cuda (build rlk_core._C + cubins, the rlk.cuda and
 # log-prob GPU tests — or the files in $CUDA_TESTS, selected by $CUDA_TESTS_K —, host_overhead.py $HOST_SECTIONS
 # within $HOST_CAP s, default 90), tests ($GPU_TESTS, default tests/gpu, no
 # build), local (bench_local_engine.py: the local
@@ -31,7 +34,8 @@ HERE=$(cd "$(dirname "$0")" && pwd)
 ROOT=$(cd "$HERE/../.." && pwd)
 SHIP=/tmp/ship
 declare -A CAP=([vllm]=420 [vllm-capture]=300 [loop]=420 [matrix-a]=400 [matrix-b]=400 [hybrid]=180
-                [megatron]=240 [cuda]=330 [local]=420 [tests]=300 [profile]=200)
+                [megatron]=240 [cuda]=330 [local]=420 [tests]=300 [profile]=200 [exact]=560 [exact-megatron]=240
+                [exact-vllm]=480 [exact-loop]=420)
 
 prepare() {
     cd "$ROOT" || exit 2
@@ -64,8 +68,8 @@ ship_archive() {  # ship_archive OUT.tar.xz: the code of $RLK_SHIP_REV (default 
     local paths rev=${RLK_SHIP_REV:-HEAD}  # by export-subst)
     paths=$(git ls-tree -r --name-only "$rev" benchmarks | grep -v '^benchmarks/results/')
     # shellcheck disable=SC2086
-    git archive --format=tar --prefix=.gpu-src/ "$rev" packages csrc tests/gpu tests/megatron tests/core/_cuda_cases.py \
-        tests/conftest.py pyproject.toml $paths \
+    git archive --format=tar --prefix=.gpu-src/ "$rev" packages csrc tests/gpu tests/megatron tests/frameworks \
+        tests/core/_cuda_cases.py tests/conftest.py pyproject.toml $paths \
         | xz -6 > "$1"
 }
 
@@ -138,6 +142,20 @@ stage() {  # stage NAME SECONDS
             (cd "$G/benchmarks" && RLK_BENCH_OUT="$out" timeout "${HOST_CAP:-90}" $py host_overhead.py \
                 --sections "${HOST_SECTIONS:-rowwise,linear_eager}" > "$out/host.log" 2>&1)
             tail -30 "$out/host.log" ;;
+        exact|exact-*)  # the framework tests (real vLLM / megatron-core), zero tolerance; pytest's tmp under $out
+            local files=tests/frameworks
+            [ "$name" = exact ] || files=tests/frameworks/test_${name#exact-}_exact.py
+            (cd "$G" && RLK_REQUIRE_GPU=1 timeout "$cap" $py -m pytest -q -p no:cacheprovider -rA --durations=10 \
+                -m "${EXACT_MARK:-gpu and not multi_gpu}" --basetemp="$out/tmp" --junitxml="$out/junit.xml" "$files" \
+                > "$out/exact.log" 2>&1)
+            echo "pytest rc $?"; tail -25 "$out/exact.log"
+            # keep the workers' reports, logs and validations, and the R/R loop's run directory (rr-run/); drop
+            # pytest's tmp (the P/P run, the plugin sites)
+            mkdir -p "$out/reports"
+            (cd "$out/tmp" 2>/dev/null && find . -maxdepth 2 \( -name '*_exact*.json' -o -name '*_exact*.md' \
+                -o -name '*.log' -o -name '*-validation.json' \) -exec cp --parents {} "$out/reports/" \;)
+            for rr in "$out"/tmp/*/runs/consistency/*/; do [ -d "$rr" ] && cp -r "$rr" "$out/rr-run"; done
+            rm -rf "$out/tmp" ;;
         tests)  # the GPU tests in $GPU_TESTS on the shipped code, no build (rlk.cuda absent: rlk.triton serves)
             # shellcheck disable=SC2086
             (cd "$G" && RLK_REQUIRE_GPU=1 timeout "$cap" $py -m pytest -q -p no:cacheprovider --durations=15 \

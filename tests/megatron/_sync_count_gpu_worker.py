@@ -17,7 +17,9 @@ import warnings
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "benchmarks", "frameworks"))
-import megatron_gpu as mg
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "frameworks"))  # megatron_setup
+import megatron_gpu  # host_syncs
+import megatron_setup as mg
 
 LENGTHS = [16] * 4
 
@@ -43,13 +45,13 @@ def main() -> None:
 
     step(mg.Batch(cfg, LENGTHS, 1, dev, seed=1))  # warm-up: Triton compiles, caches, the reserved rope table
     fresh = mg.Batch(cfg, LENGTHS, 1, dev, seed=2)
-    out = {"layers": cfg.num_hidden_layers, "fresh_batch": mg.host_syncs(lambda: step(fresh), True),
-           "same_batch": mg.host_syncs(lambda: step(fresh), True)}
+    out = {"layers": cfg.num_hidden_layers, "fresh_batch": megatron_gpu.host_syncs(lambda: step(fresh), True),
+           "same_batch": megatron_gpu.host_syncs(lambda: step(fresh), True)}
     for m in model.modules():  # control: rope with a (dim, theta) no table was reserved for
         if isinstance(m, attention.RlkCoreAttention):
             m.rope_theta, m.max_positions = m.rope_theta * 1.5, None
     step(fresh)  # the unreserved table is built here (sized from the positions)
-    out["control_unreserved_rope"] = mg.host_syncs(lambda: step(fresh), True)
+    out["control_unreserved_rope"] = megatron_gpu.host_syncs(lambda: step(fresh), True)
     print(json.dumps(out))
 
 

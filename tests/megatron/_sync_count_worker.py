@@ -1,5 +1,5 @@
 """Worker for test_host_syncs.py: one gloo rank, the GRPO training step of
-``benchmarks/frameworks/megatron_gpu.py`` (its builders, batch, log-probs and loss: forward + backward, no
+``tests/frameworks/megatron_setup.py`` (the builders, batch, log-probs and loss: forward + backward, no
 optimizer) on the tiny all-R GPTModel and on the stock local spec, under
 :class:`_opcount.SyncCounter` — the host syncs the step makes on a CUDA device, each with
 the frame that issued it.
@@ -17,9 +17,9 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "benchmarks", "frameworks"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "frameworks"))  # megatron_setup
 import _model
-import megatron_gpu as mg
+import megatron_setup as mg
 from _opcount import SyncCounter
 
 DEV, DTYPE = torch.device("cpu"), torch.float32

@@ -21,8 +21,8 @@ import torch
 import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "benchmarks", "frameworks"))
-import megatron_gpu as mg
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "frameworks"))  # megatron_setup
+import megatron_setup as mg
 
 DEV, DTYPE = torch.device("cpu"), torch.float32
 LENGTHS = [16] * 4

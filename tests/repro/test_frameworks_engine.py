@@ -2,7 +2,7 @@
 argument handling, the matrix cell's command line, the Megatron -> Hugging Face weight mapping (exact, every
 TP split; into real vLLM 0.22's Qwen3 ``load_weights``: every vLLM parameter gets exactly its tensor), and the
 Megatron train side (real megatron-core on gloo: its log-probs equal the local trainer's at the same weights,
-bitwise). The GPU loop itself runs in ``benchmarks/frameworks/loop_gpu.py``."""
+bitwise). The GPU loop itself is tested by ``tests/frameworks/test_loop_exact.py``."""
 
 from __future__ import annotations
 

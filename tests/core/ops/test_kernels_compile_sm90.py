@@ -317,7 +317,7 @@ def compile_gemm_stored(tile, a_km, b_kn, y):
 def _stored_tma_variants():
     """(tile, a_km, b_kn, y) of every TMA variant :func:`stored_config` and the launcher can give: dx's layout
     (W stored [K, N]), dW's (both operands stored [K, N]) and a transposed x alone; the output stored by TMA or,
-    where it is not TMA-compatible, by pointers; fp32 outputs (linear_2d_into) only with their own tile."""
+    where it is not TMA-compatible, by pointers; fp32 outputs (`into`) only with their own tile."""
     from rlk_core.ops.linear import tiles as rule
 
     layouts = ((False, True), (True, True), (True, False))

@@ -10,7 +10,7 @@ of the GPU, checked on each one by the contract suite (``rlk_core.testing.contra
 
 Tiles are tuples ``(BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages[, TAIL_M])``, chosen from
 the H200 sweeps (``benchmarks/results/h200/sweep/``; the numbers behind each choice are in
-``docs/ops/gpu-kernels.md`` and ``benchmarks/NOTES.md``). TMA = the persistent TMA-descriptor kernel
+``docs/ops/gpu-kernels.md``). TMA = the persistent TMA-descriptor kernel
 (sm_90+, operands with unit last stride and 16-byte aligned rows); otherwise the pointer-load kernel.
 
 :func:`stored_config` is the rule of the stored-layout kernels (operands given as transposed views: the
@@ -197,8 +197,8 @@ def rem_rows(m: int, block_m: int) -> int:
 # must not multiply with it): its inputs are the dtype, the output's columns, its rows where they are not the
 # token count (an operand stored [K, M]: dW's and db's rows are the weight's), whether TMA applies, the SM count.
 #
-# UNSWEPT: no backward sweep exists; the choices are reasoned from the forward's (docs/ops/gpu-kernels.md,
-# benchmarks/NOTES.md). Candidates are the forward's M > 128 TMA tiles with their full-wave rates relative to cuBLAS
+# UNSWEPT: no backward sweep exists; the choices are reasoned from the forward's (docs/ops/gpu-kernels.md).
+# Candidates are the forward's M > 128 TMA tiles with their full-wave rates relative to cuBLAS
 # (the rates without the weight re-read discount: both operands of dW stream over the tokens, and dx's weight is
 # read as in the forward). A fixed reduction of 4096 tokens is as long as the K >= 2048 the rates were measured at.
 # - token rows (dx): many waves at training sizes, so the tile with the least padded columns per unit of rate,
@@ -208,7 +208,7 @@ def rem_rows(m: int, block_m: int) -> int:
 # stage counts fit shared memory (tests/core/ops/test_kernels_compile_sm90.py). Outputs of N <= 16 columns (db)
 # and everything TMA cannot take run the pointer kernel (every load masked: the token count is not specialised).
 _STORED_TMA = (((128, 256, 64, 8, 8, 3), 0.98), ((128, 128, 64, 8, 8, 4), 0.89), ((128, 64, 128, 8, 8, 4), 0.80))
-_STORED_F32_OUT = (128, 128, 64, 8, 8, 3)  # TMA loads, an fp32 output stored by pointers (linear_2d_into)
+_STORED_F32_OUT = (128, 128, 64, 8, 8, 3)  # TMA loads, an fp32 output stored by pointers (`into`)
 _STORED_PTR = {torch.bfloat16: _LARGE_PTR, torch.float16: _LARGE_PTR, torch.float32: _FP32}
 _STORED_NARROW = {torch.bfloat16: (64, 16, 128, 8, 4, 3), torch.float16: (64, 16, 128, 8, 4, 3),
                   torch.float32: (64, 16, 32, 8, 4, 3)}  # N <= 16 (db: one column)
