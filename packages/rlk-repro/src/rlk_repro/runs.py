@@ -15,6 +15,7 @@ import platform
 import secrets
 import subprocess
 import sys
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from importlib import metadata
 from pathlib import Path
@@ -24,6 +25,7 @@ import torch
 from safetensors.torch import save_file
 
 from rlk_core.errors import RlkConfigError
+from rlk_repro import lifecycle
 from rlk_validate import evidence
 from rlk_validate.evidence import BITWISE_SCHEMA, TRAIN_DATA_SCHEMA
 
@@ -34,12 +36,19 @@ EXIT_OK, EXIT_MISMATCH, EXIT_USAGE, EXIT_FAILED, EXIT_INTERRUPTED = 0, 1, 2, 3, 
 
 
 def exit_code_for(exc: BaseException) -> int:
-    """The exit status for a run ended by ``exc``: 130 for Ctrl-C, 2 for a configuration error, else 3."""
+    """The exit status for a run ended by ``exc``: 130 for Ctrl-C, 143 for SIGTERM, 2 for a configuration error,
+    else 3."""
     if isinstance(exc, KeyboardInterrupt):
-        return EXIT_INTERRUPTED
+        return lifecycle.interrupt_status(exc)
     if isinstance(exc, RlkConfigError):
         return EXIT_USAGE
     return EXIT_FAILED
+
+
+def ended_how(code: int) -> str:
+    """How a run with exit status ``code`` ended, for its log line."""
+    return {EXIT_INTERRUPTED: "interrupted (SIGINT)", lifecycle.EXIT_TERMINATED: "terminated (SIGTERM)"}.get(
+        code, "failed")
 
 
 def utc_now() -> str:
@@ -52,10 +61,11 @@ def new_run_id() -> str:
 
 def create_run_dir(output: str | os.PathLike[str], name: str | None = None) -> tuple[str, Path]:
     """A new run directory under ``output``: named by a fresh run id, or ``name`` (a matrix cell), which
-    must not exist yet. Returns ``(run_id, path)``."""
+    must not exist yet. Returns ``(run_id, path)``. ``output`` inside a run directory is refused."""
     root = Path(output)
     if root.exists() and not root.is_dir():
         raise RlkConfigError(f"--output {root} exists and is not a directory")
+    lifecycle.refuse_inside_run_dir(root, "--output")
     root.mkdir(parents=True, exist_ok=True)
     for _ in range(16 if name is None else 1):
         run_id = new_run_id()
@@ -72,6 +82,51 @@ def create_run_dir(output: str | os.PathLike[str], name: str | None = None) -> t
     raise RlkConfigError(f"could not create a new run directory under {root}")
 
 
+@dataclass
+class Run:
+    """A run directory this process writes: its id, path, writer lock and ``run.log`` handler."""
+
+    run_id: str
+    path: Path
+    lock: lifecycle.Lock
+    log_handler: logging.Handler
+
+
+def begin_run(output: str | os.PathLike[str], name: str | None = None, command: list[str] | None = None) -> Run:
+    """Create a run directory (:func:`create_run_dir`), hold its writer lock and open its ``run.log``. Signals
+    raise again (:func:`rlk_repro.lifecycle.arm_signals`: one held since the last run ended is raised here, before
+    anything is created). End it with :func:`end_run` on every path."""
+    lifecycle.arm_signals()
+    run_id, path = create_run_dir(output, name)
+    lock = lifecycle.lock_run_dir(path)
+    handler = open_run_log(path)
+    log.info("run %s: written by pid %d on %s: %s", run_id, os.getpid(), platform.node(),
+             " ".join(str(c) for c in (command if command is not None else sys.argv)))
+    if lock.fd is None:
+        log.warning("run %s: this file system has no flock for directories; the run directory is not locked",
+                    run_id)
+    return Run(run_id, path, lock, handler)
+
+
+def end_run(run: Run, code: int, failure: BaseException | None) -> None:
+    """The run ended with status ``code`` (``failure``: the exception ending it, if any): from here signals are
+    held (:mod:`rlk_repro.lifecycle`), ``exit-code`` is written, the log closed and the lock released — on every
+    path. Where ``exit-code`` cannot be written, a failing run's own error stays the one raised (this one goes to
+    stderr and the log); a run that had succeeded fails with it."""
+    with lifecycle.held():
+        try:
+            write_exit_code(run.path, code)
+        except OSError as exc:
+            what = f"cannot write {run.path / evidence.EXIT_CODE}: {exc.strerror or exc}"
+            log.error("run %s: %s", run.run_id, what)
+            if failure is None:
+                raise OSError(exc.errno, what) from None
+            print(f"rlk-repro: also {what} (the run had already failed; its own error follows)", file=sys.stderr)
+        finally:
+            close_run_log(run.log_handler)
+            run.lock.release()
+
+
 def write_json_atomic(path: Path, doc: Any) -> None:
     evidence.write_json_atomic(path, doc)
 
@@ -81,10 +136,35 @@ def append_jsonl(path: Path, doc: dict[str, Any]) -> None:
         fh.write(json.dumps(doc, allow_nan=False) + "\n")
 
 
+class RunLogHandler(logging.FileHandler):
+    """``run.log``: no traceback is ever formatted there; a write that fails (a full disk) is said once on
+    stderr — not a "Logging error" traceback per record — and the records after it are dropped."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(path, encoding="utf-8")
+        self.setFormatter(_NoTracebackFormatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        self.failed: str | None = None
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if self.failed is None:
+            super().emit(record)
+
+    def handleError(self, record: logging.LogRecord) -> None:
+        exc = sys.exc_info()[1]
+        self.failed = f"{type(exc).__name__}: {exc}"
+        print(f"rlk-repro: cannot write {self.baseFilename}: {self.failed}; later lines of this run's log are lost",
+              file=sys.stderr)
+
+    def close(self) -> None:
+        try:
+            super().close()
+        except OSError:  # the final flush on a full disk: already said (or nothing left to say)
+            pass
+
+
 def open_run_log(run_dir: Path) -> logging.Handler:
-    """Send the ``rlk`` and ``rlk_repro`` loggers to ``run.log`` (no tracebacks are ever formatted there)."""
-    handler = logging.FileHandler(run_dir / "run.log", encoding="utf-8")
-    handler.setFormatter(_NoTracebackFormatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    """Send the ``rlk`` and ``rlk_repro`` loggers to ``run.log`` (:class:`RunLogHandler`)."""
+    handler = RunLogHandler(run_dir / "run.log")
     for name in ("rlk", "rlk_repro"):
         lg = logging.getLogger(name)
         lg.addHandler(handler)
@@ -93,9 +173,12 @@ def open_run_log(run_dir: Path) -> logging.Handler:
 
 
 def close_run_log(handler: logging.Handler) -> None:
-    for name in ("rlk", "rlk_repro"):
-        logging.getLogger(name).removeHandler(handler)
-    handler.close()
+    """Detach ``handler`` from every logger it was added to, then close it (both always happen)."""
+    try:
+        for name in ("rlk", "rlk_repro"):
+            logging.getLogger(name).removeHandler(handler)
+    finally:
+        handler.close()
 
 
 class _NoTracebackFormatter(logging.Formatter):

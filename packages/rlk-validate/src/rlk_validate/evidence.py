@@ -30,6 +30,7 @@ TRAIN_DATA_SCHEMA = "rlk.train-data.v1"
 RUN_VALIDATION_SCHEMA = "rlk.run-validation.v1"
 MATRIX_REPORT_SCHEMA = "rlk.matrix-report.v1"
 COMPLETE_SCHEMA = "rlk.complete.v1"
+MATRIX_OPTIONS_SCHEMA = "rlk.matrix-options.v1"
 # a VIME run's artifact directory, before `rlk-validate import-vime` (docs/vime.md)
 VIME_LAUNCH_SCHEMA = "rlk.vime-launch.v1"
 VIME_ENVIRONMENT_SCHEMA = "rlk.vime-environment.v1"
@@ -45,6 +46,7 @@ SCHEMAS: dict[str, str] = {
     "run-validation": RUN_VALIDATION_SCHEMA,
     "matrix-report": MATRIX_REPORT_SCHEMA,
     "complete": COMPLETE_SCHEMA,
+    "matrix-options": MATRIX_OPTIONS_SCHEMA,
     "vime-launch": VIME_LAUNCH_SCHEMA,
     "vime-environment": VIME_ENVIRONMENT_SCHEMA,
     "vime-logprobs": VIME_LOGPROBS_SCHEMA,
@@ -122,6 +124,34 @@ MATRIX_REPORT_JSON = "matrix-report.json"
 MATRIX_REPORT_MD = "matrix-report.md"
 #: entries that mark a directory as a run directory
 RUN_MARKERS = (MANIFEST, READBACKS_DIR, TRAIN_DATA_DIR, EXIT_CODE, BITWISE, METRICS)
+#: what ``rlk-repro matrix`` records at a matrix root: the options every cell runs with (``--resume`` reads them)
+MATRIX_OPTIONS = "matrix-options.json"
+#: the lock file of a matrix root (held by the one ``rlk-repro matrix`` process writing it; names the holder)
+MATRIX_LOCK = ".rlk-matrix.lock"
+
+
+def is_run_dir(path: str | os.PathLike[str]) -> bool:
+    """Whether ``path`` is a run directory: it holds an ``rlk.manifest.v1`` manifest, or the ``readbacks/`` and
+    ``train-data/`` folders every producer creates first. Reads at most the manifest's first 4 KiB."""
+    p = Path(path)
+    if (p / READBACKS_DIR).is_dir() and (p / TRAIN_DATA_DIR).is_dir():
+        return True
+    try:
+        with open(p / MANIFEST, "rb") as fh:
+            head = fh.read(4096)
+    except OSError:
+        return False
+    return MANIFEST_SCHEMA.encode() in head
+
+
+def enclosing_run_dir(path: str | os.PathLike[str]) -> Path | None:
+    """The run directory that is ``path`` or holds it (its nearest such ancestor), or None: a run directory is
+    append-only and sealed as a whole, so nothing creates a run or a matrix inside one."""
+    p = Path(os.path.abspath(os.fspath(path)))
+    for d in (p, *p.parents):
+        if d.is_dir() and is_run_dir(d):
+            return d
+    return None
 
 # -- matrix cells -------------------------------------------------------------------------------
 #: the cells of a matrix root: ``control-RR`` (all R/R), ``<module>-<XY>`` (that module at X/Y, the others
