@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 
 from .drift import WorstTokens, abs_histogram, drift_of
+from .evidence import INFORMATIVE_LOGP
 from .findings import Finding, finding
 from .safeio import InputError, Root
 from .tensors import Chunk, TrainData, load_pt, load_safetensors, parse_name, torch_importable
@@ -25,9 +26,6 @@ def _f(code: str, msg: str, path: str | None = None, **kw: Any) -> Finding:
     return finding(code, msg, check=CHECK, path=path, **kw)
 
 
-#: a token is *informative* when its rollout log-prob is below this (probability < 0.999): equal bits of
-#: saturated log-probs (a collapsed policy's 0.0) prove little, so every count is also given over these
-INFORMATIVE_LOGP = -1e-3
 
 
 class _FileScan:
@@ -160,9 +158,9 @@ def _index_files(
             findings.append(
                 _f(
                     "TRAIN_DATA_UNEXPECTED",
-                    f"{rel} is not named round-<NNNN>.rank<R>.safetensors; ignored",
+                    f"{rel} is not named round-<NNNN>.rank<R>.safetensors: train-data holds a file no round "
+                    "accounts for (not read as a round)",
                     rel,
-                    severity="warning",
                 )
             )
             continue

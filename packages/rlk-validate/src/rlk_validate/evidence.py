@@ -109,6 +109,15 @@ def side_letter(case: str, side: str) -> str:
     return case[0 if side == "train" else 2]
 
 
+# -- informative tokens ---------------------------------------------------------------------------
+#: a compared token is *informative* when its rollout log-prob is below this (probability < 0.999): equal bits of
+#: saturated log-probs (a collapsed policy's 0.0) prove little, so every bitwise count is also given over these
+INFORMATIVE_LOGP = -1e-3
+#: a round whose compared tokens are informative less often than this is flagged (``--min-informative-fraction``):
+#: the collapsed policies of issue 41 fell to 4% and 0.3%; a peaked but live policy stays far above
+MIN_INFORMATIVE_FRACTION = 0.1
+
+
 # -- file names ---------------------------------------------------------------------------------
 MANIFEST = "manifest.json"
 RUN_LOG = "run.log"
