@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import os
 import platform
 import secrets
@@ -295,17 +296,25 @@ def write_train_data(run_dir: Path, rnd: int, rank: int, prompts: list[list[int]
 
 
 def compare(rollout: torch.Tensor, train: torch.Tensor) -> dict[str, Any]:
-    """Bitwise comparison of two fp32 vectors of active tokens (bit patterns; diffs in float64)."""
+    """Bitwise comparison of two fp32 vectors of active tokens (bit patterns; diffs in float64), also over the
+    informative tokens (rollout log-prob < :data:`~rlk_validate.evidence.INFORMATIVE_LOGP`: probability < 0.999)."""
     r, t = rollout.detach().cpu().float().contiguous(), train.detach().cpu().float().contiguous()
     neq = r.view(torch.int32) != t.view(torch.int32)
     diff = (r.double() - t.double()).abs()
     finite = diff[torch.isfinite(diff)]
+    informative = r < evidence.INFORMATIVE_LOGP
     return {
         "element_count": int(r.numel()),
         "mismatch_count": int(neq.sum()),
+        "informative_count": int(informative.sum()),
+        "informative_mismatch_count": int((neq & informative).sum()),
         "max_abs_diff": float(finite.max()) if finite.numel() else 0.0,
         "mean_abs_diff": float(finite.mean()) if finite.numel() else 0.0,
     }
+
+
+_ROUND_KEYS = ("round", "element_count", "mismatch_count", "informative_count", "informative_mismatch_count",
+               "max_abs_diff", "mean_abs_diff")
 
 
 def bitwise_document(rounds: list[dict[str, Any]], require_exact: bool, fallback_failures: int) -> dict[str, Any]:
@@ -317,22 +326,38 @@ def bitwise_document(rounds: list[dict[str, Any]], require_exact: bool, fallback
         "torch_equal": mismatches == 0,
         "element_count": elements,
         "mismatch_count": mismatches,
+        "informative_count": sum(r["informative_count"] for r in rounds),
+        "informative_mismatch_count": sum(r["informative_mismatch_count"] for r in rounds),
         "max_abs_diff": max((r["max_abs_diff"] for r in rounds), default=0.0),
         "mean_abs_diff": (sum(r["mean_abs_diff"] * r["element_count"] for r in rounds) / elements) if elements else 0.0,
-        "rounds": [{k: r[k] for k in ("round", "element_count", "mismatch_count", "max_abs_diff", "mean_abs_diff")}
-                   for r in rounds],
+        "rounds": [{k: r[k] for k in _ROUND_KEYS} for r in rounds],
         "fallback_failures": fallback_failures,
     }
 
 
 def round_metrics(rnd: int, cmp: dict[str, Any], rewards: list[float], train: Any, rollout_tokens: int,
                   generated: int, rollout_seconds: float, device: torch.device, changed: bool,
-                  samples: int) -> dict[str, Any]:
+                  samples: int, responses: list[list[int]], rollout_logps: torch.Tensor,
+                  entropy_mean: float | None = None, vocab_size: int | None = None) -> dict[str, Any]:
     """The fields of one round's ``metrics.jsonl`` row that every engine writes (``train``: the trainer's
-    step result with ``loss``, ``grad_norm``, ``tokens``, ``seconds``); an engine adds its own after them."""
+    step result with ``loss``, ``grad_norm``, ``tokens``, ``seconds``); an engine adds its own after them.
+
+    How much the round's evidence says: the informative tokens (counts and fraction), ``sampled_nll_mean`` (the mean
+    of ``-log p`` of the sampled tokens: an estimate of the sampling distribution's entropy, in nats, exact in
+    expectation where the tokens are drawn from the distribution the log-prob is of), ``entropy_mean`` where the
+    engine computes it exactly (the mean over sampled positions of the entropy of ``softmax(logits / T)``), its
+    ceiling ``max_entropy`` (``log V``), and how many of the responses are distinct."""
+    lp = rollout_logps.double()
     return {
         "schema": evidence.METRICS_SCHEMA, "round": rnd, "compared_tokens": cmp["element_count"],
-        "mismatch_count": cmp["mismatch_count"], "max_abs_diff": cmp["max_abs_diff"],
+        "mismatch_count": cmp["mismatch_count"], "informative_tokens": cmp["informative_count"],
+        "informative_mismatch_count": cmp["informative_mismatch_count"],
+        "informative_fraction": cmp["informative_count"] / max(cmp["element_count"], 1),
+        "sampled_nll_mean": float(-lp.mean()) if lp.numel() else 0.0,
+        **({"entropy_mean": entropy_mean} if entropy_mean is not None else {}),
+        **({"max_entropy": math.log(vocab_size)} if vocab_size else {}),
+        "distinct_responses": len({tuple(x) for x in responses}),
+        "max_abs_diff": cmp["max_abs_diff"],
         "mean_abs_diff": cmp["mean_abs_diff"], "reward_mean": sum(rewards) / len(rewards),
         "reward_std": float(torch.tensor(rewards, dtype=torch.float64).std(unbiased=False)),
         "loss": train.loss, "grad_norm": train.grad_norm,
@@ -384,20 +409,32 @@ def _fmt(x: float) -> str:
 
 
 def summary_table(rounds: list[dict[str, Any]], bitwise: dict[str, Any]) -> str:
-    """The per-round table the CLI prints and ``report/summary.md`` holds."""
-    head = ("round", "compared", "mismatch", "max|diff|", "mean|diff|", "reward", "loss", "roll tok/s",
-            "train tok/s", "changed")
+    """The per-round table the CLI prints and ``report/summary.md`` holds: ``informative`` is the share of compared
+    tokens with a rollout log-prob below -1e-3 (and the mismatches among them), ``entropy`` the mean entropy of the
+    sampling distribution in nats (``~`` where only estimated from the sampled tokens' log-probs)."""
+    head = ("round", "compared", "mismatch", "informative", "entropy", "max|diff|", "mean|diff|", "reward", "loss",
+            "roll tok/s", "train tok/s", "changed")
     rows = [head]
     for r in rounds:
-        rows.append((str(r["round"]), str(r["element_count"]), str(r["mismatch_count"]), _fmt(r["max_abs_diff"]),
-                     _fmt(r["mean_abs_diff"]), f"{r['reward_mean']:.3f}", f"{r['loss']:.4g}",
-                     f"{r['rollout_tokens_per_s']:.0f}", f"{r['train_tokens_per_s']:.0f}",
+        ent = (f"{r['entropy_mean']:.3g}" if r.get("entropy_mean") is not None
+               else f"~{r['sampled_nll_mean']:.3g}" if "sampled_nll_mean" in r else "")
+        rows.append((str(r["round"]), str(r["element_count"]), str(r["mismatch_count"]),
+                     _informative(r.get("informative_count"), r.get("informative_mismatch_count"), r["element_count"]),
+                     ent, _fmt(r["max_abs_diff"]), _fmt(r["mean_abs_diff"]), f"{r['reward_mean']:.3f}",
+                     f"{r['loss']:.4g}", f"{r['rollout_tokens_per_s']:.0f}", f"{r['train_tokens_per_s']:.0f}",
                      "yes" if r["weights_changed"] else "NO"))
     b = bitwise
-    rows.append(("total", str(b["element_count"]), str(b["mismatch_count"]), _fmt(b["max_abs_diff"]),
-                 _fmt(b["mean_abs_diff"]), "", "", "", "", ""))
+    rows.append(("total", str(b["element_count"]), str(b["mismatch_count"]),
+                 _informative(b.get("informative_count"), b.get("informative_mismatch_count"), b["element_count"]),
+                 "", _fmt(b["max_abs_diff"]), _fmt(b["mean_abs_diff"]), "", "", "", "", ""))
     widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
     lines = ["  ".join(c.rjust(w) for c, w in zip(row, widths, strict=True)) for row in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
     lines.insert(len(lines) - 1, lines[1])
     return "\n".join(lines)
+
+
+def _informative(n: int | None, mismatches: int | None, compared: int) -> str:
+    if n is None:
+        return ""
+    return f"{100 * n / max(compared, 1):.0f}% ({mismatches} diff)"

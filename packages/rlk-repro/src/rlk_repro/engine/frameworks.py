@@ -322,7 +322,8 @@ class _Run:
         changed = sync["changed"] > 0
         row = {
             **runs.round_metrics(rnd, cmp, rewards, res, roll.prompt_tokens + roll.generated, roll.generated,
-                                 roll.seconds, self.device, changed, len(comps)),
+                                 roll.seconds, self.device, changed, len(comps), [c.tokens for c in comps],
+                                 torch.cat(roll_lp), vocab_size=self.model_cfg.vocab_size),
             "weight_sync_seconds": sync["seconds"], "vllm_parameters_changed": sync["changed"],
             "eos_finished": sum(c.finish_reason == "stop" for c in comps),
             "triton_jit": self.watch.take(),  # this rank's JIT compiles per phase (round 0's "setup": start-up)

@@ -59,7 +59,7 @@ class LocalRunConfig:
     max_num_seqs: int = 6
     arrivals_per_step: int = 2
     optimizer: str = "adamw"
-    lr: float = 1e-3
+    lr: float = 1e-4  # a 10-round run stays non-degenerate (informative tokens, entropy: docs/local-engine.md)
     static_weights: bool = False  # no update: the checkpoint's weights every round (asked for explicitly)
     readback_mode: str = "strict"
     threads: int | None = None  # torch intra-op threads for the run (None: leave torch's setting)
@@ -307,7 +307,9 @@ def _round(cfg: LocalRunConfig, ses: _Session, run_dir: Path, rnd: int, watch: J
     device = ses.trainer.device
     row = {
         **runs.round_metrics(rnd, cmp, rewards, res, stats.tokens, stats.generated, stats.seconds, device, changed,
-                             len(requests)),
+                             len(requests), [r.output for r in requests], torch.cat(roll),
+                             entropy_mean=statistics.fmean(h for r in requests for h in r.entropies),
+                             vocab_size=ses.model_cfg.vocab_size),
         "rollout_steps": stats.steps, "batch_composition_changes": stats.composition_changes,
         "max_batch": stats.max_batch, "chunked_prompts": stats.chunked_prompts,
         "decode_steps": stats.decode_calls, "prefill_steps": stats.prefill_calls,
