@@ -279,3 +279,20 @@ def test_the_run_directory_is_locked_while_its_run_writes_it(tmp_path, monkeypat
     res = run_local(small_config(RoutePlan("R/R", "R/R", "R/R"), rounds=1), tmp_path)
     assert seen == ["locked"]
     assert _py(PROBE, str(res.run_dir)).stdout.strip() == "free"
+
+
+def test_report_refuses_to_write_into_a_sealed_run(tmp_path, capsys):
+    from rlk_validate import seal_run
+
+    assert cli.main(["run", "--output", str(tmp_path / "runs"), *SMALL]) == cli.EXIT_OK
+    (run_dir,) = list((tmp_path / "runs").iterdir())
+    rep = seal_run(run_dir)
+    assert rep.seal["status"] == "sealed" or rep.verdict != "passed", rep.summary()
+    (run_dir / "COMPLETE").touch()  # sealed (or, outside a git checkout, as if): report/ must stay as sealed
+    before = sorted(str(p) for p in run_dir.rglob("*"))
+    capsys.readouterr()
+    assert cli.main(["report", str(run_dir)]) == cli.EXIT_USAGE
+    assert "break the seal" in capsys.readouterr().err
+    assert cli.main(["report", str(run_dir), "--output", str(run_dir / "report")]) == cli.EXIT_USAGE
+    assert sorted(str(p) for p in run_dir.rglob("*")) == before
+    assert cli.main(["report", str(run_dir), "--output", str(tmp_path / "elsewhere")]) == cli.EXIT_OK

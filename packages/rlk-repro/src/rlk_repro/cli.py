@@ -368,7 +368,13 @@ def _cmd_doctor(a: argparse.Namespace) -> int:
 
 
 def _cmd_report(a: argparse.Namespace) -> int:
+    from rlk_repro.lifecycle import refuse_sealed
     from rlk_repro.report import SUMMARY_COLUMNS, write_report
+
+    if a.output is None and len(a.run_dirs) == 1:
+        refuse_sealed(a.run_dirs[0], "writing report/ into it")
+    elif a.output is not None:
+        refuse_sealed(a.output, f"--output {a.output}")
 
     summaries, written, no_plots, cells_skipped = write_report(a.run_dirs, a.output)
     for s in summaries:

@@ -208,6 +208,14 @@ def refuse_inside_run_dir(path: str | os.PathLike[str], flag: str) -> None:
                              "and sealed as a whole: nothing else is written into it (choose another directory)")
 
 
+def refuse_sealed(path: str | os.PathLike[str], what: str) -> None:
+    """Writing into a sealed run directory (``COMPLETE``) would break its seal, which covers every file: exit 2."""
+    run_dir = evidence.enclosing_run_dir(path)
+    if run_dir is not None and (run_dir / evidence.COMPLETE).exists():
+        raise RlkConfigError(f"{run_dir} is sealed (COMPLETE): {what} would add files to it and break the seal, which "
+                             "covers every file; pass --output DIR outside it")
+
+
 def forced_backends_problem(device_type: str) -> str | None:
     """What is wrong with ``RLK_BACKENDS`` for ``device_type``, as one sentence (None: nothing): an op name that
     is not an rlk op, a backend not registered for the op (or one of the companions it forces), or one that is

@@ -281,7 +281,18 @@ METRICS_FIELDS = (
     _f("rollout_tokens_per_s", "number", "rollout throughput", required=False),
     _f("train_tokens_per_s", "number", "training throughput", required=False),
     _f("peak_memory_bytes", "integer", "peak device memory", required=False),
-    _f("weights_changed", "boolean", "whether the weight update changed the rollout weights", required=False),
+    _f("weights_changed", "boolean", "whether the weight update changed the rollout weights (all false over the "
+       "updates between rounds: `WEIGHTS_STATIC`)", required=False),
+    _f("informative_tokens", "integer", "compared tokens with a rollout log-prob below -1e-3; recomputed",
+       required=False),
+    _f("informative_mismatch_count", "integer", "mismatches among them; recomputed", required=False),
+    _f("informative_fraction", "number", "`informative_tokens / compared_tokens`", required=False),
+    _f("sampled_nll_mean", "number", "mean `-log p` of the sampled tokens (nats): an estimate of the sampling "
+       "distribution's entropy", required=False),
+    _f("entropy_mean", "number", "mean entropy (nats) of `softmax(logits / T)` at the sampled positions, where "
+       "the engine computes it (local)", required=False),
+    _f("max_entropy", "number", "`log V`, the entropy of a uniform next-token distribution", required=False),
+    _f("distinct_responses", "integer", "distinct responses of the round's samples", required=False),
 )
 BITWISE_FIELDS = (
     _f("schema", "string", f"`{BITWISE_SCHEMA}`"),
@@ -291,6 +302,9 @@ BITWISE_FIELDS = (
     _f("mismatch_count", "integer", "mismatched tokens, all rounds; recomputed"),
     _f("max_abs_diff", "number", "max `|train - rollout|`, all rounds; recomputed"),
     _f("mean_abs_diff", "number", "mean `|train - rollout|`, all rounds; recomputed", required=False),
+    _f("informative_count", "integer", "compared tokens with a rollout log-prob below -1e-3; recomputed",
+       required=False),
+    _f("informative_mismatch_count", "integer", "mismatches among them; recomputed", required=False),
     _f("rounds", "array", "one object per round (below); non-empty"),
     _f("fallback_failures", "integer", "modules that fell back; > 0 fails the run"),
 )
@@ -300,12 +314,23 @@ BITWISE_ROUND_FIELDS = (
     _f("mismatch_count", "integer", "recomputed"),
     _f("max_abs_diff", "number", "recomputed"),
     _f("mean_abs_diff", "number", "recomputed", required=False),
+    _f("informative_count", "integer", "recomputed", required=False),
+    _f("informative_mismatch_count", "integer", "recomputed", required=False),
 )
 COMPLETE_FIELDS = (
     _f("schema", "string", f"`{COMPLETE_SCHEMA}`"),
     _f("run_validation_sha256", "string", "64 hex: sha256 of the bytes of `run-validation.json`; re-checked"),
     _f("sealed_at", "string", "UTC ISO time"),
     _f("validator", "object", "`name` (`rlk-validate`), `version`"),
+    _f("signature", "object", "`--sign-key`: `scheme` (`ed25519`), `key_id` (`sha256:` of the raw public key), "
+       "`public_key`, `value` (base64): over the canonical JSON of the other fields", required=False),
+)
+MATRIX_OPTIONS_FIELDS = (
+    _f("schema", "string", f"`{MATRIX_OPTIONS_SCHEMA}`"),
+    _f("created_at", "string", "UTC ISO time"),
+    _f("command", "array of strings", "the command that created the root"),
+    _f("options", "object", "every experiment option of the matrix (`--resume` runs them again)"),
+    _f("config", "object", "a cell's run configuration less its routes (`--resume` refuses another one)"),
 )
 
 #: document -> (title, fields)
@@ -318,6 +343,7 @@ DOCUMENTS: dict[str, tuple[str, tuple[Field, ...]]] = {
     "bitwise-validation": (f"`{BITWISE}` — `{BITWISE_SCHEMA}`", BITWISE_FIELDS),
     "bitwise-validation.round": ("`bitwise-validation.json` round (`rounds[i]`)", BITWISE_ROUND_FIELDS),
     "complete": (f"`{COMPLETE}` — `{COMPLETE_SCHEMA}`", COMPLETE_FIELDS),
+    "matrix-options": (f"`{MATRIX_OPTIONS}` (matrix root) — `{MATRIX_OPTIONS_SCHEMA}`", MATRIX_OPTIONS_FIELDS),
 }
 
 
