@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import socket
-from pathlib import Path
 
 import pytest
 
@@ -23,11 +22,11 @@ PARENT = r'''
 import os, signal, sys, time
 from vllm.utils.system_utils import get_mp_context
 from vllm.v1.utils import shutdown
-import mp_engine_core
+import vllm_tiny
 from rlk_vllm_plugin import _runtime
 ctx = get_mp_context()
 ready = ctx.Event()
-proc = ctx.Process(target=mp_engine_core.engine_core, args=(ready,), name="EngineCore")
+proc = ctx.Process(target=vllm_tiny.engine_core, args=(ready,), name="EngineCore")
 proc.start()
 try:
     assert ready.wait(300), "the engine core did not start"
@@ -50,8 +49,7 @@ print("ok")
 def test_the_engine_core_process_readback_records_what_ran(run_script, tmp_path, method, stop):
     env = {"RL_KERNEL_ATTENTION_CASE": "P/P", "RL_KERNEL_FFN_CASE": "P/P", "RL_KERNEL_LOGP_CASE": "P/P",
            "RL_KERNEL_MODE": "strict", "RL_KERNEL_READBACK_DIR": str(tmp_path / "rb"),
-           "VLLM_ENABLE_V1_MULTIPROCESSING": "1", "VLLM_WORKER_MULTIPROC_METHOD": method, "STOP": stop,
-           "PYTHONPATH": str(Path(__file__).parent)}
+           "VLLM_ENABLE_V1_MULTIPROCESSING": "1", "VLLM_WORKER_MULTIPROC_METHOD": method, "STOP": stop}
     out = run_script(PARENT, env=env)
     pid, code = (int(x) for x in out.split("child ", 1)[1].split()[:2])
     assert code == (-9 if stop == "kill" else 0), out

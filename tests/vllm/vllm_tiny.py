@@ -1,7 +1,6 @@
-"""The target of the child process in test_multiprocess_readbacks.py (a module, so that a spawned child can import
-it): as vLLM's ``EngineCoreProc.run_engine_core`` with the uni-process executor, as far as the plugin sees it — the
-general plugins loaded, the model built by vLLM's loader in this process, some of its layers run, then a busy loop
-that vLLM's shutdown ends with SIGTERM."""
+"""Helpers of the scripts the vLLM tests run in a fresh Python (``run_script`` puts this folder on PYTHONPATH):
+:func:`tiny_model`, a tiny Qwen3 built by vLLM's own model loader, and :func:`engine_core`, the target of the child
+process in test_multiprocess_readbacks.py (a module, so that a spawned child can import it)."""
 
 from __future__ import annotations
 
@@ -10,7 +9,9 @@ import tempfile
 import threading
 
 
-def _model():
+def tiny_model():
+    """``(VllmConfig, model)``: a 2-layer Qwen3 with random bf16 weights, loaded by vLLM's model loader in this process
+    (gloo, world size 1), as an engine core with the uni-process executor loads its model."""
     import torch
     from vllm.config import CompilationConfig, ModelConfig, VllmConfig, set_current_vllm_config
     from vllm.distributed import init_distributed_environment, initialize_model_parallel
@@ -33,12 +34,15 @@ def _model():
 
 
 def engine_core(ready) -> None:
+    """As vLLM's ``EngineCoreProc.run_engine_core`` with the uni-process executor, as far as the plugin sees it: the
+    general plugins loaded, the model built here, some of its layers run, then a busy loop that vLLM's shutdown ends
+    with SIGTERM."""
     import torch
     from vllm.config import set_current_vllm_config
     from vllm.plugins import load_general_plugins
 
     load_general_plugins()  # what every vLLM process does first: rlk's entry point registers here
-    vc, model = _model()  # the plugin flushes its readback after the load (hooks installed, nothing run yet)
+    vc, model = tiny_model()  # the plugin flushes its readback after the load (hooks installed, nothing run yet)
     x = torch.randn(3, 64, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
     with set_current_vllm_config(vc), torch.no_grad():
         model.model.layers[0].mlp(model.model.layers[0].post_attention_layernorm(x))  # ffn: norm, linears, SwiGLU
