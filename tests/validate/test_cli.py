@@ -81,6 +81,6 @@ def test_control_characters_are_escaped(tmp_path: Path, capsys: pytest.CaptureFi
 
     run = build_run(tmp_path / "run")
     (run / "train-data" / "evil\x1b[31m.bin").write_text("x")
-    assert main([str(run)]) == 0
+    assert main([str(run)]) == 1  # a file no round accounts for (an error, issue 41)
     out = capsys.readouterr().out
     assert "\x1b" not in out and "TRAIN_DATA_UNEXPECTED" in out

@@ -141,7 +141,7 @@ CASES = [
     C("sha-uppercase", _manifest(lambda d: d["repos"][0].update(sha=d["repos"][0]["sha"].upper())), F,
       "MANIFEST_FIELD_INVALID", "sha"),
     C("train-data-name-unicode-digits", lambda r, t: shutil.copy(
-        r / "train-data" / "round-0000.rank0.safetensors", r / "train-data" / UNICODE_NAME), P,
+        r / "train-data" / "round-0000.rank0.safetensors", r / "train-data" / UNICODE_NAME), F,
       "TRAIN_DATA_UNEXPECTED", "not named"),
     # -- 2. every claimed number is recomputed -------------------------------------------------------
     C("metrics-compared-tokens-undercount", _round1(lambda r: r.update(compared_tokens=r["compared_tokens"] - 1)), F,

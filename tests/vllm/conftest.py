@@ -63,7 +63,9 @@ def run_script(tmp_path):
 
     def run(body: str, env: dict[str, str] | None = None, timeout: int = 600) -> str:
         full = {k: v for k, v in os.environ.items() if k not in PLAN_VARS and k != "VLLM_TARGET_DEVICE"}
-        full.update({"RLK_TEST_VLLM_CPU_PLATFORM": "1", "PYTHONWARNINGS": "ignore", **(env or {})})
+        full.update({"RLK_TEST_VLLM_CPU_PLATFORM": "1", "PYTHONWARNINGS": "ignore",
+                     "PYTHONPATH": os.pathsep.join(p for p in (str(HERE), os.environ.get("PYTHONPATH")) if p),
+                     **(env or {})})  # HERE: the scripts' shared helpers (vllm_tiny.py)
         proc = subprocess.run([sys.executable, "-c", textwrap.dedent(body)], capture_output=True, text=True,
                               timeout=timeout, env=full, cwd=tmp_path)
         assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stdout[-4000:] + proc.stderr[-6000:]

@@ -141,26 +141,13 @@ def test_all_p_model_load_binds_every_layer_and_flushes(run_script, tmp_path):
 
 
 LOAD_ALL_P = r'''
-import os, tempfile, torch
+import os
 print("pid", os.getpid())
 from vllm.plugins import load_general_plugins
 load_general_plugins()
-from rlk_vllm_plugin import _runtime, layers
-from rlk_repro.model.config import Qwen3Config
-from rlk_repro.model import weights as W
-cfg = Qwen3Config(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, head_dim=16, rope_theta=10000.0, rms_norm_eps=1e-6, tie_word_embeddings=False)
-d = tempfile.mkdtemp(); W.save_checkpoint(d, cfg, W.random_weights(cfg, seed=3, dtype=torch.bfloat16))
-from vllm.config import ModelConfig, VllmConfig, CompilationConfig, set_current_vllm_config
-from vllm.distributed import init_distributed_environment, initialize_model_parallel
-from vllm.model_executor.model_loader import get_model_loader
-mc = ModelConfig(model=d, skip_tokenizer_init=True, dtype=torch.bfloat16, enforce_eager=True)
-vc = VllmConfig(model_config=mc, compilation_config=CompilationConfig(mode=0))
-with set_current_vllm_config(vc):
-    init_distributed_environment(world_size=1, rank=0, distributed_init_method=f"file://{d}/dist", local_rank=0,
-                                 backend="gloo")
-    initialize_model_parallel(1, 1)
-    model = get_model_loader(vc.load_config).load_model(vllm_config=vc, model_config=mc)
+from rlk_vllm_plugin import layers
+from vllm_tiny import tiny_model
+vc, model = tiny_model()
 oot = tuple(layers._CLASSES.values())
 bound = {getattr(m, "_rlk_module", None) for m in model.modules() if isinstance(m, oot)}
 assert None not in bound, bound

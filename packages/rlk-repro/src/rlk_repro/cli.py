@@ -137,7 +137,12 @@ def _experiment_options(r: argparse.ArgumentParser) -> None:
                    help="nucleus sampling threshold in (0, 1] (0.95; --engine frameworks: 1, the only value it takes)")
     r.add_argument("--top-k", type=int, default=0, help="top-k sampling, 0 = off (0)")
     r.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw", help="optimizer of the trainer (adamw)")
-    r.add_argument("--lr", type=float, default=1e-3, help="learning rate (1e-3)")
+    r.add_argument("--lr", type=float, default=1e-4,
+                   help="learning rate (1e-4: a 10-round run of a preset keeps learning without collapsing its "
+                   "policy; 1e-3 saturates the tiny model's in 4 rounds)")
+    r.add_argument("--static-weights", action="store_true",
+                   help="train nothing: the weights stay those of the checkpoint every round (a fixed-policy run, "
+                   "asked for explicitly; local engine)")
     r.add_argument("--threads", type=positive_int, default=None,
                    help="torch CPU threads (default 1 on cpu: the small ops of a tiny model lose more to OpenMP "
                    "spinning than they gain, badly so on a shared machine; raise it for larger models)")
@@ -213,7 +218,7 @@ def _config(a: argparse.Namespace, argv: Sequence[str], resolved):
         prompts_per_round=a.prompts_per_round, samples_per_prompt=a.samples_per_prompt,
         max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_p=top_p, top_k=a.top_k,
         chunk_size=a.chunk_size, page_size=a.page_size, max_num_seqs=a.max_num_seqs, optimizer=a.optimizer,
-        lr=a.lr, readback_mode=mode, command=["rlk-repro", *argv],
+        lr=a.lr, static_weights=a.static_weights, readback_mode=mode, command=["rlk-repro", *argv],
         threads=a.threads or (1 if device == "cpu" else None), **extra,
     )
     SamplingParams(a.temperature, top_p, a.top_k, a.max_new_tokens)  # argument errors before any work
@@ -231,6 +236,20 @@ def _needs(a: argparse.Namespace) -> None:
         raise RlkConfigError(problem)
 
 
+def _preflight(cfg, output: str) -> None:
+    """What stops or weakens a run, said before anything is created: ``RLK_BACKENDS`` naming an op or a backend
+    that is not there (exit 2), ``--output`` inside a run directory (exit 2), a run whose weights cannot change."""
+    from rlk_repro import lifecycle
+    from rlk_repro.matrix import static_weights_warning
+
+    problem = lifecycle.forced_backends_problem(cfg.device.split(":")[0])
+    if problem:
+        raise RlkConfigError(problem)
+    lifecycle.refuse_inside_run_dir(output, "--output")
+    if cfg.samples_per_prompt == 1 and not cfg.static_weights:
+        lifecycle.warn(static_weights_warning())
+
+
 def _cmd_run(a: argparse.Namespace, argv: Sequence[str]) -> int:
     from rlk_repro.engine.local import run_local
 
@@ -239,6 +258,7 @@ def _cmd_run(a: argparse.Namespace, argv: Sequence[str]) -> int:
     plan = resolved.plan
     if _frameworks(a):
         _needs(a)
+    _preflight(cfg, a.output)
     print(f"rlk-repro: engine {a.engine}, mode {cfg.mode}, plan {plan.as_dict()}, {a.rounds} rounds, model "
           f"{a.checkpoint or a.model}, {cfg.device}/{cfg.dtype}", file=sys.stderr)
     if _frameworks(a):
@@ -251,90 +271,32 @@ def _cmd_run(a: argparse.Namespace, argv: Sequence[str]) -> int:
         if a.run_name is not None:
             raise RlkConfigError("--run-name is internal to `rlk-repro matrix --engine frameworks`")
         result = run_local(cfg, a.output)
+    try:
+        _print_result(cfg, result)
+    except BrokenPipeError:  # `rlk-repro run | head`: the reader left; the status is still the run's own
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return result.exit_code
+
+
+def _print_result(cfg, result) -> None:
     from rlk_repro.runs import summary_table
 
     print(summary_table(result.rounds, result.bitwise))
     b = result.bitwise
-    verdict = ("PASS: bitwise equal" if b["mismatch_count"] == 0 else
-               f"{'FAIL' if result.exit_code else 'info'}: {b['mismatch_count']} of {b['element_count']} tokens differ")
+    informative = (f"{b['informative_mismatch_count']} of the {b['informative_count']} informative tokens (log-prob "
+                   "< -1e-3)")
+    verdict = (f"PASS: bitwise equal over {b['element_count']} tokens, {informative} differ" if b["mismatch_count"] == 0
+               else f"{'FAIL' if result.exit_code else 'info'}: {b['mismatch_count']} of {b['element_count']} tokens "
+               f"differ, {informative}")
     print(f"{verdict} ({'exact equality required' if cfg.exact_required else 'exact equality not required'}); "
           f"weights changed every round: {'yes' if result.weights_changed_every_round else 'NO'}")
     print(f"run directory: {result.run_dir}")
-    return result.exit_code
-
-
-def _matrix_cells(spec: str | None) -> list[str]:
-    from rlk_validate.matrix import REQUIRED_CELLS, expected_plan
-
-    cells = [*REQUIRED_CELLS, "native-PP"] if spec is None else [c.strip() for c in spec.split(",") if c.strip()]
-    bad = [c for c in cells if expected_plan(c) is None]
-    if bad or not cells:
-        raise RlkConfigError(f"--cells: {bad or spec!r} not matrix cells; allowed: "
-                             f"{', '.join([*REQUIRED_CELLS, 'native-PP'])}")
-    return list(dict.fromkeys(cells))
-
-
-def _cell_finished(path) -> bool:
-    return (path / "exit-code").is_file() and (path / "bitwise-validation.json").is_file()
 
 
 def _cmd_matrix(a: argparse.Namespace, argv: Sequence[str]) -> int:
-    import os
-    from pathlib import Path
+    from rlk_repro.matrix import run_matrix
 
-    from rlk_core import envs, routes
-    from rlk_core.plan import MODULES, RoutePlan
-    from rlk_repro.engine.local import run_local
-    from rlk_repro.runs import new_run_id
-    from rlk_validate.matrix import expected_plan, validate_matrix
-    from rlk_validate.validate import Options
-
-    cells = _matrix_cells(a.cells)
-    if _frameworks(a):
-        _needs(a)
-    envs.snapshot()  # a bad RL_KERNEL_* / RLK_* variable stops the matrix before any cell
-    ignored = [v for v in routes.CASE_VARS.values() if os.environ.get(v, "") != ""]
-    if ignored:
-        print(f"rlk-repro: note: each matrix cell sets its own routes; {', '.join(ignored)} not used",
-              file=sys.stderr)
-    configs = {c: _config(a, argv, routes.Resolved(RoutePlan(**expected_plan(c)[1]),
-                                                   dict.fromkeys(MODULES, f"matrix cell {c}")))
-               for c in cells}  # all errors before any run
-    if a.resume:
-        root = Path(a.resume)
-        if not root.is_dir():
-            raise RlkConfigError(f"--resume {root}: not a directory")
-    else:
-        root = Path(a.output) / f"matrix-{new_run_id()}"
-        root.mkdir(parents=True)
-    print(f"rlk-repro: matrix root {root}, {len(cells)} cells, {a.rounds} rounds each", file=sys.stderr)
-    rows, failed = [], []
-    for cell in cells:
-        path = root / cell
-        if _cell_finished(path):
-            print(f"  {cell:16s} finished earlier, kept", file=sys.stderr)
-            continue
-        if path.exists():  # an interrupted cell: keep its files for inspection, run the cell afresh
-            kept = path.with_name(f"{cell}.interrupted-{new_run_id()}")
-            path.rename(kept)
-            print(f"  {cell:16s} was interrupted; its files moved to {kept.name}", file=sys.stderr)
-        try:
-            result = (_frameworks_cell(a, configs[cell], root, cell) if _frameworks(a)
-                      else run_local(configs[cell], root, run_name=cell))
-        except Exception as exc:  # one cell failing does not lose the others; validation reports it
-            failed.append(cell)
-            print(f"  {cell:16s} FAILED to run: {type(exc).__name__}: {exc}", file=sys.stderr)
-            continue
-        b = result.bitwise
-        rows.append((cell, b["mismatch_count"], b["element_count"]))
-        print(f"  {cell:16s} {configs[cell].plan.as_dict()}: {b['mismatch_count']} of {b['element_count']} "
-              "tokens differ", file=sys.stderr)
-    rep = validate_matrix(str(root), Options(), allow_partial=a.cells is not None, write=True)
-    print(rep.summary())
-    print(f"matrix root: {root}")
-    if failed:
-        return EXIT_FAILED
-    return EXIT_OK if rep.exit_code == 0 else EXIT_MISMATCH
+    return run_matrix(a, argv, _config, _frameworks_cell, _needs)
 
 
 def _cmd_plan(a: argparse.Namespace, argv: Sequence[str]) -> int:
@@ -355,7 +317,8 @@ _DEFAULTS = {"tp": 1, "gpu_memory_utilization": 0.3, "enforce_eager": False, "tr
              "vllm_max_num_seqs": 256, "vllm_max_num_batched_tokens": 8192}
 # run/matrix options a frameworks matrix cell passes on to its `rlk-repro run` process
 _CELL_OPTIONS = ("rounds", "seed", "device", "dtype", "model", "checkpoint", "prompts_per_round", "samples_per_prompt",
-                 "max_new_tokens", "temperature", "top_p", "top_k", "optimizer", "lr", "audit", *FRAMEWORKS_ONLY)
+                 "max_new_tokens", "temperature", "top_p", "top_k", "optimizer", "lr", "static_weights", "audit",
+                 *FRAMEWORKS_ONLY)
 
 
 def _cell_argv(a: argparse.Namespace, plan: dict[str, str], root, cell: str) -> list[str]:
@@ -406,7 +369,13 @@ def _cmd_doctor(a: argparse.Namespace) -> int:
 
 
 def _cmd_report(a: argparse.Namespace) -> int:
+    from rlk_repro.lifecycle import refuse_sealed
     from rlk_repro.report import SUMMARY_COLUMNS, write_report
+
+    if a.output is None and len(a.run_dirs) == 1:
+        refuse_sealed(a.run_dirs[0], "writing report/ into it")
+    elif a.output is not None:
+        refuse_sealed(a.output, f"--output {a.output}")
 
     summaries, written, no_plots, cells_skipped = write_report(a.run_dirs, a.output)
     for s in summaries:
@@ -421,16 +390,27 @@ def _cmd_report(a: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    try:
-        code = _main(argv)
-        sys.stdout.flush()
-        return code
-    except BrokenPipeError:  # `rlk-repro plan | head`: the reader left; say nothing more
-        import os
+    """The command line; ``argv`` None: this is the process (the console script), whose SIGINT / SIGTERM
+    handling then lasts until it exits (:mod:`rlk_repro.lifecycle`)."""
+    from rlk_repro import lifecycle
 
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return EXIT_OK
+    process = argv is None
+    argv = list(sys.argv[1:] if argv is None else argv)
+    with lifecycle.handle_signals(process):
+        try:
+            code = _main(argv)
+            sys.stdout.flush()
+        except BrokenPipeError:  # `rlk-repro plan | head`: the reader left; say nothing more
+            import os
+
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            code = EXIT_OK
+        late = lifecycle.held_signal()
+        if late is not None:
+            print(f"rlk-repro: {late} arrived after the run had ended and written its exit-code; exiting with "
+                  f"that status ({code})", file=sys.stderr)
+        return code
+
 
 
 def _engine(argv: list[str]) -> str | None:
@@ -490,9 +470,12 @@ def _main(argv: list[str]) -> int:
             raise
         print(f"{name}: failed: {type(exc).__name__}: {exc}", file=sys.stderr)
         return EXIT_FAILED
-    except KeyboardInterrupt:
-        print(f"{name}: interrupted", file=sys.stderr)
-        return EXIT_INTERRUPTED
+    except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM (rlk_repro.lifecycle.Terminated)
+        from rlk_repro import lifecycle
+
+        print(f"{name}: {'terminated (SIGTERM)' if isinstance(exc, lifecycle.Terminated) else 'interrupted'}",
+              file=sys.stderr)
+        return lifecycle.interrupt_status(exc)
     except BrokenPipeError:
         raise
     except Exception as exc:  # a bug or an environment failure: one line here, --debug for the traceback

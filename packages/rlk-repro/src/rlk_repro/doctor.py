@@ -39,7 +39,7 @@ def diagnose(device: str, plan, selfcheck: bool = False) -> list[Check]:
     from rlk_core import envs, routes
     from rlk_core.backends import REGISTRY
     from rlk_core.contracts import OP_CONTRACTS
-    from rlk_core.errors import RlkConfigError
+    from rlk_core.errors import RlkBackendError, RlkConfigError
 
     out = [Check("python", OK, platform.python_version()),
            Check("torch", OK, f"{torch.__version__} (CUDA {torch.version.cuda or 'none'})")]
@@ -66,9 +66,15 @@ def diagnose(device: str, plan, selfcheck: bool = False) -> list[Check]:
 
     import rlk_core.ops  # noqa: F401  (registers every op's backends)
 
+    out.append(_forced_backends(dev.type))
+
     r_ops = routes.rlk_ops(plan, "train", backward=True) | routes.rlk_ops(plan, "rollout")
     for op in sorted(OP_CONTRACTS):
-        candidates = REGISTRY.candidates(op, dev.type)
+        try:
+            candidates = REGISTRY.candidates(op, dev.type)
+        except RlkBackendError as exc:  # RLK_BACKENDS forces a backend that is not there (said above too)
+            out.append(Check(f"op {op}", FAIL, str(exc)))
+            continue
         registered = [b.id for b in REGISTRY.backends(op)]
         if not candidates:
             status = FAIL if op in r_ops else WARN
@@ -100,6 +106,21 @@ def diagnose(device: str, plan, selfcheck: bool = False) -> list[Check]:
         detail = f"{total - len(failed)}/{total} contract checks passed on {dev.type}"
         out.append(Check("selfcheck", FAIL if failed else OK, detail + (f"; failed: {failed}" if failed else "")))
     return out
+
+
+def _forced_backends(device_type: str) -> Check:
+    """``RLK_BACKENDS``: every op it names is an rlk op with that backend registered and available here."""
+    import os
+
+    from rlk_core.errors import RlkConfigError
+    from rlk_repro.lifecycle import forced_backends_problem
+
+    raw = os.environ.get("RLK_BACKENDS", "")
+    try:
+        problem = forced_backends_problem(device_type)
+    except RlkConfigError as exc:  # does not parse: the environment check says so too
+        problem = str(exc)
+    return Check("RLK_BACKENDS", FAIL if problem else OK, problem or (f"forces {raw}" if raw.strip() else "unset"))
 
 
 def format_checks(checks: list[Check]) -> str:

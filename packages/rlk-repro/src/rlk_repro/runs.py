@@ -10,11 +10,13 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import os
 import platform
 import secrets
 import subprocess
 import sys
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from importlib import metadata
 from pathlib import Path
@@ -24,6 +26,7 @@ import torch
 from safetensors.torch import save_file
 
 from rlk_core.errors import RlkConfigError
+from rlk_repro import lifecycle
 from rlk_validate import evidence
 from rlk_validate.evidence import BITWISE_SCHEMA, TRAIN_DATA_SCHEMA
 
@@ -34,12 +37,19 @@ EXIT_OK, EXIT_MISMATCH, EXIT_USAGE, EXIT_FAILED, EXIT_INTERRUPTED = 0, 1, 2, 3, 
 
 
 def exit_code_for(exc: BaseException) -> int:
-    """The exit status for a run ended by ``exc``: 130 for Ctrl-C, 2 for a configuration error, else 3."""
+    """The exit status for a run ended by ``exc``: 130 for Ctrl-C, 143 for SIGTERM, 2 for a configuration error,
+    else 3."""
     if isinstance(exc, KeyboardInterrupt):
-        return EXIT_INTERRUPTED
+        return lifecycle.interrupt_status(exc)
     if isinstance(exc, RlkConfigError):
         return EXIT_USAGE
     return EXIT_FAILED
+
+
+def ended_how(code: int) -> str:
+    """How a run with exit status ``code`` ended, for its log line."""
+    return {EXIT_INTERRUPTED: "interrupted (SIGINT)", lifecycle.EXIT_TERMINATED: "terminated (SIGTERM)"}.get(
+        code, "failed")
 
 
 def utc_now() -> str:
@@ -52,10 +62,11 @@ def new_run_id() -> str:
 
 def create_run_dir(output: str | os.PathLike[str], name: str | None = None) -> tuple[str, Path]:
     """A new run directory under ``output``: named by a fresh run id, or ``name`` (a matrix cell), which
-    must not exist yet. Returns ``(run_id, path)``."""
+    must not exist yet. Returns ``(run_id, path)``. ``output`` inside a run directory is refused."""
     root = Path(output)
     if root.exists() and not root.is_dir():
         raise RlkConfigError(f"--output {root} exists and is not a directory")
+    lifecycle.refuse_inside_run_dir(root, "--output")
     root.mkdir(parents=True, exist_ok=True)
     for _ in range(16 if name is None else 1):
         run_id = new_run_id()
@@ -72,6 +83,51 @@ def create_run_dir(output: str | os.PathLike[str], name: str | None = None) -> t
     raise RlkConfigError(f"could not create a new run directory under {root}")
 
 
+@dataclass
+class Run:
+    """A run directory this process writes: its id, path, writer lock and ``run.log`` handler."""
+
+    run_id: str
+    path: Path
+    lock: lifecycle.Lock
+    log_handler: logging.Handler
+
+
+def begin_run(output: str | os.PathLike[str], name: str | None = None, command: list[str] | None = None) -> Run:
+    """Create a run directory (:func:`create_run_dir`), hold its writer lock and open its ``run.log``. Signals
+    raise again (:func:`rlk_repro.lifecycle.arm_signals`: one held since the last run ended is raised here, before
+    anything is created). End it with :func:`end_run` on every path."""
+    lifecycle.arm_signals()
+    run_id, path = create_run_dir(output, name)
+    lock = lifecycle.lock_run_dir(path)
+    handler = open_run_log(path)
+    log.info("run %s: written by pid %d on %s: %s", run_id, os.getpid(), platform.node(),
+             " ".join(str(c) for c in (command if command is not None else sys.argv)))
+    if lock.fd is None:
+        log.warning("run %s: this file system has no flock for directories; the run directory is not locked",
+                    run_id)
+    return Run(run_id, path, lock, handler)
+
+
+def end_run(run: Run, code: int, failure: BaseException | None) -> None:
+    """The run ended with status ``code`` (``failure``: the exception ending it, if any): from here signals are
+    held (:mod:`rlk_repro.lifecycle`), ``exit-code`` is written, the log closed and the lock released — on every
+    path. Where ``exit-code`` cannot be written, a failing run's own error stays the one raised (this one goes to
+    stderr and the log); a run that had succeeded fails with it."""
+    with lifecycle.held():
+        try:
+            write_exit_code(run.path, code)
+        except OSError as exc:
+            what = f"cannot write {run.path / evidence.EXIT_CODE}: {exc.strerror or exc}"
+            log.error("run %s: %s", run.run_id, what)
+            if failure is None:
+                raise OSError(exc.errno, what) from None
+            print(f"rlk-repro: also {what} (the run had already failed; its own error follows)", file=sys.stderr)
+        finally:
+            close_run_log(run.log_handler)
+            run.lock.release()
+
+
 def write_json_atomic(path: Path, doc: Any) -> None:
     evidence.write_json_atomic(path, doc)
 
@@ -81,10 +137,35 @@ def append_jsonl(path: Path, doc: dict[str, Any]) -> None:
         fh.write(json.dumps(doc, allow_nan=False) + "\n")
 
 
+class RunLogHandler(logging.FileHandler):
+    """``run.log``: no traceback is ever formatted there; a write that fails (a full disk) is said once on
+    stderr — not a "Logging error" traceback per record — and the records after it are dropped."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(path, encoding="utf-8")
+        self.setFormatter(_NoTracebackFormatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        self.failed: str | None = None
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if self.failed is None:
+            super().emit(record)
+
+    def handleError(self, record: logging.LogRecord) -> None:
+        exc = sys.exc_info()[1]
+        self.failed = f"{type(exc).__name__}: {exc}"
+        print(f"rlk-repro: cannot write {self.baseFilename}: {self.failed}; later lines of this run's log are lost",
+              file=sys.stderr)
+
+    def close(self) -> None:
+        try:
+            super().close()
+        except OSError:  # the final flush on a full disk: already said (or nothing left to say)
+            pass
+
+
 def open_run_log(run_dir: Path) -> logging.Handler:
-    """Send the ``rlk`` and ``rlk_repro`` loggers to ``run.log`` (no tracebacks are ever formatted there)."""
-    handler = logging.FileHandler(run_dir / "run.log", encoding="utf-8")
-    handler.setFormatter(_NoTracebackFormatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    """Send the ``rlk`` and ``rlk_repro`` loggers to ``run.log`` (:class:`RunLogHandler`)."""
+    handler = RunLogHandler(run_dir / "run.log")
     for name in ("rlk", "rlk_repro"):
         lg = logging.getLogger(name)
         lg.addHandler(handler)
@@ -93,9 +174,12 @@ def open_run_log(run_dir: Path) -> logging.Handler:
 
 
 def close_run_log(handler: logging.Handler) -> None:
-    for name in ("rlk", "rlk_repro"):
-        logging.getLogger(name).removeHandler(handler)
-    handler.close()
+    """Detach ``handler`` from every logger it was added to, then close it (both always happen)."""
+    try:
+        for name in ("rlk", "rlk_repro"):
+            logging.getLogger(name).removeHandler(handler)
+    finally:
+        handler.close()
 
 
 class _NoTracebackFormatter(logging.Formatter):
@@ -212,17 +296,25 @@ def write_train_data(run_dir: Path, rnd: int, rank: int, prompts: list[list[int]
 
 
 def compare(rollout: torch.Tensor, train: torch.Tensor) -> dict[str, Any]:
-    """Bitwise comparison of two fp32 vectors of active tokens (bit patterns; diffs in float64)."""
+    """Bitwise comparison of two fp32 vectors of active tokens (bit patterns; diffs in float64), also over the
+    informative tokens (rollout log-prob < :data:`~rlk_validate.evidence.INFORMATIVE_LOGP`: probability < 0.999)."""
     r, t = rollout.detach().cpu().float().contiguous(), train.detach().cpu().float().contiguous()
     neq = r.view(torch.int32) != t.view(torch.int32)
     diff = (r.double() - t.double()).abs()
     finite = diff[torch.isfinite(diff)]
+    informative = r < evidence.INFORMATIVE_LOGP
     return {
         "element_count": int(r.numel()),
         "mismatch_count": int(neq.sum()),
+        "informative_count": int(informative.sum()),
+        "informative_mismatch_count": int((neq & informative).sum()),
         "max_abs_diff": float(finite.max()) if finite.numel() else 0.0,
         "mean_abs_diff": float(finite.mean()) if finite.numel() else 0.0,
     }
+
+
+_ROUND_KEYS = ("round", "element_count", "mismatch_count", "informative_count", "informative_mismatch_count",
+               "max_abs_diff", "mean_abs_diff")
 
 
 def bitwise_document(rounds: list[dict[str, Any]], require_exact: bool, fallback_failures: int) -> dict[str, Any]:
@@ -234,22 +326,38 @@ def bitwise_document(rounds: list[dict[str, Any]], require_exact: bool, fallback
         "torch_equal": mismatches == 0,
         "element_count": elements,
         "mismatch_count": mismatches,
+        "informative_count": sum(r["informative_count"] for r in rounds),
+        "informative_mismatch_count": sum(r["informative_mismatch_count"] for r in rounds),
         "max_abs_diff": max((r["max_abs_diff"] for r in rounds), default=0.0),
         "mean_abs_diff": (sum(r["mean_abs_diff"] * r["element_count"] for r in rounds) / elements) if elements else 0.0,
-        "rounds": [{k: r[k] for k in ("round", "element_count", "mismatch_count", "max_abs_diff", "mean_abs_diff")}
-                   for r in rounds],
+        "rounds": [{k: r[k] for k in _ROUND_KEYS} for r in rounds],
         "fallback_failures": fallback_failures,
     }
 
 
 def round_metrics(rnd: int, cmp: dict[str, Any], rewards: list[float], train: Any, rollout_tokens: int,
                   generated: int, rollout_seconds: float, device: torch.device, changed: bool,
-                  samples: int) -> dict[str, Any]:
+                  samples: int, responses: list[list[int]], rollout_logps: torch.Tensor,
+                  entropy_mean: float | None = None, vocab_size: int | None = None) -> dict[str, Any]:
     """The fields of one round's ``metrics.jsonl`` row that every engine writes (``train``: the trainer's
-    step result with ``loss``, ``grad_norm``, ``tokens``, ``seconds``); an engine adds its own after them."""
+    step result with ``loss``, ``grad_norm``, ``tokens``, ``seconds``); an engine adds its own after them.
+
+    How much the round's evidence says: the informative tokens (counts and fraction), ``sampled_nll_mean`` (the mean
+    of ``-log p`` of the sampled tokens: an estimate of the sampling distribution's entropy, in nats, exact in
+    expectation where the tokens are drawn from the distribution the log-prob is of), ``entropy_mean`` where the
+    engine computes it exactly (the mean over sampled positions of the entropy of ``softmax(logits / T)``), its
+    ceiling ``max_entropy`` (``log V``), and how many of the responses are distinct."""
+    lp = rollout_logps.double()
     return {
         "schema": evidence.METRICS_SCHEMA, "round": rnd, "compared_tokens": cmp["element_count"],
-        "mismatch_count": cmp["mismatch_count"], "max_abs_diff": cmp["max_abs_diff"],
+        "mismatch_count": cmp["mismatch_count"], "informative_tokens": cmp["informative_count"],
+        "informative_mismatch_count": cmp["informative_mismatch_count"],
+        "informative_fraction": cmp["informative_count"] / max(cmp["element_count"], 1),
+        "sampled_nll_mean": float(-lp.mean()) if lp.numel() else 0.0,
+        **({"entropy_mean": entropy_mean} if entropy_mean is not None else {}),
+        **({"max_entropy": math.log(vocab_size)} if vocab_size else {}),
+        "distinct_responses": len({tuple(x) for x in responses}),
+        "max_abs_diff": cmp["max_abs_diff"],
         "mean_abs_diff": cmp["mean_abs_diff"], "reward_mean": sum(rewards) / len(rewards),
         "reward_std": float(torch.tensor(rewards, dtype=torch.float64).std(unbiased=False)),
         "loss": train.loss, "grad_norm": train.grad_norm,
@@ -301,20 +409,32 @@ def _fmt(x: float) -> str:
 
 
 def summary_table(rounds: list[dict[str, Any]], bitwise: dict[str, Any]) -> str:
-    """The per-round table the CLI prints and ``report/summary.md`` holds."""
-    head = ("round", "compared", "mismatch", "max|diff|", "mean|diff|", "reward", "loss", "roll tok/s",
-            "train tok/s", "changed")
+    """The per-round table the CLI prints and ``report/summary.md`` holds: ``informative`` is the share of compared
+    tokens with a rollout log-prob below -1e-3 (and the mismatches among them), ``entropy`` the mean entropy of the
+    sampling distribution in nats (``~`` where only estimated from the sampled tokens' log-probs)."""
+    head = ("round", "compared", "mismatch", "informative", "entropy", "max|diff|", "mean|diff|", "reward", "loss",
+            "roll tok/s", "train tok/s", "changed")
     rows = [head]
     for r in rounds:
-        rows.append((str(r["round"]), str(r["element_count"]), str(r["mismatch_count"]), _fmt(r["max_abs_diff"]),
-                     _fmt(r["mean_abs_diff"]), f"{r['reward_mean']:.3f}", f"{r['loss']:.4g}",
-                     f"{r['rollout_tokens_per_s']:.0f}", f"{r['train_tokens_per_s']:.0f}",
+        ent = (f"{r['entropy_mean']:.3g}" if r.get("entropy_mean") is not None
+               else f"~{r['sampled_nll_mean']:.3g}" if "sampled_nll_mean" in r else "")
+        rows.append((str(r["round"]), str(r["element_count"]), str(r["mismatch_count"]),
+                     _informative(r.get("informative_count"), r.get("informative_mismatch_count"), r["element_count"]),
+                     ent, _fmt(r["max_abs_diff"]), _fmt(r["mean_abs_diff"]), f"{r['reward_mean']:.3f}",
+                     f"{r['loss']:.4g}", f"{r['rollout_tokens_per_s']:.0f}", f"{r['train_tokens_per_s']:.0f}",
                      "yes" if r["weights_changed"] else "NO"))
     b = bitwise
-    rows.append(("total", str(b["element_count"]), str(b["mismatch_count"]), _fmt(b["max_abs_diff"]),
-                 _fmt(b["mean_abs_diff"]), "", "", "", "", ""))
+    rows.append(("total", str(b["element_count"]), str(b["mismatch_count"]),
+                 _informative(b.get("informative_count"), b.get("informative_mismatch_count"), b["element_count"]),
+                 "", _fmt(b["max_abs_diff"]), _fmt(b["mean_abs_diff"]), "", "", "", "", ""))
     widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
     lines = ["  ".join(c.rjust(w) for c, w in zip(row, widths, strict=True)) for row in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
     lines.insert(len(lines) - 1, lines[1])
     return "\n".join(lines)
+
+
+def _informative(n: int | None, mismatches: int | None, compared: int) -> str:
+    if n is None:
+        return ""
+    return f"{100 * n / max(compared, 1):.0f}% ({mismatches} diff)"

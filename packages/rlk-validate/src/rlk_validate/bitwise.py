@@ -12,10 +12,11 @@ from typing import Any
 
 import numpy as np
 
-from .drift import WorstTokens, abs_histogram, drift_stats
+from .drift import WorstTokens, abs_histogram, drift_of
+from .evidence import INFORMATIVE_LOGP
 from .findings import Finding, finding
 from .safeio import InputError, Root
-from .tensors import TrainData, load_pt, load_safetensors, parse_name, torch_importable
+from .tensors import Chunk, TrainData, load_pt, load_safetensors, parse_name, torch_importable
 
 CHECK = "bitwise"
 DIR = "train-data"
@@ -25,61 +26,75 @@ def _f(code: str, msg: str, path: str | None = None, **kw: Any) -> Finding:
     return finding(code, msg, check=CHECK, path=path, **kw)
 
 
-def _first(mask: np.ndarray) -> list[int]:
-    s, t = np.nonzero(mask)
-    return [int(s[0]), int(t[0])]
 
 
-def _content_findings(td: TrainData) -> tuple[list[Finding], np.ndarray]:
-    """Findings about one file's values; returns the mask of usable (active, finite) positions."""
-    out: list[Finding] = []
-    m = td.mask
-    n = int(np.count_nonzero(m))
-    if n == 0:
-        out.append(_f("MASK_EMPTY", f"{td.rel}: response_mask selects no token; nothing is compared", td.rel))
-    fin = np.isfinite(td.train) & np.isfinite(td.rollout)
-    bad = m & ~fin
-    if bad.any():
-        out.append(
-            _f(
-                "LOGPROB_NONFINITE",
-                f"{td.rel}: {int(np.count_nonzero(bad))} active log-prob(s) are NaN or infinite "
-                f"(first at sample/position {_first(bad)})",
-                td.rel,
-                count=int(np.count_nonzero(bad)),
-                first=_first(bad),
-            )
-        )
-    ok = m & fin
-    pos = ok & ((td.train > 0) | (td.rollout > 0))
-    if pos.any():
-        out.append(
-            _f(
-                "LOGPROB_POSITIVE",
-                f"{td.rel}: {int(np.count_nonzero(pos))} active log-prob(s) are > 0, "
-                f"which no probability gives "
-                f"(first at sample/position {_first(pos)})",
-                td.rel,
-                count=int(np.count_nonzero(pos)),
-                first=_first(pos),
-            )
-        )
-    for name in ("rewards", "advantages"):
-        v = getattr(td, name)
-        if v is not None and not np.isfinite(v).all():
-            out.append(_f("REWARDS_INVALID", f"{td.rel}: {int(np.count_nonzero(~np.isfinite(v)))} {name} value(s) "
-                          "are NaN or infinite", td.rel))
-    masked_nz = ~m & ((td.train != 0) | (td.rollout != 0))
-    if masked_nz.any():
-        out.append(
-            _f(
-                "MASKED_NONZERO",
-                f"{td.rel}: {int(np.count_nonzero(masked_nz))} masked position(s) hold a non-zero log-prob",
-                td.rel,
-                count=int(np.count_nonzero(masked_nz)),
-            )
-        )
-    return out, ok
+class _FileScan:
+    """One file's values, chunk by chunk: its findings' counts and first positions, and what its round adds up
+    (token and mismatch counts, the differences that are not zero). Merged into the round only when the whole
+    file was read."""
+
+    def __init__(self, td: TrainData) -> None:
+        self.td = td
+        self.width = td.shape[1]
+        self.counts = {"active": 0, "nonfinite": 0, "positive": 0, "masked_nonzero": 0, "mismatch": 0,
+                       "informative": 0, "informative_mismatch": 0}
+        self.first: dict[str, list[int]] = {}
+        self.zeros = 0
+        self.nonzero: list[np.ndarray] = []
+        self.nll = 0.0  # sum of -rollout log-prob over usable tokens (a sampled-entropy estimate)
+        self.usable = 0
+
+    def _note(self, key: str, where: np.ndarray, start: int) -> None:
+        n = int(np.count_nonzero(where))
+        self.counts[key] += n
+        if n and key not in self.first:
+            i = start + int(np.flatnonzero(where)[0])
+            self.first[key] = [i // self.width, i % self.width]
+
+    def add(self, c: Chunk, worst: WorstTokens) -> None:
+        m = c.mask
+        self.counts["active"] += int(np.count_nonzero(m))
+        fin = np.isfinite(c.train) & np.isfinite(c.rollout)
+        self._note("nonfinite", m & ~fin, c.start)
+        ok = m & fin
+        self._note("positive", ok & ((c.train > 0) | (c.rollout > 0)), c.start)
+        self._note("masked_nonzero", ~m & ((c.train != 0) | (c.rollout != 0)), c.start)
+        differ = (c.train.view(np.uint32) != c.rollout.view(np.uint32)) & m
+        self.counts["mismatch"] += int(np.count_nonzero(differ))
+        informative = m & (c.rollout < INFORMATIVE_LOGP)
+        self.counts["informative"] += int(np.count_nonzero(informative))
+        self.counts["informative_mismatch"] += int(np.count_nonzero(differ & informative))
+        d = c.train[ok].astype(np.float64) - c.rollout[ok].astype(np.float64)
+        nz = d[d != 0]
+        self.zeros += int(d.size - nz.size)
+        if nz.size:
+            self.nonzero.append(nz)
+        self.nll -= float(c.rollout[ok].astype(np.float64).sum())
+        self.usable += int(d.size)
+        worst.add_flat(self.td.round, self.td.rank, self.width, c.start, c.token_ids, c.train, c.rollout, ok)
+
+    def findings(self) -> list[Finding]:
+        rel, k, first = self.td.rel, self.counts, self.first
+        out: list[Finding] = []
+        if k["active"] == 0:
+            out.append(_f("MASK_EMPTY", f"{rel}: response_mask selects no token; nothing is compared", rel))
+        if k["nonfinite"]:
+            out.append(_f("LOGPROB_NONFINITE", f"{rel}: {k['nonfinite']} active log-prob(s) are NaN or infinite "
+                          f"(first at sample/position {first['nonfinite']})", rel, count=k["nonfinite"],
+                          first=first["nonfinite"]))
+        if k["positive"]:
+            out.append(_f("LOGPROB_POSITIVE", f"{rel}: {k['positive']} active log-prob(s) are > 0, which no "
+                          f"probability gives (first at sample/position {first['positive']})", rel,
+                          count=k["positive"], first=first["positive"]))
+        for name in ("rewards", "advantages"):
+            v = getattr(self.td, name)
+            if v is not None and not np.isfinite(v).all():
+                out.append(_f("REWARDS_INVALID", f"{rel}: {int(np.count_nonzero(~np.isfinite(v)))} {name} value(s) "
+                              "are NaN or infinite", rel))
+        if k["masked_nonzero"]:
+            out.append(_f("MASKED_NONZERO", f"{rel}: {k['masked_nonzero']} masked position(s) hold a non-zero "
+                          "log-prob", rel, count=k["masked_nonzero"]))
+        return out
 
 
 def _missing(files: dict[tuple[int, int], str], n_rounds: int, n_ranks: int) -> tuple[int, list[tuple[int, int]]]:
@@ -143,9 +158,9 @@ def _index_files(
             findings.append(
                 _f(
                     "TRAIN_DATA_UNEXPECTED",
-                    f"{rel} is not named round-<NNNN>.rank<R>.safetensors; ignored",
+                    f"{rel} is not named round-<NNNN>.rank<R>.safetensors: train-data holds a file no round "
+                    "accounts for (not read as a round)",
                     rel,
-                    severity="warning",
                 )
             )
             continue
@@ -193,27 +208,35 @@ def _missing_findings(files: dict[tuple[int, int], str], n_rounds: int, n_ranks:
 
 def _new_round_acc() -> dict[str, Any]:
     """An empty per-round accumulator."""
-    return {"element_count": 0, "mismatch_count": 0, "diffs": [], "files": 0, "rewards": [], "no_rewards": 0}
+    return {"element_count": 0, "mismatch_count": 0, "informative_count": 0, "informative_mismatch_count": 0,
+            "zeros": 0, "nonzero": [], "nll": 0.0, "usable": 0, "files": 0, "rewards": [], "no_rewards": 0,
+            "advantages": [], "no_advantages": 0}
 
 
-def _accumulate(acc: dict[str, Any], td: TrainData, ok: np.ndarray) -> None:
-    """Add one file's token counts, bit mismatches, diffs and rewards to its round's accumulator."""
-    m = td.mask
-    bits_differ = td.train.view(np.uint32) != td.rollout.view(np.uint32)
+def _accumulate(acc: dict[str, Any], scan: _FileScan) -> None:
+    """Add one fully read file to its round's accumulator."""
+    td, k = scan.td, scan.counts
     acc["files"] += 1
-    acc["element_count"] += int(np.count_nonzero(m))
-    acc["mismatch_count"] += int(np.count_nonzero(bits_differ & m))
-    acc["diffs"].append(td.train[ok].astype(np.float64) - td.rollout[ok].astype(np.float64))
-    if td.rewards is None:
-        acc["no_rewards"] += 1
-    else:
-        acc["rewards"].append(td.rewards.astype(np.float64))
+    acc["element_count"] += k["active"]
+    acc["mismatch_count"] += k["mismatch"]
+    acc["informative_count"] += k["informative"]
+    acc["informative_mismatch_count"] += k["informative_mismatch"]
+    acc["zeros"] += scan.zeros
+    acc["nonzero"] += scan.nonzero
+    acc["nll"] += scan.nll
+    acc["usable"] += scan.usable
+    for name in ("rewards", "advantages"):
+        v = getattr(td, name)
+        if v is None:
+            acc[f"no_{name}"] += 1
+        else:
+            acc[name].append(v.astype(np.float64))
 
 
 def _read_rounds(
     root: Root, files: dict[tuple[int, int], str], skip_legacy: bool, worst_k: int
 ) -> tuple[dict[int, dict[str, Any]], WorstTokens, list[Finding]]:
-    """Load every indexed file in (round, rank) order, check its values and accumulate it per round."""
+    """Stream every indexed file in (round, rank) order, check its values and accumulate it per round."""
     findings: list[Finding] = []
     per_round: dict[int, dict[str, Any]] = defaultdict(_new_round_acc)
     worst = WorstTokens(worst_k)
@@ -221,58 +244,83 @@ def _read_rounds(
         kind = "pt" if rel.endswith(".pt") else "safetensors"
         if kind == "pt" and skip_legacy:
             continue
+        file_worst = WorstTokens(worst_k)
         try:
             td = (load_pt if kind == "pt" else load_safetensors)(root, rel, rnd, rank)
+            try:
+                scan = _FileScan(td)
+                for chunk in td.chunks():
+                    scan.add(chunk, file_worst)
+            finally:
+                td.close()
         except InputError as e:
             findings.append(e.finding)
             continue
-        content, ok = _content_findings(td)
-        findings.extend(content)
-        _accumulate(per_round[rnd], td, ok)
-        worst.add(rnd, rank, td.token_ids, td.train, td.rollout, ok)
+        findings.extend(scan.findings())
+        _accumulate(per_round[rnd], scan)
+        worst.merge(file_worst)
     return per_round, worst, findings
 
 
 def _round_results(
     per_round: dict[int, dict[str, Any]], n_ranks: int, clip_eps: float
-) -> tuple[list[dict[str, Any]], list[dict[str, Any]], np.ndarray]:
-    """Per-round bitwise and drift results, in round order, and every round's diffs concatenated."""
-    rounds_out, drift_rounds, all_d = [], [], []
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]], tuple[np.ndarray, int]]:
+    """Per-round bitwise and drift results, in round order, and every round's non-zero differences (concatenated)
+    with the count of exact zeros."""
+    rounds_out, drift_rounds, all_nz, all_zeros = [], [], [], 0
     for rnd in sorted(per_round):
         acc = per_round[rnd]
-        d = np.concatenate(acc["diffs"]) if acc["diffs"] else np.zeros(0)
-        all_d.append(d)
-        a = np.abs(d)
+        nz = np.concatenate(acc["nonzero"]) if acc["nonzero"] else np.zeros(0)
+        acc["nonzero"] = [nz]
+        all_nz.append(nz)
+        all_zeros += acc["zeros"]
+        a = np.abs(nz)
+        n = acc["zeros"] + nz.size
         rw = np.concatenate(acc["rewards"]) if acc["rewards"] and not acc["no_rewards"] else None
+        adv = np.concatenate(acc["advantages"]) if acc["advantages"] and not acc["no_advantages"] else None
         rounds_out.append(
             {
                 "round": rnd,
                 "complete": acc["files"] == n_ranks,
                 "reward_mean": float(rw.mean()) if rw is not None and rw.size and np.isfinite(rw).all() else None,
+                "advantages_all_zero": bool(adv.size and not np.any(adv)) if adv is not None else None,
                 "files": acc["files"],
                 "element_count": acc["element_count"],
                 "mismatch_count": acc["mismatch_count"],
+                "informative_count": acc["informative_count"],
+                "informative_mismatch_count": acc["informative_mismatch_count"],
+                "informative_fraction": acc["informative_count"] / acc["element_count"] if acc["element_count"]
+                else 0.0,
+                "sampled_nll_mean": acc["nll"] / acc["usable"] if acc["usable"] else 0.0,
                 "max_abs_diff": float(a.max()) if a.size else 0.0,
-                "mean_abs_diff": float(a.mean()) if a.size else 0.0,
+                "mean_abs_diff": float(a.sum()) / n if n else 0.0,
             }
         )
-        drift_rounds.append({"round": rnd, **drift_stats(d, clip_eps)})
-    return rounds_out, drift_rounds, np.concatenate(all_d)
+        drift_rounds.append({"round": rnd, **drift_of(nz, acc["zeros"], clip_eps)})
+    return rounds_out, drift_rounds, (np.concatenate(all_nz) if all_nz else np.zeros(0), all_zeros)
 
 
 def _totals(
-    rounds_out: list[dict[str, Any]], d_all: np.ndarray, require_exact: bool, missing_n: int, n_rounds: int
+    rounds_out: list[dict[str, Any]], diffs: tuple[np.ndarray, int], require_exact: bool, missing_n: int,
+    n_rounds: int
 ) -> dict[str, Any]:
     """The run-wide bitwise result: sums over the rounds, |diff| over every compared token."""
-    a_all = np.abs(d_all)
+    nz, zeros = diffs
+    a_all = np.abs(nz)
+    n = zeros + nz.size
+    elements = sum(r["element_count"] for r in rounds_out)
+    informative = sum(r["informative_count"] for r in rounds_out)
     return {
         "require_exact": require_exact,
         "complete": not missing_n and len(rounds_out) == n_rounds and all(r["complete"] for r in rounds_out),
         "files": sum(r["files"] for r in rounds_out),
-        "element_count": sum(r["element_count"] for r in rounds_out),
+        "element_count": elements,
         "mismatch_count": sum(r["mismatch_count"] for r in rounds_out),
+        "informative_count": informative,
+        "informative_mismatch_count": sum(r["informative_mismatch_count"] for r in rounds_out),
+        "informative_fraction": informative / elements if elements else 0.0,
         "max_abs_diff": float(a_all.max()) if a_all.size else 0.0,
-        "mean_abs_diff": float(a_all.mean()) if a_all.size else 0.0,
+        "mean_abs_diff": float(a_all.sum()) / n if n else 0.0,
         "rounds": rounds_out,
     }
 
@@ -290,15 +338,16 @@ def _rewards_presence(per_round: dict[int, dict[str, Any]]) -> tuple[str, list[F
 
 
 def _drift_result(
-    d_all: np.ndarray, drift_rounds: list[dict[str, Any]], worst: WorstTokens, clip_eps: float
+    diffs: tuple[np.ndarray, int], drift_rounds: list[dict[str, Any]], worst: WorstTokens, clip_eps: float
 ) -> dict[str, Any]:
     """The drift result: overall and per-round statistics, the worst tokens, the |diff| histogram."""
+    nz, zeros = diffs
     return {
         "clip_eps": clip_eps,
-        "overall": drift_stats(d_all, clip_eps),
+        "overall": drift_of(nz, zeros, clip_eps),
         "rounds": drift_rounds,
         "worst_tokens": worst.result(),
-        "abs_histogram": abs_histogram(d_all),
+        "abs_histogram": abs_histogram(nz, zeros),
     }
 
 
@@ -349,13 +398,13 @@ def check_train_data(
     if not per_round:
         return findings, None, None
 
-    rounds_out, drift_rounds, d_all = _round_results(per_round, n_ranks, clip_eps)
-    total = _totals(rounds_out, d_all, require_exact, missing_n, n_rounds)
+    rounds_out, drift_rounds, diffs = _round_results(per_round, n_ranks, clip_eps)
+    total = _totals(rounds_out, diffs, require_exact, missing_n, n_rounds)
     total["rewards"], rewards = _rewards_presence(per_round)
     findings.extend(rewards)
     if total["element_count"] == 0:
         findings.append(_f("NOTHING_COMPARED", "the train-data that was read selects no token: nothing was "
                            "compared, which is no evidence of equality", DIR))
-    drift = _drift_result(d_all, drift_rounds, worst, clip_eps)
+    drift = _drift_result(diffs, drift_rounds, worst, clip_eps)
     findings.extend(_mismatch_findings(total, require_exact))
     return findings, total, drift

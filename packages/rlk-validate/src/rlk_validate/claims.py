@@ -27,7 +27,8 @@ REWARD_ABS_TOL = 1e-6
 REWARD_REL_TOL = 1e-5
 #: at most this many findings of one kind per file; the rest are counted in one more finding
 SHOWN = 10
-_INT_FIELDS = ("compared_tokens", "mismatch_count", "peak_memory_bytes")
+_INT_FIELDS = ("compared_tokens", "mismatch_count", "peak_memory_bytes", "informative_tokens",
+               "informative_mismatch_count")
 #: VIME's own per-step metric (train/train_rollout_logprob_abs_diff, a sum of per-sample means) for the
 #: round's training steps; only its zero-ness is comparable with train-data (``rlk-validate import-vime``)
 VIME_METRIC = "vime_train_rollout_logprob_abs_diff"
@@ -104,14 +105,16 @@ def _metrics_row_problem(obj: Any) -> str | None:
     return None
 
 
-def check_metrics(root: Root, expected_rounds: int | None, bitwise: dict[str, Any] | None) -> list[Finding]:
+def check_metrics(root: Root, expected_rounds: int | None,
+                  bitwise: dict[str, Any] | None) -> tuple[list[Finding], dict[int, dict[str, Any]]]:
+    """Findings about ``metrics.jsonl``, and its well-formed rows by round."""
     rel = METRICS
     if not root.lexists(rel):
-        return [_f("METRICS_MISSING", "metrics.jsonl is absent", rel)]
+        return [_f("METRICS_MISSING", "metrics.jsonl is absent", rel)], {}
     try:
         text = root.read_text(rel, root.caps.json_bytes)
     except InputError as e:
-        return [e.finding]
+        return [e.finding], {}
     bad: list[Finding] = []
     rows: dict[int, dict[str, Any]] = {}
     for i, line in enumerate(text.split("\n"), 1):
@@ -141,7 +144,7 @@ def check_metrics(root: Root, expected_rounds: int | None, bitwise: dict[str, An
                       + (" ..." if expected_rounds - len(rows) > len(first) else ""), rel))
     if bitwise:
         out.extend(_compare_metrics(rel, rows, bitwise))
-    return out
+    return out, rows
 
 
 def _compare_metrics(rel: str, rows: dict[int, dict[str, Any]], bitwise: dict[str, Any]) -> list[Finding]:
@@ -151,7 +154,9 @@ def _compare_metrics(rel: str, rows: dict[int, dict[str, Any]], bitwise: dict[st
         if row is None or not r["complete"]:
             continue
         where = f"metrics.jsonl round {r['round']}"
-        for key, ours in (("compared_tokens", r["element_count"]), ("mismatch_count", r["mismatch_count"])):
+        for key, ours in (("compared_tokens", r["element_count"]), ("mismatch_count", r["mismatch_count"]),
+                          ("informative_tokens", r["informative_count"]),
+                          ("informative_mismatch_count", r["informative_mismatch_count"])):
             if key in row and row[key] != ours:
                 out.append(_f("METRICS_DISAGREE", f"{where}: {key} = {row[key]!r}, recomputed from train-data: "
                               f"{ours}", rel, claimed=row[key], recomputed=ours))
@@ -191,6 +196,7 @@ def _bitwise_problem(doc: dict[str, Any]) -> list[str]:
             bad.append(key)
     if "mean_abs_diff" in doc and not is_num(doc["mean_abs_diff"]):
         bad.append("mean_abs_diff")
+    bad += [k for k in ("informative_count", "informative_mismatch_count") if k in doc and not is_int(doc[k])]
     return bad
 
 
@@ -204,6 +210,9 @@ def _round_problem(r: Any) -> str | None:
         return f"max_abs_diff = {r.get('max_abs_diff')!r} is not a finite number"
     if "mean_abs_diff" in r and not is_num(r["mean_abs_diff"]):
         return f"mean_abs_diff = {r['mean_abs_diff']!r} is not a finite number"
+    for key in ("informative_count", "informative_mismatch_count"):
+        if key in r and not is_int(r[key]):
+            return f"{key} = {r[key]!r} is not an integer >= 0"
     return None
 
 
@@ -285,8 +294,8 @@ def _claimed_rounds(
 def _compare(rel: str, where: str, claim: dict[str, Any], ours: dict[str, Any]) -> list[Finding]:
     """Claimed counts and statistics (total or one round) against the recomputed ones."""
     out: list[Finding] = []
-    for key in ("element_count", "mismatch_count"):
-        if claim[key] != ours[key]:
+    for key in ("element_count", "mismatch_count", "informative_count", "informative_mismatch_count"):
+        if key in claim and claim[key] != ours[key]:
             out.append(_f("BITWISE_FILE_DISAGREES", f"{rel}: {where}{key} = {claim[key]}, recomputed from "
                           f"train-data: {ours[key]}", rel, claimed=claim[key], recomputed=ours[key]))
     for key, tol in (("max_abs_diff", MAX_REL_TOL), ("mean_abs_diff", MEAN_REL_TOL)):

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from . import __version__
-from .evidence import write_json_atomic
+from .evidence import MIN_INFORMATIVE_FRACTION, write_json_atomic
 from .findings import CODES
 from .report import EXIT_CODES, EXIT_INTERNAL, clean, finite
 from .safeio import Caps, MiB
@@ -28,6 +28,7 @@ SUBCOMMANDS = """subcommands:
   rlk-validate [run] RUN_DIR [options]      check one run directory (`run` for a directory named like a subcommand)
   rlk-validate matrix MATRIX_ROOT [options] check every cell of an ablation matrix root
   rlk-validate codes                        list the finding codes
+  rlk-validate keygen DIR                   write an Ed25519 key pair for signed seals (--sign-key, --verify-key)
   rlk-validate import-vime SRC DST          turn a VIME run's artifact directory into an rlk run directory"""
 
 
@@ -72,6 +73,11 @@ def _common(p: argparse.ArgumentParser) -> None:
         metavar="ID",
         help="accept ID as an rlk backend of an R side (a plug-in's registered id); repeatable",
     )
+    p.add_argument("--verify-key", metavar="PUB",
+                   help="require the seal to be signed by this PEM Ed25519 public key (needs rlk-validate[sign])")
+    p.add_argument("--min-informative-fraction", type=float, default=MIN_INFORMATIVE_FRACTION, metavar="F",
+                   help="flag a round where fewer of the compared tokens than F have a rollout log-prob below -1e-3 "
+                   f"(default {MIN_INFORMATIVE_FRACTION})")
     p.add_argument("--max-json-mib", type=float, default=Caps.json_bytes / MiB, metavar="N")
     p.add_argument("--max-log-mib", type=float, default=Caps.log_bytes / MiB, metavar="N")
     p.add_argument("--max-tensor-mib", type=float, default=Caps.tensor_bytes / MiB, metavar="N")
@@ -91,6 +97,9 @@ def _run_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="write run-validation.json into RUN_DIR and, only if it passed, COMPLETE",
     )
+    p.add_argument("--sign-key", metavar="KEY",
+                   help="with --seal: sign COMPLETE with this PEM Ed25519 private key (rlk-validate keygen DIR makes "
+                   "one; needs rlk-validate[sign])")
     p.add_argument("--report", metavar="DIR", help="write consistency.png and drift.png into DIR (needs matplotlib)")
     p.add_argument("--version", action="version", version=f"rlk-validate {__version__}")
     _common(p)
@@ -124,6 +133,15 @@ def _options(a: argparse.Namespace) -> Any:
     for name in ("max_json_mib", "max_log_mib", "max_tensor_mib"):
         if not getattr(a, name) > 0:
             raise UsageError(f"--{name.replace('_', '-')} must be > 0")
+    if not 0 <= a.min_informative_fraction <= 1:
+        raise UsageError("--min-informative-fraction must be in [0, 1]")
+    if a.verify_key is not None:
+        from .signing import KeyProblem, load_public_key
+
+        try:
+            load_public_key(a.verify_key)  # a key that cannot be used stops before any check
+        except KeyProblem as e:
+            raise UsageError(f"--verify-key: {e}") from None
     caps = Caps(
         json_bytes=int(a.max_json_mib * MiB),
         log_bytes=int(a.max_log_mib * MiB),
@@ -135,6 +153,8 @@ def _options(a: argparse.Namespace) -> Any:
         worst_k=a.worst,
         allowed_backends=frozenset(a.allow_backend),
         caps=caps,
+        verify_key=a.verify_key,
+        min_informative_fraction=a.min_informative_fraction,
     )
 
 
@@ -158,16 +178,34 @@ def _check_outputs(a: argparse.Namespace, checked: str, what: str) -> None:
             )
 
 
+def _print(text: str) -> None:
+    """stdout that the reader may have left (``rlk-validate RUN | head``): the rest is dropped, the exit status
+    is still the verdict's."""
+    try:
+        print(text, flush=True)
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+
+
 def _main_run(argv: Sequence[str]) -> int:
     from .seal import seal_run
     from .validate import validate_run
 
     a = _run_parser().parse_args(argv)
     _check_outputs(a, a.run_dir, "RUN_DIR")
-    report = validate_run(a.run_dir, _options(a))
+    if a.sign_key and not a.seal:
+        raise UsageError("--sign-key signs a seal: it needs --seal")
+    opts = _options(a)
     if a.seal:
-        seal_run(report)
-    print(report.summary(verbose=a.verbose).splitlines()[-1] if a.quiet else report.summary(verbose=a.verbose))
+        from .signing import KeyProblem
+
+        try:
+            report = seal_run(a.run_dir, opts, sign_key=a.sign_key)
+        except KeyProblem as e:
+            raise UsageError(f"--sign-key: {e}") from None
+    else:
+        report = validate_run(a.run_dir, opts)
+    _print(report.summary(verbose=a.verbose).splitlines()[-1] if a.quiet else report.summary(verbose=a.verbose))
     code = report.exit_code
     if a.report and not report.bitwise:
         print("rlk-validate: no train-data was compared; plots skipped", file=sys.stderr)
@@ -177,7 +215,7 @@ def _main_run(argv: Sequence[str]) -> int:
         if matplotlib_available():
             try:
                 for p in write_plots(report, a.report):
-                    print(f"wrote {clean(p)}")
+                    _print(f"wrote {clean(p)}")
             except OSError as e:
                 print(
                     f"rlk-validate: cannot write plots into {clean(a.report)}: {e.strerror or e}",
@@ -206,7 +244,7 @@ def _main_matrix(argv: Sequence[str]) -> int:
     if a.write and a.no_write:
         raise UsageError("--write and --no-write contradict each other")
     rep = validate_matrix(a.matrix_root, _options(a), allow_partial=a.allow_partial, write=a.write)
-    print(rep.summary().splitlines()[-1] if a.quiet else rep.summary())
+    _print(rep.summary().splitlines()[-1] if a.quiet else rep.summary())
     if a.json:
         try:
             _write_json(a.json, rep.to_json())
@@ -217,8 +255,25 @@ def _main_matrix(argv: Sequence[str]) -> int:
 
 
 def _main_codes() -> int:
-    for code, (sev, meaning) in CODES.items():
-        print(f"{code:<26} {sev:<10} {meaning}")
+    _print("\n".join(f"{code:<26} {sev:<10} {meaning}" for code, (sev, meaning) in CODES.items()))
+    return 0
+
+
+def _main_keygen(argv: Sequence[str]) -> int:
+    from .signing import KeyProblem, generate
+
+    p = _Parser(prog="rlk-validate keygen", description="Write a new Ed25519 key pair for signed seals into DIR: "
+                "rlk-seal.key (private, mode 0600: keep it secret) and rlk-seal.pub (give it to whoever checks your "
+                "runs: rlk-validate RUN --verify-key rlk-seal.pub). Never overwrites a key.")
+    p.add_argument("directory", metavar="DIR")
+    p.add_argument("--debug", action="store_true", help="show tracebacks")
+    a = p.parse_args(argv)
+    try:
+        priv, pub = generate(a.directory)
+    except KeyProblem as e:
+        print(f"rlk-validate keygen: {clean(e)}", file=sys.stderr)
+        return EXIT_USAGE
+    _print(f"wrote {clean(priv)} (private: sign with --seal --sign-key) and {clean(pub)} (public: --verify-key)")
     return 0
 
 
@@ -252,6 +307,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _main_codes()
         if args and args[0] == "import-vime":
             return _main_import_vime(args[1:])
+        if args and args[0] == "keygen":
+            return _main_keygen(args[1:])
         if args and args[0] == "run":
             args = args[1:]
         return _main_run(args)
@@ -261,6 +318,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("rlk-validate: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # the reader of stdout left before anything was printed
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_USAGE
     except Exception as e:
         if debug:
             raise

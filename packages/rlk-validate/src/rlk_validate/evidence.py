@@ -30,6 +30,7 @@ TRAIN_DATA_SCHEMA = "rlk.train-data.v1"
 RUN_VALIDATION_SCHEMA = "rlk.run-validation.v1"
 MATRIX_REPORT_SCHEMA = "rlk.matrix-report.v1"
 COMPLETE_SCHEMA = "rlk.complete.v1"
+MATRIX_OPTIONS_SCHEMA = "rlk.matrix-options.v1"
 # a VIME run's artifact directory, before `rlk-validate import-vime` (docs/vime.md)
 VIME_LAUNCH_SCHEMA = "rlk.vime-launch.v1"
 VIME_ENVIRONMENT_SCHEMA = "rlk.vime-environment.v1"
@@ -45,6 +46,7 @@ SCHEMAS: dict[str, str] = {
     "run-validation": RUN_VALIDATION_SCHEMA,
     "matrix-report": MATRIX_REPORT_SCHEMA,
     "complete": COMPLETE_SCHEMA,
+    "matrix-options": MATRIX_OPTIONS_SCHEMA,
     "vime-launch": VIME_LAUNCH_SCHEMA,
     "vime-environment": VIME_ENVIRONMENT_SCHEMA,
     "vime-logprobs": VIME_LOGPROBS_SCHEMA,
@@ -107,6 +109,15 @@ def side_letter(case: str, side: str) -> str:
     return case[0 if side == "train" else 2]
 
 
+# -- informative tokens ---------------------------------------------------------------------------
+#: a compared token is *informative* when its rollout log-prob is below this (probability < 0.999): equal bits of
+#: saturated log-probs (a collapsed policy's 0.0) prove little, so every bitwise count is also given over these
+INFORMATIVE_LOGP = -1e-3
+#: a round whose compared tokens are informative less often than this is flagged (``--min-informative-fraction``):
+#: the collapsed policies of issue 41 fell to 4% and 0.3%; a peaked but live policy stays far above
+MIN_INFORMATIVE_FRACTION = 0.1
+
+
 # -- file names ---------------------------------------------------------------------------------
 MANIFEST = "manifest.json"
 RUN_LOG = "run.log"
@@ -122,6 +133,34 @@ MATRIX_REPORT_JSON = "matrix-report.json"
 MATRIX_REPORT_MD = "matrix-report.md"
 #: entries that mark a directory as a run directory
 RUN_MARKERS = (MANIFEST, READBACKS_DIR, TRAIN_DATA_DIR, EXIT_CODE, BITWISE, METRICS)
+#: what ``rlk-repro matrix`` records at a matrix root: the options every cell runs with (``--resume`` reads them)
+MATRIX_OPTIONS = "matrix-options.json"
+#: the lock file of a matrix root (held by the one ``rlk-repro matrix`` process writing it; names the holder)
+MATRIX_LOCK = ".rlk-matrix.lock"
+
+
+def is_run_dir(path: str | os.PathLike[str]) -> bool:
+    """Whether ``path`` is a run directory: it holds an ``rlk.manifest.v1`` manifest, or the ``readbacks/`` and
+    ``train-data/`` folders every producer creates first. Reads at most the manifest's first 4 KiB."""
+    p = Path(path)
+    if (p / READBACKS_DIR).is_dir() and (p / TRAIN_DATA_DIR).is_dir():
+        return True
+    try:
+        with open(p / MANIFEST, "rb") as fh:
+            head = fh.read(4096)
+    except OSError:
+        return False
+    return MANIFEST_SCHEMA.encode() in head
+
+
+def enclosing_run_dir(path: str | os.PathLike[str]) -> Path | None:
+    """The run directory that is ``path`` or holds it (its nearest such ancestor), or None: a run directory is
+    append-only and sealed as a whole, so nothing creates a run or a matrix inside one."""
+    p = Path(os.path.abspath(os.fspath(path)))
+    for d in (p, *p.parents):
+        if d.is_dir() and is_run_dir(d):
+            return d
+    return None
 
 # -- matrix cells -------------------------------------------------------------------------------
 #: the cells of a matrix root: ``control-RR`` (all R/R), ``<module>-<XY>`` (that module at X/Y, the others
@@ -242,7 +281,18 @@ METRICS_FIELDS = (
     _f("rollout_tokens_per_s", "number", "rollout throughput", required=False),
     _f("train_tokens_per_s", "number", "training throughput", required=False),
     _f("peak_memory_bytes", "integer", "peak device memory", required=False),
-    _f("weights_changed", "boolean", "whether the weight update changed the rollout weights", required=False),
+    _f("weights_changed", "boolean", "whether the weight update changed the rollout weights (all false over the "
+       "updates between rounds: `WEIGHTS_STATIC`)", required=False),
+    _f("informative_tokens", "integer", "compared tokens with a rollout log-prob below -1e-3; recomputed",
+       required=False),
+    _f("informative_mismatch_count", "integer", "mismatches among them; recomputed", required=False),
+    _f("informative_fraction", "number", "`informative_tokens / compared_tokens`", required=False),
+    _f("sampled_nll_mean", "number", "mean `-log p` of the sampled tokens (nats): an estimate of the sampling "
+       "distribution's entropy", required=False),
+    _f("entropy_mean", "number", "mean entropy (nats) of `softmax(logits / T)` at the sampled positions, where "
+       "the engine computes it (local)", required=False),
+    _f("max_entropy", "number", "`log V`, the entropy of a uniform next-token distribution", required=False),
+    _f("distinct_responses", "integer", "distinct responses of the round's samples", required=False),
 )
 BITWISE_FIELDS = (
     _f("schema", "string", f"`{BITWISE_SCHEMA}`"),
@@ -252,6 +302,9 @@ BITWISE_FIELDS = (
     _f("mismatch_count", "integer", "mismatched tokens, all rounds; recomputed"),
     _f("max_abs_diff", "number", "max `|train - rollout|`, all rounds; recomputed"),
     _f("mean_abs_diff", "number", "mean `|train - rollout|`, all rounds; recomputed", required=False),
+    _f("informative_count", "integer", "compared tokens with a rollout log-prob below -1e-3; recomputed",
+       required=False),
+    _f("informative_mismatch_count", "integer", "mismatches among them; recomputed", required=False),
     _f("rounds", "array", "one object per round (below); non-empty"),
     _f("fallback_failures", "integer", "modules that fell back; > 0 fails the run"),
 )
@@ -261,12 +314,23 @@ BITWISE_ROUND_FIELDS = (
     _f("mismatch_count", "integer", "recomputed"),
     _f("max_abs_diff", "number", "recomputed"),
     _f("mean_abs_diff", "number", "recomputed", required=False),
+    _f("informative_count", "integer", "recomputed", required=False),
+    _f("informative_mismatch_count", "integer", "recomputed", required=False),
 )
 COMPLETE_FIELDS = (
     _f("schema", "string", f"`{COMPLETE_SCHEMA}`"),
     _f("run_validation_sha256", "string", "64 hex: sha256 of the bytes of `run-validation.json`; re-checked"),
     _f("sealed_at", "string", "UTC ISO time"),
     _f("validator", "object", "`name` (`rlk-validate`), `version`"),
+    _f("signature", "object", "`--sign-key`: `scheme` (`ed25519`), `key_id` (`sha256:` of the raw public key), "
+       "`public_key`, `value` (base64): over the canonical JSON of the other fields", required=False),
+)
+MATRIX_OPTIONS_FIELDS = (
+    _f("schema", "string", f"`{MATRIX_OPTIONS_SCHEMA}`"),
+    _f("created_at", "string", "UTC ISO time"),
+    _f("command", "array of strings", "the command that created the root"),
+    _f("options", "object", "every experiment option of the matrix (`--resume` runs them again)"),
+    _f("config", "object", "a cell's run configuration less its routes (`--resume` refuses another one)"),
 )
 
 #: document -> (title, fields)
@@ -279,6 +343,7 @@ DOCUMENTS: dict[str, tuple[str, tuple[Field, ...]]] = {
     "bitwise-validation": (f"`{BITWISE}` — `{BITWISE_SCHEMA}`", BITWISE_FIELDS),
     "bitwise-validation.round": ("`bitwise-validation.json` round (`rounds[i]`)", BITWISE_ROUND_FIELDS),
     "complete": (f"`{COMPLETE}` — `{COMPLETE_SCHEMA}`", COMPLETE_FIELDS),
+    "matrix-options": (f"`{MATRIX_OPTIONS}` (matrix root) — `{MATRIX_OPTIONS_SCHEMA}`", MATRIX_OPTIONS_FIELDS),
 }
 
 

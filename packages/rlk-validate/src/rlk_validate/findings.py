@@ -87,7 +87,32 @@ CODES: dict[str, tuple[str, str]] = {
     "SEALED": (INFO, "COMPLETE exists and the run passes validation"),
     "SEAL_WRITTEN": (INFO, "--seal wrote run-validation.json (and COMPLETE when the run passed)"),
     "SEAL_EXISTS": (WARNING, "--seal asked for, but COMPLETE already exists; nothing was written"),
-    "SEAL_FAILED": (ERROR, "--seal could not write run-validation.json or COMPLETE"),
+    "SEAL_FAILED": (ERROR, "--seal could not write run-validation.json or COMPLETE, or refused: the run is still "
+                    "being written"),
+    "SEAL_REDONE": (INFO, "--seal found what an interrupted seal left (its temp files, an empty COMPLETE), removed "
+                    "it and sealed afresh"),
+    "SEAL_SIGNED": (INFO, "COMPLETE carries a valid Ed25519 signature (by the --verify-key key, where given)"),
+    "SIGNATURE_MISSING": (ERROR, "--verify-key given, but the run is not sealed or its COMPLETE is not signed"),
+    "SIGNATURE_INVALID": (
+        ERROR,
+        "COMPLETE's signature does not verify, or was made by another key than --verify-key's",
+    ),
+    "SIGNATURE_UNCHECKED": (WARNING, "COMPLETE is signed but the cryptography package is not installed here"),
+    "RUN_DIR_BUSY": (
+        WARNING,
+        "another process held the run directory's lock (a run still writing it, or a sealer): it was read mid-write",
+    ),
+    "WEIGHTS_STATIC": (
+        ERROR,
+        "no update between rounds changed the weights (or no sequence had a non-zero advantage): a bitwise claim "
+        "over rounds is then about one fixed model (an error where bitwise equality is required and the run did "
+        "not ask for static weights)",
+    ),
+    "INFORMATIVE_FRACTION_LOW": (
+        ERROR,
+        "in some round, fewer compared tokens than the bound (--min-informative-fraction) had a rollout log-prob "
+        "below -1e-3: equal bits of saturated log-probs prove little (an error where bitwise equality is required)",
+    ),
     # readbacks
     "READBACKS_MISSING": (INCOMPLETE, "no readback for one side (train or rollout), or no readbacks at all"),
     "READBACK_FIELD_INVALID": (ERROR, "a readback field is absent, of the wrong type, or inconsistent"),

@@ -28,7 +28,7 @@ from .evidence import (
     write_bytes_atomic,
 )
 from .findings import ERROR, INCOMPLETE, Finding, finding, verdict_of
-from .report import EXIT_CODES, Report, clean, dumps, now_iso
+from .report import EXIT_CODES, Report, clean, dumps, now_iso, summarised
 from .safeio import InputError, Root
 from .validate import Options, unusable_reason, validate_run
 
@@ -131,9 +131,7 @@ class MatrixReport:
             lines.append(
                 f"  {name:<14} {r.verdict:<11} mismatches {mm:<14} max |diff| {b.get('max_abs_diff', float('nan')):.3g}"
             )
-        for f in self.findings:
-            if f.severity != "info":
-                lines.append(f"  {f.severity.upper():<10} {f.code:<26} {clean(f.message)}")
+        lines += summarised([f for f in self.findings if f.severity != "info"])
         for w in self.written:
             lines.append(f"wrote {clean(w)}")
         lines.append(f"verdict: {self.verdict.upper()} (exit {self.exit_code})")

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import __version__
-from .evidence import RUN_VALIDATION_SCHEMA, json_text
+from .evidence import INFORMATIVE_LOGP, RUN_VALIDATION_SCHEMA, json_text
 from .findings import ERROR, INCOMPLETE, INFO, SEVERITIES, WARNING, Finding, verdict_of
 
 RUN_SCHEMA = RUN_VALIDATION_SCHEMA
@@ -36,6 +36,24 @@ def finite(obj: Any) -> Any:
     if isinstance(obj, (list, tuple)):
         return [finite(v) for v in obj]
     return obj
+
+
+#: the findings of one code a summary shows before it counts the rest
+SHOWN_PER_CODE = 5
+
+
+def summarised(findings: list[Finding]) -> list[str]:
+    """One line per finding, at most :data:`SHOWN_PER_CODE` per code, then one line counting the rest of that code
+    (the JSON report keeps every one)."""
+    lines, seen = [], {}
+    for f in findings:
+        seen[f.code] = seen.get(f.code, 0) + 1
+        if seen[f.code] <= SHOWN_PER_CODE:
+            lines.append(f"  {f.severity.upper():<10} {f.code:<24} {clean(f.message)}")
+    for code, n in seen.items():
+        if n > SHOWN_PER_CODE:
+            lines.append(f"  ... and {n - SHOWN_PER_CODE} more {code} finding(s) like these (--json lists every one)")
+    return lines
 
 
 def dumps(doc: Any) -> str:
@@ -113,6 +131,13 @@ class Report:
                 f"{len(b['rounds'])} round(s), {b['files']} file(s); max |diff| {b['max_abs_diff']:.6g}, "
                 f"mean |diff| {b['mean_abs_diff']:.6g}"
             )
+            per_round = " ".join(f"{100 * r['informative_fraction']:.0f}%" for r in b["rounds"][:12])
+            lines.append(
+                f"  over informative tokens (rollout log-prob < {INFORMATIVE_LOGP:g}): "
+                f"{b['informative_mismatch_count']} of {b['informative_count']} differ "
+                f"({100 * b['informative_fraction']:.1f}% of the compared; per round {per_round}"
+                + (" ..." if len(b["rounds"]) > 12 else "") + ")"
+            )
         o = (self.drift or {}).get("overall") or {}
         if o.get("active_tokens"):
             lines.append(
@@ -124,8 +149,7 @@ class Report:
         hidden = len(self.findings) - len(shown)
         if shown:
             lines.append("findings:")
-            for f in shown:
-                lines.append(f"  {f.severity.upper():<10} {f.code:<24} {clean(f.message)}")
+            lines += summarised(shown)
         if hidden:
             lines.append(f"  ({hidden} info finding(s); --verbose shows them)")
         if self.seal.get("requested"):

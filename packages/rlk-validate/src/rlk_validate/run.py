@@ -102,7 +102,7 @@ def _manifest_problems(m: dict[str, Any]) -> list[tuple[str, str]]:
 def check_manifest(root: Root) -> tuple[list[Finding], dict[str, Any]]:
     """Returns findings and ``{"plan", "rounds", "ranks", "run_id", "mode"}`` (None where unknown)."""
     info: dict[str, Any] = {"plan": None, "rounds": None, "ranks": None, "run_id": None, "mode": None,
-                            "engine": None}
+                            "engine": None, "static_weights": False}
     rel = MANIFEST
     if not root.lexists(rel):
         return [_f("MANIFEST_MISSING", "manifest.json is absent: the requested plan and inputs are unknown", rel)], info
@@ -133,6 +133,7 @@ def check_manifest(root: Root) -> tuple[list[Finding], dict[str, Any]]:
         info["run_id"] = m["run_id"]
     info["mode"] = m.get("mode") if _printable(m.get("mode")) else None
     info["engine"] = m.get("engine") if _printable(m.get("engine")) else None
+    info["static_weights"] = isinstance(m.get("config"), dict) and m["config"].get("static_weights") is True
     plan = info["plan"]
     preset = PRESET_MODES.get(m.get("mode")) if is_member(m.get("mode"), PRESET_MODES) else None
     if plan and preset and not all(v == preset for v in plan.values()):

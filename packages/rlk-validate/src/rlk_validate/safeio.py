@@ -108,6 +108,8 @@ class Root:
         self.check = check
         #: rel -> sha256 hex of every file read in full (what a seal records and re-checks)
         self.digests: dict[str, str] = {}
+        #: every rel a check tried to open (its problems are that check's findings)
+        self.tried: set[str] = set()
 
     # -- paths -------------------------------------------------------------------------------
     def _err(self, code: str, message: str, rel: str, **details: Any) -> InputError:
@@ -145,6 +147,7 @@ class Root:
     # -- files -------------------------------------------------------------------------------
     def open_fd(self, rel: str, cap: int) -> tuple[int, int]:
         """Open ``rel`` for reading; returns ``(fd, size)``. Checks type and size before any read."""
+        self.tried.add(rel)
         real = self.resolve(rel)
         try:
             fd = _open_readonly(real)

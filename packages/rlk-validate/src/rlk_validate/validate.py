@@ -8,14 +8,15 @@ from typing import Any
 
 from .bitwise import check_train_data
 from .claims import all_rr, check_bitwise_file, check_metrics
+from .coverage import digest_tree
 from .drift import DEFAULT_CLIP_EPS
-from .evidence import EXIT_CODE, RUN_MARKERS, expected_plan
+from .evidence import EXIT_CODE, INFORMATIVE_LOGP, MIN_INFORMATIVE_FRACTION, RUN_MARKERS, expected_plan
 from .findings import finding
 from .readbacks import check_readbacks
 from .report import Report
 from .run import check_exit_and_log, check_manifest
 from .safeio import Caps, Root
-from .seal import check_complete
+from .seal import SEAL_WAIT_S, check_complete, run_dir_lock
 
 
 @dataclass(frozen=True)
@@ -27,10 +28,16 @@ class Options:
     worst_k: int = 10
     allowed_backends: frozenset[str] = frozenset()
     caps: Caps = field(default_factory=Caps)
+    #: a PEM Ed25519 public key the seal must be signed by (``--verify-key``)
+    verify_key: str | None = None
+    #: the least fraction of informative tokens (rollout log-prob < -1e-3) every round must have
+    min_informative_fraction: float = MIN_INFORMATIVE_FRACTION
 
     def to_json(self) -> dict[str, Any]:
         return {
             "require_bitwise": self.require_bitwise,
+            "verify_key": self.verify_key,
+            "min_informative_fraction": self.min_informative_fraction,
             "clip_eps": self.clip_eps,
             "worst_k": self.worst_k,
             "allowed_backends": sorted(self.allowed_backends),
@@ -78,8 +85,9 @@ def _silent(x: Any) -> Any:
                    "RL_KERNEL_* (forward them through Ray's runtime env: docs/vime.md)", check=x.check, path=x.path)
 
 
-def validate_run(path: str | os.PathLike[str], options: Options | None = None) -> Report:
-    """Check the run directory at ``path``; never writes anything."""
+def validate_run(path: str | os.PathLike[str], options: Options | None = None, *, locked: bool = False) -> Report:
+    """Check the run directory at ``path``; never writes anything. Waits up to a few seconds for a sealer holding
+    the run directory's lock (``locked``: the caller holds it)."""
     opts = options or Options()
     run_dir = os.path.abspath(os.fspath(path))
     report = Report(run_dir=run_dir, options=opts.to_json())
@@ -88,6 +96,17 @@ def validate_run(path: str | os.PathLike[str], options: Options | None = None) -
         report.unusable = True
         report.findings.append(finding("INPUT_UNUSABLE", why, check="run"))
         return report
+    if locked:
+        _validate(run_dir, opts, report)
+        return report
+    with run_dir_lock(run_dir, SEAL_WAIT_S, shared=True) as busy:
+        if busy:
+            report.findings.append(finding("RUN_DIR_BUSY", f"{busy}; this check read it as it was", check="run"))
+        _validate(run_dir, opts, report)
+    return report
+
+
+def _validate(run_dir: str, opts: Options, report: Report) -> None:
     root = Root(run_dir, opts.caps, check="run")
     f = report.findings
 
@@ -113,8 +132,50 @@ def validate_run(path: str | os.PathLike[str], options: Options | None = None) -
     )
     f.extend(bf)
     report.bitwise, report.drift = bitwise, drift
-    f.extend(check_metrics(root, info["rounds"], bitwise))
+    mfind, rows = check_metrics(root, info["rounds"], bitwise)
+    f.extend(mfind)
     f.extend(check_bitwise_file(root, info["plan"], bitwise, info["rounds"]))
+    f.extend(_informative(bitwise, report.require_exact, opts.min_informative_fraction))
+    f.extend(_static_weights(rows, bitwise, info, report.require_exact))
+    f.extend(digest_tree(root))
     report.inputs = dict(sorted(root.digests.items()))
-    check_complete(root, report)
-    return report
+    check_complete(root, report, opts.verify_key)
+
+
+def _informative(bitwise: dict[str, Any] | None, require_exact: bool, bound: float) -> list[Any]:
+    """Rounds whose compared tokens are mostly saturated (rollout log-prob >= -1e-3): their equal bits prove little."""
+    if not bitwise:
+        return []
+    low = [r for r in bitwise["rounds"] if r["element_count"] and r["informative_fraction"] < bound]
+    if not low:
+        return []
+    shown = ", ".join(f"round {r['round']}: {r['informative_count']} of {r['element_count']} "
+                      f"({100 * r['informative_fraction']:.1f}%)" for r in low[:6]) + (" ..." if len(low) > 6 else "")
+    return [finding("INFORMATIVE_FRACTION_LOW", f"informative tokens (rollout log-prob < {INFORMATIVE_LOGP:g}) below "
+                    f"{100 * bound:g}% of the compared ones in {len(low)} round(s): {shown}; the policy has saturated, "
+                    "so bitwise equality over those rounds proves little", check="bitwise", path="train-data",
+                    severity=None if require_exact else "warning", rounds=[r["round"] for r in low])]
+
+
+def _static_weights(rows: dict[int, dict[str, Any]], bitwise: dict[str, Any] | None, info: dict[str, Any],
+                    require_exact: bool) -> list[Any]:
+    """A run of several rounds whose weights never changed between them (metrics say so, or no sequence had a
+    non-zero advantage): its claim over rounds is about one fixed model."""
+    n = info["rounds"]
+    if not n or n < 2:
+        return []
+    updates = [row.get("weights_changed") for r, row in rows.items() if r < n - 1]  # bounded by the file
+    why = None
+    if len(updates) == n - 1 and all(u is False for u in updates):
+        why = f"metrics.jsonl says no update of the {n - 1} between rounds changed the weights"
+    rounds = (bitwise or {}).get("rounds") or []
+    if why is None and len(rounds) == n and all(r.get("advantages_all_zero") for r in rounds):
+        why = "every advantage of every round is 0: no update had a learning signal"
+    if why is None:
+        return []
+    if info.get("static_weights"):
+        return [finding("WEIGHTS_STATIC", f"{why}; the run asked for static weights (config.static_weights)",
+                        check="run", path="metrics.jsonl", severity="info")]
+    return [finding("WEIGHTS_STATIC", f"{why}: a bitwise claim over rounds then holds for one fixed model "
+                    "(e.g. --samples-per-prompt 1 makes every GRPO advantage 0)", check="run", path="metrics.jsonl",
+                    severity=None if require_exact else "warning")]

@@ -18,9 +18,11 @@ records no compiled call sites.
 from __future__ import annotations
 
 import atexit
+import multiprocessing.util
 import os
 import re
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -301,15 +303,74 @@ def _flush_at_exit() -> None:
         rt.flush()
 
 
+#: how often a process's flusher thread writes its readback when its counts changed since the last write
+FLUSH_EVERY_S = 2.0
 _AT_EXIT = False
+_FLUSHER_PID = -1
+
+
+class _Holder:
+    """What ``multiprocessing.util.register_after_fork`` keys its callback on (it needs an object)."""
+
+
+_HOLDER = _Holder()
+
+
+def _flusher() -> None:
+    """Daemon thread: write the readback when what it records changed (a dict walk every FLUSH_EVERY_S; nothing on
+    the hook path), so a process that ends without running an exit hook still leaves what it ran."""
+    import json
+    import logging
+
+    last = None
+    while True:
+        time.sleep(FLUSH_EVERY_S)
+        rt = _RUNTIME
+        if rt is None or rt._recorder is None or rt._pid != os.getpid():
+            continue
+        try:
+            doc = rt._recorder.to_dict()
+            now = json.dumps([doc["modules"], doc["hooks"]], sort_keys=True, default=str)
+            if now != last:
+                rt.flush()
+                last = now
+        except Exception as exc:  # never take the process down; say it once per kind
+            logging.getLogger("rlk.vllm").warning("rlk: periodic readback flush failed: %s: %s",
+                                                  type(exc).__name__, exc)
+
+
+def _arm_process() -> None:
+    """This process's exit flush and flusher thread: a ``multiprocessing`` finalizer (vLLM's engine core and its
+    workers are multiprocessing children, which end in ``os._exit`` after the finalizers and never run ``atexit``)
+    and the thread. Once per process."""
+    global _FLUSHER_PID
+    if _FLUSHER_PID == os.getpid():
+        return
+    _FLUSHER_PID = os.getpid()
+    multiprocessing.util.Finalize(_HOLDER, _flush_at_exit, exitpriority=100)
+    threading.Thread(target=_flusher, name="rlk-readback-flusher", daemon=True).start()
 
 
 def flush_at_exit() -> None:
-    """Flush this process's readback when it exits (registered once, by ``register()``)."""
+    """Flush this process's readback whenever and however it ends, whatever the process layout (registered once,
+    by ``register()``): ``atexit`` (an interpreter that exits), a multiprocessing finalizer (vLLM's
+    ``VLLM_ENABLE_V1_MULTIPROCESSING=1`` engine core and executor workers), and a flusher thread writing changed
+    counts every :data:`FLUSH_EVERY_S` seconds (a process killed before either). A forked child arms its own (a
+    fork copies no thread, and multiprocessing clears the finalizers a child inherits); a spawned one runs
+    ``register()`` itself."""
     global _AT_EXIT
-    if not _AT_EXIT:
-        atexit.register(_flush_at_exit)
-        _AT_EXIT = True
+    if _AT_EXIT:
+        return
+    _AT_EXIT = True
+    atexit.register(_flush_at_exit)
+    _arm_process()
+    os.register_at_fork(after_in_child=_arm_process)  # any fork (threads do not survive one)
+    multiprocessing.util.register_after_fork(_HOLDER, lambda _: _arm_process_again())  # after mp's clear
+
+
+def _arm_process_again() -> None:
+    """A multiprocessing child: after it cleared the finalizers it inherited, register this process's again."""
+    multiprocessing.util.Finalize(_HOLDER, _flush_at_exit, exitpriority=100)
 
 
 def patch(cls: type, attr: str, make) -> bool:

@@ -22,6 +22,7 @@ import sys
 import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -59,6 +60,8 @@ class FrameworksRunConfig(LocalRunConfig):
                                  f"--top-p 1 and --top-k 0 (got {self.top_p}, {self.top_k})")
         if not self.device.startswith("cuda"):
             raise RlkConfigError(f"--engine frameworks runs on cuda, not {self.device!r}")
+        if self.static_weights:
+            raise RlkConfigError("--static-weights is an option of the local engine")
         if self.dtype != "bfloat16":
             raise RlkConfigError(f"--engine frameworks runs bfloat16 (vLLM and Megatron), not {self.dtype}")
 
@@ -117,16 +120,19 @@ def _init_world(cfg: FrameworksRunConfig) -> tuple[int, int, torch.device]:
     return dist.get_rank(), dist.get_world_size(), device
 
 
-def _shared_run_dir(output, run_name: str | None, rank: int) -> tuple[str, Path]:
+def _shared_run(output, run_name: str | None, rank: int, command: list[str]) -> runs.Run | SimpleNamespace:
+    """Rank 0 creates the run directory (:func:`rlk_repro.runs.begin_run`: lock, run.log); every rank learns its
+    id and path (the others get a plain namespace: they only add their readbacks to it)."""
     import torch.distributed as dist
 
+    run: runs.Run | SimpleNamespace | None = None
     box: list[Any] = [None, None]
     if rank == 0:
-        run_id, path = runs.create_run_dir(output, run_name)
-        box = [run_id, str(path)]
+        run = runs.begin_run(output, run_name, command)
+        box = [run.run_id, str(run.path)]
     if dist.get_world_size() > 1:
         dist.broadcast_object_list(box, src=0)
-    return box[0], Path(box[1])
+    return run if run is not None else SimpleNamespace(run_id=box[0], path=Path(box[1]))
 
 
 def _set_env(cfg: FrameworksRunConfig, run_id: str, run_dir: Path) -> None:
@@ -150,9 +156,9 @@ def run_frameworks(cfg: FrameworksRunConfig, output: str | os.PathLike[str],
         raise RlkConfigError(problem)
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast off (the device machines' rule)
     rank, world, device = _init_world(cfg)
-    run_id, run_dir = _shared_run_dir(output, run_name, rank)
-    handler = runs.open_run_log(run_dir) if rank == 0 else None
-    code = runs.EXIT_FAILED
+    run = _shared_run(output, run_name, rank, cfg.command)
+    run_id, run_dir = run.run_id, run.path
+    code, failure = runs.EXIT_FAILED, None
     scratch = Path(tempfile.mkdtemp(prefix="rlk-frameworks-"))
     try:
         _set_env(cfg, run_id, run_dir)
@@ -160,16 +166,13 @@ def run_frameworks(cfg: FrameworksRunConfig, output: str | os.PathLike[str],
         code = result.exit_code
         return result
     except BaseException as exc:
-        code = runs.exit_code_for(exc)
-        log.error("run %s: %s: %s", "interrupted" if code == runs.EXIT_INTERRUPTED else "failed",
-                  type(exc).__name__, exc)
+        code, failure = runs.exit_code_for(exc), exc
+        log.error("run %s: %s: %s", runs.ended_how(code), type(exc).__name__, exc)
         raise
     finally:
         _flush_readbacks()
-        if rank == 0:
-            runs.write_exit_code(run_dir, code)
-        if handler is not None:
-            runs.close_run_log(handler)
+        if isinstance(run, runs.Run):
+            runs.end_run(run, code, failure)
         shutil.rmtree(scratch, ignore_errors=True)
 
 
@@ -319,7 +322,8 @@ class _Run:
         changed = sync["changed"] > 0
         row = {
             **runs.round_metrics(rnd, cmp, rewards, res, roll.prompt_tokens + roll.generated, roll.generated,
-                                 roll.seconds, self.device, changed, len(comps)),
+                                 roll.seconds, self.device, changed, len(comps), [c.tokens for c in comps],
+                                 torch.cat(roll_lp), vocab_size=self.model_cfg.vocab_size),
             "weight_sync_seconds": sync["seconds"], "vllm_parameters_changed": sync["changed"],
             "eos_finished": sum(c.finish_reason == "stop" for c in comps),
             "triton_jit": self.watch.take(),  # this rank's JIT compiles per phase (round 0's "setup": start-up)

@@ -59,7 +59,8 @@ class LocalRunConfig:
     max_num_seqs: int = 6
     arrivals_per_step: int = 2
     optimizer: str = "adamw"
-    lr: float = 1e-3
+    lr: float = 1e-4  # a 10-round run stays non-degenerate (informative tokens, entropy: docs/local-engine.md)
+    static_weights: bool = False  # no update: the checkpoint's weights every round (asked for explicitly)
     readback_mode: str = "strict"
     threads: int | None = None  # torch intra-op threads for the run (None: leave torch's setting)
     require_exact: bool | None = None  # default: the plan is all R/R
@@ -141,25 +142,22 @@ def run_local(cfg: LocalRunConfig, output: str | os.PathLike[str], run_name: str
     cfg.validate()
     device = resolve_device(cfg.device)
     dtype = DTYPES[cfg.dtype]
-    run_id, run_dir = runs.create_run_dir(output, run_name)
-    handler = runs.open_run_log(run_dir)
-    code = runs.EXIT_FAILED
+    run = runs.begin_run(output, run_name, cfg.command)
+    code, failure = runs.EXIT_FAILED, None
     threads_before = torch.get_num_threads()
     if cfg.threads is not None:
         torch.set_num_threads(cfg.threads)
     try:
-        result = _run(cfg, run_id, run_dir, device, dtype)
+        result = _run(cfg, run.run_id, run.path, device, dtype)
         code = result.exit_code
         return result
     except BaseException as exc:  # the exit-code file says what the process will exit with, Ctrl-C included
-        code = runs.exit_code_for(exc)
-        log.error("run %s: %s: %s", "interrupted" if code == runs.EXIT_INTERRUPTED else "failed",
-                  type(exc).__name__, exc)
+        code, failure = runs.exit_code_for(exc), exc
+        log.error("run %s: %s: %s", runs.ended_how(code), type(exc).__name__, exc)
         raise
     finally:
         torch.set_num_threads(threads_before)
-        runs.write_exit_code(run_dir, code)
-        runs.close_run_log(handler)
+        runs.end_run(run, code, failure)
 
 
 @dataclass
@@ -221,7 +219,7 @@ def _start(cfg: LocalRunConfig, run_id: str, run_dir: Path, device: torch.device
                            page_size=cfg.page_size, chunk_size=cfg.chunk_size, max_num_seqs=cfg.max_num_seqs,
                            max_model_len=max_len, seed=cfg.seed)
     trainer = Trainer(model_cfg, weights, Ops(plan, "train", rec_train), device=device, dtype=dtype,
-                      temperature=cfg.temperature, optimizer=cfg.optimizer, lr=cfg.lr)
+                      temperature=cfg.temperature, optimizer=cfg.optimizer, lr=cfg.lr, update=not cfg.static_weights)
     return _Session(model_cfg, engine, trainer, (rec_train, rec_roll), prompts, encoded, ckpt_hash, max_len)
 
 
@@ -309,7 +307,9 @@ def _round(cfg: LocalRunConfig, ses: _Session, run_dir: Path, rnd: int, watch: J
     device = ses.trainer.device
     row = {
         **runs.round_metrics(rnd, cmp, rewards, res, stats.tokens, stats.generated, stats.seconds, device, changed,
-                             len(requests)),
+                             len(requests), [r.output for r in requests], torch.cat(roll),
+                             entropy_mean=statistics.fmean(h for r in requests for h in r.entropies),
+                             vocab_size=ses.model_cfg.vocab_size),
         "rollout_steps": stats.steps, "batch_composition_changes": stats.composition_changes,
         "max_batch": stats.max_batch, "chunked_prompts": stats.chunked_prompts,
         "decode_steps": stats.decode_calls, "prefill_steps": stats.prefill_calls,

@@ -34,6 +34,7 @@ class Request:
     arrival_step: int = 0
     output: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    entropies: list[float] = field(default_factory=list)  # of softmax(logits / T) where each token was sampled
     num_computed: int = 0  # tokens whose K/V are in the cache
     blocks: list[int] = field(default_factory=list)
     finish_reason: str | None = None
@@ -265,11 +266,20 @@ class RolloutEngine:
         for temp in sorted({r.params.temperature for r in ready}):
             sel = torch.tensor([i for i, r in enumerate(ready) if r.params.temperature == temp], device=dev)
             logp[sel] = ops.token_logprobs(logits[sel], target[sel], temp)
-        for r, tok, lp in zip(ready, tokens, logp.tolist(), strict=True):
+        ent = entropy(logits, [r.params.temperature for r in ready])  # evidence only: never feeds a log-prob
+        for r, tok, (lp, h) in zip(ready, tokens, torch.stack([logp, ent], 1).tolist(), strict=True):
             r.output.append(tok)
             r.logprobs.append(lp)
+            r.entropies.append(h)
         stats.generated += len(ready)
         return ready
+
+
+def entropy(logits: torch.Tensor, temperatures: list[float]) -> torch.Tensor:
+    """Entropy (nats, fp32) of ``softmax(logits / T)`` per row: how peaked the distribution sampled from was."""
+    temp = torch.tensor(temperatures, device=logits.device, dtype=torch.float32)
+    lsm = torch.log_softmax(logits.float() / temp[:, None], dim=-1)
+    return -(lsm.exp() * lsm).sum(-1)
 
 
 def _int_dtype(dtype: torch.dtype) -> torch.dtype:

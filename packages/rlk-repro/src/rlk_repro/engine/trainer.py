@@ -52,11 +52,13 @@ def make_optimizer(params: list[torch.Tensor], optimizer: str, lr: float, foreac
 
 class Trainer:
     def __init__(self, cfg: Qwen3Config, weights: Weights, ops: Ops, *, device: torch.device, dtype: torch.dtype,
-                 temperature: float, optimizer: str = "adamw", lr: float = 1e-3, clip_eps: float = 0.2) -> None:
+                 temperature: float, optimizer: str = "adamw", lr: float = 1e-3, clip_eps: float = 0.2,
+                 update: bool = True) -> None:
         if ops.side != "train":
             raise RlkConfigError(f"the trainer needs train-side ops, got {ops.side!r}")
         self.cfg, self.ops, self.device, self.dtype = cfg, ops, device, dtype
         self.temperature, self.clip_eps = temperature, clip_eps
+        self.update = update  # False: a static-weights run (the loss and gradients are computed, never applied)
         self.master = {k: v.detach().to(device=device, dtype=torch.float32).clone().requires_grad_(True)
                        for k, v in weights.items()}
         self.opt = make_optimizer([self.master[k] for k in sorted(self.master)], optimizer, lr)
@@ -110,7 +112,8 @@ class Trainer:
         loss.backward()
         grads = [p.grad for p in self.master.values() if p.grad is not None]
         grad_norm = float(torch.sqrt(sum((g.double() ** 2).sum() for g in grads))) if grads else 0.0
-        self.opt.step()
+        if self.update:
+            self.opt.step()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         per_sample = list(old.split([len(s.response) for s in samples]))

@@ -2,7 +2,10 @@
 
 Presets ``tiny`` and ``small`` are random-weight models for CPU runs and tests (byte-level vocabulary
 plus a few specials); ``qwen3-0.6b`` has the shape of Qwen/Qwen3-0.6B (random weights unless a
-checkpoint directory is given).
+checkpoint directory is given). Random weights get a realistic logit scale (:data:`RANDOM_LOGIT_STD`): the
+next-token distributions are peaked, their entropy well below ``log V`` (tiny: ~1.8 of 5.8 nats; the
+0.6B shape: ~5 of 11.9), as a trained model's are; with the plain initialisation they were nearly uniform
+(11.7 of 11.9 nats), where a sampler or temperature error hardly shows (issue 41).
 """
 
 from __future__ import annotations
@@ -174,6 +177,10 @@ def rope_theta_of(data: dict[str, Any]) -> float:
         raise RlkConfigError(f"config.json gives different RoPE thetas: {thetas}")
     return next(iter(thetas.values()), _ROPE_THETA_DEFAULT)
 
+
+#: the standard deviation of a random-weight model's logits (before the temperature): the final norm's gain is set
+#: so that logits = gain * unit-RMS hidden @ LM head reach it (:func:`rlk_repro.model.weights.random_weights`)
+RANDOM_LOGIT_STD = 4.0
 
 PRESETS: dict[str, Qwen3Config] = {
     # 2 layers, GQA 4/2, head dim 16: a CPU run of a few rounds takes seconds.

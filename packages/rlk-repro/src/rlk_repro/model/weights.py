@@ -31,7 +31,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from rlk_core.errors import RlkConfigError
-from rlk_repro.model.config import Qwen3Config
+from rlk_repro.model.config import RANDOM_LOGIT_STD, Qwen3Config
 
 Weights = dict[str, torch.Tensor]
 
@@ -54,16 +54,20 @@ def expected_shapes(cfg: Qwen3Config) -> dict[str, tuple[int, ...]]:
 def random_weights(cfg: Qwen3Config, seed: int, dtype: torch.dtype = torch.float32) -> Weights:
     """A deterministic random checkpoint (CPU generator, so the same seed gives the same bits everywhere).
 
-    Projections ~ N(0, 0.02^2); the LM head ~ N(0, (0.5/sqrt(H))^2) so next-token distributions are
-    neither uniform nor one-hot; norm weights 1.
+    Projections ~ N(0, 0.02^2); the LM head ~ N(0, (0.5/sqrt(H))^2) (tied: the embedding's 0.02); norm weights 1,
+    except the final norm's gain, which gives the logits the standard deviation
+    :data:`~rlk_repro.model.config.RANDOM_LOGIT_STD`: peaked next-token distributions, neither near-uniform
+    nor one-hot.
     """
     g = torch.Generator().manual_seed(int(seed))
     out: Weights = {}
+    head_std = 0.02 if cfg.tie_word_embeddings else 0.5 / cfg.hidden_size**0.5
     for name, shape in expected_shapes(cfg).items():
         if len(shape) == 1:
-            t = torch.ones(shape)
+            gain = RANDOM_LOGIT_STD / (head_std * cfg.hidden_size**0.5) if name == "norm" else 1.0
+            t = torch.full(shape, gain)
         else:
-            std = 0.5 / cfg.hidden_size**0.5 if name == "lm_head" else 0.02
+            std = head_std if name == "lm_head" else 0.02
             t = torch.randn(shape, generator=g) * std
         out[name] = t.to(dtype)
     return out
