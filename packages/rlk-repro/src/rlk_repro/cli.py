@@ -24,6 +24,7 @@ from collections.abc import Sequence
 
 from rlk_core.errors import RlkConfigError, RlkError
 from rlk_repro._args import positive_int
+from rlk_repro.progress import Progress
 
 EXIT_OK, EXIT_MISMATCH, EXIT_USAGE, EXIT_FAILED, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
 
@@ -243,13 +244,13 @@ def _cmd_run(a: argparse.Namespace, argv: Sequence[str]) -> int:
     if _frameworks(a):
         from rlk_repro.engine.frameworks import run_frameworks
 
-        result = run_frameworks(cfg, a.output, a.run_name)
+        result = run_frameworks(cfg, a.output, a.run_name, Progress())
         if int(os.environ.get("RANK", "0")) != 0:  # rank 0 reports; the others only exit with its verdict
             return result.exit_code
     else:
         if a.run_name is not None:
             raise RlkConfigError("--run-name is internal to `rlk-repro matrix --engine frameworks`")
-        result = run_local(cfg, a.output)
+        result = run_local(cfg, a.output, progress=Progress())
     from rlk_repro.runs import summary_table
 
     print(summary_table(result.rounds, result.bitwise))
@@ -319,7 +320,7 @@ def _cmd_matrix(a: argparse.Namespace, argv: Sequence[str]) -> int:
             print(f"  {cell:16s} was interrupted; its files moved to {kept.name}", file=sys.stderr)
         try:
             result = (_frameworks_cell(a, configs[cell], root, cell) if _frameworks(a)
-                      else run_local(configs[cell], root, run_name=cell))
+                      else run_local(configs[cell], root, run_name=cell, progress=Progress()))
         except Exception as exc:  # one cell failing does not lose the others; validation reports it
             failed.append(cell)
             print(f"  {cell:16s} FAILED to run: {type(exc).__name__}: {exc}", file=sys.stderr)
@@ -393,7 +394,7 @@ def _cmd_doctor(a: argparse.Namespace) -> int:
     device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
     resolved = _resolve(a, all_variables=False)
     plan = resolved.plan
-    checks = diagnose(device, plan, selfcheck=a.selfcheck)
+    checks = diagnose(device, plan, selfcheck=a.selfcheck, progress=Progress().callback())
     print(f"rlk-repro doctor: device {device}, plan "
           + ", ".join(f"{m} {c['case']} ({c['source']})" for m, c in resolved.as_dict().items()))
     print(format_checks(checks))

@@ -33,7 +33,9 @@ def _version(module: str) -> str | None:
         return f"import failed: {type(exc).__name__}: {exc}"
 
 
-def diagnose(device: str, plan, selfcheck: bool = False) -> list[Check]:
+def diagnose(device: str, plan, selfcheck: bool = False, progress=None) -> list[Check]:
+    """The checks, in order; ``progress(line)`` (e.g. :meth:`rlk_repro.progress.Progress.callback`) is told
+    each self-check as it runs."""
     import torch
 
     from rlk_core import envs, routes
@@ -94,7 +96,7 @@ def diagnose(device: str, plan, selfcheck: bool = False) -> list[Check]:
     if selfcheck:
         from rlk_core.selfcheck import run as run_selfcheck
 
-        rep = run_selfcheck(dev.type)
+        rep = run_selfcheck(dev.type, progress=progress)
         failed = [f"{r['op']}.{k}" for r in rep["ops"] for k, c in r["checks"].items() if not c["passed"]]
         total = sum(len(r["checks"]) for r in rep["ops"])
         detail = f"{total - len(failed)}/{total} contract checks passed on {dev.type}"

@@ -1,7 +1,8 @@
 """The local experiment: N rounds of rollout -> train recompute -> compare -> update -> weight sync.
 
 :func:`run_local` writes the whole run directory (``docs/evidence.md``) and returns a
-:class:`LocalRunResult`; it never prints (the CLI does). Readbacks come from two recorders of
+:class:`LocalRunResult`; what it shows goes through :class:`rlk_repro.progress.Progress` (the run
+directory first, then one line per round; the CLI prints the summary). Readbacks come from two recorders of
 framework ``local``: the trainer's (side ``train``) and the rollout engine's (side ``rollout``).
 """
 
@@ -31,6 +32,7 @@ from rlk_repro.jitwatch import counts as jit_counts
 from rlk_repro.model.config import PRESETS, Qwen3Config
 from rlk_repro.model.ops import Ops
 from rlk_repro.model.weights import load_checkpoint, random_weights, weights_sha256
+from rlk_repro.progress import Progress
 from rlk_validate import evidence
 
 log = logging.getLogger("rlk_repro")
@@ -129,26 +131,23 @@ def load_model(cfg: LocalRunConfig) -> tuple[Qwen3Config, dict[str, torch.Tensor
     return model_cfg, weights, weights_sha256(weights)
 
 
-def _progress(total: int, desc: str, leave: bool = False):
-    from tqdm import tqdm
-
-    return tqdm(total=total, desc=desc, leave=leave, disable=None, unit="tok", dynamic_ncols=True)
-
-
-def run_local(cfg: LocalRunConfig, output: str | os.PathLike[str], run_name: str | None = None) -> LocalRunResult:
+def run_local(cfg: LocalRunConfig, output: str | os.PathLike[str], run_name: str | None = None,
+              progress: Progress | None = None) -> LocalRunResult:
     """Create a run directory under ``output`` (named ``run_name``, e.g. a matrix cell, or by its run id)
-    and run the experiment into it."""
+    and run the experiment into it; ``progress`` shows the run directory first, then one line per round."""
     cfg.validate()
     device = resolve_device(cfg.device)
     dtype = DTYPES[cfg.dtype]
+    progress = progress or Progress(enabled=False)
     run_id, run_dir = runs.create_run_dir(output, run_name)
+    progress.note(f"run directory {run_dir}")
     handler = runs.open_run_log(run_dir)
     code = runs.EXIT_FAILED
     threads_before = torch.get_num_threads()
     if cfg.threads is not None:
         torch.set_num_threads(cfg.threads)
     try:
-        result = _run(cfg, run_id, run_dir, device, dtype)
+        result = _run(cfg, run_id, run_dir, device, dtype, progress)
         code = result.exit_code
         return result
     except BaseException as exc:  # the exit-code file says what the process will exit with, Ctrl-C included
@@ -176,7 +175,8 @@ class _Session:
     max_len: int
 
 
-def _run(cfg: LocalRunConfig, run_id: str, run_dir: Path, device: torch.device, dtype: torch.dtype) -> LocalRunResult:
+def _run(cfg: LocalRunConfig, run_id: str, run_dir: Path, device: torch.device, dtype: torch.dtype,
+         progress: Progress) -> LocalRunResult:
     log.info("run %s: engine local, mode %s, plan %s, device %s, dtype %s", run_id, cfg.mode, cfg.plan.as_dict(),
              device, cfg.dtype)
     torch.manual_seed(cfg.seed)
@@ -186,10 +186,12 @@ def _run(cfg: LocalRunConfig, run_id: str, run_dir: Path, device: torch.device, 
         runs.write_json_atomic(run_dir / "manifest.json", _manifest(cfg, run_id, ses, device))
         rounds: list[dict[str, Any]] = []
         all_changed = True
+        clock = progress.rounds(cfg.rounds)
         for rnd in range(cfg.rounds):
-            row = _round(cfg, ses, run_dir, rnd, watch)
+            row = _round(cfg, ses, run_dir, rnd, watch, progress)
             all_changed &= row["weights_changed"]
             rounds.append(row)
+            clock.done(rnd, row)
             for rec in ses.recorders:
                 rec.flush()
         return _finish(cfg, ses, run_id, run_dir, rounds, all_changed)
@@ -280,25 +282,24 @@ def step_summary(seconds: list[float], tokens: list[int], slowest: int = 5,
     return out
 
 
-def _round(cfg: LocalRunConfig, ses: _Session, run_dir: Path, rnd: int, watch: JitWatch) -> dict[str, Any]:
+def _round(cfg: LocalRunConfig, ses: _Session, run_dir: Path, rnd: int, watch: JitWatch,
+           progress: Progress) -> dict[str, Any]:
     """One round: rollout, rewards, the train recompute + update, the comparison, the weight sync; writes the
     round's train-data and metrics line (with the Triton compiles of each phase: ``watch``) and returns its
     summary row."""
     n = cfg.samples_per_prompt
     chosen, requests = _requests(cfg, ses, rnd)
-    bar = _progress(sum(r.params.max_new_tokens for r in requests), f"round {rnd} rollout")
-    with watch.phase("rollout"):
+    with progress.counter(sum(r.params.max_new_tokens for r in requests), f"round {rnd + 1} rollout") as bar, \
+            watch.phase("rollout"):
         stats = ses.engine.generate(requests, on_token=bar.update)
-    bar.close()
 
     rewards = [reward(r.output, ses.prompts[chosen[i // n]].answer) for i, r in enumerate(requests)]
     adv = group_advantages(rewards, n)
     samples = [Sample(r.prompt, r.output, r.logprobs, a) for r, a in zip(requests, adv, strict=True)]
-    bar = _progress(sum(len(r.prompt) + len(r.output) - 1 for r in requests), f"round {rnd} train")
-    with watch.phase("train"):
+    with progress.counter(sum(len(r.prompt) + len(r.output) - 1 for r in requests), f"round {rnd + 1} train") as bar, \
+            watch.phase("train"):
+        bar.update(0)  # shown while the step runs
         res = ses.trainer.step(samples)
-    bar.update(res.tokens)
-    bar.close()
 
     roll = [torch.tensor(r.logprobs, dtype=torch.float32) for r in requests]
     cmp = runs.compare(torch.cat(roll), torch.cat([t.cpu() for t in res.train_logprobs]))
