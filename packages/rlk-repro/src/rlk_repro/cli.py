@@ -85,6 +85,9 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Device, Triton, environment variables, the backend each op would run, "
                        "rlk-validate and plotting; --selfcheck adds the op contract checks on the device.")
     d.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda when available)")
+    d.add_argument("--engine", choices=("local", "frameworks", "vime"), default="local",
+                   help="the engine to check for: frameworks / vime require vLLM, megatron-core and the plugin in "
+                   "their supported ranges (FAIL otherwise); local reports them (default local)")
     _plan_options(d)
     d.add_argument("--selfcheck", action="store_true",
                    help="also run rlk-selfcheck's contract checks on the device (about 10 s on a 2-core CPU)")
@@ -394,7 +397,7 @@ def _cmd_doctor(a: argparse.Namespace) -> int:
     device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
     resolved = _resolve(a, all_variables=False)
     plan = resolved.plan
-    checks = diagnose(device, plan, selfcheck=a.selfcheck, progress=Progress().callback())
+    checks = diagnose(device, plan, selfcheck=a.selfcheck, progress=Progress().callback(), engine=a.engine)
     print(f"rlk-repro doctor: device {device}, plan "
           + ", ".join(f"{m} {c['case']} ({c['source']})" for m, c in resolved.as_dict().items()))
     print(format_checks(checks))
