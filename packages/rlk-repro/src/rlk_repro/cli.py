@@ -347,10 +347,12 @@ def _cmd_plan(a: argparse.Namespace, argv: Sequence[str]) -> int:
     resolved = _resolve(a)
     cfg = _config(a, argv, resolved)
     plan = resolved.plan
-    config = {k: v for k, v in asdict(cfg).items() if k not in ("plan", "command", "plan_sources")}
+    # one name, as in the manifest and the bitwise file: require_exact, resolved (the config's own field is
+    # None where the plan decides; printing both said two different things)
+    config = {k: v for k, v in asdict(cfg).items() if k not in ("plan", "command", "plan_sources", "require_exact")}
     print(json.dumps({"engine": a.engine, "mode": cfg.mode, "plan": plan.as_dict(), "routes": resolved.as_dict(),
                       "readback_mode": {"mode": cfg.readback_mode, "source": cfg.readback_mode_source},
-                      "env": plan.env(), "exact_required": cfg.exact_required, "config": config}, indent=2))
+                      "env": plan.env(), "require_exact": cfg.exact_required, "config": config}, indent=2))
     return EXIT_OK
 
 
