@@ -44,6 +44,8 @@ def test_build_wheels_on_a_clean_machine(clean_python: str, tmp_path: Path) -> N
     assert core.name.endswith("-py3-none-any.whl")
     names = zipfile.ZipFile(core).namelist()
     assert "rlk_core/ops/__init__.py" in names and not any(n.startswith("rlk_core/_C") for n in names)
+    repro = zipfile.ZipFile(next(out.glob("rlk_repro-*.whl"))).namelist()
+    assert "rlk_repro/data/vime-train-flags.txt" in repro  # plan --engine vime checks its flags against it
     # it says that this rlk-core has no compiled ops, and why
     assert re.search(r"rlk_core-.*: pure Python, WITHOUT rlk\.cuda \(.*has no torch\)", proc.stdout), proc.stdout
 

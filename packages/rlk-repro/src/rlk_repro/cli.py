@@ -453,16 +453,16 @@ def _vime(argv: list[str]) -> int:
         print("rlk-repro run: --engine vime runs on your cluster: launch it with the command "
               "`rlk-repro plan --engine vime ...` prints (docs/vime.md)", file=sys.stderr)
         return EXIT_USAGE
-    from rlk_repro import vime
+    from rlk_repro import vime_cli
 
-    p = _Parser(prog="rlk-repro plan --engine vime", description="Print the launch of a VIME/slime cluster run "
-                "with rlk's routes: a bash script for the Ray head node (or --json); nothing is run or written.")
+    p = _Parser(prog="rlk-repro plan --engine vime", description="Print the launch of a VIME cluster run with "
+                "rlk's routes: a bash script for the Ray head node (or --json); nothing is run or written.")
     p.add_argument("--engine", choices=("vime",), required=True, help="vime")
     _plan_options(p)
-    vime.add_options(p)
-    a = p.parse_args(argv[1:])
+    vime_cli.add_options(p)
+    a = vime_cli.parse(p, argv[1:])
     resolved = _resolve(a)
-    return vime.plan_main(a, argv, resolved, _readback_mode(a)[0])
+    return vime_cli.plan_main(a, argv, resolved, _readback_mode(a)[0])
 
 
 def _main(argv: list[str]) -> int:
