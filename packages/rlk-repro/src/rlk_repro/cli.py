@@ -61,7 +61,11 @@ def build_parser() -> argparse.ArgumentParser:
                    "real vLLM + real megatron-core with rlk's adapters on CUDA GPUs (docs/frameworks.md); vime: "
                    "launched on your cluster with the command `rlk-repro plan --engine vime` prints")
     _plan_options(r)
-    r.add_argument("--output", default="rlk-runs", help="directory under which the run directory is created (rlk-runs)")
+    r.add_argument("--output", default="rlk-runs", help="directory under which the run directory is created (rlk-runs; "
+                   "with --resume: beside the resumed run)")
+    r.add_argument("--resume", metavar="RUN_DIR", default=None,
+                   help="continue an interrupted local run in a new attempt directory beside it, from its last "
+                   "round state, with its recorded options (a conflicting option exits 2); RUN_DIR is not written")
     _experiment_options(r)
     pl = sub.add_parser("plan", help="print the resolved plan, environment and configuration of a run; runs nothing",
                         description="Resolve the options of `rlk-repro run` and print them as JSON (plan, the "
@@ -144,6 +148,9 @@ def _experiment_options(r: argparse.ArgumentParser) -> None:
     r.add_argument("--threads", type=positive_int, default=None,
                    help="torch CPU threads (default 1 on cpu: the small ops of a tiny model lose more to OpenMP "
                    "spinning than they gain, badly so on a shared machine; raise it for larger models)")
+    r.add_argument("--state-every", type=int, default=None, metavar="N",
+                   help="save the round state (weights, optimizer, KV free list) every N rounds so that `run --resume` "
+                   "can continue the run; 0 = never (default 1 for the local engine)")
     r.add_argument("--audit", action="store_true",
                    help="record fallbacks and route violations instead of failing (default: RL_KERNEL_MODE, "
                    "else strict)")
@@ -206,6 +213,11 @@ def _config(a: argparse.Namespace, argv: Sequence[str], resolved):
     top_p = a.top_p if a.top_p is not None else (1.0 if frameworks else 0.95)
     mode, mode_source = _readback_mode(a)
     extra = {k: getattr(a, k) for k in FRAMEWORKS_ONLY} if frameworks else {}
+    if frameworks and getattr(a, "state_every", None):
+        raise RlkConfigError("--state-every: the frameworks engine saves no round state (run --resume continues "
+                             "local-engine runs)")
+    state_every = getattr(a, "state_every", None)
+    state_every = (0 if frameworks else 1) if state_every is None else state_every
     if not frameworks:
         given = [k for k in FRAMEWORKS_ONLY if getattr(a, k, None) != _DEFAULTS.get(k)]
         if given:
@@ -217,7 +229,7 @@ def _config(a: argparse.Namespace, argv: Sequence[str], resolved):
         max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_p=top_p, top_k=a.top_k,
         chunk_size=a.chunk_size, page_size=a.page_size, max_num_seqs=a.max_num_seqs, optimizer=a.optimizer,
         lr=a.lr, readback_mode=mode, command=["rlk-repro", *argv],
-        threads=a.threads or (1 if device == "cpu" else None), **extra,
+        threads=a.threads or (1 if device == "cpu" else None), state_every=state_every, **extra,
     )
     SamplingParams(a.temperature, top_p, a.top_k, a.max_new_tokens)  # argument errors before any work
     cfg.validate()
@@ -234,9 +246,52 @@ def _needs(a: argparse.Namespace) -> None:
         raise RlkConfigError(problem)
 
 
+def _resumed(a: argparse.Namespace, argv: Sequence[str]):
+    """``run --resume RUN_DIR``: the parent and the run's recorded configuration; an option given here that
+    differs from the recorded one exits 2 naming both."""
+    from dataclasses import replace
+
+    from rlk_core import envs
+    from rlk_repro.engine.local import LocalRunConfig
+    from rlk_repro.resume import read_parent, recorded_config
+
+    envs.snapshot()
+    if _frameworks(a):
+        raise RlkConfigError("--resume continues local-engine runs (the frameworks engine saves no round state yet)")
+    parent = read_parent(a.resume)
+    cfg = LocalRunConfig(**recorded_config(parent, LocalRunConfig), command=["rlk-repro", *argv])
+    defaults = build_parser().parse_args(["run"])
+    conflicts = []
+    for key, value in vars(a).items():
+        if key in ("resume", "output", "command", "engine", "debug") or value == getattr(defaults, key, value):
+            continue
+        if key in ("mode", "attention_case", "ffn_case", "logp_case"):
+            wanted = _resolve(a, all_variables=False).plan.as_dict()
+            if wanted != cfg.plan.as_dict():
+                conflicts.append(f"--{key.replace('_', '-')} gives plan {wanted}, the run has {cfg.plan.as_dict()}")
+        elif key == "audit":
+            if cfg.readback_mode != "audit":
+                conflicts.append(f"--audit: the run is {cfg.readback_mode}")
+        elif not hasattr(cfg, key):
+            conflicts.append(f"--{key.replace('_', '-')} is not an option of a local run")
+        elif getattr(cfg, key) != value:
+            conflicts.append(f"--{key.replace('_', '-')} {value} differs from the recorded {getattr(cfg, key)}")
+    if conflicts:
+        raise RlkConfigError(f"--resume takes the run's recorded options: {'; '.join(conflicts)}")
+    cfg.validate()
+    return parent, replace(cfg)
+
+
 def _cmd_run(a: argparse.Namespace, argv: Sequence[str]) -> int:
     from rlk_repro.engine.local import run_local
 
+    if a.resume is not None:
+        parent, cfg = _resumed(a, argv)
+        output = a.output if "--output" in argv or any(x.startswith("--output=") for x in argv) else parent.path.parent
+        print(f"rlk-repro: resuming {parent.path} (run {parent.manifest.get('run_id')}) at round "
+              f"{parent.next_round + 1} of {cfg.rounds}, mode {cfg.mode}, plan {cfg.plan.as_dict()}", file=sys.stderr)
+        result = run_local(cfg, output, progress=Progress(), resume=parent)
+        return _report_run(cfg, result)
     resolved = _resolve(a)
     cfg = _config(a, argv, resolved)
     plan = resolved.plan
@@ -254,6 +309,10 @@ def _cmd_run(a: argparse.Namespace, argv: Sequence[str]) -> int:
         if a.run_name is not None:
             raise RlkConfigError("--run-name is internal to `rlk-repro matrix --engine frameworks`")
         result = run_local(cfg, a.output, progress=Progress())
+    return _report_run(cfg, result)
+
+
+def _report_run(cfg, result) -> int:
     from rlk_repro.runs import summary_table
 
     print(summary_table(result.rounds, result.bitwise))

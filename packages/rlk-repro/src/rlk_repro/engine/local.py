@@ -33,6 +33,7 @@ from rlk_repro.model.config import PRESETS, Qwen3Config
 from rlk_repro.model.ops import Ops
 from rlk_repro.model.weights import load_checkpoint, random_weights, weights_sha256
 from rlk_repro.progress import Progress
+from rlk_repro.resume import Parent, inherit, save_state
 from rlk_validate import evidence
 
 log = logging.getLogger("rlk_repro")
@@ -65,6 +66,7 @@ class LocalRunConfig:
     readback_mode: str = "strict"
     threads: int | None = None  # torch intra-op threads for the run (None: leave torch's setting)
     require_exact: bool | None = None  # default: the plan is all R/R
+    state_every: int = 1  # save the round state (rlk_repro.resume) every N rounds; 0 = never
     command: list[str] = field(default_factory=lambda: list(sys.argv))
 
     def validate(self) -> None:
@@ -80,6 +82,8 @@ class LocalRunConfig:
             Qwen3Config.from_dir(self.checkpoint)  # a readable config.json, before any run directory exists
         if self.lr <= 0:
             raise RlkConfigError(f"lr must be > 0, got {self.lr}")
+        if self.state_every < 0:
+            raise RlkConfigError(f"state-every must be >= 0 (0 = never), got {self.state_every}")
         if self.threads is not None and self.threads < 1:
             raise RlkConfigError(f"threads must be >= 1, got {self.threads}")
         if self.readback_mode not in ("strict", "audit"):
@@ -132,9 +136,10 @@ def load_model(cfg: LocalRunConfig) -> tuple[Qwen3Config, dict[str, torch.Tensor
 
 
 def run_local(cfg: LocalRunConfig, output: str | os.PathLike[str], run_name: str | None = None,
-              progress: Progress | None = None) -> LocalRunResult:
+              progress: Progress | None = None, resume: Parent | None = None) -> LocalRunResult:
     """Create a run directory under ``output`` (named ``run_name``, e.g. a matrix cell, or by its run id)
-    and run the experiment into it; ``progress`` shows the run directory first, then one line per round."""
+    and run the experiment into it; ``progress`` shows the run directory first, then one line per round.
+    ``resume``: the interrupted run this new attempt continues (:mod:`rlk_repro.resume`)."""
     cfg.validate()
     device = resolve_device(cfg.device)
     dtype = DTYPES[cfg.dtype]
@@ -147,7 +152,7 @@ def run_local(cfg: LocalRunConfig, output: str | os.PathLike[str], run_name: str
     if cfg.threads is not None:
         torch.set_num_threads(cfg.threads)
     try:
-        result = _run(cfg, run_id, run_dir, device, dtype, progress)
+        result = _run(cfg, run_id, run_dir, device, dtype, progress, resume)
         code = result.exit_code
         return result
     except BaseException as exc:  # the exit-code file says what the process will exit with, Ctrl-C included
@@ -176,21 +181,28 @@ class _Session:
 
 
 def _run(cfg: LocalRunConfig, run_id: str, run_dir: Path, device: torch.device, dtype: torch.dtype,
-         progress: Progress) -> LocalRunResult:
+         progress: Progress, resume: Parent | None = None) -> LocalRunResult:
     log.info("run %s: engine local, mode %s, plan %s, device %s, dtype %s", run_id, cfg.mode, cfg.plan.as_dict(),
              device, cfg.dtype)
     torch.manual_seed(cfg.seed)
     watch = JitWatch()
     try:
-        ses = _start(cfg, run_id, run_dir, device, dtype)
-        runs.write_json_atomic(run_dir / "manifest.json", _manifest(cfg, run_id, ses, device))
-        rounds: list[dict[str, Any]] = []
-        all_changed = True
-        clock = progress.rounds(cfg.rounds)
-        for rnd in range(cfg.rounds):
+        ses = _start(cfg, run_id, run_dir, device, dtype, resume)
+        manifest = _manifest(cfg, run_id, ses, device)
+        first, rounds = 0, []
+        if resume is not None:  # the parent's rounds before its state, then this attempt's from there
+            manifest["resume"] = inherit(run_dir, resume)
+            first, rounds = resume.next_round, resume.rows()
+            log.info("run %s: resumes %s at round %d", run_id, resume.path, first)
+        runs.write_json_atomic(run_dir / "manifest.json", manifest)
+        all_changed = all(r["weights_changed"] for r in rounds)
+        clock = progress.rounds(cfg.rounds, first)
+        for rnd in range(first, cfg.rounds):
             row = _round(cfg, ses, run_dir, rnd, watch, progress)
             all_changed &= row["weights_changed"]
             rounds.append(row)
+            if cfg.state_every and (rnd + 1) % cfg.state_every == 0 and rnd + 1 < cfg.rounds:
+                save_state(run_dir, rnd + 1, ses.trainer.master, ses.trainer.opt, ses.engine.cache.free)
             clock.done(rnd, row)
             for rec in ses.recorders:
                 rec.flush()
@@ -199,10 +211,18 @@ def _run(cfg: LocalRunConfig, run_id: str, run_dir: Path, device: torch.device, 
         watch.close()
 
 
-def _start(cfg: LocalRunConfig, run_id: str, run_dir: Path, device: torch.device, dtype: torch.dtype) -> _Session:
-    """The model, the prompts, one recorder per side and the two sides built on them."""
+def _start(cfg: LocalRunConfig, run_id: str, run_dir: Path, device: torch.device, dtype: torch.dtype,
+           resume: Parent | None = None) -> _Session:
+    """The model, the prompts, one recorder per side and the two sides built on them (from ``resume``'s round
+    state where one is given: its master weights, optimizer state and KV free list)."""
     plan = cfg.plan
-    model_cfg, weights, ckpt_hash = load_model(cfg)
+    state = None
+    if resume is None:
+        model_cfg, weights, ckpt_hash = load_model(cfg)
+    else:
+        state = resume.load_state()
+        model_cfg = Qwen3Config.from_dir(cfg.checkpoint) if cfg.checkpoint else PRESETS[cfg.model]
+        weights, ckpt_hash = state["master"], resume.manifest["inputs"]["checkpoint"]
     prompts = load_prompts()
     encoded = [encode(p.text, model_cfg.bos_token_id) for p in prompts]
     max_len = max(len(e) for e in encoded) + cfg.max_new_tokens
@@ -224,6 +244,9 @@ def _start(cfg: LocalRunConfig, run_id: str, run_dir: Path, device: torch.device
                            max_model_len=max_len, seed=cfg.seed)
     trainer = Trainer(model_cfg, weights, Ops(plan, "train", rec_train), device=device, dtype=dtype,
                       temperature=cfg.temperature, optimizer=cfg.optimizer, lr=cfg.lr)
+    if state is not None:
+        trainer.opt.load_state_dict(state["optimizer"])
+        engine.cache.free = list(state["kv_free"])
     return _Session(model_cfg, engine, trainer, (rec_train, rec_roll), prompts, encoded, ckpt_hash, max_len)
 
 
