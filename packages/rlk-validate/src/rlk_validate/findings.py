@@ -88,6 +88,15 @@ CODES: dict[str, tuple[str, str]] = {
     "SEAL_WRITTEN": (INFO, "--seal wrote run-validation.json (and COMPLETE when the run passed)"),
     "SEAL_EXISTS": (WARNING, "--seal asked for, but COMPLETE already exists; nothing was written"),
     "SEAL_FAILED": (ERROR, "--seal could not write run-validation.json or COMPLETE"),
+    # resume chain (rlk_validate.chain: `rlk-repro run --resume`)
+    "RESUME_FIELD_INVALID": (ERROR, "the manifest's resume block (a resumed attempt's link to its parent) is invalid"),
+    "RESUME_PARENT_MISSING": (ERROR, "the run a resumed attempt continued is not beside it: its inherited rounds "
+                              "cannot be traced"),
+    "RESUME_PARENT_MISMATCH": (ERROR, "the directory named as the resumed parent is another run, or the chain loops"),
+    "RESUME_CONFIG_DIFFERS": (ERROR, "a resumed attempt and its parent differ in plan, seeds, inputs or configuration"),
+    "RESUME_STATE_MISMATCH": (ERROR, "the parent's round state is not the one the resumed attempt started from"),
+    "RESUME_INHERITED_DIFFERS": (ERROR, "a round a resumed attempt inherited (train-data file or metrics line) is not "
+                                 "its parent's, or the inherited rounds are not exactly the parent's earlier ones"),
     # readbacks
     "READBACKS_MISSING": (INCOMPLETE, "no readback for one side (train or rollout), or no readbacks at all"),
     "READBACK_FIELD_INVALID": (ERROR, "a readback field is absent, of the wrong type, or inconsistent"),
