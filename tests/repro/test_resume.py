@@ -86,7 +86,7 @@ def test_a_resumed_run_is_the_uninterrupted_run_bit_for_bit(tmp_path, monkeypatc
     parent = _interrupted(root, monkeypatch, 2, "--rounds", "4", "--mode", mode)
     parent_files = {p: p.read_bytes() for p in parent.rglob("*") if p.is_file()}
     assert json.loads((parent / STATE_DIR / "state.json").read_text())["next_round"] == 2
-    capsys.readouterr()
+    assert f"continue this run with: rlk-repro run --resume {parent}" in capsys.readouterr().err
     before = _dirs(root)
     assert cli.main(["run", "--resume", str(parent)]) == 0
     (child,) = _dirs(root) - before  # a new attempt beside the parent

@@ -33,7 +33,7 @@ from rlk_repro.model.config import PRESETS, Qwen3Config
 from rlk_repro.model.ops import Ops
 from rlk_repro.model.weights import load_checkpoint, random_weights, weights_sha256
 from rlk_repro.progress import Progress
-from rlk_repro.resume import Parent, inherit, save_state
+from rlk_repro.resume import STATE_DIR, STATE_DOC, Parent, inherit, save_state
 from rlk_validate import evidence
 
 log = logging.getLogger("rlk_repro")
@@ -159,6 +159,8 @@ def run_local(cfg: LocalRunConfig, output: str | os.PathLike[str], run_name: str
         code = runs.exit_code_for(exc)
         log.error("run %s: %s: %s", "interrupted" if code == runs.EXIT_INTERRUPTED else "failed",
                   type(exc).__name__, exc)
+        if (run_dir / STATE_DIR / STATE_DOC).is_file():
+            progress.note(f"continue this run with: rlk-repro run --resume {run_dir}")
         raise
     finally:
         torch.set_num_threads(threads_before)
