@@ -472,7 +472,9 @@ def _cmd_doctor(a: argparse.Namespace) -> int:
 def _cmd_report(a: argparse.Namespace) -> int:
     from rlk_repro.report import SUMMARY_COLUMNS, write_report
 
-    summaries, written, no_plots, cells_skipped = write_report(a.run_dirs, a.output)
+    summaries, written, no_plots, cells_skipped, warnings = write_report(a.run_dirs, a.output)
+    for warning in warnings:
+        print(f"rlk-repro report: warning: {warning}", file=sys.stderr)
     for s in summaries:
         print("  ".join(f"{h}: {s[k]:.4g}" if isinstance(s[k], float) else f"{h}: {s[k]}" for k, h in SUMMARY_COLUMNS))
     for cell in cells_skipped:
