@@ -180,6 +180,8 @@ def test_resume_takes_the_recorded_options_and_refuses_others(tmp_path, monkeypa
         assert cli.main(["run", "--resume", str(parent), *args]) == cli.EXIT_USAGE
         err = capsys.readouterr().err
         assert words in err and err.count("\n") == 1, err
+    assert cli.main(["run", "--resume", str(parent), "--output", str(tmp_path / "elsewhere")]) == cli.EXIT_USAGE
+    assert "beside RUN_DIR" in capsys.readouterr().err and not (tmp_path / "elsewhere").exists()
     assert _dirs(root) == before  # nothing created
     assert cli.main(["run", "--resume", str(parent), "--rounds", "3", "--seed", "11"]) == 0  # the same: fine
 

@@ -62,7 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "launched on your cluster with the command `rlk-repro plan --engine vime` prints")
     _plan_options(r)
     r.add_argument("--output", default="rlk-runs", help="directory under which the run directory is created (rlk-runs; "
-                   "with --resume: beside the resumed run)")
+                   "not with --resume, whose attempt goes beside the resumed run)")
     r.add_argument("--resume", metavar="RUN_DIR", default=None,
                    help="continue an interrupted local run in a new attempt directory beside it, from its last "
                    "round state, with its recorded options (a conflicting option exits 2); RUN_DIR is not written")
@@ -286,8 +286,11 @@ def _cmd_run(a: argparse.Namespace, argv: Sequence[str]) -> int:
     from rlk_repro.engine.local import run_local
 
     if a.resume is not None:
+        if "--output" in argv or any(x.startswith("--output=") for x in argv):
+            raise RlkConfigError("--resume writes the new attempt beside RUN_DIR, where rlk-validate follows the "
+                                 "chain; --output is not taken with it")
         parent, cfg = _resumed(a, argv)
-        output = a.output if "--output" in argv or any(x.startswith("--output=") for x in argv) else parent.path.parent
+        output = parent.path.parent
         print(f"rlk-repro: resuming {parent.path} (run {parent.manifest.get('run_id')}) at round "
               f"{parent.next_round + 1} of {cfg.rounds}, mode {cfg.mode}, plan {cfg.plan.as_dict()}", file=sys.stderr)
         result = run_local(cfg, output, progress=Progress(), resume=parent)
