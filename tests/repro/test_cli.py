@@ -73,10 +73,29 @@ def test_plan_prints_the_resolved_run_and_writes_nothing(tmp_path, capsys, monke
     assert cli.main(["plan", "--logp-case", "R/P", "--rounds", "3"]) == cli.EXIT_OK
     doc = json.loads(capsys.readouterr().out)
     assert doc["plan"] == {"attention": "R/R", "ffn": "R/R", "logp": "R/P"}
-    assert doc["env"]["RL_KERNEL_LOGP_CASE"] == "R/P" and doc["exact_required"] is False
+    assert doc["env"]["RL_KERNEL_LOGP_CASE"] == "R/P" and doc["require_exact"] is False
     assert doc["config"]["rounds"] == 3 and doc["mode"] == "mixed"
     assert not any(tmp_path.iterdir())
     assert cli.main(["plan", "--top-p", "2"]) == cli.EXIT_USAGE
+
+
+@pytest.mark.parametrize(("args", "exact"), [([], True), (["--mode", "native"], False), (["--ffn-case", "P/R"], False)])
+def test_plan_names_the_exact_claim_once_as_the_manifest_does(capsys, args, exact):
+    """issue 41: `plan` printed both exact_required (resolved) and config.require_exact (null): one name now,
+    the manifest's and the bitwise file's, with the resolved value."""
+    import json
+
+    def keys(doc):
+        if isinstance(doc, dict):
+            for k, v in doc.items():
+                yield k
+                yield from keys(v)
+
+    assert cli.main(["plan", *args]) == cli.EXIT_OK
+    doc = json.loads(capsys.readouterr().out)
+    names = list(keys(doc))
+    assert "exact_required" not in names and names.count("require_exact") == 1
+    assert doc["require_exact"] is exact
 
 
 # -- route selection: flag > RL_KERNEL_<MODULE>_CASE > --mode > consistency ------------------------------------

@@ -132,7 +132,7 @@ def test_runs_are_named_by_their_routes(plan, label):
 
 
 # -- what the plots say ------------------------------------------------------------------------------
-def _fake_run(path, plan, device="cpu", **series):
+def _fake_run(path, plan, device="cpu", exit_code=0, **series):
     """A run directory with a hand-written manifest and 4 rounds of metrics; ``series`` overrides a metric
     per round (e.g. ``loss=[...]``)."""
     path.mkdir(parents=True)
@@ -149,6 +149,7 @@ def _fake_run(path, plan, device="cpu", **series):
         row.update({k: v[i] for k, v in series.items()})
         rows.append(json.dumps(row))
     (path / "metrics.jsonl").write_text("\n".join(rows) + "\n")
+    (path / "exit-code").write_text(f"{exit_code}\n")
     return path
 
 
@@ -233,3 +234,80 @@ def test_pngs_are_small(rr_run, pp_run, tmp_path):
     write_report([str(rr_run.run_dir), str(pp_run.run_dir)], str(tmp_path))
     sizes = {p.name: p.stat().st_size for p in tmp_path.glob("*.png")}
     assert len(sizes) == 4 and all(5_000 < s < 100_000 for s in sizes.values()), sizes
+
+
+# -- provenance, units, notes, warnings and status (issue 41) ----------------------------------------------
+def _footer(fig) -> str:
+    return fig._supxlabel.get_text() if fig._supxlabel is not None else ""
+
+
+def test_every_figure_names_model_device_dtype_commit_and_run_ids(rr_run, pp_run, figures, tmp_path):
+    shown = figures([rr_run.run_dir, pp_run.run_dir], tmp_path / "out")
+    assert set(shown) == {"consistency.png", "learning.png", "optimization.png", "performance.png"}
+    sha = json.loads((rr_run.run_dir / "manifest.json").read_text())["repos"][0]["sha"][:10]
+    for name, fig in shown.items():
+        text = _footer(fig)
+        assert "model tiny" in text and "device cpu" in text and "dtype float32" in text, (name, text)
+        assert f"commit {sha}" in text and rr_run.run_id in text and pp_run.run_id in text, (name, text)
+
+
+def test_log_prob_differences_are_in_nats_and_times_in_seconds(rr_run, pp_run, figures, tmp_path):
+    shown = figures([rr_run.run_dir, pp_run.run_dir], tmp_path / "out")
+    consistency, performance = _titles(shown["consistency.png"]), _titles(shown["performance.png"])
+    assert "nats" in consistency["max abs(train - rollout)"].get_ylabel()
+    assert "nats" in consistency["mean abs(train - rollout)"].get_ylabel()
+    assert performance["rollout seconds per round"].get_ylabel() == "seconds"
+    assert performance["training tokens / s"].get_ylabel() == "tokens / s"
+    assert "in nats" in (tmp_path / "out" / "metrics-summary.md").read_text()
+
+
+def test_the_cpu_reference_is_noted_where_r_ran_it(rr_run, pp_run, figures, tmp_path):
+    shown = figures([rr_run.run_dir, pp_run.run_dir], tmp_path / "out")
+    assert "R ran rlk.reference on the rollout and train side" in _footer(shown["consistency.png"])
+    runs = {r["route"] if "route" in r else r["label"]: r for r in
+            json.loads((tmp_path / "out" / "metrics-summary.json").read_text())["runs"]}
+    assert "rlk.reference" in runs["consistency R/R"]["reference_note"]
+    assert runs["native P/P"]["reference_note"] is None  # P/P ran no rlk op
+
+
+def test_runs_that_differ_in_more_than_routes_are_warned_about(small_config, tmp_path, figures, capsys):
+    a = run_local(small_config(RoutePlan.preset("consistency"), rounds=2), tmp_path / "a")
+    b = run_local(small_config(RoutePlan.preset("native"), rounds=2, lr=1e-2), tmp_path / "b")
+    c = run_local(small_config(RoutePlan.preset("native"), rounds=2), tmp_path / "c")
+    assert cli.main(["report", str(a.run_dir), str(b.run_dir), "--output", str(tmp_path / "ab")]) == 0
+    err = capsys.readouterr().err
+    assert "warning: the compared runs differ in more than their routes: config.lr: 0.003" in err
+    assert "config.lr" in (tmp_path / "ab" / "metrics-summary.md").read_text()
+    assert "WARNING" in _footer(figures([a.run_dir, b.run_dir], tmp_path / "ab2")["learning.png"])
+    assert cli.main(["report", str(a.run_dir), str(c.run_dir), "--output", str(tmp_path / "ac")]) == 0
+    assert "warning" not in capsys.readouterr().err  # the same experiment on two routes: no warning
+
+
+@pytest.mark.parametrize(("exit_code", "mark"), [(130, "interrupted (130)"), (3, "failed (3)"),
+                                                 (1, "FAILED bitwise (1)"), (None, "unfinished (no exit-code)")])
+def test_interrupted_and_failed_runs_are_marked(exit_code, mark, figures, tmp_path):
+    good = _fake_run(tmp_path / "good", RR)
+    bad = _fake_run(tmp_path / "bad", PP)
+    if exit_code is None:
+        (bad / "exit-code").unlink()
+    else:
+        (bad / "exit-code").write_text(f"{exit_code}\n")
+    shown = figures([good, bad], tmp_path / "out")
+    legend = [t.get_text() for t in shown["learning.png"].legends[0].get_texts()]
+    assert legend == ["consistency R/R", f"native P/P [{mark}]"]
+    table = (tmp_path / "out" / "metrics-summary.md").read_text()
+    assert "| exit status | validated |" in table and f"| {mark} |" in table and "| ok |" in table
+
+
+def test_the_summary_has_a_validated_column(rr_run, tmp_path, capsys):
+    from rlk_validate.cli import main as validate_main
+
+    run = tmp_path / "run"
+    shutil.copytree(rr_run.run_dir, run)
+    assert cli.main(["report", str(run), "--output", str(tmp_path / "r1")]) == 0
+    assert "validated: not validated" in capsys.readouterr().out
+    assert validate_main([str(run), "--seal", "--require-bitwise", "-q"]) == 0
+    assert cli.main(["report", str(run), "--output", str(tmp_path / "r2")]) == 0
+    assert "validated: sealed (passed)" in capsys.readouterr().out
+    doc = json.loads((tmp_path / "r2" / "metrics-summary.json").read_text())["runs"][0]
+    assert (doc["exit"], doc["exit_code"], doc["validated"]) == ("ok", 0, "sealed (passed)")

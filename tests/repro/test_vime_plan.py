@@ -1,5 +1,6 @@
 """`rlk-repro plan --engine vime`: the launch printed for each route cell, its environment forwarding into
-Ray, the exact gate, the errors, and the 8-GPU command of issue 22 (Qwen3-8B shape, TP 4 / CP 2, rollout TP 4)."""
+Ray, the errors, and the 8-GPU command of issue 22 (Qwen3-8B shape, TP 4 / CP 2, rollout TP 4); the model
+arguments, profiles, required paths and TIS composition of issue 41 are in test_vime_launch.py."""
 
 from __future__ import annotations
 
@@ -20,9 +21,34 @@ def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.delenv(v, raising=False)
 
 
-def plan_json(capsys, *args: str) -> dict:
-    assert main(["plan", "--engine", "vime", "--json", "--run-id", "r1", "--run-dir", "/runs/r1", *args]) == 0
-    return json.loads(capsys.readouterr().out)
+QWEN3_8B = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 4096,
+            "intermediate_size": 12288, "num_hidden_layers": 36, "num_attention_heads": 32, "num_key_value_heads": 8,
+            "head_dim": 128, "rms_norm_eps": 1e-6, "rope_theta": 1000000, "rope_scaling": None, "vocab_size": 151936,
+            "tie_word_embeddings": False, "hidden_act": "silu", "attention_bias": False,
+            "max_position_embeddings": 40960, "use_sliding_window": False}
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory) -> str:
+    d = tmp_path_factory.mktemp("Qwen3-8B")
+    (d / "config.json").write_text(json.dumps(QWEN3_8B))
+    return str(d)
+
+
+@pytest.fixture
+def paths(model_dir) -> list[str]:
+    """The four required paths (the launch's inputs on the cluster) and the provider ABI logp R needs."""
+    return ["--model-path", model_dir, "--ref-load", "/models/Qwen3-8B_torch_dist", "--prompt-data",
+            "/data/dapo.jsonl", "--vime-root", "/opt/vime", "--linear-logp-abi"]
+
+
+@pytest.fixture
+def plan_json(capsys, paths):
+    def run(*args: str) -> dict:
+        assert main(["plan", "--engine", "vime", "--json", "--run-id", "r1", "--run-dir", "/runs/r1", *paths,
+                     *args]) == 0, capsys.readouterr().err
+        return json.loads(capsys.readouterr().out)
+    return run
 
 
 def has(argv: list[str], *seq: str) -> bool:
@@ -34,8 +60,8 @@ CELLS = ["R/R", "P/P", "P/R", "R/P"]
 
 @pytest.mark.parametrize("module", ["attention", "ffn", "logp"])
 @pytest.mark.parametrize("case", CELLS)
-def test_each_route_cell(capsys, module: str, case: str) -> None:
-    doc = plan_json(capsys, f"--{module}-case", case)
+def test_each_route_cell(plan_json, module: str, case: str) -> None:
+    doc = plan_json(f"--{module}-case", case)
     plan = {m: "R/R" for m in ("attention", "ffn", "logp")} | {module: case}
     argv, env = doc["submit"], doc["env"]
     assert doc["plan"] == plan
@@ -57,13 +83,14 @@ def test_each_route_cell(capsys, module: str, case: str) -> None:
     assert has(argv, "--vllm-attention-backend", "CUSTOM") == (plan["attention"][2] == "R")
     assert "--vllm-enable-deterministic-inference" in argv
     assert has(argv, "--rollout-top-p", "1.0") and has(argv, "--rollout-top-k", "-1")
-    # the exact gate only where exact equality is the claim
-    gate = has(argv, "--ci-test", "--ci-train-rollout-logprob-abs-diff-threshold", "0")
-    assert gate == (case == "R/R") == doc["exact_required"]
+    # the exact claim (checked by rlk-validate --require-bitwise after the run) only where it is the claim;
+    # slime's in-run gate is not a flag of VIME
+    assert doc["require_exact"] == (case == "R/R")
+    assert "--ci-train-rollout-logprob-abs-diff-threshold" not in argv
 
 
-def test_native_is_what_users_run_today(capsys) -> None:
-    doc = plan_json(capsys, "--mode", "native")
+def test_native_is_what_users_run_today(plan_json) -> None:
+    doc = plan_json("--mode", "native")
     argv = doc["submit"]
     assert doc["mode"] == "native" and set(doc["plan"].values()) == {"P/P"}
     for flag in ("--spec", "--linear-logp-provider", "--vllm-attention-backend",
@@ -72,22 +99,22 @@ def test_native_is_what_users_run_today(capsys) -> None:
     assert has(argv, "--custom-megatron-init-path", "rlk_megatron_provider.install")  # P sides are recorded too
 
 
-def test_env_variables_and_flags_route_like_the_local_engine(capsys, monkeypatch) -> None:
+def test_env_variables_and_flags_route_like_the_local_engine(plan_json, monkeypatch) -> None:
     monkeypatch.setenv("RL_KERNEL_FFN_CASE", "P/R")
-    doc = plan_json(capsys, "--attention-case", "R/P")
+    doc = plan_json("--attention-case", "R/P")
     assert doc["plan"] == {"attention": "R/P", "ffn": "P/R", "logp": "R/R"}
     assert doc["plan_sources"]["ffn"] == "RL_KERNEL_FFN_CASE"
     assert doc["plan_sources"]["attention"] == "flag --attention-case"
 
 
-def test_audit_mode_uses_auto_provider_mode(capsys) -> None:
-    doc = plan_json(capsys, "--audit")
+def test_audit_mode_uses_auto_provider_mode(plan_json) -> None:
+    doc = plan_json("--audit")
     assert doc["env"]["RL_KERNEL_MODE"] == "audit"
     assert has(doc["submit"], "--linear-logp-provider-mode", "auto")
 
 
-def test_script_is_bash_that_exports_and_forwards(capsys) -> None:
-    assert main(["plan", "--engine", "vime", "--run-id", "r1", "--run-dir", "/runs/r1"]) == 0
+def test_script_is_bash_that_exports_and_forwards(capsys, paths) -> None:
+    assert main(["plan", "--engine", "vime", "--run-id", "r1", "--run-dir", "/runs/r1", *paths]) == 0
     text = capsys.readouterr().out
     assert subprocess.run(["bash", "-n"], input=text, text=True).returncode == 0
     for var in (*CASE_VARS, "RL_KERNEL_MODE", "RL_KERNEL_READBACK_DIR", "RL_KERNEL_RUN_ID"):
@@ -95,13 +122,12 @@ def test_script_is_bash_that_exports_and_forwards(capsys) -> None:
         runtime_line = next(line for line in text.splitlines() if line.startswith("RUNTIME_ENV_JSON="))
         assert var in runtime_line
     assert '--runtime-env-json "$RUNTIME_ENV_JSON"' in text
-    assert "--ci-test --ci-train-rollout-logprob-abs-diff-threshold 0" in text
     assert 'rlk-validate import-vime "$RUN_DIR"' in text and "--seal --require-bitwise" in text
 
 
-def test_the_forwarded_environment_is_the_exported_one(capsys, tmp_path) -> None:
+def test_the_forwarded_environment_is_the_exported_one(capsys, tmp_path, paths) -> None:
     """Run the script's RUNTIME_ENV_JSON line with the exports in front of it: Ray gets every variable."""
-    assert main(["plan", "--engine", "vime", "--run-id", "r1", "--run-dir", str(tmp_path)]) == 0
+    assert main(["plan", "--engine", "vime", "--run-id", "r1", "--run-dir", str(tmp_path), *paths]) == 0
     lines = capsys.readouterr().out.splitlines()
     prog = [line for line in lines if line.startswith(("export ", "RUNTIME_ENV_JSON="))]
     out = subprocess.run(["bash", "-c", "\n".join(prog) + '\necho "$RUNTIME_ENV_JSON"'], capture_output=True,
@@ -120,17 +146,17 @@ def test_the_forwarded_environment_is_the_exported_one(capsys, tmp_path) -> None
     (["--rollout-gpus", "4"], "--colocate"),
     (["--logp-case", "X/R"], "logp"),
 ])
-def test_bad_combinations_are_one_line_exit_2(capsys, args, words) -> None:
-    assert main(["plan", "--engine", "vime", *args]) == 2
+def test_bad_combinations_are_one_line_exit_2(capsys, paths, args, words) -> None:
+    assert main(["plan", "--engine", "vime", *paths, *args]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") <= 2 and words in err, err
     assert "Traceback" not in err
 
 
-def test_filtered_sampling_with_opt_in_or_production_logp(capsys) -> None:
-    doc = plan_json(capsys, "--top-p", "0.95", "--unfiltered-logprobs")
+def test_filtered_sampling_with_opt_in_or_production_logp(plan_json) -> None:
+    doc = plan_json("--top-p", "0.95", "--unfiltered-logprobs")
     assert doc["env"]["RL_KERNEL_VLLM_UNFILTERED_LOGPROBS"] == "1" and has(doc["submit"], "--rollout-top-p", "0.95")
-    doc = plan_json(capsys, "--logp-case", "R/P", "--top-k", "20")
+    doc = plan_json("--logp-case", "R/P", "--top-k", "20")
     assert has(doc["submit"], "--rollout-top-k", "20")
 
 
@@ -142,18 +168,16 @@ def test_run_engine_vime_says_where_it_runs(capsys, tmp_path, monkeypatch) -> No
     assert list(tmp_path.iterdir()) == []
 
 
-def test_issue_22_qwen3_8b_tp4_cp2_on_8_gpus(capsys) -> None:
-    doc = plan_json(capsys, "--mode", "consistency", "--tensor-parallel", "4", "--context-parallel", "2",
+def test_issue_22_qwen3_8b_tp4_cp2_on_8_gpus(plan_json, model_dir) -> None:
+    doc = plan_json("--mode", "consistency", "--tensor-parallel", "4", "--context-parallel", "2",
                     "--rollout-tensor-parallel", "4", "--nodes", "1", "--gpus-per-node", "8",
-                    "--hf-checkpoint", "/models/Qwen3-8B", "--ref-load", "/models/Qwen3-8B_torch_dist",
                     "--rounds", "200", "--samples-per-prompt", "8", "--max-new-tokens", "7168")
     argv = doc["submit"]
     for seq in (("--tensor-model-parallel-size", "4"), ("--context-parallel-size", "2"),
                 ("--pipeline-model-parallel-size", "1"), ("--rollout-num-gpus-per-engine", "4"),
                 ("--actor-num-nodes", "1"), ("--actor-num-gpus-per-node", "8"), ("--rollout-num-gpus", "8"),
                 ("--colocate",), ("--num-rollout", "200"), ("--rollout-max-response-len", "7168"),
-                ("--hf-checkpoint", "/models/Qwen3-8B"),
-                ("--ci-test", "--ci-train-rollout-logprob-abs-diff-threshold", "0")):
+                ("--hf-checkpoint", model_dir), ("--ref-load", "/models/Qwen3-8B_torch_dist")):
         assert has(argv, *seq), seq
     assert doc["topology"]["data_parallel"] == 1
     assert doc["plan"] == {"attention": "R/R", "ffn": "R/R", "logp": "R/R"}
@@ -230,10 +254,10 @@ def _what_validation_reads(run_dir) -> tuple[list[str], int, list[str], int]:
         str(run_dir)))
 
 
-def test_script_gathers_every_nodes_readbacks_one_host_level(capsys, tmp_path, monkeypatch) -> None:
+def test_script_gathers_every_nodes_readbacks_one_host_level(capsys, tmp_path, monkeypatch, paths) -> None:
     """The copy lines the script prints, run against two fake remote nodes: the head's readbacks/ then holds
     readbacks/<hostname>/ of each node (one level), every readback is read, and the records are found."""
-    assert main(["plan", "--engine", "vime", "--run-id", "r1", "--run-dir", "/runs/r1"]) == 0
+    assert main(["plan", "--engine", "vime", "--run-id", "r1", "--run-dir", "/runs/r1", *paths]) == 0
     copy = _copy_lines(capsys.readouterr().out)
     assert copy == list(vime.COPY_FROM_NODES)
     hosts, files, codes, records = _what_validation_reads(_gather(tmp_path, monkeypatch, copy))

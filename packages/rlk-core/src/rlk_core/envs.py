@@ -81,6 +81,14 @@ def _text(raw: str, var: EnvVar) -> str:
     return value
 
 
+def _dotted(raw: str, var: EnvVar) -> str:
+    value = raw.strip()
+    parts = value.split(".")
+    if len(parts) < 2 or not all(p.isidentifier() for p in parts):
+        raise var.error(raw)
+    return value
+
+
 def _count(raw: str, var: EnvVar) -> int:
     value = raw.strip()
     if not value.isdigit() or int(value) < 1:
@@ -142,6 +150,11 @@ ENV_VARS: tuple[EnvVar, ...] = (
            "Directory where rlk_megatron_provider.record_logprobs (slime/VIME's --custom-tis-function-path) "
            "writes one rlk.vime-logprobs.v1 safetensors record per training rank and call. "
            "Unset: nothing is written.", allowed_doc="a directory path"),
+    EnvVar("RL_KERNEL_TIS_FUNCTION", _dotted, None,
+           "The user's own TIS/MIS function (what slime/VIME's --custom-tis-function-path would name) that "
+           "rlk_megatron_provider.record_logprobs calls after recording, with the same keyword arguments, "
+           "returning its result. Unset: record_logprobs returns pg_loss and the masks unchanged.",
+           allowed_doc="module.function (dotted, as slime's load_function takes it)"),
     EnvVar("RL_KERNEL_RUN_ID", _text, None,
            "Run id recorded in readbacks and manifests.",
            allowed_doc="text without path separators"),

@@ -21,6 +21,11 @@ into ``$RL_KERNEL_LOGPROB_RECORDS_DIR`` (docs/vime.md §4): ``rollout-<NNNNNN>.r
 with ``train_logprobs`` / ``rollout_logprobs`` float32 ``[N]``, ``loss_mask`` uint8 ``[N]`` and
 ``response_lengths`` int64 ``[S]`` (the CP-local lengths, summing to N), written atomically.
 
+Composed with the user's own TIS/MIS function: where ``RL_KERNEL_TIS_FUNCTION`` names one (``module.fn``, what
+the user would have passed to ``--custom-tis-function-path``), it is called after recording with the very keyword
+arguments slime passed, and its ``(pg_loss, loss_masks, metrics)`` is returned, so recording never replaces a
+correction the run asked for.
+
 The rollout id is not among slime's TIS arguments: it is taken from a ``rollout_id`` keyword when a caller
 passes one, else from the nearest calling frame that holds an integer local ``rollout_id`` (slime's
 ``train`` / ``train_one_step``); a call where neither exists is an error (a record filed under a guessed
@@ -42,6 +47,7 @@ from rlk_core.errors import RlkConfigError
 
 log = logging.getLogger("rlk.megatron")
 RECORDS_VAR = "RL_KERNEL_LOGPROB_RECORDS_DIR"
+USER_TIS_VAR = "RL_KERNEL_TIS_FUNCTION"
 RECORD_NAME = "rollout-{rollout:06d}.rank{rank}.call{call}.safetensors"
 _MAX_FRAMES = 64
 
@@ -233,19 +239,54 @@ def record_tensors(train_log_probs, rollout_log_probs, loss_masks, total_lengths
 
 def record_logprobs(args=None, *, pg_loss, train_log_probs, rollout_log_probs, loss_masks, total_lengths=None,
                     response_lengths=None, rollout_id: int | None = None, **kwargs):
-    """``--custom-tis-function-path``: write this call's record (module docstring); return
-    ``(pg_loss, loss_masks, {})`` unchanged."""
+    """``--custom-tis-function-path``: write this call's record (module docstring); then return the user's TIS
+    function's result on the same arguments (``RL_KERNEL_TIS_FUNCTION``), else ``(pg_loss, loss_masks, {})``."""
+    from rlk_core import envs
+
+    user = envs.get(USER_TIS_VAR)
+    fn = _user_function(user) if user else None  # a bad name fails before anything is written
+    _record(args, pg_loss=pg_loss, train_log_probs=train_log_probs, rollout_log_probs=rollout_log_probs,
+            loss_masks=loss_masks, total_lengths=total_lengths, response_lengths=response_lengths,
+            rollout_id=rollout_id, caller=sys._getframe(1))
+    if fn is None:
+        return pg_loss, loss_masks, {}
+    call = dict(kwargs, args=args, pg_loss=pg_loss, train_log_probs=train_log_probs,
+                rollout_log_probs=rollout_log_probs, loss_masks=loss_masks, total_lengths=total_lengths,
+                response_lengths=response_lengths)
+    if rollout_id is not None:
+        call["rollout_id"] = rollout_id
+    return fn(**call)
+
+
+def _user_function(path: str):
+    """The user's TIS/MIS function ``module.fn`` (slime's ``load_function`` convention)."""
+    import importlib
+
+    module, _, name = path.rpartition(".")
+    try:
+        fn = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as exc:
+        raise RlkConfigError(f"{USER_TIS_VAR}={path!r}: cannot load it ({type(exc).__name__}: {exc})") from None
+    import rlk_megatron_provider
+
+    if fn in (record_logprobs, rlk_megatron_provider.record_logprobs) or not callable(fn):
+        raise RlkConfigError(f"{USER_TIS_VAR}={path!r} is not the user's own callable TIS function")
+    return fn
+
+
+def _record(args, *, pg_loss, train_log_probs, rollout_log_probs, loss_masks, total_lengths, response_lengths,
+            rollout_id, caller) -> None:
     from rlk_core import envs
 
     directory = envs.get(RECORDS_VAR)
     if directory is None:
         _note_once("unset", logging.WARNING, "rlk record_logprobs: %s is unset; no log-prob records are written",
                    RECORDS_VAR)
-        return pg_loss, loss_masks, {}
+        return
     ranks = parallel_ranks()
     if ranks["tp"] != 0:  # the TP ranks of one data/context-parallel rank hold the same log-probs
-        return pg_loss, loss_masks, {}
-    rid = rollout_id if rollout_id is not None else _caller_rollout_id(sys._getframe(1))
+        return
+    rid = rollout_id if rollout_id is not None else _caller_rollout_id(caller)
     if rid is None:
         raise RlkConfigError("rlk record_logprobs: no caller holds a 'rollout_id' (not called from slime's "
                              "train loop?); a record needs the round it belongs to")
@@ -271,7 +312,6 @@ def record_logprobs(args=None, *, pg_loss, train_log_probs, rollout_log_probs, l
         st = _state.current()
         if st is not None:
             st.recorder.add_hook("record_logprobs", "--custom-tis-function-path", "tis-function")
-    return pg_loss, loss_masks, {}
 
 
 def reset_calls() -> None:

@@ -24,6 +24,7 @@ from collections.abc import Sequence
 
 from rlk_core.errors import RlkConfigError, RlkError
 from rlk_repro._args import positive_int
+from rlk_repro.progress import Progress
 
 EXIT_OK, EXIT_MISMATCH, EXIT_USAGE, EXIT_FAILED, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
 
@@ -60,7 +61,11 @@ def build_parser() -> argparse.ArgumentParser:
                    "real vLLM + real megatron-core with rlk's adapters on CUDA GPUs (docs/frameworks.md); vime: "
                    "launched on your cluster with the command `rlk-repro plan --engine vime` prints")
     _plan_options(r)
-    r.add_argument("--output", default="rlk-runs", help="directory under which the run directory is created (rlk-runs)")
+    r.add_argument("--output", default="rlk-runs", help="directory under which the run directory is created (rlk-runs; "
+                   "not with --resume, whose attempt goes beside the resumed run)")
+    r.add_argument("--resume", metavar="RUN_DIR", default=None,
+                   help="continue an interrupted local run in a new attempt directory beside it, from its last "
+                   "round state, with its recorded options (a conflicting option exits 2); RUN_DIR is not written")
     _experiment_options(r)
     pl = sub.add_parser("plan", help="print the resolved plan, environment and configuration of a run; runs nothing",
                         description="Resolve the options of `rlk-repro run` and print them as JSON (plan, the "
@@ -84,6 +89,9 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Device, Triton, environment variables, the backend each op would run, "
                        "rlk-validate and plotting; --selfcheck adds the op contract checks on the device.")
     d.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda when available)")
+    d.add_argument("--engine", choices=("local", "frameworks", "vime"), default="local",
+                   help="the engine to check for: frameworks / vime require vLLM, megatron-core and the plugin in "
+                   "their supported ranges (FAIL otherwise); local reports them (default local)")
     _plan_options(d)
     d.add_argument("--selfcheck", action="store_true",
                    help="also run rlk-selfcheck's contract checks on the device (about 10 s on a 2-core CPU)")
@@ -146,6 +154,9 @@ def _experiment_options(r: argparse.ArgumentParser) -> None:
     r.add_argument("--threads", type=positive_int, default=None,
                    help="torch CPU threads (default 1 on cpu: the small ops of a tiny model lose more to OpenMP "
                    "spinning than they gain, badly so on a shared machine; raise it for larger models)")
+    r.add_argument("--state-every", type=int, default=None, metavar="N",
+                   help="save the round state (weights, optimizer, KV free list) every N rounds so that `run --resume` "
+                   "can continue the run; 0 = never (default 1 for the local engine)")
     r.add_argument("--audit", action="store_true",
                    help="record fallbacks and route violations instead of failing (default: RL_KERNEL_MODE, "
                    "else strict)")
@@ -208,6 +219,11 @@ def _config(a: argparse.Namespace, argv: Sequence[str], resolved):
     top_p = a.top_p if a.top_p is not None else (1.0 if frameworks else 0.95)
     mode, mode_source = _readback_mode(a)
     extra = {k: getattr(a, k) for k in FRAMEWORKS_ONLY} if frameworks else {}
+    if frameworks and getattr(a, "state_every", None):
+        raise RlkConfigError("--state-every: the frameworks engine saves no round state (run --resume continues "
+                             "local-engine runs)")
+    state_every = getattr(a, "state_every", None)
+    state_every = (0 if frameworks else 1) if state_every is None else state_every
     if not frameworks:
         given = [k for k in FRAMEWORKS_ONLY if getattr(a, k, None) != _DEFAULTS.get(k)]
         if given:
@@ -219,7 +235,7 @@ def _config(a: argparse.Namespace, argv: Sequence[str], resolved):
         max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_p=top_p, top_k=a.top_k,
         chunk_size=a.chunk_size, page_size=a.page_size, max_num_seqs=a.max_num_seqs, optimizer=a.optimizer,
         lr=a.lr, static_weights=a.static_weights, readback_mode=mode, command=["rlk-repro", *argv],
-        threads=a.threads or (1 if device == "cpu" else None), **extra,
+        threads=a.threads or (1 if device == "cpu" else None), state_every=state_every, **extra,
     )
     SamplingParams(a.temperature, top_p, a.top_k, a.max_new_tokens)  # argument errors before any work
     cfg.validate()
@@ -250,9 +266,55 @@ def _preflight(cfg, output: str) -> None:
         lifecycle.warn(static_weights_warning())
 
 
+def _resumed(a: argparse.Namespace, argv: Sequence[str]):
+    """``run --resume RUN_DIR``: the parent and the run's recorded configuration; an option given here that
+    differs from the recorded one exits 2 naming both."""
+    from dataclasses import replace
+
+    from rlk_core import envs
+    from rlk_repro.engine.local import LocalRunConfig
+    from rlk_repro.resume import read_parent, recorded_config
+
+    envs.snapshot()
+    if _frameworks(a):
+        raise RlkConfigError("--resume continues local-engine runs (the frameworks engine saves no round state yet)")
+    parent = read_parent(a.resume)
+    cfg = LocalRunConfig(**recorded_config(parent, LocalRunConfig), command=["rlk-repro", *argv])
+    defaults = build_parser().parse_args(["run"])
+    conflicts = []
+    for key, value in vars(a).items():
+        if key in ("resume", "output", "command", "engine", "debug") or value == getattr(defaults, key, value):
+            continue
+        if key in ("mode", "attention_case", "ffn_case", "logp_case"):
+            wanted = _resolve(a, all_variables=False).plan.as_dict()
+            if wanted != cfg.plan.as_dict():
+                conflicts.append(f"--{key.replace('_', '-')} gives plan {wanted}, the run has {cfg.plan.as_dict()}")
+        elif key == "audit":
+            if cfg.readback_mode != "audit":
+                conflicts.append(f"--audit: the run is {cfg.readback_mode}")
+        elif not hasattr(cfg, key):
+            conflicts.append(f"--{key.replace('_', '-')} is not an option of a local run")
+        elif getattr(cfg, key) != value:
+            conflicts.append(f"--{key.replace('_', '-')} {value} differs from the recorded {getattr(cfg, key)}")
+    if conflicts:
+        raise RlkConfigError(f"--resume takes the run's recorded options: {'; '.join(conflicts)}")
+    cfg.validate()
+    return parent, replace(cfg)
+
+
 def _cmd_run(a: argparse.Namespace, argv: Sequence[str]) -> int:
     from rlk_repro.engine.local import run_local
 
+    if a.resume is not None:
+        if "--output" in argv or any(x.startswith("--output=") for x in argv):
+            raise RlkConfigError("--resume writes the new attempt beside RUN_DIR, where rlk-validate follows the "
+                                 "chain; --output is not taken with it")
+        parent, cfg = _resumed(a, argv)
+        output = parent.path.parent
+        print(f"rlk-repro: resuming {parent.path} (run {parent.manifest.get('run_id')}) at round "
+              f"{parent.next_round + 1} of {cfg.rounds}, mode {cfg.mode}, plan {cfg.plan.as_dict()}", file=sys.stderr)
+        result = run_local(cfg, output, progress=Progress(), resume=parent)
+        return _report_run(cfg, result)
     resolved = _resolve(a)
     cfg = _config(a, argv, resolved)
     plan = resolved.plan
@@ -264,13 +326,18 @@ def _cmd_run(a: argparse.Namespace, argv: Sequence[str]) -> int:
     if _frameworks(a):
         from rlk_repro.engine.frameworks import run_frameworks
 
-        result = run_frameworks(cfg, a.output, a.run_name)
+        result = run_frameworks(cfg, a.output, a.run_name, Progress())
         if int(os.environ.get("RANK", "0")) != 0:  # rank 0 reports; the others only exit with its verdict
             return result.exit_code
     else:
         if a.run_name is not None:
             raise RlkConfigError("--run-name is internal to `rlk-repro matrix --engine frameworks`")
-        result = run_local(cfg, a.output)
+        result = run_local(cfg, a.output, progress=Progress())
+    return _report_run(cfg, result)
+
+
+def _report_run(cfg, result) -> int:
+    """The run's summary on stdout; its exit status (a reader that left early, `| head`, changes nothing)."""
     try:
         _print_result(cfg, result)
     except BrokenPipeError:  # `rlk-repro run | head`: the reader left; the status is still the run's own
@@ -306,10 +373,12 @@ def _cmd_plan(a: argparse.Namespace, argv: Sequence[str]) -> int:
     resolved = _resolve(a)
     cfg = _config(a, argv, resolved)
     plan = resolved.plan
-    config = {k: v for k, v in asdict(cfg).items() if k not in ("plan", "command", "plan_sources")}
+    # one name, as in the manifest and the bitwise file: require_exact, resolved (the config's own field is
+    # None where the plan decides; printing both said two different things)
+    config = {k: v for k, v in asdict(cfg).items() if k not in ("plan", "command", "plan_sources", "require_exact")}
     print(json.dumps({"engine": a.engine, "mode": cfg.mode, "plan": plan.as_dict(), "routes": resolved.as_dict(),
                       "readback_mode": {"mode": cfg.readback_mode, "source": cfg.readback_mode_source},
-                      "env": plan.env(), "exact_required": cfg.exact_required, "config": config}, indent=2))
+                      "env": plan.env(), "require_exact": cfg.exact_required, "config": config}, indent=2))
     return EXIT_OK
 
 
@@ -357,7 +426,7 @@ def _cmd_doctor(a: argparse.Namespace) -> int:
     device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
     resolved = _resolve(a, all_variables=False)
     plan = resolved.plan
-    checks = diagnose(device, plan, selfcheck=a.selfcheck)
+    checks = diagnose(device, plan, selfcheck=a.selfcheck, progress=Progress().callback(), engine=a.engine)
     print(f"rlk-repro doctor: device {device}, plan "
           + ", ".join(f"{m} {c['case']} ({c['source']})" for m, c in resolved.as_dict().items()))
     print(format_checks(checks))
@@ -377,7 +446,9 @@ def _cmd_report(a: argparse.Namespace) -> int:
     elif a.output is not None:
         refuse_sealed(a.output, f"--output {a.output}")
 
-    summaries, written, no_plots, cells_skipped = write_report(a.run_dirs, a.output)
+    summaries, written, no_plots, cells_skipped, warnings = write_report(a.run_dirs, a.output)
+    for warning in warnings:
+        print(f"rlk-repro report: warning: {warning}", file=sys.stderr)
     for s in summaries:
         print("  ".join(f"{h}: {s[k]:.4g}" if isinstance(s[k], float) else f"{h}: {s[k]}" for k, h in SUMMARY_COLUMNS))
     for cell in cells_skipped:
@@ -428,16 +499,16 @@ def _vime(argv: list[str]) -> int:
         print("rlk-repro run: --engine vime runs on your cluster: launch it with the command "
               "`rlk-repro plan --engine vime ...` prints (docs/vime.md)", file=sys.stderr)
         return EXIT_USAGE
-    from rlk_repro import vime
+    from rlk_repro import vime_cli
 
-    p = _Parser(prog="rlk-repro plan --engine vime", description="Print the launch of a VIME/slime cluster run "
-                "with rlk's routes: a bash script for the Ray head node (or --json); nothing is run or written.")
+    p = _Parser(prog="rlk-repro plan --engine vime", description="Print the launch of a VIME cluster run with "
+                "rlk's routes: a bash script for the Ray head node (or --json); nothing is run or written.")
     p.add_argument("--engine", choices=("vime",), required=True, help="vime")
     _plan_options(p)
-    vime.add_options(p)
-    a = p.parse_args(argv[1:])
+    vime_cli.add_options(p)
+    a = vime_cli.parse(p, argv[1:])
     resolved = _resolve(a)
-    return vime.plan_main(a, argv, resolved, _readback_mode(a)[0])
+    return vime_cli.plan_main(a, argv, resolved, _readback_mode(a)[0])
 
 
 def _main(argv: list[str]) -> int:

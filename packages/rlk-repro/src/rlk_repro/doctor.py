@@ -4,17 +4,29 @@ Each check gives ``ok``, ``warn`` or ``FAIL`` with a reason; a FAIL means the re
 do what it says (a device that is not there, an R route whose ops would run another implementation
 than the other side's, an environment variable that does not parse). ``--selfcheck`` adds the op
 contract checks of ``rlk-selfcheck`` on the device. Exit code 0 when nothing failed, 1 otherwise.
+
+The frameworks (:func:`framework_checks`): vLLM and megatron-core against the range each adapter's
+``_compat`` declares, rlk-vllm-plugin's ``vllm.general_plugins`` entry point, ``VLLM_PLUGINS``; required
+(FAIL when wrong) for ``--engine frameworks`` / ``vime``, reported (warn) for the local engine. The compiled
+ops (:func:`cuda_check`): whether ``rlk_core._C`` is built and, on a CUDA device, whether ``rlk.cuda`` is
+available there (its cubins built for this GPU's architecture by this Triton), asked through the backend
+registry's own probe (``REGISTRY.is_available``).
 """
 
 from __future__ import annotations
 
+import importlib.metadata as md
 import importlib.util
+import os
 import platform
+import warnings
 from dataclasses import asdict, dataclass
 from typing import Any
 
 OK, WARN, FAIL = "ok", "warn", "FAIL"
 TRITON_ID = "rlk.triton"
+CUDA_ID = "rlk.cuda"
+PLUGIN_GROUP, PLUGIN_NAME, PLUGIN_VALUE = "vllm.general_plugins", "rlk", "rlk_vllm_plugin:register"
 
 
 @dataclass
@@ -33,7 +45,18 @@ def _version(module: str) -> str | None:
         return f"import failed: {type(exc).__name__}: {exc}"
 
 
-def diagnose(device: str, plan, selfcheck: bool = False) -> list[Check]:
+def op_status(first, triton_ok: tuple[bool, str] | None, on_r_route: bool) -> tuple[str, str]:
+    """Status of an op on CUDA whose first candidate is ``first``: a fallback (FAIL on an R route, else warn)
+    only where the preferred rlk.triton is registered but unavailable (``triton_ok`` False) and ``first`` is
+    not a backend that launches rlk.triton's very binaries (``rlk.cuda``: ``same_bits_as``)."""
+    if first.id == TRITON_ID or first.same_bits_as == TRITON_ID or triton_ok is None or triton_ok[0]:
+        return OK, ""
+    return (FAIL if on_r_route else WARN), f"; rlk.triton unavailable: {triton_ok[1]}"
+
+
+def diagnose(device: str, plan, selfcheck: bool = False, progress=None, engine: str = "local") -> list[Check]:
+    """The checks, in order; ``progress(line)`` (e.g. :meth:`rlk_repro.progress.Progress.callback`) is told
+    each self-check as it runs."""
     import torch
 
     from rlk_core import envs, routes
@@ -83,15 +106,18 @@ def diagnose(device: str, plan, selfcheck: bool = False) -> list[Check]:
         first = candidates[0]
         detail = f"{first.id} ({first.contract_id}); registered: {', '.join(registered)}"
         status = OK
-        if dev.type == "cuda" and first.id != TRITON_ID and TRITON_ID in registered:
-            ok, why = REGISTRY.is_available(REGISTRY.get(op, TRITON_ID), "cuda")
-            status, detail = (FAIL if op in r_ops else WARN), f"{detail}; rlk.triton unavailable: {why}"
+        if dev.type == "cuda" and TRITON_ID in registered:
+            triton_ok = REGISTRY.is_available(REGISTRY.get(op, TRITON_ID), "cuda")
+            status, more = op_status(first, triton_ok, op in r_ops)
+            detail += more
         if not first.builtin:
             qualified, why = REGISTRY.qualify(first, dev.type)
             status = status if qualified else (FAIL if op in r_ops else WARN)
             detail += f"; third-party ({first.origin}): {'qualified' if qualified else 'NOT qualified: ' + why}"
         out.append(Check(f"op {op}", status, detail + (" [used by the R routes]" if op in r_ops else "")))
 
+    out.append(cuda_check(dev.type, REGISTRY))
+    out += framework_checks(required=engine in ("frameworks", "vime"))
     validate = _version("rlk_validate")
     out.append(Check("rlk-validate", OK if validate else FAIL, validate or "not installed: runs cannot be checked"))
     mpl = _version("matplotlib")
@@ -100,7 +126,7 @@ def diagnose(device: str, plan, selfcheck: bool = False) -> list[Check]:
     if selfcheck:
         from rlk_core.selfcheck import run as run_selfcheck
 
-        rep = run_selfcheck(dev.type)
+        rep = run_selfcheck(dev.type, progress=progress)
         failed = [f"{r['op']}.{k}" for r in rep["ops"] for k, c in r["checks"].items() if not c["passed"]]
         total = sum(len(r["checks"]) for r in rep["ops"])
         detail = f"{total - len(failed)}/{total} contract checks passed on {dev.type}"
@@ -121,6 +147,87 @@ def _forced_backends(device_type: str) -> Check:
     except RlkConfigError as exc:  # does not parse: the environment check says so too
         problem = str(exc)
     return Check("RLK_BACKENDS", FAIL if problem else OK, problem or (f"forces {raw}" if raw.strip() else "unset"))
+
+
+def cuda_check(device_type: str, registry) -> Check:
+    """The compiled ops ``rlk.cuda``: built at all (``rlk_core._C`` is there), and on CUDA what the registry's
+    probe says (cubins for this GPU, by this Triton). Never a FAIL: without them rlk.triton runs the same
+    binaries, JIT-compiled on first use."""
+    from rlk_core.contracts import OP_CONTRACTS
+
+    backends = [b for op in sorted(OP_CONTRACTS) for b in registry.backends(op) if b.id == CUDA_ID]
+    built = importlib.util.find_spec("rlk_core._C") is not None
+    if not built:
+        return Check(CUDA_ID, WARN if device_type == "cuda" else OK,
+                     "this rlk-core lacks rlk.cuda: rlk_core._C is not built (a pure-Python wheel, or a build without "
+                     "a CUDA toolchain and CUDA torch); R ops run rlk.triton's kernels, JIT-compiled on first use")
+    if device_type != "cuda":
+        return Check(CUDA_ID, OK, f"rlk_core._C is built ({len(backends)} ops); its cubins are checked on a CUDA "
+                     "device (doctor --device cuda)")
+    if not backends:
+        return Check(CUDA_ID, WARN, "rlk_core._C is built, but no op registers rlk.cuda")
+    answers = [registry.is_available(b, "cuda") for b in backends]
+    good = sum(ok for ok, _ in answers)
+    if good == len(backends):
+        return Check(CUDA_ID, OK, f"available for {good} ops: {answers[0][1]}")
+    why = next(reason for ok, reason in answers if not ok)
+    return Check(CUDA_ID, WARN, f"available for {good} of {len(backends)} ops: {why}; those run rlk.triton's "
+                 "kernels, JIT-compiled on first use")
+
+
+def _installed(dist: str) -> str | None:
+    try:
+        return md.version(dist)
+    except md.PackageNotFoundError:
+        return None
+
+
+def framework_checks(required: bool) -> list[Check]:
+    """vLLM, megatron-core, the plugin's entry point and ``VLLM_PLUGINS`` (FAIL when ``required``, else warn)."""
+    bad = FAIL if required else WARN
+    out = []
+    vllm = _installed("vllm")
+    if vllm is None:
+        out.append(Check("vllm", bad, "not installed (needed by --engine frameworks and the vLLM plugin)"))
+    else:
+        from rlk_vllm_plugin import _compat as vc  # imports no vLLM
+
+        (lo, hi) = vc.SUPPORTED
+        span = f"supported {lo[0]}.{lo[1]} <= v < {hi[0]}.{hi[1]}, verified {', '.join(vc.VERIFIED)}"
+        out.append(Check("vllm", OK if vc.in_range(vllm) else bad,
+                         f"{vllm} ({span})" if vc.in_range(vllm) else f"{vllm} is outside the range ({span})"))
+    mcore = _installed("megatron-core")
+    if mcore is None:
+        out.append(Check("megatron-core", bad, "not installed (needed by --engine frameworks and the provider)"))
+    else:
+        try:
+            with warnings.catch_warnings():  # megatron-core warns on import without TE / Apex
+                warnings.simplefilter("ignore")
+                from rlk_megatron_provider import _compat as mc
+
+            ok, why = mc.supported(mcore)
+            (lo, hi) = mc.SUPPORTED
+            out.append(Check("megatron-core", OK if ok else bad,
+                             f"{why} (supported {lo[0]}.{lo[1]} <= v < {hi[0]}.{hi[1]})"))
+        except Exception as exc:  # a megatron-core that does not import is a finding
+            out.append(Check("megatron-core", bad, f"{mcore}: the provider cannot import it: "
+                             f"{type(exc).__name__}: {exc}"))
+    eps = [e for e in md.entry_points(group=PLUGIN_GROUP) if e.name == PLUGIN_NAME]
+    if any(e.value == PLUGIN_VALUE for e in eps):
+        out.append(Check("vllm plugin", OK, f"entry point {PLUGIN_GROUP}: {PLUGIN_NAME} = {PLUGIN_VALUE}"))
+    else:
+        seen = ", ".join(f"{e.name} = {e.value}" for e in eps) or "none"
+        out.append(Check("vllm plugin", bad, f"no entry point {PLUGIN_GROUP}: {PLUGIN_NAME} = {PLUGIN_VALUE} "
+                         f"(found: {seen}); install rlk-vllm-plugin in this environment"))
+    plugins = os.environ.get("VLLM_PLUGINS")
+    if plugins is None:
+        out.append(Check("VLLM_PLUGINS", OK, "unset: vLLM loads every installed plugin, rlk included"))
+    elif PLUGIN_NAME in [p.strip() for p in plugins.split(",")]:
+        out.append(Check("VLLM_PLUGINS", OK, f"{plugins!r} lists {PLUGIN_NAME}"))
+    else:
+        out.append(Check("VLLM_PLUGINS", bad, f"{plugins!r} does not list {PLUGIN_NAME}: vLLM would not load rlk's "
+                         "plugin and every rollout side would run production code"))
+    return out
 
 
 def format_checks(checks: list[Check]) -> str:

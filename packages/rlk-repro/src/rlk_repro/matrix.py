@@ -22,6 +22,7 @@ from typing import Any
 
 from rlk_core.errors import RlkConfigError
 from rlk_repro import lifecycle
+from rlk_repro.progress import Progress
 from rlk_validate import evidence
 
 EXIT_OK, EXIT_MISMATCH, EXIT_FAILED = 0, 1, 3
@@ -201,7 +202,7 @@ def _run_cells(a, root: Path, cells: list[str], configs: dict, frameworks: bool,
             print(f"  {cell:16s} was interrupted or failed; its files moved to {kept.name}", file=sys.stderr)
         try:
             result = (frameworks_cell(a, configs[cell], root, cell) if frameworks
-                      else run_local(configs[cell], root, run_name=cell))
+                      else run_local(configs[cell], root, run_name=cell, progress=Progress()))
         except KeyboardInterrupt as exc:
             print(f"rlk-repro matrix: {lifecycle.signal_name(exc)} in cell {cell}; finish the matrix with:\n"
                   f"  {resume_command(root)}", file=sys.stderr)

@@ -17,10 +17,14 @@ for the evidence checks) and writes into the output directory:
   token-weighted mean |diff|, max |diff|, mean reward, truncation, round time and throughput (rounds
   after the first, which is warm-up and, on CUDA runs with R routes, compiles the Triton kernels).
 
-Runs are named by their routes (``consistency R/R``, ``ffn P/R``, ``native P/P``); every run has its own
-colour, line style and marker; a panel says which curves coincide exactly (drawn on top of each other)
-and says "no differences" when every value is zero. Plots need matplotlib
-(``pip install 'rlk-validate[plot]'``); without it only the summary is written.
+Runs are named by their routes (``consistency R/R``, ``ffn P/R``, ``native P/P``), and marked where they did
+not end well (``[interrupted (130)]``, ``[unfinished (no exit-code)]``, ...); every run has its own colour, line
+style and marker; a panel says which curves coincide exactly (drawn on top of each other) and says "no
+differences" when every value is zero; log-prob differences are in nats. Every figure names the runs' model,
+device, dtype, commit and run ids, notes where an R side ran the CPU reference, and warns when the compared runs
+differ in anything but their routes (:mod:`rlk_repro.report_meta`); the summary has an exit-status and a
+validated column. Plots need matplotlib (``pip install 'rlk-validate[plot]'``); without it only the summary is
+written.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from rlk_core.errors import RlkConfigError
+from rlk_repro import report_meta
 from rlk_validate import evidence
 from rlk_validate.evidence import METRICS_SCHEMA, MODULES
 
@@ -47,6 +52,7 @@ class RunMetrics:
     rows: list[dict[str, Any]]
     cell: str | None = None  # the matrix cell name when the run was found in a matrix root
     route: str = ""  # route_label() of the plan; ``label`` adds the directory name where two runs share it
+    status: dict[str, Any] = field(default_factory=dict)  # report_meta.status(): exit status and validation
 
     def series(self, key: str) -> list[float]:
         return [float(r[key]) if r.get(key) is not None else float("nan") for r in self.rows]
@@ -126,7 +132,9 @@ def load_run(path: str | Path, cell: str | None = None) -> RunMetrics:
     if not rows:
         raise RlkConfigError(f"{run}/metrics.jsonl holds no rounds (the run stopped before its first round)")
     result = RunMetrics("", run, manifest, rows, cell)
-    result.label = result.route = route_label(result.plan, manifest.get("mode"))
+    result.route = route_label(result.plan, manifest.get("mode"))
+    result.status = report_meta.status(run)
+    result.label = result.route + ("" if result.status["ok"] else f" [{result.status['exit']}]")
     return result
 
 
@@ -212,6 +220,9 @@ def summarize(run: RunMetrics) -> dict[str, Any]:
         "truncation": (1.0 - sum(int(r.get("eos_finished", 0)) for r in rows) / samples) if samples else float("nan"),
         "round_seconds": sum(float(r["rollout_seconds"]) + float(r["train_seconds"]) for r in steady) / len(steady),
         "rollout_tokens_per_s": rate("rollout"), "train_tokens_per_s": rate("train"),
+        "exit": run.status.get("exit"), "exit_code": run.status.get("exit_code"),
+        "validated": run.status.get("validated"), **report_meta.provenance(run.manifest),
+        "reference_note": report_meta.reference_note(run.path, run.plan),
     }
 
 
@@ -219,7 +230,8 @@ SUMMARY_COLUMNS = [("label", "run"), ("name", "directory"), ("rounds", "rounds")
                    ("compared_tokens", "compared tokens"), ("mismatch_count", "mismatches"),
                    ("mean_abs_diff", "mean abs diff (token-weighted)"), ("max_abs_diff", "max abs diff"),
                    ("reward_mean", "reward"), ("truncation", "truncated"), ("round_seconds", "s / round"),
-                   ("rollout_tokens_per_s", "rollout tok/s"), ("train_tokens_per_s", "train tok/s")]
+                   ("rollout_tokens_per_s", "rollout tok/s"), ("train_tokens_per_s", "train tok/s"),
+                   ("exit", "exit status"), ("validated", "validated")]
 
 
 def warmup_note(summaries: list[dict[str, Any]]) -> str:
@@ -233,14 +245,19 @@ def warmup_note(summaries: list[dict[str, Any]]) -> str:
     return note
 
 
-def summary_markdown(summaries: list[dict[str, Any]], skipped: list[str] | None = None) -> str:
+def summary_markdown(summaries: list[dict[str, Any]], skipped: list[str] | None = None,
+                     warnings: list[str] | None = None) -> str:
     lines = ["| " + " | ".join(h for _, h in SUMMARY_COLUMNS) + " |", "|" + "---|" * len(SUMMARY_COLUMNS)]
     for s in summaries:
         cells = [f"{s[k]:.3g}" if isinstance(s[k], float) else str(s[k]) for k, _ in SUMMARY_COLUMNS]
         lines.append("| " + " | ".join(cells) + " |")
-    text = ("# rlk-repro report\n\nThroughput and s / round count the rounds after the first "
-            f"({warmup_note(summaries)}). Truncated: responses that reached their token limit.\n\n"
-            + "\n".join(lines) + "\n")
+    text = ("# rlk-repro report\n\n" + "".join(f"**Warning: {w}**\n\n" for w in warnings or [])
+            + "Throughput and s / round count the rounds after the first "
+            f"({warmup_note(summaries)}). Truncated: responses that reached their token limit. Abs diffs are "
+            "|train - rollout| log-prob differences in nats.\n\n" + "\n".join(lines) + "\n")
+    text += "\nProvenance:\n\n" + "".join(
+        f"- {s['label']}: run {s['run_id']}, model {s['model']}, {s['device']}, {s['dtype']}, commit {s['commit']}"
+        + (f"; {s['reference_note']}" if s.get("reference_note") else "") + "\n" for s in summaries)
     if skipped:
         text += "\nNot reported (no readable metrics):\n\n" + "".join(f"- {s}\n" for s in skipped)
     return text
@@ -383,7 +400,8 @@ def _panel(ax, runs: list[RunMetrics], styles: list[dict[str, Any]], title: str,
 
 
 def _figure(runs: list[RunMetrics], styles: list[dict[str, Any]], nrows: int, ncols: int, title: str):
-    """A figure with one legend for all its panels (outside the axes, so it never hides a curve)."""
+    """A figure with one legend for all its panels (outside the axes, so it never hides a curve), and under it
+    the runs' provenance, notes and warnings (:func:`rlk_repro.report_meta.figure_footer`)."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
     from matplotlib.lines import Line2D
@@ -394,12 +412,13 @@ def _figure(runs: list[RunMetrics], styles: list[dict[str, Any]], nrows: int, nc
     FigureCanvasAgg(fig)
     axes = fig.subplots(nrows, ncols, sharex=True, squeeze=False).ravel()
     fig.suptitle(title, fontsize=11, x=0.01, ha="left", fontweight="bold")
+    fig.supxlabel(report_meta.figure_footer(runs), fontsize=7, x=0.01, ha="left", color="#444444")
     handles = [Line2D([], [], markersize=5, **s) for s in styles]
     labels = [r.label for r in runs]
     if wide:
         fig.legend(handles, labels, loc="outside right upper", fontsize="small", title="run (routes)")
     else:
-        fig.legend(handles, labels, loc="outside lower center", ncols=len(runs), fontsize="small")
+        fig.legend(handles, labels, loc="outside upper center", ncols=len(runs), fontsize="small")  # footer below
     return fig, axes
 
 
@@ -437,6 +456,9 @@ def write_plots(runs: list[RunMetrics], out: Path, matrix: bool = False) -> list
            width=width)
     _panel(ax[3], runs, styles, "mean abs(train - rollout)", [r.series("mean_abs_diff") for r in runs], log=True,
            width=width)
+    for a, unit in zip(ax, ("fraction of compared tokens", "tokens", "nats (log-prob)", "nats (log-prob)"),
+                       strict=True):
+        a.set_ylabel(unit, fontsize=8)
     _save(fig, ax, out, "consistency.png", written)
 
     fig, ax = _figure(runs, styles, 1, 2, "learning")
@@ -468,6 +490,8 @@ def write_plots(runs: list[RunMetrics], out: Path, matrix: bool = False) -> list
            width=width)
     _panel(ax[3], runs, styles, "training tokens / s", [r.series("train_tokens_per_s") for r in runs], log=True,
            width=width)
+    for a, unit in zip(ax, ("seconds", "seconds", "tokens / s", "tokens / s"), strict=True):
+        a.set_ylabel(unit, fontsize=8)
     _save(fig, ax, out, "performance.png", written)
 
     if matrix:
@@ -488,12 +512,13 @@ def write_matrix_plot(runs: list[RunMetrics], styles: list[dict[str, Any]], out:
     axes = fig.subplots(1, 4, sharey=True)
     fig.suptitle("matrix cells side by side (all rounds pooled; throughput after round 0)", fontsize=11, x=0.01,
                  ha="left", fontweight="bold")
+    fig.supxlabel(report_meta.figure_footer(runs), fontsize=7, x=0.01, ha="left", color="#444444")
     y = list(range(len(runs)))
     colors = [s["color"] for s in styles]
     panels = [("mismatch rate", [s["mismatch_count"] / s["compared_tokens"] if s["compared_tokens"] else float("nan")
                                  for s in sums], False),
-              ("max abs diff", [s["max_abs_diff"] for s in sums], True),
-              ("mean abs diff (token-weighted)", [s["mean_abs_diff"] for s in sums], True)]
+              ("max abs diff (nats)", [s["max_abs_diff"] for s in sums], True),
+              ("mean abs diff, token-weighted (nats)", [s["mean_abs_diff"] for s in sums], True)]
     for ax, (title, vals, log) in zip(axes, panels, strict=False):
         ax.set_title(title, fontsize=9, loc="left")
         positive = [v for v in vals if v > 0]
@@ -536,10 +561,11 @@ def write_matrix_plot(runs: list[RunMetrics], styles: list[dict[str, Any]], out:
 
 
 def write_report(run_dirs: list[str], output: str | None
-                 ) -> tuple[list[dict[str, Any]], list[Path], str | None, list[str]]:
+                 ) -> tuple[list[dict[str, Any]], list[Path], str | None, list[str], list[str]]:
     """Load the runs (a matrix root stands for its cells), write the summary (and the plots when
     matplotlib is there) into ``output`` (default: the ``report/`` folder of a single run or matrix root).
-    Returns ``(summaries, files written, why plots were skipped, matrix cells not reported and why)``."""
+    Returns ``(summaries, files written, why plots were skipped, matrix cells not reported and why, warnings)``;
+    a warning says where the compared runs differ in more than their routes."""
     loaded = load_runs(run_dirs)
     runs = loaded.runs
     if output is None:
@@ -552,13 +578,16 @@ def write_report(run_dirs: list[str], output: str | None
         raise RlkConfigError(f"--output {out} exists and is not a directory")
     out.mkdir(parents=True, exist_ok=True)
     summaries = [summarize(r) for r in runs]
+    diffs = report_meta.config_differences([r.manifest for r in runs], [r.label for r in runs])
+    warnings = ["the compared runs differ in more than their routes: " + "; ".join(diffs)] if diffs else []
     doc = {"schema": "rlk.repro-report.v1", "runs": summaries, "matrix_roots": [str(p) for p in loaded.matrix_roots],
-           "skipped": loaded.skipped}
+           "skipped": loaded.skipped, "warnings": warnings}
     evidence.write_json_atomic(out / "metrics-summary.json", doc, indent=1)
-    (out / "metrics-summary.md").write_text(summary_markdown(summaries, loaded.skipped), encoding="utf-8")
+    (out / "metrics-summary.md").write_text(summary_markdown(summaries, loaded.skipped, warnings), encoding="utf-8")
     written = [out / "metrics-summary.json", out / "metrics-summary.md"]
     import importlib.util
 
     if importlib.util.find_spec("matplotlib") is None:
-        return summaries, written, "matplotlib is not installed (pip install 'rlk-validate[plot]')", loaded.skipped
-    return summaries, written + write_plots(runs, out, matrix=bool(loaded.matrix_roots)), None, loaded.skipped
+        return (summaries, written, "matplotlib is not installed (pip install 'rlk-validate[plot]')", loaded.skipped,
+                warnings)
+    return summaries, written + write_plots(runs, out, matrix=bool(loaded.matrix_roots)), None, loaded.skipped, warnings

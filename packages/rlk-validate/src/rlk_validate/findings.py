@@ -113,6 +113,15 @@ CODES: dict[str, tuple[str, str]] = {
         "in some round, fewer compared tokens than the bound (--min-informative-fraction) had a rollout log-prob "
         "below -1e-3: equal bits of saturated log-probs prove little (an error where bitwise equality is required)",
     ),
+    # resume chain (rlk_validate.chain: `rlk-repro run --resume`)
+    "RESUME_FIELD_INVALID": (ERROR, "the manifest's resume block (a resumed attempt's link to its parent) is invalid"),
+    "RESUME_PARENT_MISSING": (ERROR, "the run a resumed attempt continued is not beside it: its inherited rounds "
+                              "cannot be traced"),
+    "RESUME_PARENT_MISMATCH": (ERROR, "the directory named as the resumed parent is another run, or the chain loops"),
+    "RESUME_CONFIG_DIFFERS": (ERROR, "a resumed attempt and its parent differ in plan, seeds, inputs or configuration"),
+    "RESUME_STATE_MISMATCH": (ERROR, "the parent's round state is not the one the resumed attempt started from"),
+    "RESUME_INHERITED_DIFFERS": (ERROR, "a round a resumed attempt inherited (train-data file or metrics line) is not "
+                                 "its parent's, or the inherited rounds are not exactly the parent's earlier ones"),
     # readbacks
     "READBACKS_MISSING": (INCOMPLETE, "no readback for one side (train or rollout), or no readbacks at all"),
     "READBACK_FIELD_INVALID": (ERROR, "a readback field is absent, of the wrong type, or inconsistent"),

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .bitwise import check_train_data
+from .chain import check_chain
 from .claims import all_rr, check_bitwise_file, check_metrics
 from .coverage import digest_tree
 from .drift import DEFAULT_CLIP_EPS
@@ -15,7 +16,7 @@ from .findings import finding
 from .readbacks import check_readbacks
 from .report import Report
 from .run import check_exit_and_log, check_manifest
-from .safeio import Caps, Root
+from .safeio import Caps, InputError, Root
 from .seal import SEAL_WAIT_S, check_complete, run_dir_lock
 
 
@@ -85,6 +86,14 @@ def _silent(x: Any) -> Any:
                    "RL_KERNEL_* (forward them through Ray's runtime env: docs/vime.md)", check=x.check, path=x.path)
 
 
+def _manifest_doc(root: Root) -> Any:
+    """manifest.json as parsed (None where unreadable: check_manifest has reported why)."""
+    try:
+        return root.read_json("manifest.json")
+    except InputError:
+        return None
+
+
 def validate_run(path: str | os.PathLike[str], options: Options | None = None, *, locked: bool = False) -> Report:
     """Check the run directory at ``path``; never writes anything. Waits up to a few seconds for a sealer holding
     the run directory's lock (``locked``: the caller holds it)."""
@@ -112,6 +121,7 @@ def _validate(run_dir: str, opts: Options, report: Report) -> None:
 
     mf, info = check_manifest(root)
     f.extend(mf)
+    f.extend(check_chain(root, _manifest_doc(root)))  # a resumed attempt: its link to the run it continued
     report.plan, report.run_id = info["plan"], info["run_id"]
     f.extend(check_exit_and_log(root))
 

@@ -246,7 +246,7 @@ def import_vime(src: str, dst: str) -> dict[str, Any]:
     total = sum(r["element_count"] for r in rows)
     mism = sum(r["mismatch_count"] for r in rows)
     write_json_atomic(os.path.join(dst, "bitwise-validation.json"), {
-        "schema": BITWISE_SCHEMA, "require_exact": bool(launch.get("exact_required")),
+        "schema": BITWISE_SCHEMA, "require_exact": bool(launch.get("require_exact", launch.get("exact_required"))),
         "torch_equal": mism == 0, "element_count": total, "mismatch_count": mism,
         "max_abs_diff": max([r["max_abs_diff"] for r in rows] + [0.0]), "rounds": rows, "fallback_failures": 0,
         "source": f"rlk-validate import-vime: recomputed from {RECORDS}/ (VIME writes no bitwise report)"})

@@ -18,7 +18,6 @@ import importlib.util
 import logging
 import os
 import shutil
-import sys
 import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -34,6 +33,7 @@ from rlk_repro.engine.local import DTYPES, LocalRunConfig, LocalRunResult, load_
 from rlk_repro.engine.trainer import Sample, group_advantages
 from rlk_repro.jitwatch import JitWatch
 from rlk_repro.jitwatch import counts as jit_counts
+from rlk_repro.progress import Progress
 from rlk_validate import evidence
 
 log = logging.getLogger("rlk_repro")
@@ -149,7 +149,7 @@ def _set_env(cfg: FrameworksRunConfig, run_id: str, run_dir: Path) -> None:
 
 # -- the run ---------------------------------------------------------------------------------------------
 def run_frameworks(cfg: FrameworksRunConfig, output: str | os.PathLike[str],
-                   run_name: str | None = None) -> LocalRunResult:
+                   run_name: str | None = None, progress: Progress | None = None) -> LocalRunResult:
     cfg.validate()
     problem = requirements(cfg.tp)
     if problem:
@@ -158,11 +158,14 @@ def run_frameworks(cfg: FrameworksRunConfig, output: str | os.PathLike[str],
     rank, world, device = _init_world(cfg)
     run = _shared_run(output, run_name, rank, cfg.command)
     run_id, run_dir = run.run_id, run.path
+    progress = (progress or Progress()) if rank == 0 else Progress(enabled=False)  # rank 0 shows it
+    if rank == 0:
+        progress.note(f"run directory {run_dir}")
     code, failure = runs.EXIT_FAILED, None
     scratch = Path(tempfile.mkdtemp(prefix="rlk-frameworks-"))
     try:
         _set_env(cfg, run_id, run_dir)
-        result = _Run(cfg, run_id, run_dir, rank, world, device, scratch).go()
+        result = _Run(cfg, run_id, run_dir, rank, world, device, scratch, progress).go()
         code = result.exit_code
         return result
     except BaseException as exc:
@@ -194,15 +197,11 @@ def _flush_readbacks() -> None:
         log.error("Megatron readback flush failed: %s: %s", type(exc).__name__, exc)
 
 
-def _progress(msg: str) -> None:
-    print(f"rlk-repro: {msg}", file=sys.stderr, flush=True)
-
-
 class _Run:
     def __init__(self, cfg: FrameworksRunConfig, run_id: str, run_dir: Path, rank: int, world: int,
-                 device: torch.device, scratch: Path) -> None:
+                 device: torch.device, scratch: Path, progress: Progress) -> None:
         self.cfg, self.run_id, self.run_dir, self.rank, self.world = cfg, run_id, run_dir, rank, world
-        self.device, self.scratch = device, scratch
+        self.device, self.scratch, self.progress = device, scratch, progress
         self.lead = rank == 0
 
     def go(self) -> LocalRunResult:
@@ -225,7 +224,7 @@ class _Run:
         self.prompts = load_prompts()
         self.encoded = [encode(p.text, self.model_cfg.bos_token_id) for p in self.prompts]
         self.max_len = max(len(e) for e in self.encoded) + cfg.max_new_tokens
-        _progress(f"starting vLLM (TP {cfg.tp}, gpu_memory_utilization {cfg.gpu_memory_utilization}, "
+        self.progress.line(f"starting vLLM (TP {cfg.tp}, gpu_memory_utilization {cfg.gpu_memory_utilization}, "
                   f"{'eager' if cfg.enforce_eager else 'CUDA graphs'})")
         self.vllm = VllmRollout(write_model_dir(self.scratch / "model", self.model_cfg), dtype=cfg.dtype,
                                 seed=cfg.seed, tp=cfg.tp, max_model_len=self.max_len + 16,
@@ -233,18 +232,19 @@ class _Run:
                                 attention_r=cfg.plan.uses_rlk("attention", "rollout"),
                                 max_num_seqs=cfg.vllm_max_num_seqs,
                                 max_num_batched_tokens=cfg.vllm_max_num_batched_tokens)
-        _progress(f"vLLM ready in {self.vllm.start_seconds:.0f} s; building Megatron")
+        self.progress.line(f"vLLM ready in {self.vllm.start_seconds:.0f} s; building Megatron")
         init_model_parallel(cfg.tp, cfg.seed)
         self.trainer = MegatronTrainer(self.model_cfg, weights, tp=cfg.tp, rank=self.rank, device=self.device,
                                        dtype=DTYPES[cfg.dtype], temperature=cfg.temperature,
                                        optimizer=cfg.optimizer, lr=cfg.lr, micro_tokens=cfg.train_micro_tokens)
         del weights
         self.initial_sync = self.vllm.load_weights(self.trainer.hf_weights())
-        _progress(f"Megatron ready (rlk layers {self.trainer.layer_counts}); initial weights loaded into vLLM "
+        self.progress.line(f"Megatron ready (rlk layers {self.trainer.layer_counts}); initial weights loaded into vLLM "
                   f"({self.initial_sync['loaded']} of {self.initial_sync['parameters']} parameters)")
         if self.lead:
             runs.write_json_atomic(self.run_dir / "manifest.json", self._manifest())
         rounds: list[dict[str, Any]] = []
+        self.clock = self.progress.rounds(cfg.rounds)
         for rnd in range(cfg.rounds):
             rounds.append(self._round(rnd))
         return self._finish(rounds)
@@ -334,13 +334,11 @@ class _Run:
         log.info("round %d: %d tokens compared, %d mismatches (max |diff| %.3g), reward %.3f, loss %.4g, "
                  "vLLM parameters changed: %d", rnd, cmp["element_count"], cmp["mismatch_count"],
                  cmp["max_abs_diff"], row["reward_mean"], res.loss, sync["changed"])
-        if self.lead:
-            _progress(f"round {rnd}: {cmp['element_count']} tokens compared, {cmp['mismatch_count']} differ; "
-                      f"rollout {row['rollout_tokens_per_s']:.0f} tok/s ({roll.seconds:.1f} s), train "
-                      f"{row['train_tokens_per_s']:.0f} tok/s ({res.seconds:.1f} s), weight sync "
-                      f"{sync['seconds']:.1f} s, vLLM parameters changed {sync['changed']}; Triton JIT compiled / "
-                      f"loaded: rollout {'{} / {}'.format(*jit_counts(row['triton_jit'], 'rollout'))}, train "
-                      f"{'{} / {}'.format(*jit_counts(row['triton_jit'], 'train'))}")
+        self.progress.line(
+            f"{self.clock.text(rnd, row)}; weight sync {sync['seconds']:.1f} s, vLLM parameters changed "
+            f"{sync['changed']}; Triton JIT compiled / loaded: rollout "
+            f"{'{} / {}'.format(*jit_counts(row['triton_jit'], 'rollout'))}, train "
+            f"{'{} / {}'.format(*jit_counts(row['triton_jit'], 'train'))}")
         return {"round": rnd, **cmp, **{k: row[k] for k in row if k not in cmp and k != "schema"}}
 
     def _fallbacks(self) -> int:

@@ -1,7 +1,8 @@
 """The local experiment: N rounds of rollout -> train recompute -> compare -> update -> weight sync.
 
 :func:`run_local` writes the whole run directory (``docs/evidence.md``) and returns a
-:class:`LocalRunResult`; it never prints (the CLI does). Readbacks come from two recorders of
+:class:`LocalRunResult`; what it shows goes through :class:`rlk_repro.progress.Progress` (the run
+directory first, then one line per round; the CLI prints the summary). Readbacks come from two recorders of
 framework ``local``: the trainer's (side ``train``) and the rollout engine's (side ``rollout``).
 """
 
@@ -31,6 +32,8 @@ from rlk_repro.jitwatch import counts as jit_counts
 from rlk_repro.model.config import PRESETS, Qwen3Config
 from rlk_repro.model.ops import Ops
 from rlk_repro.model.weights import load_checkpoint, random_weights, weights_sha256
+from rlk_repro.progress import Progress
+from rlk_repro.resume import STATE_DIR, STATE_DOC, Parent, inherit, save_state
 from rlk_validate import evidence
 
 log = logging.getLogger("rlk_repro")
@@ -64,6 +67,7 @@ class LocalRunConfig:
     readback_mode: str = "strict"
     threads: int | None = None  # torch intra-op threads for the run (None: leave torch's setting)
     require_exact: bool | None = None  # default: the plan is all R/R
+    state_every: int = 1  # save the round state (rlk_repro.resume) every N rounds; 0 = never
     command: list[str] = field(default_factory=lambda: list(sys.argv))
 
     def validate(self) -> None:
@@ -79,6 +83,8 @@ class LocalRunConfig:
             Qwen3Config.from_dir(self.checkpoint)  # a readable config.json, before any run directory exists
         if self.lr <= 0:
             raise RlkConfigError(f"lr must be > 0, got {self.lr}")
+        if self.state_every < 0:
+            raise RlkConfigError(f"state-every must be >= 0 (0 = never), got {self.state_every}")
         if self.threads is not None and self.threads < 1:
             raise RlkConfigError(f"threads must be >= 1, got {self.threads}")
         if self.readback_mode not in ("strict", "audit"):
@@ -130,30 +136,31 @@ def load_model(cfg: LocalRunConfig) -> tuple[Qwen3Config, dict[str, torch.Tensor
     return model_cfg, weights, weights_sha256(weights)
 
 
-def _progress(total: int, desc: str, leave: bool = False):
-    from tqdm import tqdm
-
-    return tqdm(total=total, desc=desc, leave=leave, disable=None, unit="tok", dynamic_ncols=True)
-
-
-def run_local(cfg: LocalRunConfig, output: str | os.PathLike[str], run_name: str | None = None) -> LocalRunResult:
+def run_local(cfg: LocalRunConfig, output: str | os.PathLike[str], run_name: str | None = None,
+              progress: Progress | None = None, resume: Parent | None = None) -> LocalRunResult:
     """Create a run directory under ``output`` (named ``run_name``, e.g. a matrix cell, or by its run id)
-    and run the experiment into it."""
+    and run the experiment into it; ``progress`` shows the run directory first, then one line per round.
+    ``resume``: the interrupted run this new attempt continues (:mod:`rlk_repro.resume`)."""
     cfg.validate()
     device = resolve_device(cfg.device)
     dtype = DTYPES[cfg.dtype]
+    progress = progress or Progress(enabled=False)
     run = runs.begin_run(output, run_name, cfg.command)
+    run_id, run_dir = run.run_id, run.path
+    progress.note(f"run directory {run_dir}")
     code, failure = runs.EXIT_FAILED, None
     threads_before = torch.get_num_threads()
     if cfg.threads is not None:
         torch.set_num_threads(cfg.threads)
     try:
-        result = _run(cfg, run.run_id, run.path, device, dtype)
+        result = _run(cfg, run_id, run_dir, device, dtype, progress, resume)
         code = result.exit_code
         return result
     except BaseException as exc:  # the exit-code file says what the process will exit with, Ctrl-C included
         code, failure = runs.exit_code_for(exc), exc
         log.error("run %s: %s: %s", runs.ended_how(code), type(exc).__name__, exc)
+        if (run_dir / STATE_DIR / STATE_DOC).is_file():
+            progress.note(f"continue this run with: rlk-repro run --resume {run_dir}")
         raise
     finally:
         torch.set_num_threads(threads_before)
@@ -174,20 +181,30 @@ class _Session:
     max_len: int
 
 
-def _run(cfg: LocalRunConfig, run_id: str, run_dir: Path, device: torch.device, dtype: torch.dtype) -> LocalRunResult:
+def _run(cfg: LocalRunConfig, run_id: str, run_dir: Path, device: torch.device, dtype: torch.dtype,
+         progress: Progress, resume: Parent | None = None) -> LocalRunResult:
     log.info("run %s: engine local, mode %s, plan %s, device %s, dtype %s", run_id, cfg.mode, cfg.plan.as_dict(),
              device, cfg.dtype)
     torch.manual_seed(cfg.seed)
     watch = JitWatch()
     try:
-        ses = _start(cfg, run_id, run_dir, device, dtype)
-        runs.write_json_atomic(run_dir / "manifest.json", _manifest(cfg, run_id, ses, device))
-        rounds: list[dict[str, Any]] = []
-        all_changed = True
-        for rnd in range(cfg.rounds):
-            row = _round(cfg, ses, run_dir, rnd, watch)
+        ses = _start(cfg, run_id, run_dir, device, dtype, resume)
+        manifest = _manifest(cfg, run_id, ses, device)
+        first, rounds = 0, []
+        if resume is not None:  # the parent's rounds before its state, then this attempt's from there
+            manifest["resume"] = inherit(run_dir, resume)
+            first, rounds = resume.next_round, resume.rows()
+            log.info("run %s: resumes %s at round %d", run_id, resume.path, first)
+        runs.write_json_atomic(run_dir / "manifest.json", manifest)
+        all_changed = all(r["weights_changed"] for r in rounds)
+        clock = progress.rounds(cfg.rounds, first)
+        for rnd in range(first, cfg.rounds):
+            row = _round(cfg, ses, run_dir, rnd, watch, progress)
             all_changed &= row["weights_changed"]
             rounds.append(row)
+            if cfg.state_every and (rnd + 1) % cfg.state_every == 0 and rnd + 1 < cfg.rounds:
+                save_state(run_dir, rnd + 1, ses.trainer.master, ses.trainer.opt, ses.engine.cache.free)
+            clock.done(rnd, row)
             for rec in ses.recorders:
                 rec.flush()
         return _finish(cfg, ses, run_id, run_dir, rounds, all_changed)
@@ -195,10 +212,18 @@ def _run(cfg: LocalRunConfig, run_id: str, run_dir: Path, device: torch.device, 
         watch.close()
 
 
-def _start(cfg: LocalRunConfig, run_id: str, run_dir: Path, device: torch.device, dtype: torch.dtype) -> _Session:
-    """The model, the prompts, one recorder per side and the two sides built on them."""
+def _start(cfg: LocalRunConfig, run_id: str, run_dir: Path, device: torch.device, dtype: torch.dtype,
+           resume: Parent | None = None) -> _Session:
+    """The model, the prompts, one recorder per side and the two sides built on them (from ``resume``'s round
+    state where one is given: its master weights, optimizer state and KV free list)."""
     plan = cfg.plan
-    model_cfg, weights, ckpt_hash = load_model(cfg)
+    state = None
+    if resume is None:
+        model_cfg, weights, ckpt_hash = load_model(cfg)
+    else:
+        state = resume.load_state()
+        model_cfg = Qwen3Config.from_dir(cfg.checkpoint) if cfg.checkpoint else PRESETS[cfg.model]
+        weights, ckpt_hash = state["master"], resume.manifest["inputs"]["checkpoint"]
     prompts = load_prompts()
     encoded = [encode(p.text, model_cfg.bos_token_id) for p in prompts]
     max_len = max(len(e) for e in encoded) + cfg.max_new_tokens
@@ -220,6 +245,9 @@ def _start(cfg: LocalRunConfig, run_id: str, run_dir: Path, device: torch.device
                            max_model_len=max_len, seed=cfg.seed)
     trainer = Trainer(model_cfg, weights, Ops(plan, "train", rec_train), device=device, dtype=dtype,
                       temperature=cfg.temperature, optimizer=cfg.optimizer, lr=cfg.lr, update=not cfg.static_weights)
+    if state is not None:
+        trainer.opt.load_state_dict(state["optimizer"])
+        engine.cache.free = list(state["kv_free"])
     return _Session(model_cfg, engine, trainer, (rec_train, rec_roll), prompts, encoded, ckpt_hash, max_len)
 
 
@@ -278,25 +306,24 @@ def step_summary(seconds: list[float], tokens: list[int], slowest: int = 5,
     return out
 
 
-def _round(cfg: LocalRunConfig, ses: _Session, run_dir: Path, rnd: int, watch: JitWatch) -> dict[str, Any]:
+def _round(cfg: LocalRunConfig, ses: _Session, run_dir: Path, rnd: int, watch: JitWatch,
+           progress: Progress) -> dict[str, Any]:
     """One round: rollout, rewards, the train recompute + update, the comparison, the weight sync; writes the
     round's train-data and metrics line (with the Triton compiles of each phase: ``watch``) and returns its
     summary row."""
     n = cfg.samples_per_prompt
     chosen, requests = _requests(cfg, ses, rnd)
-    bar = _progress(sum(r.params.max_new_tokens for r in requests), f"round {rnd} rollout")
-    with watch.phase("rollout"):
+    with progress.counter(sum(r.params.max_new_tokens for r in requests), f"round {rnd + 1} rollout") as bar, \
+            watch.phase("rollout"):
         stats = ses.engine.generate(requests, on_token=bar.update)
-    bar.close()
 
     rewards = [reward(r.output, ses.prompts[chosen[i // n]].answer) for i, r in enumerate(requests)]
     adv = group_advantages(rewards, n)
     samples = [Sample(r.prompt, r.output, r.logprobs, a) for r, a in zip(requests, adv, strict=True)]
-    bar = _progress(sum(len(r.prompt) + len(r.output) - 1 for r in requests), f"round {rnd} train")
-    with watch.phase("train"):
+    with progress.counter(sum(len(r.prompt) + len(r.output) - 1 for r in requests), f"round {rnd + 1} train") as bar, \
+            watch.phase("train"):
+        bar.update(0)  # shown while the step runs
         res = ses.trainer.step(samples)
-    bar.update(res.tokens)
-    bar.close()
 
     roll = [torch.tensor(r.logprobs, dtype=torch.float32) for r in requests]
     cmp = runs.compare(torch.cat(roll), torch.cat([t.cpu() for t in res.train_logprobs]))
