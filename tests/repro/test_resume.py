@@ -17,7 +17,7 @@ from rlk_repro.resume import STATE_DIR
 from rlk_validate.validate import Options, validate_run
 
 SMALL = ["--prompts-per-round", "2", "--samples-per-prompt", "3", "--max-new-tokens", "6", "--chunk-size", "8",
-         "--page-size", "4", "--max-num-seqs", "4", "--seed", "11", "--lr", "3e-3"]
+         "--page-size", "4", "--max-num-seqs", "4", "--seed", "11"]
 TIMINGS = ("rollout_seconds", "train_seconds", "rollout_tokens_per_s", "rollout_generated_tokens_per_s",
            "train_tokens_per_s", "peak_memory_bytes", "triton_jit", "python_gc", "rollout_step_ms")
 

@@ -88,8 +88,8 @@ class Parent:
         out = []
         for line in self.metrics_lines:
             m = json.loads(line)
-            out.append({"round": m["round"], "element_count": m["compared_tokens"], **{k: v for k, v in m.items()
-                                                                                       if k != "schema"}})
+            out.append({"round": m["round"], "element_count": m["compared_tokens"],
+                        "informative_count": m["informative_tokens"], **{k: v for k, v in m.items() if k != "schema"}})
         return out
 
 
