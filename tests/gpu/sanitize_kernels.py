@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from rlk_core.ops._plan import jit_plan
 from rlk_core.ops.linear import triton as linear_t
 from rlk_core.ops.linear.reference import linear_reference
 from rlk_core.ops.rms_norm import triton as rms_t
@@ -62,6 +63,7 @@ def main(parts: list[str]) -> int:
 
 def _linear() -> None:
     dev = "cuda"
+    P = jit_plan(torch.device(dev))
     # pointer kernel at 16/64/128-row tiles (N = 130, 257: rows not 16-byte aligned, no TMA) and the TMA
     # kernels: 64-row tiles (M = 70, last row block by a 16-row box) and the persistent 128-row tiles
     # (M = 300), ragged N and K
@@ -70,8 +72,8 @@ def _linear() -> None:
             x = torch.randn(m, k, device=dev).to(dt)
             w = (torch.randn(n, k, device=dev) * k ** -0.5).to(dt)
             b = torch.randn(n, device=dev).to(dt)
-            close(linear_t.forward(x, w, b), linear_reference(x, w, b), dt, f"linear {m}x{n}x{k}")
-            close(linear_t.forward(x.t().contiguous().t(), w.t().contiguous().t(), None),
+            close(linear_t.forward(P, x, w, b), linear_reference(x, w, b), dt, f"linear {m}x{n}x{k}")
+            close(linear_t.forward(P, x.t().contiguous().t(), w.t().contiguous().t(), None),
                   linear_reference(x, w, None), dt, "linear strided")
     # the TMA kernel with a 16-row tail (64 < M <= 80 on large weights: full and ragged tails), and 64-row
     # tiles whose last row block is read with a 32-row box (M = 90, 20) or a 16-row box (M = 65)
@@ -92,17 +94,18 @@ def _linear() -> None:
 
 def _rowwise() -> None:
     dev = "cuda"
+    P = jit_plan(torch.device(dev))
     for dt in (torch.bfloat16, torch.float32):
         for shape in ((5, 128), (3, 1000), (17, 4096)):
             x, wt = torch.randn(shape, device=dev).to(dt), torch.randn(shape[-1], device=dev).to(dt)
-            close(rms_t.forward(x, wt, 1e-6), rms_norm_reference(x, wt, 1e-6), dt, f"rms_norm {shape}")
+            close(rms_t.forward(P, x, wt, 1e-6), rms_norm_reference(x, wt, 1e-6), dt, f"rms_norm {shape}")
         for shape in ((5, 2 * 768), (3, 2 * 100), (2, 2 * 3072)):
             x = torch.randn(shape, device=dev).to(dt)
-            close(swiglu_t.forward(x), swiglu_reference(x), dt, f"swiglu {shape}")
+            close(swiglu_t.forward(P, x), swiglu_reference(x), dt, f"swiglu {shape}")
         for t, h, d, rd in ((5, 8, 128, 128), (3, 3, 96, 64)):
             x = torch.randn(t, h, d, device=dev).to(dt)
             pos = torch.randint(0, 5000, (t,), device=dev)
-            close(rope_t.forward(x, pos, 1e6, rd), rope_reference(x, pos, 1e6, rd), dt, f"rope {t, h, d, rd}")
+            close(rope_t.forward(P, x, pos, 1e6, rd), rope_reference(x, pos, 1e6, rd), dt, f"rope {t, h, d, rd}")
 
 
 if __name__ == "__main__":

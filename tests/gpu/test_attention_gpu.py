@@ -5,11 +5,14 @@ layout), batch composition, CP zigzag sharding, run-to-run, tolerance vs the ref
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 from rlk_core.backends import REGISTRY
+from rlk_core.ops._plan import jit_plan
 from rlk_core.ops.attention import attention_decode, attention_paged_prefill, attention_varlen, kv_cache_write
 from rlk_core.ops.attention.reference import (
     attention_decode_reference,
@@ -113,14 +116,16 @@ def test_prefill_kv_tma_is_only_a_load_path(hq, hkv):
     lens = [1, 65, 300, 2100, 64]
     q, k, v = qkv(sum(lens), hq, hkv, seed=9)
     cu = cu_seqlens(lens, DEV)
+    P = jit_plan(q.device)
     cfg = at.config(torch.bfloat16, D)
-    assert cfg["KV_TMA"] and at.kv_tma_ok(k, v, D, cfg["D_PAD"])
+    assert cfg["KV_TMA"] and at.kv_tma_ok(P, k, v, D, cfg["D_PAD"])
     ks = (k.stride(0), k.stride(0), k.stride(1), k.stride(2))
     vs = (v.stride(0), v.stride(0), v.stride(1), v.stride(2))
     lk = (cu[1:] - cu[:-1]).to(torch.int32)
     for causal in (True, False):
-        tma = at._launch(q, k, v, cu, 1, 0, ks, vs, cu, lk, None, causal, SCALE, "prefill")
-        ptr = at._launch(q, k, v, cu, 1, 0, ks, vs, cu, lk, None, causal, SCALE, "prefill", dict(cfg, KV_TMA=False))
+        tma = at._launch(P, q, k, v, cu, 1, 0, ks, vs, cu, len(lens), lk, None, causal, SCALE, "prefill")
+        ptr = at._launch(P, q, k, v, cu, 1, 0, ks, vs, cu, len(lens), lk, None, causal, SCALE, "prefill",
+                         dict(cfg, KV_TMA=False))
         assert_bitwise_equal(tma, ptr, f"KV_TMA vs pointer loads, causal={causal}")
 
 
@@ -329,7 +334,10 @@ def sanitize_cases() -> None:
     cache slots."""
     from rlk_core.ops.attention import triton as at
 
-    def check(fn, ref_fn, args, v_pos, dtype, name):
+    P = jit_plan(torch.device(DEV))
+
+    def check(plan_fn, ref_fn, args, v_pos, dtype, name):
+        fn = functools.partial(plan_fn, P)
         # the reference runs on CPU copies: under racecheck every GPU kernel is instrumented, and the
         # reference's hundreds of small kernels would dominate (a run with them exceeded 240 s)
         out = fn(*args).cpu()
@@ -354,7 +362,8 @@ def sanitize_cases() -> None:
         ks = [k[cu[i]:cu[i + 1]] for i in range(3)]
         vs = [v[cu[i]:cu[i + 1]] for i in range(3)]
         for page in (1, 16, 64):
-            cache = build_paged_kv(ks, vs, page, generator=torch.Generator().manual_seed(page), write=at.kv_cache_write)
+            cache = build_paged_kv(ks, vs, page, generator=torch.Generator().manual_seed(page),
+                                   write=functools.partial(at.kv_cache_write, P))
             qc = torch.cat([q[cu[i + 1] - c:cu[i + 1]] for i, c in enumerate(chunk)])
             cu_c = cu_seqlens(chunk, DEV)
             check(at.attention_paged_prefill, attention_paged_prefill_reference,

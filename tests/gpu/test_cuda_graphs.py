@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from rlk_core.ops import linear
+from rlk_core.ops._plan import jit_plan
 from rlk_core.ops.attention import attention_decode, attention_varlen
 from rlk_core.testing import assert_bitwise_equal
 from rlk_core.testing.attention import build_paged_kv, cu_seqlens
@@ -82,7 +83,7 @@ def test_linear_row_split_graph_replays_new_activations():
     from rlk_core.ops.linear import triton as lt
 
     x, w = randn((4096, 4096), seed=93), randn((1536, 4096), scale=4096 ** -0.5, seed=94)
-    assert lt.config(x.dtype, 4096, 1536, 4096, True, lt._num_sms(0)).get("SPLIT_ROWS")
+    assert lt.config(x.dtype, 4096, 1536, 4096, True, jit_plan(x.device).sms).get("SPLIT_ROWS")
     graph, y = capture(lambda: linear(x, w))
     x.copy_(randn(x.shape, seed=95))
     graph.replay()

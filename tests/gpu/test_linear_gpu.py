@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 from rlk_core.backends import REGISTRY
 from rlk_core.ops import linear
+from rlk_core.ops._plan import jit_plan
 from rlk_core.ops.linear.reference import linear_reference
 from rlk_core.ops.linear.tiles import _LARGE_TMA, shipped_tiles
 from rlk_core.testing import assert_bitwise_equal, check_batch_invariance, check_run_to_run, dtype_tols
@@ -84,7 +85,7 @@ def test_every_shipped_tile_gives_the_same_bits(n, k):
         want = linear(x[:m], w, b)
         for tile in shipped_tiles():
             for tma, rem_box in ((False, False), (True, False), (True, True)):
-                if (tma and not lt._tma_compatible(x, w, want)) or (not tma and len(tile) > 6):
+                if (tma and not lt.tma_compatible(x, w, want)) or (not tma and len(tile) > 6):
                     continue
                 cfg = lt.tile_config(tile, k, tma=tma, rem_box=rem_box)
                 assert_bitwise_equal(lt.linear_2d(x[:m], w, b, cfg), want,
@@ -103,7 +104,7 @@ def _straggling_split(reader: torch.cuda.Stream | None = None):
     cfg = dict(lt.tile_config(_LARGE_TMA[0][0], 16384, tma=True), SPLIT_ROWS=rows,
                REST=lt.tile_config(_LARGE_TMA[2][0], 16384, tma=True))
     out = torch.full((rows + 128, 256), float("nan"), dtype=x.dtype, device=x.device)
-    lt._launch(x, w, None, out, cfg)
+    lt._launch(jit_plan(x.device), x, w, None, out, cfg)
     with torch.cuda.stream(reader or torch.cuda.current_stream()):
         seen = out.clone()
     torch.cuda.synchronize()

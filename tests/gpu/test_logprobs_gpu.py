@@ -266,31 +266,33 @@ def test_opcheck_gpu():
 def sanitize_cases() -> None:
     """Every log-prob kernel once at small, awkward shapes (the lead runs this under compute-sanitizer);
     raises if a result is outside tolerance of the reference."""
+    from rlk_core.ops._plan import jit_plan
     from rlk_core.ops.linear_logprobs import triton as llt
     from rlk_core.ops.token_logprobs import triton as tt
 
+    P = jit_plan(torch.device("cuda"))
     for dtype in (torch.bfloat16, torch.float32):
         for t_rows, v in ((1, 9), (17, 1000), (5, 2053)):
             x = randn((t_rows, v), dtype, 3.0, seed=30)
             y, t = targets(t_rows, v), temps(t_rows)
-            out = tt.forward([x], y, t)
+            out = tt.forward(P, [x], y, t)
             # references on CPU copies: under racecheck every GPU kernel is instrumented, and the
             # references' many small kernels would dominate the run
             xc, yc, tc = x.cpu(), y.cpu(), t.cpu()
             assert_close_logp([o.cpu() for o in out], token_logprobs_reference([xc], yc, tc),
                               f"sanitize token {t_rows}x{v}")
             b = L.group_bounds(v)
-            m, s, zt = tt.logp_partials(x[:, b[0]:b[4]], y, t, 0, v)
+            m, s, zt = tt.logp_partials(P, x[:, b[0]:b[4]], y, t, 0, v)
             assert m.shape == (t_rows, 4) and s.shape == (t_rows, 4) and zt.shape == (t_rows,)
             g = torch.ones(t_rows, device="cuda")
-            d = tt.backward([x], y, t, out[1], g, g)[0].cpu()
+            d = tt.backward(P, [x], y, t, out[1], g, g)[0].cpu()
             r = token_logprobs_backward_reference([xc], yc, tc, out[1].cpu(), g.cpu(), g.cpu())[0]
             torch.testing.assert_close(d.double(), r.double(), rtol=dtype_tols(dtype)["rtol"], atol=1e-4)
         hidden, w = randn((7, 96), dtype, seed=31), head(1000, 96, dtype, seed=32)
         y, t = targets(7, 1000), temps(7)
-        out = llt.forward(hidden, [w], y, t)
+        out = llt.forward(P, hidden, [w], y, t)
         assert_close_logp(out, linear_logprobs_reference(hidden, [w], y, t), "sanitize linear_logprobs")
         g = torch.ones(7, device="cuda")
-        dh, dws = llt.backward(hidden, [w], y, t, out[1], g, g)
+        dh, dws = llt.backward(P, hidden, [w], y, t, out[1], g, g)
         assert dh.shape == hidden.shape and dws[0].shape == w.shape and bool(torch.isfinite(dws[0]).all())
     torch.cuda.synchronize()
