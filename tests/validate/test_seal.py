@@ -124,7 +124,7 @@ def test_seal_subprocess(tmp_path: Path) -> None:
 
 
 def test_seal_failure_is_reported_and_leaves_nothing(good_run: Path, cli, monkeypatch) -> None:
-    from rlk_validate import seal
+    from rlk_validate import sealing as seal
 
     def deny(path: str, data: bytes) -> None:
         raise PermissionError(13, "Permission denied")

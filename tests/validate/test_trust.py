@@ -48,7 +48,7 @@ def test_an_edited_unread_file_and_a_removed_folder_are_named(good_run, cli):
 # -- defect 10: atomic seal, an interrupted one re-done --------------------------------------------
 KILLED_SEALER = """
 import os, signal, sys
-from rlk_validate import seal
+from rlk_validate import sealing as seal
 real = seal.write_bytes_atomic
 def write(path, data):
     name = os.path.basename(path)

@@ -363,7 +363,7 @@ def _print_result(cfg, result) -> None:
 def _cmd_matrix(a: argparse.Namespace, argv: Sequence[str]) -> int:
     from rlk_repro.matrix import run_matrix
 
-    return run_matrix(a, argv, _config, _frameworks_cell, _needs)
+    return run_matrix(a, argv, _config, _frameworks_cell, _needs, build_parser)
 
 
 def _cmd_plan(a: argparse.Namespace, argv: Sequence[str]) -> int:

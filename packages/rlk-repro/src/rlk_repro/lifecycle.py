@@ -26,6 +26,7 @@ import sys
 import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from datetime import datetime, timezone
 from pathlib import Path
 
 from rlk_core.errors import RlkConfigError
@@ -167,10 +168,12 @@ def holder_text(info: dict) -> str:
             + (f" (`{cmd[:300]}`)" if cmd else ""))
 
 
+def utc_now() -> str:
+    return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
 def lock_matrix_root(root: Path, command: Sequence[str]) -> Lock:
     """Hold the lock of matrix root ``root``; a root another live process holds: exit 2 naming the holder."""
-    from rlk_repro.runs import utc_now
-
     path = root / evidence.MATRIX_LOCK
     try:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o644)

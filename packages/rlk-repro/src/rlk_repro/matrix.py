@@ -62,11 +62,9 @@ def _route_free(cfg) -> dict[str, Any]:
     return {k: v for k, v in asdict(cfg).items() if k not in _CELL_KEYS}
 
 
-def _recorded(root: Path) -> dict[str, Any]:
+def _recorded(root: Path, build_parser) -> dict[str, Any]:
     """The options of matrix root ``root``: its ``matrix-options.json``, or (a root from before it was written)
-    the command recorded in a cell's manifest."""
-    from rlk_repro.cli import build_parser
-
+    the command recorded in a cell's manifest (parsed by ``build_parser()``, rlk-repro's parser)."""
     path = root / evidence.MATRIX_OPTIONS
     if path.is_file():
         try:
@@ -88,11 +86,9 @@ def _recorded(root: Path) -> dict[str, Any]:
                          "no cell manifest)")
 
 
-def _resume_options(a: argparse.Namespace, root: Path) -> argparse.Namespace:
+def _resume_options(a: argparse.Namespace, root: Path, build_parser) -> argparse.Namespace:
     """The recorded options of ``root``, after refusing a flag given now that differs from them."""
-    from rlk_repro.cli import build_parser
-
-    recorded = _recorded(root)
+    recorded = _recorded(root, build_parser)
     options = recorded.get("options")
     if not isinstance(options, dict):
         raise RlkConfigError(f"--resume {root}: {evidence.MATRIX_OPTIONS} records no options")
@@ -123,13 +119,15 @@ def _check_config(root: Path, recorded: dict[str, Any] | None, now: dict[str, An
                              f"({shown}); restore the environment the matrix was started with")
 
 
-def run_matrix(a: argparse.Namespace, argv: Sequence[str], config_of, frameworks_cell, needs) -> int:
+def run_matrix(a: argparse.Namespace, argv: Sequence[str], config_of, frameworks_cell, needs, build_parser) -> int:
     """``rlk-repro matrix``; ``config_of(a, argv, resolved)`` builds a cell's run configuration (``cli._config``),
-    ``frameworks_cell`` runs a cell of ``--engine frameworks``, ``needs(a)`` checks that engine's requirements."""
+    ``frameworks_cell`` runs a cell of ``--engine frameworks``, ``needs(a)`` checks that engine's requirements,
+    ``build_parser()`` is rlk-repro's argument parser (the CLI hands them in: this module does not import it)."""
     from rlk_core import envs, routes
     from rlk_core.plan import MODULES, RoutePlan
     from rlk_repro.engine.local import run_local
-    from rlk_repro.runs import new_run_id, utc_now, write_json_atomic
+    from rlk_repro.lifecycle import utc_now
+    from rlk_repro.runs import new_run_id, write_json_atomic
     from rlk_validate.matrix import expected_plan, validate_matrix
     from rlk_validate.validate import Options
 
@@ -139,7 +137,7 @@ def run_matrix(a: argparse.Namespace, argv: Sequence[str], config_of, frameworks
         if not root.is_dir():
             raise RlkConfigError(f"--resume {root}: not a directory")
         lifecycle.refuse_inside_run_dir(root, "--resume")
-        a = _resume_options(a, root)
+        a = _resume_options(a, root, build_parser)
     else:
         out = Path(a.output)
         if out.exists() and not out.is_dir():

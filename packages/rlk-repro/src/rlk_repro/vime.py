@@ -72,7 +72,6 @@ ENTRY_POINTS: dict[str, Any] = {
 }
 LAUNCH_SCHEMA = VIME_LAUNCH_SCHEMA
 LAUNCH_FILE = "rlk-launch.json"
-ENVIRONMENT_FILE = "environment.json"
 RECORDS_DIR = "logprob-records"
 CHECKPOINTS_DIR = "checkpoints"
 #: prompt tokens budgeted per sample (``--rollout-max-prompt-len``; longer prompts are dropped by VIME)

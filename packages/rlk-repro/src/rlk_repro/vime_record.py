@@ -13,6 +13,8 @@ from typing import Any
 
 from rlk_validate.evidence import VIME_ENVIRONMENT_SCHEMA
 
+ENVIRONMENT_FILE = "environment.json"  # in the run directory (rlk_repro.vime names the launch's other files)
+
 
 def record_environment(run_dir: str, repos: Mapping[str, str], inputs: Mapping[str, str]) -> dict[str, Any]:
     """Repository SHAs and dirty state, package versions, GPUs and input hashes, for the manifest."""
@@ -80,7 +82,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     import os
     import sys
 
-    from rlk_repro.vime import ENVIRONMENT_FILE
     from rlk_validate.evidence import write_json_atomic
 
     p = argparse.ArgumentParser(prog="python -m rlk_repro.vime",

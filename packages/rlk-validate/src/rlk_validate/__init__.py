@@ -10,7 +10,7 @@ __version__ = "0.1.0"
 
 from .findings import CODES, Finding
 from .matrix import validate_matrix
-from .seal import seal_run
+from .sealing import seal_run
 from .validate import Options, validate_run
 
 __all__ = ["CODES", "Finding", "Options", "__version__", "seal_run", "validate_matrix", "validate_run"]

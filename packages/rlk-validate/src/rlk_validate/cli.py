@@ -188,7 +188,7 @@ def _print(text: str) -> None:
 
 
 def _main_run(argv: Sequence[str]) -> int:
-    from .seal import seal_run
+    from .sealing import seal_run
     from .validate import validate_run
 
     a = _run_parser().parse_args(argv)

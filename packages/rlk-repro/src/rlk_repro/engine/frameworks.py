@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from rlk_core.errors import RlkConfigError
-from rlk_repro import runs
+from rlk_repro import lifecycle, runs
 from rlk_repro.engine.data import encode, load_prompts, prompts_sha256, vocab_reward
 from rlk_repro.engine.local import DTYPES, LocalRunConfig, LocalRunResult, load_model
 from rlk_repro.engine.trainer import Sample, group_advantages
@@ -270,7 +270,7 @@ class _Run:
         except Exception:
             pass
         return {
-            "schema": evidence.MANIFEST_SCHEMA, "run_id": self.run_id, "created_at": runs.utc_now(),
+            "schema": evidence.MANIFEST_SCHEMA, "run_id": self.run_id, "created_at": lifecycle.utc_now(),
             "engine": "frameworks", "mode": cfg.mode, "command": [str(c) for c in cfg.command],
             "plan": plan.as_dict(), "plan_sources": {m: cfg.plan_sources.get(m, "config") for m in plan.as_dict()},
             "readback_mode": {"mode": cfg.readback_mode, "source": cfg.readback_mode_source},

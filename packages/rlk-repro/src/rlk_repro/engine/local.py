@@ -22,7 +22,7 @@ from rlk_core.errors import RlkConfigError
 from rlk_core.ops.rope import reserve_tables
 from rlk_core.plan import RoutePlan
 from rlk_core.readback import ReadbackRecorder
-from rlk_repro import runs
+from rlk_repro import lifecycle, runs
 from rlk_repro.engine.data import encode, load_prompts, prompts_sha256, reward
 from rlk_repro.engine.rollout import Request, RolloutEngine
 from rlk_repro.engine.sampling import SamplingParams
@@ -255,7 +255,7 @@ def _manifest(cfg: LocalRunConfig, run_id: str, ses: _Session, device: torch.dev
     plan = cfg.plan
     sources = {m: cfg.plan_sources.get(m, "config") for m in plan.as_dict()}
     return {
-        "schema": evidence.MANIFEST_SCHEMA, "run_id": run_id, "created_at": runs.utc_now(), "engine": "local",
+        "schema": evidence.MANIFEST_SCHEMA, "run_id": run_id, "created_at": lifecycle.utc_now(), "engine": "local",
         "mode": cfg.mode, "command": [str(c) for c in cfg.command], "plan": plan.as_dict(),
         "plan_sources": sources, "readback_mode": {"mode": cfg.readback_mode, "source": cfg.readback_mode_source},
         "rounds": cfg.rounds, "ranks": 1, "repos": [runs.repo_state(Path(__file__).resolve().parent)],
