@@ -58,7 +58,7 @@ def rowwise_and_linear_cases(device, dtypes=DTYPES) -> Iterator[Case]:
             for n, k in ((1024, 1024), (3072, 1024), (1536, 4096), (4096, 1536)):
                 x, w = rnd(m, k, dtype=dtype), rnd(n, k, dtype=dtype)
                 yield "linear", (x, w, None), True
-            yield "linear", (rnd(2, m, 1024, dtype=dtype), w, rnd(1536, dtype=dtype)), True
+            yield "linear", (rnd(2, m, 1024, dtype=dtype), rnd(1536, 1024, dtype=dtype), rnd(1536, dtype=dtype)), True
         yield "linear", (_misaligned(rnd(5, 1536, dtype=dtype)), w, None), False
         yield "linear", (rnd(5, 1000, dtype=dtype), rnd(48, 1000, dtype=dtype), None), False
         for h in (16, 128, 1024, 4096, 65536):

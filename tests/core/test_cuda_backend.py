@@ -118,6 +118,24 @@ def test_a_call_needing_a_copy_runs_the_same_launches_from_python(device):
     assert device.via == ["launch"]
 
 
+def test_decode_with_no_offsets_yet_makes_its_own_on_the_host_and_runs_from_python(device, monkeypatch):
+    """A decode captured before any offsets tensor exists builds its own (``p.host(torch.arange, ..., dtype=...)``):
+    rlk.cuda runs it from Python with the JIT's launches, not as a program."""
+    from rlk_core.ops.attention import triton as at
+
+    op, args, served = next(c for c in cases.attention_forward_cases(CPU) if c[0] == "attention_decode" and c[2])
+    monkeypatch.setattr(at, "decode_offsets", lambda device, n: None)
+    _cuda.clear()
+    assert _cuda.OPS[op].decision(args).packed is None
+    device.clear()
+    out = _cuda.OPS[op].run(*args)
+    assert device.via == ["launch"]
+    with F.JitLaunches() as jit:
+        want = at.attention_decode(_plan.jit_plan(CPU), *args)
+    assert F.canonical(device.launches, F.tensors_of(args) + F.tensors_of(out)) == F.canonical(
+        jit.launches, F.tensors_of(args) + F.tensors_of(want))
+
+
 def test_a_held_tensor_is_an_address_and_replacing_it_forgets_the_decisions(device):
     from rlk_core.ops.rope import triton as rope
 

@@ -29,9 +29,10 @@ pytestmark = pytest.mark.gpu
 
 def attention_varlen_backward(*args, cfg=None):
     """The rlk.triton backward kernels, imported on first use (collecting this file needs no Triton)."""
+    from rlk_core.ops._plan import jit_plan
     from rlk_core.ops.attention.triton_backward import attention_varlen_backward as kernels
 
-    return kernels(*args, cfg)
+    return kernels(jit_plan(args[0].device), *args, cfg)
 
 
 def make_inputs(lq, lk, hq, hkv, d, dtype=torch.bfloat16, seed=0):

@@ -37,7 +37,7 @@ SWEEPS = {  # family -> its sweep over the dtypes built
     "token_logprobs": lambda dts: K.logprob_cases("cuda", dts),
     "linear_logprobs": lambda dts: (*K.linear_logprob_cases("cuda", dts), *K.linear_logprobs_backward_cases("cuda",
                                                                                                            dts)),
-    "backward": lambda dts: K.backward_cases("cuda", dts),
+    "backward": lambda dts: K.backward_cases("cuda"),
 }
 NEEDS = {"dense": {"linear", "rms_norm", "swiglu", "rope"}, "attention": {"attention"},
          "attention_backward": {"attention_backward"}, "token_logprobs": {"token_logprobs"},
@@ -205,10 +205,11 @@ def _materialize(value, gen, misaligned=False):
     span = sum((n - 1) * s for n, s in zip(value.shape, value.stride(), strict=True)) + 1 if value.numel() else 0
     base = torch.empty(span + int(misaligned), dtype=value.dtype, device="cuda")
     t = base.as_strided(value.shape, value.stride(), int(misaligned))
+    fill = base[int(misaligned):]  # every element the view reaches (an expanded view shares them)
     if t.is_floating_point():
-        t.copy_((torch.rand(t.shape, device="cuda", generator=gen) + 0.5).to(t.dtype))
+        fill.copy_((torch.rand(fill.shape, device="cuda", generator=gen) + 0.5).to(t.dtype))
     else:
-        t.zero_()
+        fill.zero_()
     return t
 
 

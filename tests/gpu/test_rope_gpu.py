@@ -196,6 +196,7 @@ def test_a_longer_reservation_keeps_the_table_a_graph_captured(monkeypatch, reti
     the graph reads stays allocated (retired, not freed) and a replay gives the eager bits. Control: with
     retirement disabled the replaced table's memory is freed under the graph (what the retirement
     prevents), seen in the allocator's own snapshot."""
+    from rlk_core.ops import _plan
     from rlk_core.ops.rope import reserve_tables
     from rlk_core.ops.rope import triton as rope_triton
     from rlk_core.testing.graphs import capture
@@ -205,6 +206,7 @@ def test_a_longer_reservation_keeps_the_table_a_graph_captured(monkeypatch, reti
             def append(self, item):
                 pass
         monkeypatch.setattr(rope_triton, "_RETIRED", Dropped())
+        monkeypatch.setattr(_plan, "_HELD", Dropped())  # a held table is kept alive as well
     theta = 9753.0 + retire
     reserve_tables("cuda", 128, theta, 4096)
     old = [t.data_ptr() for t in rope_triton.reserved_tables(torch.device("cuda", 0), 128, theta)]

@@ -94,8 +94,8 @@ class Enumerate(_plan.Plan):
         return x if (dtype or x.dtype) == x.dtype and x.is_contiguous() else torch.empty(
             x.shape, dtype=dtype or x.dtype, device="meta")
 
-    def host(self, fn, *args):
-        return fn(*args)  # on meta tensors: shapes only
+    def host(self, fn, *args, **kwargs):
+        return fn(*args, **kwargs)  # on meta tensors: shapes only
 
     def launch(self, kernel, grid, *args, **kwargs):
         for generic in (False, True) if kernel.__name__ in GENERIC_BITWISE else (False,):

@@ -206,9 +206,9 @@ class Decide(Plan):
         self._not_a_program("the plan copies an input")
         return torch.empty(x.shape, dtype=dtype, device=self.device)  # its address stands for the copy's
 
-    def host(self, fn, *args):
+    def host(self, fn, *args, **kwargs):
         self._not_a_program("the plan works on the host between launches")
-        return fn(*args)
+        return fn(*args, **kwargs)
 
     def free(self, *tensors):
         self._not_a_program("the plan frees a buffer between launches")

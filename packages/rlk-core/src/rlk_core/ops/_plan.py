@@ -117,8 +117,8 @@ class Plan:
         """``kernel[grid](*args, **kwargs)``."""
         raise NotImplementedError
 
-    def host(self, fn: Callable[..., Any], *args: Any) -> Any:
-        """Torch work between launches (an accumulation, a copy into an output): ``fn(*args)``."""
+    def host(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """Torch work between launches (an accumulation, a copy into an output): ``fn(*args, **kwargs)``."""
         raise NotImplementedError
 
     def free(self, *tensors: torch.Tensor) -> None:
@@ -145,8 +145,8 @@ class JitPlan(Plan):
     def launch(self, kernel, grid, *args, **kwargs):
         kernel[grid](*args, **kwargs)
 
-    def host(self, fn, *args):
-        return fn(*args)
+    def host(self, fn, *args, **kwargs):
+        return fn(*args, **kwargs)
 
 
 _JIT: dict[torch.device, JitPlan] = {}
