@@ -37,13 +37,25 @@ SWEEPS = {  # family -> its sweep over the dtypes built
     "token_logprobs": lambda dts: K.logprob_cases("cuda", dts),
     "linear_logprobs": lambda dts: (*K.linear_logprob_cases("cuda", dts), *K.linear_logprobs_backward_cases("cuda",
                                                                                                            dts)),
-    "backward": lambda dts: K.backward_cases("cuda"),
+    "backward": lambda dts: [c for c in K.backward_cases("cuda") if _first_dtype(c[1]) in dts],
 }
 NEEDS = {"dense": {"linear", "rms_norm", "swiglu", "rope"}, "attention": {"attention"},
          "attention_backward": {"attention_backward"}, "token_logprobs": {"token_logprobs"},
          "linear_logprobs": {"linear_logprobs", "linear", "token_logprobs"},
          "backward": {"linear", "rms_norm", "swiglu", "rope"}}
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def _first_dtype(args: tuple) -> torch.dtype:
+    """The dtype a case is built in: its first tensor's (the input or the gradient)."""
+    return next(a.dtype for a in args if isinstance(a, torch.Tensor))
+
+
+def _twin_served(what: str) -> bool:
+    """A JIT compile of a kernel whose misaligned calls rlk.cuda serves from its generic twin (``GENERIC_BITWISE``:
+    the same bits, compared in the sweep): rlk.triton's own specialisation of such a call, made here only by the
+    comparison, is not one the build compiles (its pointer without the 16-byte divisibility, the rest with it)."""
+    return what.split(" ", 1)[0] in _cuda.GENERIC_BITWISE and "(0,): []" in what
 
 
 def _manifest() -> tuple[dict, dict]:
@@ -190,8 +202,18 @@ def test_every_served_call_is_bitwise_triton_and_every_declined_one_runs_triton(
             _same(op, args, cuda.fn, triton.fn)
         served += 1
     assert served
-    missed = [what for hit, what in jit_compiles if not hit]
+    missed = [what for hit, what in jit_compiles if not hit and not _twin_served(what)]
     assert not missed, f"{len(missed)} of {len(jit_compiles)} JIT compiles missed the build's cache: {missed[:3]}"
+
+
+def _copy(a):
+    """A copy of a call's argument with its shape, strides and 16-byte alignment class (``clone()`` would align a
+    misaligned input and make an expanded one dense: another variant); an expanded input, read only, as it is."""
+    if not isinstance(a, torch.Tensor) or 0 in a.stride():
+        return a
+    off = (a.data_ptr() % 16) // a.element_size()
+    span = sum((n - 1) * s for n, s in zip(a.shape, a.stride(), strict=True)) + 1 if a.numel() else 0
+    return torch.empty(span + off, dtype=a.dtype, device=a.device).as_strided(a.shape, a.stride(), off).copy_(a)
 
 
 def _materialize(value, gen, misaligned=False):
@@ -249,7 +271,7 @@ def test_every_built_variant_ran(jit_compiles):
                 args = tuple(_materialize(a, gen, misaligned and i == 0) for i, a in enumerate(meta_args))
                 outs = []
                 for make in (lambda: _cuda.Run(device), lambda: _plan.JitPlan(device)):
-                    run_args = tuple(a.clone() if isinstance(a, torch.Tensor) else a for a in args)
+                    run_args = tuple(_copy(a) for a in args)
                     out = fn(make(), *run_args)
                     outs.append([t for t in _outputs("", run_args, out) if isinstance(t, torch.Tensor)]
                                 + [a for a in run_args if isinstance(a, torch.Tensor)])
@@ -259,7 +281,7 @@ def test_every_built_variant_ran(jit_compiles):
     want = {e["key"] for e in _manifest()[1].values()}
     never = want - RAN
     assert not never, f"{len(never)} of {len(want)} variants never ran: {sorted(never)[:3]}"
-    missed = [what for hit, what in jit_compiles if not hit]
+    missed = [what for hit, what in jit_compiles if not hit and not _twin_served(what)]
     assert not missed, missed[:3]
 
 
