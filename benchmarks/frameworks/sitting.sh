@@ -154,7 +154,7 @@ stage() {  # stage NAME SECONDS
             mkdir -p "$out/reports"
             (cd "$out/tmp" 2>/dev/null && find . -maxdepth 2 \( -name '*_exact*.json' -o -name '*_exact*.md' \
                 -o -name '*.log' -o -name '*-validation.json' \) -exec cp --parents {} "$out/reports/" \;)
-            for rr in "$out"/tmp/*/runs/consistency/*/; do [ -d "$rr" ] && cp -r "$rr" "$out/rr-run"; done
+            for rr in "$out"/tmp/*/runs/consistency/*/; do [ -d "$rr" ] && cp -r "$rr" "$out/rr-run" && break; done
             rm -rf "$out/tmp" ;;
         tests)  # the GPU tests in $GPU_TESTS on the shipped code, no build (rlk.cuda absent: rlk.triton serves)
             # shellcheck disable=SC2086
