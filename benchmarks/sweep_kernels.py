@@ -6,7 +6,7 @@ each candidate's relative error against the shipped configuration and a repeat-e
 
     python benchmarks/sweep_kernels.py [--sections linear,linear_mid,linear_tail,linear_split,linear_pdl,
                                                   prefill,decode,backward]
-                                       [--old-attention PATH]
+                                       [--old-attention PATH] [--shapes 8b/qkv,...] [--repeats N]
 
 Writes ``sweep_<section>.json`` to ``$RLK_BENCH_OUT``. Exploration only: what ships is the GEMM's tile rule
 (``rlk_core/ops/linear/tiles.py``) and the attention modules' ``CONFIGS``. Every candidate is the op's own launch
@@ -155,13 +155,14 @@ def tile_cfgs(candidates: dict[str, tuple], k: int) -> dict[str, dict[str, Any]]
     return {cname: rule.tile_config(t[:6] + t[7:], k, tma=t[6]) for cname, t in candidates.items()}
 
 
-def sweep_linear(p, repeats: int, mid: bool = False, tail: bool = False) -> list[dict[str, Any]]:
-    """All shapes at decode-sized and training-sized M; ``mid``: the shapes and M between (65..1000);
-    ``tail``: every shape at 64 < M <= 80, tail tiles against the 64- and 128-row ones."""
+def sweep_linear(p, repeats: int, mid: bool = False, tail: bool = False, shapes: set[str] | None = None
+                 ) -> list[dict[str, Any]]:
+    """All shapes (or ``shapes``) at decode-sized and training-sized M; ``mid``: the shapes and M between
+    (65..1000); ``tail``: every shape at 64 < M <= 80, tail tiles against the 64- and 128-row ones."""
     g = torch.Generator(device="cuda").manual_seed(0)
     rows: list[dict[str, Any]] = []
     for name, (n, k) in LINEAR_SHAPES.items():
-        if mid and name not in MID_SHAPES:
+        if (mid and name not in MID_SHAPES) or (shapes and name not in shapes):
             continue
         ms = TAIL_MS if tail else (MID_MS if mid else SMALL_MS + LARGE_MS)
         if name.endswith("lm_head"):
@@ -194,11 +195,13 @@ def _linear_shape(p, name: str, n: int, k: int, g: torch.Generator, repeats: int
     return rows
 
 
-def sweep_linear_split(p, repeats: int, pdl: bool = False) -> list[dict[str, Any]]:
-    """``linear_split`` (``pdl``: ``linear_pdl``) over SPLIT_SHAPES."""
+def sweep_linear_split(p, repeats: int, pdl: bool = False, shapes: set[str] | None = None) -> list[dict[str, Any]]:
+    """``linear_split`` (``pdl``: ``linear_pdl``) over SPLIT_SHAPES (or ``shapes``)."""
     g = torch.Generator(device="cuda").manual_seed(0)
     rows: list[dict[str, Any]] = []
     for name, (n, k) in SPLIT_SHAPES.items():
+        if shapes and name not in shapes:
+            continue
         rows += (_pdl_shape if pdl else _split_shape)(p, name, n, k, g, repeats)
         torch.cuda.empty_cache()
     return rows
@@ -491,11 +494,15 @@ def main() -> int:
     ap.add_argument("--sections", default="linear,prefill,decode")
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--old-attention", default=None)
+    ap.add_argument("--shapes", default=None, help="the linear sections: only these shapes (comma-separated)")
     args = ap.parse_args()
     sections = args.sections.split(",")
     unknown = sorted(set(sections) - set(SECTIONS))
     if unknown:
         ap.error(f"unknown sections {unknown}; known: {','.join(SECTIONS)}")
+    shapes = set(args.shapes.split(",")) if args.shapes else None
+    if shapes and shapes - set(SPLIT_SHAPES):
+        ap.error(f"unknown shapes {sorted(shapes - set(SPLIT_SHAPES))}; known: {','.join(SPLIT_SHAPES)}")
     require_cuda("sweep_kernels")
     old = _old_module(args.old_attention)
     p = jit_plan(torch.device("cuda"))
@@ -503,11 +510,12 @@ def main() -> int:
     t0 = time.time()
     for section in sections:
         if section in ("linear", "linear_mid", "linear_tail"):
-            rows = sweep_linear(p, args.repeats, mid=section == "linear_mid", tail=section == "linear_tail")
+            rows = sweep_linear(p, args.repeats, mid=section == "linear_mid", tail=section == "linear_tail",
+                                shapes=shapes)
         elif section == "linear_split":
-            rows = sweep_linear_split(p, args.repeats)
+            rows = sweep_linear_split(p, args.repeats, shapes=shapes)
         elif section == "linear_pdl":
-            rows = sweep_linear_split(p, args.repeats, pdl=True)
+            rows = sweep_linear_split(p, args.repeats, pdl=True, shapes=shapes)
         elif section == "prefill":
             rows = sweep_prefill(p, args.repeats, old)
         elif section == "decode":
