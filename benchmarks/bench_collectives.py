@@ -25,7 +25,7 @@ import time
 import _common  # noqa: F401  (puts rlk-core on the path)
 import torch
 import torch.distributed as dist
-from harness import copy_bandwidth, environment, time_fns, write_results
+from harness import copy_bandwidth, environment, require_cuda, time_fns, write_results
 
 from rlk_collectives import all_reduce, reduce_scatter
 
@@ -117,6 +117,11 @@ def reduce_scatter_rows(world: int) -> list[dict]:
 
 
 def main() -> None:
+    require_cuda("bench_collectives")
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        print("bench_collectives: run under torchrun (python -m torch.distributed.run --nproc-per-node 2 ...)",
+              file=sys.stderr)
+        raise SystemExit(2)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", timeout=datetime.timedelta(seconds=120), device_id=torch.device("cuda", rank))

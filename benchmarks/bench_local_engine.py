@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 import _common  # noqa: F401  (puts rlk-core on sys.path)
-from harness import copy_bandwidth, default_out_dir, environment, write_results
+from harness import copy_bandwidth, default_out_dir, environment, require_cuda, write_results
 
 ROOT = Path(__file__).resolve().parents[1]
 SRC = [ROOT / "packages" / p / "src" for p in ("rlk-core", "rlk-repro", "rlk-validate")]
@@ -233,6 +233,7 @@ def main() -> int:
         ratios = write_summary(rows, meta["env"], meta["copy"], {"summarized": args.summarize})
         print(json.dumps({"ratios_rr_over_pp": ratios}), flush=True)
         return 0
+    require_cuda("bench_local_engine")  # the run's environment and copy bandwidth are the GPU's
     env, copy = environment(), copy_bandwidth()
     work = Path(args.work)
     rows = [run_mode(mode, args, work) for mode in args.modes.split(",")]

@@ -19,8 +19,9 @@ import _common  # noqa: F401  (sys.path)
 import torch
 import torch.nn.functional as F
 from _common import MODELS, randn
-from harness import copy_bandwidth, default_out_dir, environment, time_fns, write_results
+from harness import copy_bandwidth, default_out_dir, environment, require_cuda, time_fns, write_results
 
+from rlk_core.ops._plan import jit_plan
 from rlk_core.ops.linear import triton as lt
 from rlk_core.ops.linear_logprobs import linear_logprobs
 from rlk_core.ops.token_logprobs import token_logprobs
@@ -35,6 +36,11 @@ def torch_path(h, w, y, t):
 def torch_token(x, y, t):
     z = x.float() / t[:, None]
     return torch.log_softmax(z, -1).gather(1, y[:, None])[:, 0]
+
+
+def rlk_gemm(p, h, w):
+    """The rlk.triton GEMM alone (``linear``'s launch plan run by ``p``, the JIT plan): the LM-head product."""
+    return lt.forward(p, h, w, None)
 
 
 def peak_extra(fn) -> int:
@@ -68,11 +74,12 @@ def bench_case(model: str, tt: int, hh: int, v: int, repeats: int) -> list[dict]
     y = torch.randint(0, v, (tt,), device="cuda")
     t = torch.full((tt,), 1.0, device="cuda")
     flop = 2.0 * tt * v * hh
+    p = jit_plan(h.device)
     r = {"case": f"{model} linear_logprobs fwd", "T": tt, "V": v, "H": hh}
     r["rlk_ms"] = time_fns([lambda: linear_logprobs(h, w, y, t)], repeats=repeats)["median_ms"]
     r["torch_ms"] = time_fns([lambda: torch_path(h, w, y, t)], repeats=repeats)["median_ms"]
     r["mm_floor_ms"] = time_fns([lambda: torch.mm(h, w.t())], repeats=repeats)["median_ms"]
-    r["rlk_gemm_ms"] = time_fns([lambda: lt.linear_2d(h, w, None)], repeats=repeats)["median_ms"]
+    r["rlk_gemm_ms"] = time_fns([lambda: rlk_gemm(p, h, w)], repeats=repeats)["median_ms"]
     r["ratio"] = r["torch_ms"] / r["rlk_ms"]
     r["rlk_tflops"] = flop / r["rlk_ms"] / 1e9
     r["rlk_extra_gib"] = peak_extra(lambda: linear_logprobs(h, w, y, t)) / 2**30
@@ -113,6 +120,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="T=8192 Qwen3-8B LM head forward and backward only")
     ap.add_argument("--repeats", type=int, default=10)
     args = ap.parse_args()
+    require_cuda("bench_logprobs")
     env, copy = environment(), copy_bandwidth()
     v = MODELS["qwen3-8b"]["vocab"]
     cases = [("qwen3-8b", 8192, MODELS["qwen3-8b"]["hidden"])]

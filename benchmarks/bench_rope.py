@@ -15,9 +15,15 @@ import torch
 from _common import M_LIST, randn
 from harness import bench_membound
 
+from rlk_core.ops._plan import jit_plan
 from rlk_core.ops.rope import triton as ropet
 
 THETA, D = 1e6, 128
+
+
+def rlk(p, x, pos, cos_t, sin_t):
+    """The rlk.triton kernel on the cached table: the op's launch (``ropet.launch``) run by ``p`` (the JIT plan)."""
+    return ropet.launch(p, x, pos, cos_t, sin_t, D)
 
 
 def native(x, pos, cos_t, sin_t):
@@ -28,7 +34,8 @@ def native(x, pos, cos_t, sin_t):
 
 
 def cases(quick: bool):
-    cos_t, sin_t = ropet.tables(torch.device("cuda"), D, THETA, 40960)
+    p = jit_plan(torch.device("cuda"))
+    cos_t, sin_t = ropet.tables(p.device, D, THETA, 40960)
     for heads in ((32, 8) if quick else (32, 16, 8, 4, 2)):
         for m in ((1, 128, 8192) if quick else M_LIST):
             sets = []
@@ -37,8 +44,8 @@ def cases(quick: bool):
                 sets.append((randn((m, heads, D), seed=i), pos))
             nbytes = 2 * m * heads * D * 2 + m * D * 4 + m * 8  # x in, y out, one cos+sin row and a position per token
             yield (f"heads {heads} x 128", m, nbytes,
-                   [lambda x=x, p=p: ropet.launch(x, p, cos_t, sin_t, D) for x, p in sets],
-                   [lambda x=x, p=p: native(x, p, cos_t, sin_t) for x, p in sets])
+                   [lambda x=x, pos=pos: rlk(p, x, pos, cos_t, sin_t) for x, pos in sets],
+                   [lambda x=x, pos=pos: native(x, pos, cos_t, sin_t) for x, pos in sets])
 
 
 if __name__ == "__main__":

@@ -34,6 +34,13 @@ SLEEP_CYCLES = 1_000_000  # ~0.5 ms at 1.98 GHz: longer than any host-side launc
 _flush_buf: torch.Tensor | None = None
 
 
+def require_cuda(name: str) -> None:
+    """Refuse in one line, exit status 2, where there is no CUDA device (the GPU benchmarks' usage error)."""
+    if not torch.cuda.is_available():
+        print(f"{name}: needs a CUDA GPU", file=sys.stderr)
+        raise SystemExit(2)
+
+
 def flush_l2() -> None:
     global _flush_buf
     if _flush_buf is None:
@@ -201,6 +208,7 @@ def bench_membound(name: str, cases, repeats: int = 20, quick: bool = False) -> 
     the (2 GiB) copy bandwidth measured in this run, the fraction of a copy moving the same bytes
     (``same_size_copy_ms / rlk_ms``: launch latency and wave tails count for both), and ratio = native
     time / rlk time."""
+    require_cuda(f"bench_{name}")
     env, copy = environment(), copy_bandwidth()
     rows = []
     for shape, m, nbytes, rlk_fns, native_fns in cases:

@@ -54,7 +54,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from _common import randn
-from harness import best_host_us, copy_bandwidth, default_out_dir, environment, time_fns, write_results
+from harness import best_host_us, copy_bandwidth, default_out_dir, environment, require_cuda, time_fns, write_results
 
 from rlk_core.backends import REGISTRY
 from rlk_core.ops import _dispatch as D
@@ -505,6 +505,10 @@ def main() -> int:
                   f"{n:4d} Python calls", flush=True)
         return 0
     sections = set(args.sections.split(","))
+    unknown = sorted(sections - set(SECTIONS))
+    if unknown:
+        ap.error(f"unknown sections {unknown}; known: {','.join(SECTIONS)}")
+    require_cuda("host_overhead")
     env = environment()
     rows = []
     all_paths = [p for n in map(int, args.lengths.split(",")) for p in paths(n)] if "attention" in sections else []

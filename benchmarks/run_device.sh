@@ -17,7 +17,7 @@ TESTS=${TESTS:-tests/gpu}
 log() { echo "=== $* ($(date +%T))"; }
 {
 log env; nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv
-python3 -c "import torch, triton, pluggy; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())"
+python3 -c "import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())"
 for s in $STAGES; do case $s in
 tests)
   log pytest; timeout ${TEST_TIMEOUT:-420} python3 -m pytest $TESTS -q -p no:cacheprovider --durations=15 \

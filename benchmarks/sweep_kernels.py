@@ -6,11 +6,15 @@ each candidate's relative error against the shipped configuration and a repeat-e
 
     python benchmarks/sweep_kernels.py [--sections linear,linear_mid,linear_tail,linear_split,linear_pdl,
                                                   prefill,decode,backward]
-                                       [--old-attention PATH]
+                                       [--old-attention PATH] [--shapes 8b/qkv,...] [--repeats N]
 
-Writes ``sweep_<section>.json`` to ``$RLK_BENCH_OUT``. Exploration
-only: the table that ships is ``CONFIGS`` in the kernel modules. ``--old-attention`` times a previous
-version of ``rlk_core/ops/attention/triton.py`` (a file path) beside the current one.
+Writes ``sweep_<section>.json`` to ``$RLK_BENCH_OUT``. Exploration only: what ships is the GEMM's tile rule
+(``rlk_core/ops/linear/tiles.py``) and the attention modules' ``CONFIGS``. Every candidate is the op's own launch
+plan (``rlk_core/ops/<op>/triton.py``) run by the GPU's JIT plan with the candidate's configuration in place of the
+shipped one (the functions ``*_variants`` / ``split_cfgs`` build them for any plan: the CPU tests run them on the AOT
+build's enumerating plan). ``--old-attention`` times a previous version of ``rlk_core/ops/attention/triton.py`` (a
+file path) beside the current one: a launch-plan version (``attention_varlen(p, ...)``; the modules from before the
+plans import ``rlk_core.ops._triton_common``, which is gone).
 """
 
 from __future__ import annotations
@@ -19,15 +23,17 @@ import argparse
 import importlib.util
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import _common  # noqa: F401  (sys.path)
 import torch
 import torch.nn.functional as F
-from harness import copy_bandwidth, default_out_dir, environment, results_json, time_fns
+from harness import copy_bandwidth, default_out_dir, environment, require_cuda, results_json, time_fns
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from rlk_core.ops._plan import jit_plan
 from rlk_core.ops.attention import triton as at
 from rlk_core.ops.attention import triton_backward as ab
 from rlk_core.ops.attention.reference import kv_cache_write_reference
@@ -138,36 +144,47 @@ def _ratios(row: dict[str, Any], names) -> str:
                     else f"{c}=ERR {row[c]['error'][:80]}" for c in names)
 
 
-def sweep_linear(repeats: int, mid: bool = False, tail: bool = False) -> list[dict[str, Any]]:
-    """All shapes at decode-sized and training-sized M; ``mid``: the shapes and M between (65..1000);
-    ``tail``: every shape at 64 < M <= 80, tail tiles against the 64- and 128-row ones."""
+def gemm(p, x: torch.Tensor, w: torch.Tensor, cfg: dict[str, Any] | None = None) -> torch.Tensor:
+    """``x [M, K] @ w[N, K]^T`` into a fresh ``[M, N]``: ``linear``'s launch plan (``lt.into``) run by ``p``, with the
+    tile configuration ``cfg`` (None: the shipped rule)."""
+    return lt.into(p, x, w, None, p.new((x.shape[0], w.shape[0]), x.dtype), cfg)
+
+
+def tile_cfgs(candidates: dict[str, tuple], k: int) -> dict[str, dict[str, Any]]:
+    """The launch configuration of each named candidate tile (``_named``) for reduction length ``k``."""
+    return {cname: rule.tile_config(t[:6] + t[7:], k, tma=t[6]) for cname, t in candidates.items()}
+
+
+def sweep_linear(p, repeats: int, mid: bool = False, tail: bool = False, shapes: set[str] | None = None
+                 ) -> list[dict[str, Any]]:
+    """All shapes (or ``shapes``) at decode-sized and training-sized M; ``mid``: the shapes and M between
+    (65..1000); ``tail``: every shape at 64 < M <= 80, tail tiles against the 64- and 128-row ones."""
     g = torch.Generator(device="cuda").manual_seed(0)
     rows: list[dict[str, Any]] = []
     for name, (n, k) in LINEAR_SHAPES.items():
-        if mid and name not in MID_SHAPES:
+        if (mid and name not in MID_SHAPES) or (shapes and name not in shapes):
             continue
         ms = TAIL_MS if tail else (MID_MS if mid else SMALL_MS + LARGE_MS)
         if name.endswith("lm_head"):
             ms = tuple(m for m in ms if m <= 1024)
         cands = TAIL_CANDIDATES if tail else (MID_CANDIDATES if mid else None)
-        rows += _linear_shape(name, n, k, g, repeats, ms, cands)
+        rows += _linear_shape(p, name, n, k, g, repeats, ms, cands)
         torch.cuda.empty_cache()
     return rows
 
 
-def _linear_shape(name: str, n: int, k: int, g: torch.Generator, repeats: int, ms: tuple[int, ...],
+def _linear_shape(p, name: str, n: int, k: int, g: torch.Generator, repeats: int, ms: tuple[int, ...],
                   candidates: dict[str, tuple] | None) -> list[dict[str, Any]]:
     rows = []
     w = (torch.randn(n, k, device="cuda", generator=g) * k ** -0.5).to(BF16)
     x = torch.randn(max(ms), k, device="cuda", generator=g).to(BF16)
-    big = lt.linear_2d(x, w, None)  # the contract configuration at the largest M
+    big = gemm(p, x, w)  # the contract configuration at the largest M
     for m in ms:
         xs = x[:m].clone()
         row: dict[str, Any] = {"shape": name, "M": m, "N": n, "K": k}
         row["native_ms"] = time_fns([lambda xs=xs: F.linear(xs, w)], repeats=repeats)["median_ms"]
         cands = candidates or (SMALL_CANDIDATES if m <= 128 else LARGE_CANDIDATES)
-        cfgs = {cname: lt.tile_config(t[:6] + t[7:], k, tma=t[6]) for cname, t in cands.items()}
-        variants = {cname: (lambda cfg=cfg, xs=xs: lt.linear_2d(xs, w, None, cfg)) for cname, cfg in cfgs.items()}
+        variants = {cname: (lambda cfg=cfg, xs=xs: gemm(p, xs, w, cfg)) for cname, cfg in tile_cfgs(cands, k).items()}
         _run_variants(row, variants, big[:m], repeats, lambda ms_, row=row: {"ratio": row["native_ms"] / ms_})
         rows.append(row)
         best = max((c for c in cands if "ms" in row.get(c, {})), key=lambda c: row[c]["ratio"], default=None)
@@ -178,39 +195,51 @@ def _linear_shape(name: str, n: int, k: int, g: torch.Generator, repeats: int, m
     return rows
 
 
-def sweep_linear_split(repeats: int, pdl: bool = False) -> list[dict[str, Any]]:
-    """``linear_split`` (``pdl``: ``linear_pdl``) over SPLIT_SHAPES."""
+def sweep_linear_split(p, repeats: int, pdl: bool = False, shapes: set[str] | None = None) -> list[dict[str, Any]]:
+    """``linear_split`` (``pdl``: ``linear_pdl``) over SPLIT_SHAPES (or ``shapes``)."""
     g = torch.Generator(device="cuda").manual_seed(0)
     rows: list[dict[str, Any]] = []
     for name, (n, k) in SPLIT_SHAPES.items():
-        rows += (_pdl_shape if pdl else _split_shape)(name, n, k, g, repeats)
+        if shapes and name not in shapes:
+            continue
+        rows += (_pdl_shape if pdl else _split_shape)(p, name, n, k, g, repeats)
         torch.cuda.empty_cache()
     return rows
 
 
-def _split_shape(name: str, n: int, k: int, g: torch.Generator, repeats: int) -> list[dict[str, Any]]:
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
+def split_cfgs(p, x: torch.Tensor, w: torch.Tensor) -> dict[str, dict[str, Any]]:
+    """``linear_split``'s configurations of ``x [M, K] @ w[N, K]^T`` on ``p``'s device: the shipped rule's
+    (``shipped``, as ``linear`` decides it: ``lt._rule``); the same with the full last-row box where the rule shrinks
+    it (``shipped_full_box``); the best single tile where the rule splits the rows (``single``); at 64 < M <= 80 the
+    64-row tiles (with the smaller last box) and the 64+16 tail tiles."""
+    m, k = x.shape
+    n = w.shape[0]
+    shipped = lt._rule(p, x, w, p.new((m, n), x.dtype))
+    cfgs = {"shipped": shipped}
+    if shipped["TMA"] and not shipped["TAIL_M"] and rule.rem_rows(m, shipped["BLOCK_M"]):
+        cfgs["shipped_full_box"] = dict(shipped, REM_BOX=False)
+    if "SPLIT_ROWS" in shipped:
+        cfgs["single"] = rule.tile_config(rule.single_tile(m, n, k, p.sms)[0], k, tma=True)
+    if 64 < m <= 80:
+        cfgs.update({c: rule.tile_config(t[:6], k, tma=True) for c, t in SPLIT_TAIL_CANDIDATES.items()})
+        cfgs.update(tile_cfgs({c: t for c, t in TAIL_CANDIDATES.items() if len(t) > 7}, k))
+    return cfgs
+
+
+def _split_shape(p, name: str, n: int, k: int, g: torch.Generator, repeats: int) -> list[dict[str, Any]]:
     ms = SPLIT_SMALL_MS + (() if name.endswith("lm_head") else SPLIT_LARGE_MS)
     w = (torch.randn(n, k, device="cuda", generator=g) * k ** -0.5).to(BF16)
     x = torch.randn(max(ms), k, device="cuda", generator=g).to(BF16)
-    big = lt.linear_2d(x, w, None)
+    big = gemm(p, x, w)
     rows = []
     for m in ms:
         xs = x[:m].clone()
-        shipped = lt._config_for(xs, w, big)
+        cfgs = split_cfgs(p, xs, w)
+        shipped = cfgs["shipped"]
         row: dict[str, Any] = {"shape": name, "M": m, "N": n, "K": k, "shipped_cfg": {
             key: v for key, v in shipped.items() if key != "REST"}, "rest_cfg": shipped.get("REST")}
         row["native_ms"] = time_fns([lambda xs=xs: F.linear(xs, w)], repeats=repeats)["median_ms"]
-        cfgs = {"shipped": shipped}
-        if shipped["TMA"] and not shipped["TAIL_M"] and lt.rem_rows(m, shipped["BLOCK_M"]):
-            cfgs["shipped_full_box"] = dict(shipped, REM_BOX=False)
-        if "SPLIT_ROWS" in shipped:
-            cfgs["single"] = lt.tile_config(rule.single_tile(m, n, k, sms)[0], k, tma=True)
-        if 64 < m <= 80:
-            cfgs.update({c: lt.tile_config(t[:6], k, tma=True) for c, t in SPLIT_TAIL_CANDIDATES.items()})
-            cfgs.update({c: lt.tile_config(t[:6] + t[7:], k, tma=True) for c, t in TAIL_CANDIDATES.items()
-                         if len(t) > 7})
-        variants = {c: (lambda cfg=cfg, xs=xs: lt.linear_2d(xs, w, None, cfg)) for c, cfg in cfgs.items()}
+        variants = {c: (lambda cfg=cfg, xs=xs: gemm(p, xs, w, cfg)) for c, cfg in cfgs.items()}
         _run_variants(row, variants, big[:m], repeats, lambda ms_, row=row: {"ratio": row["native_ms"] / ms_})
         rows.append(row)
         tile = "x".join(str(shipped[key]) for key in ("BLOCK_M", "BLOCK_N", "BLOCK_K")) + (
@@ -220,34 +249,44 @@ def _split_shape(name: str, n: int, k: int, g: torch.Generator, repeats: int) ->
     return rows
 
 
-def _pdl_shape(name: str, n: int, k: int, g: torch.Generator, repeats: int) -> list[dict[str, Any]]:
+def pdl_variants(p, x: torch.Tensor, w: torch.Tensor, split_rows: int, rest_cfg: dict[str, Any]
+                 ) -> dict[str, Callable[[], torch.Tensor]]:
+    """``linear_pdl``'s three ways of one row split of ``x @ w^T`` (the first ``split_rows`` rows by 128x256 tiles,
+    the rest by ``rest_cfg``) on ``p``: the plan's split, its second launch by programmatic dependent launch
+    (``split_pdl``, as shipped); the same two launches one after the other (``split_serial``); the best single tile
+    (``single``)."""
+    m, k = x.shape
+    n = w.shape[0]
+    big = rule.tile_config(rule._LARGE_TMA[0][0], k, tma=True)
+    single = rule.tile_config(rule.single_tile(m, n, k, p.sms)[0], k, tma=True)
+    split = dict(big, SPLIT_ROWS=split_rows, REST=rest_cfg)
+
+    def serial() -> torch.Tensor:
+        y = p.new((m, n), x.dtype)
+        lt._launch(p, x[:split_rows], w, None, y[:split_rows], big)
+        lt._launch(p, x[split_rows:], w, None, y[split_rows:], rest_cfg)
+        return y
+
+    return {"split_pdl": lambda: gemm(p, x, w, split), "split_serial": serial, "single": lambda: gemm(p, x, w, single)}
+
+
+def _pdl_shape(p, name: str, n: int, k: int, g: torch.Generator, repeats: int) -> list[dict[str, Any]]:
     if name.endswith("lm_head"):
         return []
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
     w = (torch.randn(n, k, device="cuda", generator=g) * k ** -0.5).to(BF16)
     rows = []
     for m in SPLIT_LARGE_MS:
-        split_rows, rest = rule.split_candidate(m, n, k, sms)
+        split_rows, rest = rule.split_candidate(m, n, k, p.sms)
         if not split_rows:
             continue
         x = torch.randn(m, k, device="cuda", generator=g).to(BF16)
-        big, rest_cfg = lt.tile_config(rule._LARGE_TMA[0][0], k, tma=True), lt.tile_config(rest[0], k, tma=True)
-        single = lt.tile_config(rule.single_tile(m, n, k, sms)[0], k, tma=True)
-        splits = "SPLIT_ROWS" in lt.config(BF16, m, n, k, True, sms)
+        rest_cfg = rule.tile_config(rest[0], k, tma=True)
+        splits = "SPLIT_ROWS" in rule.config(BF16, m, n, k, True, p.sms)
         row: dict[str, Any] = {"shape": name, "M": m, "N": n, "K": k, "split_rows": split_rows,
                                "rest_cfg": rest_cfg, "shipped_splits": splits}
         row["native_ms"] = time_fns([lambda x=x: F.linear(x, w)], repeats=repeats)["median_ms"]
-
-        def serial(x=x, r=split_rows, rest_cfg=rest_cfg, big=big):
-            y = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
-            lt._launch(x[:r], w, None, y[:r], big)
-            lt._launch(x[r:], w, None, y[r:], rest_cfg)
-            return y
-
-        split = dict(big, SPLIT_ROWS=split_rows, REST=rest_cfg)
-        variants = {"split_pdl": lambda x=x, cfg=split: lt.linear_2d(x, w, None, cfg), "split_serial": serial,
-                    "single": lambda x=x, cfg=single: lt.linear_2d(x, w, None, cfg)}
-        _run_variants(row, variants, lt.linear_2d(x, w, None), repeats,
+        variants = pdl_variants(p, x, w, split_rows, rest_cfg)
+        _run_variants(row, variants, gemm(p, x, w), repeats,
                       lambda ms_, row=row: {"ratio": row["native_ms"] / ms_})
         rows.append(row)
         print(f"linear_pdl {name} M={m} split {split_rows}|{rest_cfg['BLOCK_N']} shipped_splits={splits}: "
@@ -264,16 +303,45 @@ def _old_module(path: str | None):
     return mod
 
 
-def sweep_prefill(repeats: int, old) -> list[dict[str, Any]]:
+def prefill_variants(p, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, scale: float
+                     ) -> dict[str, Callable[[], torch.Tensor]]:
+    """``prefill``'s candidates on ``p``: ``attention_varlen``'s launch (causal, no positions, ``cu`` the cumulative
+    lengths of queries and keys) with each PREFILL_CANDIDATES entry in place of the shipped configuration."""
+    d = q.shape[-1]
+    ks = (k.stride(0), k.stride(0), k.stride(1), k.stride(2))
+    vs = (v.stride(0), v.stride(0), v.stride(1), v.stride(2))
+    variants = {}
+    for cname, (bm, w, s, tma) in PREFILL_CANDIDATES.items():
+        cfg = dict(at.config(q.dtype, d), BLOCK_M=bm, num_warps=w, num_stages=s, KV_TMA=tma)
+        variants[cname] = lambda cfg=cfg: at._launch(p, q, k, v, cu, 1, 0, ks, vs, cu, cu.shape[0] - 1, None, None,
+                                                     True, scale, "prefill", cfg)
+    return variants
+
+
+def decode_variants(p, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
+                    seq_lens: torch.Tensor, scale: float, cu_q: torch.Tensor) -> dict[str, Callable[[], torch.Tensor]]:
+    """``decode``'s candidates on ``p``: ``attention_decode``'s launch (paged, one query token per sequence, ``cu_q``
+    its query offsets ``0..B``) with each DECODE_CANDIDATES entry in place of the shipped configuration."""
+    b, d = q.shape[0], q.shape[-1]
+    variants = {}
+    for cname, (bm, w, s) in DECODE_CANDIDATES.items():
+        cfg = dict(at.config(q.dtype, d, "decode"), BLOCK_M=bm, num_warps=w, num_stages=s)
+        variants[cname] = lambda cfg=cfg: at._launch(
+            p, q, k_cache, v_cache, block_table, block_table.stride(0), k_cache.shape[1], tuple(k_cache.stride()),
+            tuple(v_cache.stride()), cu_q, b, seq_lens, None, True, scale, "decode", cfg)
+    return variants
+
+
+def sweep_prefill(p, repeats: int, old) -> list[dict[str, Any]]:
     g = torch.Generator(device="cuda").manual_seed(1)
     rows = []
     for b, n in ((1, 2048), (4, 2048), (1, 8192)):
-        rows.append(_prefill_case(b, n, g, repeats, old))
+        rows.append(_prefill_case(p, b, n, g, repeats, old))
         torch.cuda.empty_cache()
     return rows
 
 
-def _prefill_case(b: int, n: int, g: torch.Generator, repeats: int, old) -> dict[str, Any]:
+def _prefill_case(p, b: int, n: int, g: torch.Generator, repeats: int, old) -> dict[str, Any]:
     hq, hkv, d = 32, 8, 128
     t = b * n
     q, k, v = (torch.randn(t, h, d, device="cuda", generator=g).to(BF16) for h in (hq, hkv, hkv))
@@ -288,17 +356,10 @@ def _prefill_case(b: int, n: int, g: torch.Generator, repeats: int, old) -> dict
                 return F.scaled_dot_product_attention(q4, k4, v4, is_causal=True, scale=scale, enable_gqa=True)
         _, err = _try(sd)
         row[bname] = {"error": err} if err else {"ms": time_fns([sd], repeats=repeats)["median_ms"]}
-    ref = at.attention_varlen(q, k, v, cu, cu, scale, True, None)
-    lens = (cu[1:] - cu[:-1]).to(torch.int32)
-    ks = (k.stride(0), k.stride(0), k.stride(1), k.stride(2))
-    vs = (v.stride(0), v.stride(0), v.stride(1), v.stride(2))
-    variants = {}
-    for cname, (bm, w, s, tma) in PREFILL_CANDIDATES.items():
-        cfg = dict(at.config(BF16, d), BLOCK_M=bm, num_warps=w, num_stages=s, KV_TMA=tma)
-        variants[cname] = lambda cfg=cfg: at._launch(q, k, v, cu, 1, 0, ks, vs, cu, lens, None, True, scale,
-                                                     "prefill", cfg)
+    ref = at.attention_varlen(p, q, k, v, cu, cu, scale, True, None)
+    variants = prefill_variants(p, q, k, v, cu, scale)
     if old is not None:
-        variants["old"] = lambda: old.attention_varlen(q, k, v, cu, cu, scale, True, None)
+        variants["old"] = lambda: old.attention_varlen(p, q, k, v, cu, cu, scale, True, None)
     _run_variants(row, variants, ref, repeats, lambda ms_: {"tflops": flop / ms_ / 1e9})
     for cname in variants:
         for bname in ("flash", "cudnn"):
@@ -313,16 +374,16 @@ def _prefill_case(b: int, n: int, g: torch.Generator, repeats: int, old) -> dict
     return row
 
 
-def sweep_decode(repeats: int, old, copy_tbs: float) -> list[dict[str, Any]]:
+def sweep_decode(p, repeats: int, old, copy_tbs: float) -> list[dict[str, Any]]:
     g = torch.Generator(device="cuda").manual_seed(2)
     rows = []
     for b, n, page in ((64, 4096, 16), (256, 2048, 16), (64, 4096, 64), (1, 4096, 16)):
-        rows.append(_decode_case(b, n, page, g, repeats, old, copy_tbs))
+        rows.append(_decode_case(p, b, n, page, g, repeats, old, copy_tbs))
         torch.cuda.empty_cache()
     return rows
 
 
-def _decode_case(b: int, n: int, page: int, g: torch.Generator, repeats: int, old, copy_tbs: float
+def _decode_case(p, b: int, n: int, page: int, g: torch.Generator, repeats: int, old, copy_tbs: float
                  ) -> dict[str, Any]:
     hq, hkv, d = 32, 8, 128
     scale = d ** -0.5
@@ -341,17 +402,10 @@ def _decode_case(b: int, n: int, page: int, g: torch.Generator, repeats: int, ol
     cache = build_paged_kv(list(kc.unbind(0)), list(vc.unbind(0)), page,
                            generator=torch.Generator().manual_seed(3), write=kv_cache_write_reference)
     args = (q, cache.k_cache, cache.v_cache, cache.block_table, cache.seq_lens, scale)
-    ref = at.attention_decode(*args)
-    cu_q = torch.arange(b + 1, dtype=torch.int32, device="cuda")
-    variants = {}
-    for cname, (bm, w, s) in DECODE_CANDIDATES.items():
-        cfg = dict(at.config(BF16, d, "decode"), BLOCK_M=bm, num_warps=w, num_stages=s)
-        variants[cname] = lambda cfg=cfg: at._launch(
-            q, cache.k_cache, cache.v_cache, cache.block_table, cache.block_table.stride(0), page,
-            tuple(cache.k_cache.stride()), tuple(cache.v_cache.stride()), cu_q, cache.seq_lens, None, True,
-            scale, "decode", cfg)
+    ref = at.attention_decode(p, *args)
+    variants = decode_variants(p, *args, torch.arange(b + 1, dtype=torch.int32, device="cuda"))
     if old is not None:
-        variants["old"] = lambda: old.attention_decode(*args)
+        variants["old"] = lambda: old.attention_decode(p, *args)
     flash_ms = row["flash"].get("ms")
     _run_variants(row, variants, ref, repeats, lambda ms_: {
         "tbs": kv_bytes / ms_ / 1e9, "of_copy": kv_bytes / ms_ / 1e9 / copy_tbs,
@@ -363,11 +417,11 @@ def _decode_case(b: int, n: int, page: int, g: torch.Generator, repeats: int, ol
     return row
 
 
-def sweep_backward(repeats: int) -> list[dict[str, Any]]:
+def sweep_backward(p, repeats: int) -> list[dict[str, Any]]:
     g = torch.Generator(device="cuda").manual_seed(4)
     rows = []
     for b, n in ((1, 2048), (4, 2048), (1, 8192)):
-        rows.append(_backward_case(b, n, g, repeats))
+        rows.append(_backward_case(p, b, n, g, repeats))
         torch.cuda.empty_cache()
     return rows
 
@@ -379,11 +433,18 @@ def _backward_cfg(overrides: dict[str, dict[str, int | bool]]) -> dict[str, dict
     return cfg
 
 
+def backward_variants(p, args: tuple) -> dict[str, Callable[[], tuple[torch.Tensor, ...]]]:
+    """``backward``'s candidates on ``p``: ``attention_varlen_backward``'s plan on ``args`` (its arguments after the
+    plan) with the shipped configuration (``shipped``) and with each BACKWARD_CANDIDATES override of it."""
+    cfgs = {"shipped": None, **{c: _backward_cfg(over) for c, over in BACKWARD_CANDIDATES.items()}}
+    return {c: (lambda cfg=cfg: ab.attention_varlen_backward(p, *args, cfg)) for c, cfg in cfgs.items()}
+
+
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double() - b.double()).norm() / b.double().norm())
 
 
-def _backward_case(b: int, n: int, g: torch.Generator, repeats: int) -> dict[str, Any]:
+def _backward_case(p, b: int, n: int, g: torch.Generator, repeats: int) -> dict[str, Any]:
     hq, hkv, d = 32, 8, 128
     t = b * n
     q, k, v, do = (torch.randn(t, h, d, device="cuda", generator=g).to(BF16) for h in (hq, hkv, hkv, hq))
@@ -404,12 +465,9 @@ def _backward_case(b: int, n: int, g: torch.Generator, repeats: int) -> dict[str
     else:
         row["flash"] = {"error": err}
     out = leaves = None  # free SDPA's graph before the rlk variants
-    args = (do, q, k, v, cu, cu, scale, True, None)
-    ref = ab.attention_varlen_backward(*args)  # the shipped configuration
-    variants = {"shipped": None, **BACKWARD_CANDIDATES}
-    for cname, over in variants.items():
-        cfg = None if over is None else _backward_cfg(over)
-        fn = lambda cfg=cfg: ab.attention_varlen_backward(*args, cfg)  # noqa: E731
+    variants = backward_variants(p, (do, q, k, v, cu, cu, scale, True, None))
+    ref = variants["shipped"]()
+    for cname, fn in variants.items():
         res, err = _try(fn)
         if err:
             row[cname] = {"error": err}
@@ -428,30 +486,42 @@ def _backward_case(b: int, n: int, g: torch.Generator, repeats: int) -> dict[str
     return row
 
 
+SECTIONS = ("linear", "linear_mid", "linear_tail", "linear_split", "linear_pdl", "prefill", "decode", "backward")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sections", default="linear,prefill,decode")
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--old-attention", default=None)
+    ap.add_argument("--shapes", default=None, help="the linear sections: only these shapes (comma-separated)")
     args = ap.parse_args()
+    sections = args.sections.split(",")
+    unknown = sorted(set(sections) - set(SECTIONS))
+    if unknown:
+        ap.error(f"unknown sections {unknown}; known: {','.join(SECTIONS)}")
+    shapes = set(args.shapes.split(",")) if args.shapes else None
+    if shapes and shapes - set(SPLIT_SHAPES):
+        ap.error(f"unknown shapes {sorted(shapes - set(SPLIT_SHAPES))}; known: {','.join(SPLIT_SHAPES)}")
+    require_cuda("sweep_kernels")
     old = _old_module(args.old_attention)
+    p = jit_plan(torch.device("cuda"))
     copy_tbs = copy_bandwidth()["tb_per_s"]
     t0 = time.time()
-    for section in args.sections.split(","):
+    for section in sections:
         if section in ("linear", "linear_mid", "linear_tail"):
-            rows = sweep_linear(args.repeats, mid=section == "linear_mid", tail=section == "linear_tail")
+            rows = sweep_linear(p, args.repeats, mid=section == "linear_mid", tail=section == "linear_tail",
+                                shapes=shapes)
         elif section == "linear_split":
-            rows = sweep_linear_split(args.repeats)
+            rows = sweep_linear_split(p, args.repeats, shapes=shapes)
         elif section == "linear_pdl":
-            rows = sweep_linear_split(args.repeats, pdl=True)
+            rows = sweep_linear_split(p, args.repeats, pdl=True, shapes=shapes)
         elif section == "prefill":
-            rows = sweep_prefill(args.repeats, old)
+            rows = sweep_prefill(p, args.repeats, old)
         elif section == "decode":
-            rows = sweep_decode(args.repeats, old, copy_tbs)
-        elif section == "backward":
-            rows = sweep_backward(args.repeats)
+            rows = sweep_decode(p, args.repeats, old, copy_tbs)
         else:
-            raise SystemExit(f"unknown section {section!r}")
+            rows = sweep_backward(p, args.repeats)
         out = Path(default_out_dir())
         out.mkdir(parents=True, exist_ok=True)
         meta = {"env": environment(), "copy_tbs": copy_tbs, "repeats": args.repeats,

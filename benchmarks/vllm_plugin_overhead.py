@@ -109,11 +109,11 @@ def _null_ops(routes: Any) -> Callable[..., Any]:
     for op in list(routes._fns):
         if op in nulls:
             routes._fns[op] = nulls[op]
-    calls = getattr(routes, "_calls", None)  # SideRoutes' (module, op) table, where this rlk-core has one
+    calls = getattr(routes, "_calls", None)  # SideRoutes' (module, op) -> (function, recorder scope) table
     if calls is not None:
-        for key in calls:
+        for key, (_, scope) in calls.items():
             if key[1] in nulls:
-                calls[key] = nulls[key[1]]
+                calls[key] = (nulls[key[1]], scope)
     return nulls["linear"]
 
 

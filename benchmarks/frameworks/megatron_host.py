@@ -14,10 +14,11 @@ the LM head and the loss are not charged to the layers. Columns:
 - ``wall``: the step's time per layer (CPU: this thread's CPU time, steady on a shared machine; CUDA: wall
   time, synchronised after the backward);
 - ``in backends``: time inside the rlk backends' functions (``Backend.fn``, what the op layer runs after
-  choosing a backend). On CUDA that is the launchers' host time. On the CPU the backends are stubbed after
-  the warm-up (``--backends stub``, :class:`BackendClock`): the ``rlk.reference`` arithmetic (fixed-order
-  reductions written in PyTorch, the slow CPU specification) is ~10x the host time around it and its noise
-  would hide that; a stub returns fresh zero tensors shaped as the real call's outputs were;
+  choosing a backend, or the launch plan ``Backend.plan_fn`` where it runs that itself: ``rlk.triton``). On CUDA
+  that is the launchers' host time. On the CPU the backends are stubbed after the warm-up (``--backends stub``,
+  :class:`BackendClock`): the ``rlk.reference`` arithmetic (fixed-order reductions written in PyTorch, the slow
+  CPU specification) is ~10x the host time around it and its noise would hide that; a stub returns fresh zero
+  tensors shaped as the real call's outputs were;
 - ``host``: ``wall - in backends``: the provider, megatron-core, autograd and rlk-core's op layer around the
   backends — what the GPU run pays per layer besides the launches. The stock model has no rlk backends: its
   ``host`` is its wall, its CPU kernels included (at this width each costs about what a launch does).
@@ -60,8 +61,9 @@ AREAS = (("provider", "rlk_megatron_provider/"), ("rlk-core ops", "rlk_core/"),
 
 
 class BackendClock:
-    """Wraps every registered rlk backend's ``fn`` to add up the time spent inside (outermost calls only),
-    and to switch a running ``cProfile`` profiler off there, so the profile shows what is around them.
+    """Wraps every registered rlk backend's ``fn`` — and its launch plan ``plan_fn``, which the op layer calls in
+    place of ``fn`` (``rlk.triton``: the plan on the device's JIT plan) — to add up the time spent inside (outermost
+    calls only), and to switch a running ``cProfile`` profiler off there, so the profile shows what is around them.
 
     ``stub=True`` (set after the warm-up): a call whose inputs (shapes, dtypes, devices, other arguments)
     were seen before returns fresh zero tensors shaped as that call's outputs were, instead of computing
@@ -76,16 +78,21 @@ class BackendClock:
     def install(self) -> BackendClock:
         from rlk_core.backends import REGISTRY
         from rlk_core.contracts import OP_CONTRACTS
+        from rlk_core.ops._plan import resolve_fn
 
         for op in OP_CONTRACTS:
             for b in REGISTRY.backends(op):
-                self._orig.append((b, b.fn))
+                self._orig.append((b, b.fn, b.plan_fn))
                 b.fn = self._wrap(b.fn, (op, b.id))
+                # a plan the op layer would resolve at the backend's first call and then run past fn: resolved now
+                plan = b.plan_fn or (resolve_fn(b.plan) if getattr(b, "plan", None) else None)
+                if plan is not None:
+                    b.plan_fn = self._wrap(plan, (op, b.id))
         return self
 
     def uninstall(self) -> None:
-        for b, fn in self._orig:
-            b.fn = fn
+        for b, fn, plan_fn in self._orig:
+            b.fn, b.plan_fn = fn, plan_fn
         self._orig.clear()
 
     def _wrap(self, fn, name):
