@@ -23,7 +23,7 @@ from rlk_core.ops.rope import reserve_tables
 from rlk_core.plan import RoutePlan
 from rlk_core.readback import ReadbackRecorder
 from rlk_repro import lifecycle, runs
-from rlk_repro.engine.data import encode, load_prompts, prompts_sha256, reward
+from rlk_repro.engine.data import encode, load_prompts, prompts_sha256, vocab_reward
 from rlk_repro.engine.rollout import Request, RolloutEngine
 from rlk_repro.engine.sampling import SamplingParams
 from rlk_repro.engine.trainer import Sample, Trainer, group_advantages
@@ -317,7 +317,10 @@ def _round(cfg: LocalRunConfig, ses: _Session, run_dir: Path, rnd: int, watch: J
             watch.phase("rollout"):
         stats = ses.engine.generate(requests, on_token=bar.update)
 
-    rewards = [reward(r.output, ses.prompts[chosen[i // n]].answer) for i, r in enumerate(requests)]
+    # vocab_reward, as the frameworks engine: with a large vocabulary (a random-weight Qwen3-0.6B) the byte-token
+    # reward alone is 0 for every sample, every advantage 0 and no update ever changes the weights (WEIGHTS_STATIC)
+    rewards = [vocab_reward(r.output, ses.prompts[chosen[i // n]].answer, ses.model_cfg.vocab_size)
+               for i, r in enumerate(requests)]
     adv = group_advantages(rewards, n)
     samples = [Sample(r.prompt, r.output, r.logprobs, a) for r, a in zip(requests, adv, strict=True)]
     with progress.counter(sum(len(r.prompt) + len(r.output) - 1 for r in requests), f"round {rnd + 1} train") as bar, \
