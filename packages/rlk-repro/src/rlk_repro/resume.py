@@ -35,20 +35,13 @@ import torch
 
 from rlk_core.errors import RlkConfigError
 from rlk_core.plan import RoutePlan
+from rlk_repro.runs import file_sha256
 from rlk_validate import evidence
 
 STATE_DIR = "round-state"
 STATE_FILE = "state.pt"
 STATE_DOC = "state.json"
 STATE_SCHEMA = "rlk.round-state.v1"
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 22), b""):
-            h.update(chunk)
-    return "sha256:" + h.hexdigest()
 
 
 def save_state(run_dir: Path, next_round: int, master: dict[str, torch.Tensor], optimizer: torch.optim.Optimizer,
@@ -61,7 +54,7 @@ def save_state(run_dir: Path, next_round: int, master: dict[str, torch.Tensor], 
                 "optimizer": optimizer.state_dict(), "kv_free": list(kv_free)}, tmp)
     os.replace(tmp, folder / STATE_FILE)
     doc = {"schema": STATE_SCHEMA, "next_round": next_round, "file": STATE_FILE,
-           "sha256": sha256_file(folder / STATE_FILE), "bytes": (folder / STATE_FILE).stat().st_size}
+           "sha256": file_sha256(folder / STATE_FILE), "bytes": (folder / STATE_FILE).stat().st_size}
     evidence.write_json_atomic(folder / STATE_DOC, doc)
 
 
@@ -79,7 +72,7 @@ class Parent:
     def load_state(self) -> dict[str, Any]:
         """The state file, checked against the hash the parent recorded (it must not have changed)."""
         path = self.path / STATE_DIR / STATE_FILE
-        if sha256_file(path) != self.state_sha256:
+        if file_sha256(path) != self.state_sha256:
             raise RlkConfigError(f"{path} changed after {STATE_DOC} recorded it; not resuming from it")
         return torch.load(path, map_location="cpu", weights_only=True)
 
@@ -153,8 +146,8 @@ def inherit(child: Path, parent: Parent) -> dict[str, Any]:
     for name in parent.train_files:
         src, dst = parent.path / evidence.TRAIN_DATA_DIR / name, child / evidence.TRAIN_DATA_DIR / name
         shutil.copyfile(src, dst)
-        digest = sha256_file(dst)
-        if digest != sha256_file(src):
+        digest = file_sha256(dst)
+        if digest != file_sha256(src):
             raise RlkConfigError(f"{src} changed while it was copied")
         inherited[f"{evidence.TRAIN_DATA_DIR}/{name}"] = digest
     text = "".join(line + "\n" for line in parent.metrics_lines)
