@@ -8,7 +8,7 @@ the device's facts from ``p`` (``p.sms``, ``p.tma``), never from the device itse
 - :class:`JitPlan` — backend ``rlk.triton``: every launch is Triton's JIT launch (this module);
 - ``rlk.cuda`` (:mod:`rlk_core.ops._cuda`): the same launches resolved against the AOT manifest, kept per call
   signature as one program that ``rlk_core._C`` runs;
-- the AOT build (:mod:`rlk_core.aot.build`): the launches of each op's build calls (``BUILD`` in its Triton
+- the AOT build (:mod:`rlk_core.aot.build`): the launches of each op's build calls (``build_calls`` in its Triton
   module) on meta tensors, compiled ahead of time.
 
 What a launch compiles to is decided once, here, by Triton's own binder (:func:`specialize`): the signature
