@@ -31,6 +31,13 @@ OP_CONTRACTS: dict[str, str] = {
     "linear_logprobs": "rlk.logp.v1",
     "linear_logprobs_backward": "rlk.logp.v1",
     "linear_logp_partials": "rlk.logp.v1",
+    "kept_set": "rlk.logp.processed.v1",
+    "processed_token_logprobs": "rlk.logp.processed.v1",
+    "processed_token_logprobs_backward": "rlk.logp.processed.v1",
+    "processed_logp_partials": "rlk.logp.processed.v1",
+    "processed_linear_logprobs": "rlk.logp.processed.v1",
+    "processed_linear_logprobs_backward": "rlk.logp.processed.v1",
+    "processed_linear_logp_partials": "rlk.logp.processed.v1",
 }
 
 # ops that belong to another op's arithmetic (its backward, its vocab-parallel halves): a backend forced
@@ -45,6 +52,10 @@ COMPANION_OF: dict[str, str] = {
     "merge_logp_partials": "token_logprobs",
     "linear_logprobs_backward": "linear_logprobs",
     "linear_logp_partials": "linear_logprobs",
+    "processed_token_logprobs_backward": "processed_token_logprobs",
+    "processed_logp_partials": "processed_token_logprobs",
+    "processed_linear_logprobs_backward": "processed_linear_logprobs",
+    "processed_linear_logp_partials": "processed_linear_logprobs",
 }
 
 # collectives (rlk_collectives) report under this contract id; they are not registry ops

@@ -33,8 +33,8 @@ MODULE_SCOPE = {
     "attention": "input RMSNorm, QKV projection, q/k RMSNorm, RoPE, the attention core, output projection "
                  "(and its TP all-reduce)",
     "ffn": "post-attention RMSNorm, gate/up projection, SwiGLU, down projection (and its TP all-reduce)",
-    "logp": "final RMSNorm, LM head, temperature, log-softmax / log-sum-exp and its vocab-parallel merge, "
-            "selection of the sampled token",
+    "logp": "final RMSNorm, LM head, temperature, the kept set of top-k / top-p / min-p, log-softmax / "
+            "log-sum-exp and its vocab-parallel merge, selection of the sampled token",
 }
 MODULE_OPS: dict[tuple[str, str], tuple[str, ...]] = {
     ("attention", "train"): ("linear", "rms_norm", "rope", "attention_varlen"),
@@ -42,8 +42,8 @@ MODULE_OPS: dict[tuple[str, str], tuple[str, ...]] = {
                                "attention_decode"),
     ("ffn", "train"): ("linear", "rms_norm", "swiglu"),
     ("ffn", "rollout"): ("linear", "rms_norm", "swiglu"),
-    ("logp", "train"): ("rms_norm", "linear_logprobs", "linear", "token_logprobs"),  # fused; or from logits
-    ("logp", "rollout"): ("rms_norm", "linear", "token_logprobs"),
+    ("logp", "train"): ("rms_norm", "linear_logprobs", "linear", "token_logprobs", "kept_set"),  # fused; or logits
+    ("logp", "rollout"): ("rms_norm", "linear", "token_logprobs", "kept_set"),
 }
 # The tensor-parallel variants a sharded side runs in place of (or beside) the ops above.
 TP_OPS: dict[str, tuple[str, ...]] = {

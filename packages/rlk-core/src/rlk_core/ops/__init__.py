@@ -12,6 +12,7 @@ from rlk_core.ops.attention import (
     attention_varlen,
     kv_cache_write,
 )
+from rlk_core.ops.kept_set import KeptSet, apply_kept, kept_set
 from rlk_core.ops.linear import linear
 from rlk_core.ops.linear_logprobs import linear_logp_partials, linear_logprobs
 from rlk_core.ops.rms_norm import rms_norm
@@ -20,9 +21,12 @@ from rlk_core.ops.swiglu import swiglu
 from rlk_core.ops.token_logprobs import logp_partials, merge_logp_partials, token_logprobs
 
 __all__ = [
+    "KeptSet",
+    "apply_kept",
     "attention_decode",
     "attention_paged_prefill",
     "attention_varlen",
+    "kept_set",
     "kv_cache_write",
     "linear",
     "linear_logp_partials",

@@ -177,12 +177,14 @@ def finish(m: torch.Tensor, s: torch.Tensor, z_t: torch.Tensor) -> tuple[torch.T
 
 
 def grad_z(z: torch.Tensor, target: torch.Tensor, col_start: int, temp: torch.Tensor, lse: torch.Tensor,
-           g_logp: torch.Tensor, g_lse: torch.Tensor) -> torch.Tensor:
+           g_logp: torch.Tensor, g_lse: torch.Tensor, kept: torch.Tensor | None = None) -> torch.Tensor:
     """``dL/dlogits`` for the columns of ``z`` (fp32): ``(g_logp*(onehot - p) + g_lse*p) / T``,
-    ``p = exp(z - lse)``. Elementwise, so it is the same wherever the columns are computed."""
+    ``p = exp(z - lse)``. Elementwise, so it is the same wherever the columns are computed. With ``kept``
+    (``[T, w]`` bool; ``z`` already ``-inf`` outside it) the one-hot counts only a kept target."""
     p = torch.exp(z - lse[:, None])
     cols = torch.arange(col_start, col_start + z.shape[1], device=z.device)
-    onehot = (cols[None, :] == target.long()[:, None]).to(torch.float32)
+    hit = cols[None, :] == target.long()[:, None]
+    onehot = (hit if kept is None else hit & kept).to(torch.float32)
     return (g_logp[:, None] * (onehot - p) + g_lse[:, None] * p) / temp[:, None]
 
 

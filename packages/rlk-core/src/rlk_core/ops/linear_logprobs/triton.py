@@ -48,43 +48,46 @@ def _chunks(vocab_start: int, width: int, vocab_size: int, t: int, itemsize: int
             yield i, c0, min(c0 + step, hi), (c0 - lo) // L.BLOCK
 
 
-def _partials_into(p, hidden, weight, target, temperature, vocab_start, vocab_size, m, s, zt) -> None:
+def _partials_into(p, hidden, weight, target, temperature, vocab_start, vocab_size, m, s, zt, kept=None) -> None:
     t = hidden.shape[0]
     for i, c0, c1, slot in _chunks(vocab_start, weight.shape[0], vocab_size, t, hidden.element_size()):
         logits = LT.forward(p, hidden, weight[c0:c1], None)
-        TT.block_partials_into(p, logits, temperature, target, m[:, i], s[:, i], zt, vocab_start + c0, slot)
+        TT.block_partials_into(p, logits, temperature, target, m[:, i], s[:, i], zt, vocab_start + c0, slot, kept)
         p.free(logits)
         del logits
 
 
-def linear_logp_partials(p, hidden, weight, target, temperature, vocab_start, vocab_size):
+def linear_logp_partials(p, hidden, weight, target, temperature, vocab_start, vocab_size, kept=None):
     target, temperature = p.contiguous(target), p.contiguous(temperature)
+    kept = TT._contiguous_kept(p, kept)
     g0, g1 = L.shard_groups("linear_logp_partials", vocab_start, weight.shape[0], vocab_size)
     m, s, zt = TT.new_partials(p, hidden.shape[0], g1 - g0, vocab_size)
-    _partials_into(p, hidden, weight, target, temperature, vocab_start, vocab_size, m, s, zt)
+    _partials_into(p, hidden, weight, target, temperature, vocab_start, vocab_size, m, s, zt, kept)
     gm, gs = TT.merge_blocks(p, m, s)
     return gm, gs, zt
 
 
-def forward(p, hidden: torch.Tensor, weights: list[torch.Tensor], target: torch.Tensor, temperature: torch.Tensor
-            ) -> tuple[torch.Tensor, torch.Tensor]:
+def forward(p, hidden: torch.Tensor, weights: list[torch.Tensor], target: torch.Tensor, temperature: torch.Tensor,
+            kept=None) -> tuple[torch.Tensor, torch.Tensor]:
     target, temperature = p.contiguous(target), p.contiguous(temperature)
+    kept = TT._contiguous_kept(p, kept)
     vocab_size = sum(w.shape[0] for w in weights)
     m, s, zt = TT.new_partials(p, hidden.shape[0], L.num_groups(vocab_size), vocab_size)
     start, gi = 0, 0
     for w in weights:
         g0, g1 = L.shard_groups("linear_logprobs", start, w.shape[0], vocab_size)
         _partials_into(p, hidden, w, target, temperature, start, vocab_size, m[:, gi:gi + g1 - g0],
-                       s[:, gi:gi + g1 - g0], zt)
+                       s[:, gi:gi + g1 - g0], zt, kept)
         gi += g1 - g0
         start += w.shape[0]
     return TT.merge_logp_partials(p, *TT.merge_blocks(p, m, s), zt, vocab_size)
 
 
 def backward(p, hidden: torch.Tensor, weights: list[torch.Tensor], target: torch.Tensor, temperature: torch.Tensor,
-             lse: torch.Tensor, grad_logp: torch.Tensor, grad_lse: torch.Tensor
+             lse: torch.Tensor, grad_logp: torch.Tensor, grad_lse: torch.Tensor, kept=None
              ) -> tuple[torch.Tensor, list[torch.Tensor]]:
     target, temperature, lse = p.contiguous(target), p.contiguous(temperature), p.contiguous(lse)
+    kept = TT._contiguous_kept(p, kept)
     g_logp, g_lse = p.contiguous(grad_logp, torch.float32), p.contiguous(grad_lse, torch.float32)
     vocab_size = sum(w.shape[0] for w in weights)
     t, h = hidden.shape
@@ -98,7 +101,7 @@ def backward(p, hidden: torch.Tensor, weights: list[torch.Tensor], target: torch
         for _, c0, c1, _ in _chunks(start, w.shape[0], vocab_size, t, hidden.element_size()):
             wc = w[c0:c1]
             dz = LT.forward(p, hidden, wc, None)  # logits, overwritten by dz in place
-            TT.grad_into(p, dz, dz, target, temperature, lse, g_logp, g_lse, start + c0)
+            TT.grad_into(p, dz, dz, target, temperature, lse, g_logp, g_lse, start + c0, kept)
             LT.into(p, dz, wc.t(), None, part)  # dz [T, C] @ W[chunk] [C, H], fp32 out
             p.host(dh.add_, part)
             LT.into(p, dz.t(), hidden.t(), None, dw[c0:c1])  # dz^T [C, T] @ hidden [T, H]
@@ -107,6 +110,34 @@ def backward(p, hidden: torch.Tensor, weights: list[torch.Tensor], target: torch
         dws.append(dw)
         start += w.shape[0]
     return p.host(dh.to, hidden.dtype), dws
+
+
+# -- contract rlk.logp.processed.v1: the same plans with a kept set ---------------------------------------
+def processed_forward(p, hidden, weights, target, temperature, kept_value, kept_id):
+    return forward(p, hidden, weights, target, temperature, (kept_value, kept_id))
+
+
+def processed_backward(p, hidden, weights, target, temperature, kept_value, kept_id, lse, grad_logp, grad_lse):
+    return backward(p, hidden, weights, target, temperature, lse, grad_logp, grad_lse, (kept_value, kept_id))
+
+
+def processed_linear_logp_partials(p, hidden, weight, target, temperature, kept_value, kept_id, vocab_start,
+                                   vocab_size):
+    return linear_logp_partials(p, hidden, weight, target, temperature, vocab_start, vocab_size,
+                                (kept_value, kept_id))
+
+
+def supports_processed(hidden, weights, target, temperature, kept_value, kept_id) -> tuple[bool, str]:
+    return supports(hidden, weights, target, temperature)
+
+
+def supports_processed_partials(hidden, weight, target, temperature, kept_value, kept_id, vocab_start, vocab_size):
+    return supports(hidden, [weight], target, temperature)
+
+
+def supports_processed_backward(hidden, weights, target, temperature, kept_value, kept_id, lse, grad_logp,
+                                grad_lse) -> tuple[bool, str]:
+    return supports_backward(hidden, weights, target, temperature, lse, grad_logp, grad_lse)
 
 
 def supports(hidden, weights, target, temperature) -> tuple[bool, str]:
@@ -140,3 +171,6 @@ def build_calls(dtype: torch.dtype, sms: int):
                 target = torch.empty((t,), dtype=target_dtype, device="meta")
                 yield forward, (hidden, [w] * tp, target, f32)
             yield backward, (hidden, [w] * tp, target, f32, f32, f32, f32)
+            kid = torch.empty((t,), dtype=torch.int64, device="meta")
+            yield processed_forward, (hidden, [w] * tp, target, f32, f32, kid)
+            yield processed_backward, (hidden, [w] * tp, target, f32, f32, kid, f32, f32, f32)

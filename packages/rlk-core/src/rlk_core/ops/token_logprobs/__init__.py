@@ -15,9 +15,13 @@ from rlk_core.ops import _checks as C
 from rlk_core.ops import _logp_tree as L
 from rlk_core.ops._backends import register_kernel_backends
 from rlk_core.ops._dispatch import define
+from rlk_core.ops.kept_set import as_kept
 from rlk_core.ops.token_logprobs.reference import (
     logp_partials_reference,
     merge_logp_partials_reference,
+    processed_logp_partials_reference,
+    processed_token_logprobs_backward_reference,
+    processed_token_logprobs_reference,
     token_logprobs_backward_reference,
     token_logprobs_reference,
 )
@@ -86,7 +90,7 @@ _token_logprobs.register_autograd(_backward, setup_context=_setup_context)
 
 
 def token_logprobs(logits: torch.Tensor | Sequence[torch.Tensor], target: torch.Tensor,
-                   temperature: float | torch.Tensor = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+                   temperature: float | torch.Tensor = 1.0, kept=None) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-prob of the target token and the log-sum-exp over the vocabulary (contract ``rlk.logp.v1``).
 
     Parameters
@@ -114,12 +118,20 @@ def token_logprobs(logits: torch.Tensor | Sequence[torch.Tensor], target: torch.
     Masked (``-inf``) logits contribute exactly nothing. Backward w.r.t. the logits,
     ``(g_logp*(onehot - p) + g_lse*p) / temperature`` with ``p = exp(z - lse)``, is elementwise and
     deterministic.
+
+    ``kept`` (a :class:`~rlk_core.ops.kept_set.KeptSet` or ``(value [T], token_id [T])``): the processed
+    log-prob of contract ``rlk.logp.processed.v1`` (``docs/ops/processed_logprobs.md``) — the same tree over
+    the kept tokens only (the others ``-inf``); a target outside the kept set gets ``-inf``; the gradient flows
+    through the kept tokens only. Op ``processed_token_logprobs``.
     """
     shards = [logits] if isinstance(logits, torch.Tensor) else list(logits)
     C.require(len(shards) > 0 and all(isinstance(x, torch.Tensor) for x in shards), OP,
               "logits must be a tensor [T, V] or a non-empty list of tensor shards")
     _check_logits(OP, shards)
-    temp = L.as_temperature(OP, temperature, shards[0].shape[0] if shards[0].dim() else 0, shards[0].device)
+    t = shards[0].shape[0] if shards[0].dim() else 0
+    temp = L.as_temperature(OP, temperature, t, shards[0].device)
+    if kept is not None:
+        return _processed_token_logprobs(shards, target, temp, *as_kept(PROCESSED, kept, t, shards[0].device))
     return _token_logprobs(shards, target, temp)
 
 
@@ -150,7 +162,7 @@ def _(logits_shard, target, temperature, vocab_start, vocab_size):
 
 
 def logp_partials(logits_shard: torch.Tensor, target: torch.Tensor, temperature: float | torch.Tensor,
-                  vocab_start: int, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                  vocab_start: int, vocab_size: int, kept=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One vocab shard's half of ``token_logprobs`` (contract ``rlk.logp.v1``).
 
     Parameters
@@ -168,9 +180,14 @@ def logp_partials(logits_shard: torch.Tensor, target: torch.Tensor, temperature:
     shard, ``-inf`` elsewhere. A distributed caller all-gathers ``m`` and ``s`` along dim 1 in rank
     order (exact data movement), all-reduces ``z_target`` with MAX (exact), and calls
     :func:`merge_logp_partials`; the result equals the unsharded :func:`token_logprobs` bit for bit.
-    Each group partial depends only on that row and the group's columns. Not differentiable.
+    Each group partial depends only on that row and the group's columns. Not differentiable. With ``kept`` (the
+    rows' kept sets, the same pair on every shard): the processed partials (op ``processed_logp_partials``).
     """
     temp = L.as_temperature("logp_partials", temperature, logits_shard.shape[0], logits_shard.device)
+    if kept is not None:
+        value, token_id = as_kept("processed_logp_partials", kept, logits_shard.shape[0], logits_shard.device)
+        return _processed_logp_partials(logits_shard, target, temp, value, token_id, int(vocab_start),
+                                        int(vocab_size))
     return _logp_partials(logits_shard, target, temp, int(vocab_start), int(vocab_size))
 
 
@@ -222,6 +239,75 @@ def merge_logp_partials(m: torch.Tensor, s: torch.Tensor, z_target: torch.Tensor
     return _merge_logp_partials(m, s, z_target, int(vocab_size))
 
 
+# -- contract rlk.logp.processed.v1: the same ops with a kept set (value, token_id) per row -----------------
+PROCESSED = "processed_token_logprobs"
+
+
+def _check_kept(op: str, t: int, kept_value: torch.Tensor, kept_id: torch.Tensor, like: torch.Tensor) -> None:
+    C.require(kept_value.dtype == torch.float32 and tuple(kept_value.shape) == (t,), op,
+              f"kept_value must be float32 [{t}], got {kept_value.dtype} {tuple(kept_value.shape)}")
+    C.require(kept_id.dtype == torch.int64 and tuple(kept_id.shape) == (t,), op,
+              f"kept_id must be int64 [{t}], got {kept_id.dtype} {tuple(kept_id.shape)}")
+    C.same_device(op, logits=like, kept_value=kept_value, kept_id=kept_id)
+
+
+@define(PROCESSED)
+def _processed_token_logprobs(logits: list[torch.Tensor], target: torch.Tensor, temperature: torch.Tensor,
+                              kept_value: torch.Tensor, kept_id: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    _check(logits, target, temperature)
+    _check_kept(PROCESSED, logits[0].shape[0], kept_value, kept_id, logits[0])
+
+
+@_processed_token_logprobs.register_fake
+def _(logits, target, temperature, kept_value, kept_id):
+    _check(logits, target, temperature)
+    t = logits[0].shape[0]
+    return logits[0].new_empty((t,), dtype=torch.float32), logits[0].new_empty((t,), dtype=torch.float32)
+
+
+@define("processed_token_logprobs_backward")
+def _processed_token_logprobs_backward(logits: list[torch.Tensor], target: torch.Tensor, temperature: torch.Tensor,
+                                       kept_value: torch.Tensor, kept_id: torch.Tensor, lse: torch.Tensor,
+                                       grad_logp: torch.Tensor, grad_lse: torch.Tensor) -> list[torch.Tensor]:
+    pass
+
+
+@_processed_token_logprobs_backward.register_fake
+def _(logits, target, temperature, kept_value, kept_id, lse, grad_logp, grad_lse):
+    return [torch.empty_like(x) for x in logits]
+
+
+def _processed_setup_context(ctx, inputs, output) -> None:
+    logits, target, temperature, kept_value, kept_id = inputs
+    ctx.save_for_backward(target, temperature, kept_value, kept_id, output[1], *logits)
+
+
+def _processed_backward(ctx, grad_logp, grad_lse):
+    target, temperature, kept_value, kept_id, lse, *logits = ctx.saved_tensors
+    g_logp, g_lse = L.grads_or_zeros(lse, grad_logp, grad_lse)
+    grads = _processed_token_logprobs_backward(logits, target, temperature, kept_value, kept_id, lse, g_logp, g_lse)
+    return list(grads), None, None, None, None
+
+
+_processed_token_logprobs.register_autograd(_processed_backward, setup_context=_processed_setup_context)
+
+
+@define("processed_logp_partials")
+def _processed_logp_partials(logits_shard: torch.Tensor, target: torch.Tensor, temperature: torch.Tensor,
+                             kept_value: torch.Tensor, kept_id: torch.Tensor, vocab_start: int, vocab_size: int
+                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    _check_partials(logits_shard, target, temperature, vocab_start, vocab_size)
+    _check_kept("processed_logp_partials", logits_shard.shape[0], kept_value, kept_id, logits_shard)
+
+
+@_processed_logp_partials.register_fake
+def _(logits_shard, target, temperature, kept_value, kept_id, vocab_start, vocab_size):
+    g0, g1 = _check_partials(logits_shard, target, temperature, vocab_start, vocab_size)
+    t, f = logits_shard.shape[0], torch.float32
+    return (logits_shard.new_empty((t, g1 - g0), dtype=f), logits_shard.new_empty((t, g1 - g0), dtype=f),
+            logits_shard.new_empty((t,), dtype=f))
+
+
 REGISTRY.register(Backend("rlk.reference", OP, token_logprobs_reference, devices=("cpu", "cuda"), builtin=True))
 REGISTRY.register(Backend("rlk.reference", "token_logprobs_backward", token_logprobs_backward_reference,
                           devices=("cpu", "cuda"), builtin=True))
@@ -234,3 +320,11 @@ register_kernel_backends(OP, f"{M}:forward", f"{M}:supports")
 register_kernel_backends("token_logprobs_backward", f"{M}:backward", f"{M}:supports_backward")
 register_kernel_backends("logp_partials", f"{M}:logp_partials", f"{M}:supports_partials")
 register_kernel_backends("merge_logp_partials", f"{M}:merge_logp_partials", f"{M}:supports_merge")
+for _op, _ref, _plan, _sup in (
+        (PROCESSED, processed_token_logprobs_reference, "processed_forward", "supports_processed"),
+        ("processed_token_logprobs_backward", processed_token_logprobs_backward_reference, "processed_backward",
+         "supports_processed_backward"),
+        ("processed_logp_partials", processed_logp_partials_reference, "processed_logp_partials",
+         "supports_processed_partials")):
+    REGISTRY.register(Backend("rlk.reference", _op, _ref, devices=("cpu", "cuda"), builtin=True))
+    register_kernel_backends(_op, f"{M}:{_plan}", f"{M}:{_sup}")

@@ -56,16 +56,26 @@ def _halve(x, R: tl.constexpr, W: tl.constexpr):
     return a + b
 
 
+@triton.jit
+def _kept(z, kv_ptr, kid_ptr, rows, row_ok, gcols):
+    """``[R, W]`` bool: whether global column ``gcols`` of each row is in its kept set ``(kv, kid)``:
+    ``z > kv or (z == kv and col <= kid)`` (``z + 0.0``: ``-0.0`` compares as ``+0.0`` in IEEE anyway)."""
+    kv = tl.load(kv_ptr + rows, mask=row_ok, other=float("-inf"))
+    kid = tl.load(kid_ptr + rows, mask=row_ok, other=0)
+    return (z > kv[:, None]) | ((z == kv[:, None]) & (gcols[None, :].to(tl.int64) <= kid[:, None]))
+
+
 @triton.jit(do_not_specialize=["T"])
 def _logp_block_fwd_kernel(
-    x_ptr, temp_ptr, target_ptr, m_ptr, s_ptr, zt_ptr,
+    x_ptr, temp_ptr, target_ptr, m_ptr, s_ptr, zt_ptr, kv_ptr, kid_ptr,
     T, width, col0, slot0,
     stride_xt, stride_xn, stride_mt,
-    BLOCK_T: tl.constexpr, BLOCK: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK: tl.constexpr, FILTER: tl.constexpr,
 ):
     """``x``: the logits of columns ``[col0, col0 + width)`` (global ids) of one group, starting on a
     leaf-block boundary of it; program (i, b) writes slot ``slot0 + b`` of ``m``/``s`` (row stride
-    ``stride_mt``) for rows ``i*BLOCK_T ...``."""
+    ``stride_mt``) for rows ``i*BLOCK_T ...``. ``FILTER``: columns outside each row's kept set (its threshold
+    ``(kv, kid)``, contract ``rlk.logp.processed.v1``) are ``-inf`` before anything else."""
     pid_t = tl.program_id(0)
     pid_b = tl.program_id(1)
     rows = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -78,6 +88,8 @@ def _logp_block_fwd_kernel(
     temp = tl.load(temp_ptr + rows, mask=row_ok, other=1.0)
     z = tl.math.div_rn(x.to(tl.float32), temp[:, None])
     z = tl.where(ok, z, float("-inf"))
+    if FILTER:
+        z = tl.where(_kept(z, kv_ptr, kid_ptr, rows, row_ok, cols + col0), z, float("-inf"))
     m = tl.max(z, axis=1)
     base = tl.where(m == float("-inf"), 0.0, m)
     e = tl.exp(z - base[:, None])
@@ -198,10 +210,10 @@ def _merge_groups_kernel(
 
 @triton.jit(do_not_specialize=["T"])
 def _logp_grad_kernel(
-    x_ptr, out_ptr, temp_ptr, target_ptr, lse_ptr, glogp_ptr, glse_ptr,
+    x_ptr, out_ptr, temp_ptr, target_ptr, lse_ptr, glogp_ptr, glse_ptr, kv_ptr, kid_ptr,
     T, width, col0,
     stride_xt, stride_xn, stride_ot, stride_on,
-    BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, FILTER: tl.constexpr,
 ):
     pid_t = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -218,8 +230,13 @@ def _logp_grad_kernel(
     g_lse = tl.load(glse_ptr + rows, mask=row_ok, other=0.0)
     tgt = tl.load(target_ptr + rows, mask=row_ok, other=-1).to(tl.int64)
     z = tl.math.div_rn(x.to(tl.float32), temp[:, None])
+    hit = (c64 + col0) == tgt[:, None]
+    if FILTER:  # outside the kept set: z = -inf, so p = 0, and the one-hot counts a kept target only
+        keep = _kept(z, kv_ptr, kid_ptr, rows, row_ok, cols + col0)
+        z = tl.where(keep, z, float("-inf"))
+        hit = hit & keep
     p = tl.exp(z - lse[:, None])
-    onehot = tl.where((c64 + col0) == tgt[:, None], 1.0, 0.0)
+    onehot = tl.where(hit, 1.0, 0.0)
     g = g_logp[:, None] * (onehot - p) + g_lse[:, None] * p
     dz = tl.math.div_rn(g, temp[:, None])
     tl.store(out_ptr + r64 * stride_ot + c64 * stride_on, dz.to(out_ptr.dtype.element_ty), mask=ok)
@@ -236,29 +253,38 @@ def new_partials(p, t: int, groups: int, vocab_size: int) -> tuple[torch.Tensor,
             p.new((t,), F32, "-inf"))
 
 
+Kept = tuple[torch.Tensor, torch.Tensor] | None  # a kept set's (value fp32 [T], token_id int64 [T]), or none
+
+
+def _kept_args(kept: Kept, temperature: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernels' ``(kv, kid)`` pointers: the kept set's, or (unread under ``FILTER=False``) two row tensors."""
+    return (temperature, target) if kept is None else kept
+
+
 def block_partials_into(p, x: torch.Tensor, temperature: torch.Tensor, target: torch.Tensor, m: torch.Tensor,
-                        s: torch.Tensor, zt: torch.Tensor, col0: int, slot0: int) -> None:
+                        s: torch.Tensor, zt: torch.Tensor, col0: int, slot0: int, kept: Kept = None) -> None:
     """Block partials of ``x`` (``[T, w]``, columns ``[col0, col0 + w)`` of one group, starting on its
     leaf block ``slot0``) into ``m[:, slot0:]``, ``s[:, slot0:]`` (``[T, P]`` views, unit column
-    stride) and ``z[target]`` into ``zt`` where the target lies in these columns."""
+    stride) and ``z[target]`` into ``zt`` where the target lies in these columns (and in the kept set)."""
     t, w = x.shape
     if t == 0 or w == 0:
         return
     assert m.stride(1) == 1 and s.stride(1) == 1 and m.stride(0) == s.stride(0)
+    kv, kid = _kept_args(kept, temperature, target)
     p.launch(_logp_block_fwd_kernel, (triton.cdiv(t, BLOCK_T), triton.cdiv(w, L.BLOCK)),
-             x, temperature, target, m, s, zt, t, w, col0, slot0, x.stride(0), x.stride(1), m.stride(0),
-             BLOCK_T=BLOCK_T, BLOCK=L.BLOCK, num_warps=NUM_WARPS)
+             x, temperature, target, m, s, zt, kv, kid, t, w, col0, slot0, x.stride(0), x.stride(1), m.stride(0),
+             BLOCK_T=BLOCK_T, BLOCK=L.BLOCK, FILTER=kept is not None, num_warps=NUM_WARPS)
 
 
 def shard_block_partials_into(p, x: torch.Tensor, temperature: torch.Tensor, target: torch.Tensor,
                               vocab_start: int, vocab_size: int, m: torch.Tensor, s: torch.Tensor,
-                              zt: torch.Tensor) -> None:
+                              zt: torch.Tensor, kept: Kept = None) -> None:
     """All groups of a logits shard (``m``/``s``: ``[T, groups of the shard, P]``)."""
     g0, g1 = L.shard_groups("logp_partials", vocab_start, x.shape[1], vocab_size)
     bounds = L.group_bounds(vocab_size)
     for i, g in enumerate(range(g0, g1)):
         lo, hi = bounds[g] - vocab_start, bounds[g + 1] - vocab_start
-        block_partials_into(p, x[:, lo:hi], temperature, target, m[:, i], s[:, i], zt, bounds[g], 0)
+        block_partials_into(p, x[:, lo:hi], temperature, target, m[:, i], s[:, i], zt, bounds[g], 0, kept)
 
 
 MERGE_BLOCK_T = 16  # rows per program of the merge kernels (a constant: never a function of T)
@@ -280,11 +306,12 @@ def merge_blocks(p, m: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor, tor
 
 
 def logp_partials(p, x: torch.Tensor, target: torch.Tensor, temperature: torch.Tensor, vocab_start: int,
-                  vocab_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                  vocab_size: int, kept: Kept = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     target, temperature = p.contiguous(target), p.contiguous(temperature)
+    kept = _contiguous_kept(p, kept)
     g0, g1 = L.shard_groups("logp_partials", vocab_start, x.shape[1], vocab_size)
     m, s, zt = new_partials(p, x.shape[0], g1 - g0, vocab_size)
-    shard_block_partials_into(p, x, temperature, target, vocab_start, vocab_size, m, s, zt)
+    shard_block_partials_into(p, x, temperature, target, vocab_start, vocab_size, m, s, zt, kept)
     gm, gs = merge_blocks(p, m, s)
     return gm, gs, zt
 
@@ -304,41 +331,48 @@ def merge_logp_partials(p, m: torch.Tensor, s: torch.Tensor, z_target: torch.Ten
     return logp, lse
 
 
-def forward(p, shards: list[torch.Tensor], target: torch.Tensor, temperature: torch.Tensor
+def _contiguous_kept(p, kept: Kept) -> Kept:
+    return None if kept is None else (p.contiguous(kept[0]), p.contiguous(kept[1]))
+
+
+def forward(p, shards: list[torch.Tensor], target: torch.Tensor, temperature: torch.Tensor, kept: Kept = None
             ) -> tuple[torch.Tensor, torch.Tensor]:
     target, temperature = p.contiguous(target), p.contiguous(temperature)
+    kept = _contiguous_kept(p, kept)
     vocab_size = sum(x.shape[1] for x in shards)
     m, s, zt = new_partials(p, shards[0].shape[0], L.num_groups(vocab_size), vocab_size)
     start, gi = 0, 0
     for x in shards:
         g0, g1 = L.shard_groups("token_logprobs", start, x.shape[1], vocab_size)
         shard_block_partials_into(p, x, temperature, target, start, vocab_size, m[:, gi:gi + g1 - g0],
-                                  s[:, gi:gi + g1 - g0], zt)
+                                  s[:, gi:gi + g1 - g0], zt, kept)
         gi += g1 - g0
         start += x.shape[1]
     return merge_logp_partials(p, *merge_blocks(p, m, s), zt, vocab_size)
 
 
 def grad_into(p, x: torch.Tensor, out: torch.Tensor, target: torch.Tensor, temperature: torch.Tensor,
-              lse: torch.Tensor, g_logp: torch.Tensor, g_lse: torch.Tensor, col0: int) -> None:
+              lse: torch.Tensor, g_logp: torch.Tensor, g_lse: torch.Tensor, col0: int, kept: Kept = None) -> None:
     """``out = dL/dlogits`` of ``x`` (columns ``[col0, col0 + w)``), in ``out``'s dtype; ``out`` may be ``x``."""
     t, w = x.shape
     if t == 0 or w == 0:
         return
+    kv, kid = _kept_args(kept, temperature, target)
     p.launch(_logp_grad_kernel, (triton.cdiv(t, GRAD_BLOCK_T), triton.cdiv(w, GRAD_BLOCK_N)),
-             x, out, temperature, target, lse, g_logp, g_lse, t, w, col0,
+             x, out, temperature, target, lse, g_logp, g_lse, kv, kid, t, w, col0,
              x.stride(0), x.stride(1), out.stride(0), out.stride(1),
-             BLOCK_T=GRAD_BLOCK_T, BLOCK_N=GRAD_BLOCK_N, num_warps=NUM_WARPS)
+             BLOCK_T=GRAD_BLOCK_T, BLOCK_N=GRAD_BLOCK_N, FILTER=kept is not None, num_warps=NUM_WARPS)
 
 
 def backward(p, shards: list[torch.Tensor], target: torch.Tensor, temperature: torch.Tensor, lse: torch.Tensor,
-             grad_logp: torch.Tensor, grad_lse: torch.Tensor) -> list[torch.Tensor]:
+             grad_logp: torch.Tensor, grad_lse: torch.Tensor, kept: Kept = None) -> list[torch.Tensor]:
     out, start = [], 0
     target, temperature, lse = p.contiguous(target), p.contiguous(temperature), p.contiguous(lse)
     g_logp, g_lse = p.contiguous(grad_logp, F32), p.contiguous(grad_lse, F32)
+    kept = _contiguous_kept(p, kept)
     for x in shards:
         d = p.new(x.shape, x.dtype)
-        grad_into(p, x, d, target, temperature, lse, g_logp, g_lse, start)
+        grad_into(p, x, d, target, temperature, lse, g_logp, g_lse, start, kept)
         out.append(d)
         start += x.shape[1]
     return out
@@ -362,6 +396,31 @@ def supports_merge(m, s, z_target, vocab_size) -> tuple[bool, str]:
     return True, ""
 
 
+# -- contract rlk.logp.processed.v1: the same plans with a kept set ---------------------------------------
+def processed_forward(p, shards, target, temperature, kept_value, kept_id):
+    return forward(p, shards, target, temperature, (kept_value, kept_id))
+
+
+def processed_backward(p, shards, target, temperature, kept_value, kept_id, lse, grad_logp, grad_lse):
+    return backward(p, shards, target, temperature, lse, grad_logp, grad_lse, (kept_value, kept_id))
+
+
+def processed_logp_partials(p, x, target, temperature, kept_value, kept_id, vocab_start, vocab_size):
+    return logp_partials(p, x, target, temperature, vocab_start, vocab_size, (kept_value, kept_id))
+
+
+def supports_processed(shards, target, temperature, kept_value, kept_id) -> tuple[bool, str]:
+    return supports(shards, target, temperature)
+
+
+def supports_processed_backward(shards, target, temperature, kept_value, kept_id, lse, grad_logp, grad_lse):
+    return supports(shards, target, temperature)
+
+
+def supports_processed_partials(x, target, temperature, kept_value, kept_id, vocab_start, vocab_size):
+    return supports([x], target, temperature)
+
+
 VOCABS = (151936, 128256)  # Qwen3, Llama 3: multiples of 128 (the leaf-block variants depend on that only)
 
 
@@ -383,6 +442,11 @@ def build_calls(dtype: torch.dtype, sms: int):
                 yield backward, (shards, target, temp, stats, stats, stats)
                 for start in range(0, vocab, width):
                     yield logp_partials, (x, target, temp, start, vocab)
+                kv, kid = temp, torch.empty((17,), dtype=torch.int64, device="meta")
+                yield processed_forward, (shards, target, temp, kv, kid)
+                yield processed_backward, (shards, target, temp, kv, kid, stats, stats, stats)
+                for start in range(0, vocab, width):
+                    yield processed_logp_partials, (x, target, temp, kv, kid, start, vocab)
     blocks = 4  # every group merge whose [T, G, P] partials the leaf-block variant writes aligned: P a multiple of 4
     while blocks <= MAX_PADDED_BLOCKS:  # (16-byte groups) and a row stride G * P that is a multiple of 16
         for g in range(1, L.GROUPS + 1):
