@@ -316,7 +316,7 @@ def test_logprob_hook_is_rlk_token_logprobs_with_the_request_temperature(plugin)
     logits = _bf16(5, 1000, seed=11) * 4
     temp = torch.tensor([1.0, 0.7, 1.3, 0.25, 2.0])
     ids = torch.tensor([[3, 17], [999, 0], [512, 4], [7, 7], [100, 900]])
-    token = logprobs._STEP.set((logits, temp))
+    token = logprobs._STEP.set({"logits": logits, "temperature": temp, "kept": None})
     try:
         got = logprob.compute_token_logprobs(logits.float() / temp[:, None], ids)  # processed logits are ignored
     finally:
@@ -332,7 +332,10 @@ def test_logprob_hook_is_rlk_token_logprobs_with_the_request_temperature(plugin)
     assert not torch.equal(v1, want)
 
 
-def test_filtered_logprobs_are_refused_unless_opted_in(plugin, monkeypatch):
+def test_logit_processors_are_refused_and_filters_served(plugin, monkeypatch):
+    """top-k / top-p / min-p and greedy requests are served under logp R (contract rlk.logp.processed.v1);
+    penalties, logit bias, bad words, allowed ids and min_tokens change the logits before the kept set and are
+    refused in strict mode for requests that ask for log-probs."""
     from vllm import SamplingParams
 
     from rlk_core.errors import RlkPolicyError
@@ -340,24 +343,112 @@ def test_filtered_logprobs_are_refused_unless_opted_in(plugin, monkeypatch):
 
     plugin(logp="P/R")
     rt = _runtime.current()
-    logprobs.check_request(SamplingParams(temperature=1.0, logprobs=0), rt)
-    logprobs.check_request(SamplingParams(temperature=1.0, top_p=0.9), rt)  # no log-probs asked: fine
-    for sp, what in ((SamplingParams(top_p=0.9, logprobs=0), "top_p=0.9"), (SamplingParams(top_k=20, logprobs=0),
-                     "top_k=20"), (SamplingParams(min_p=0.1, logprobs=0), "min_p=0.1"),
-                     (SamplingParams(presence_penalty=0.5, logprobs=0), "presence_penalty=0.5"),
-                     (SamplingParams(temperature=0.0, logprobs=0), "temperature 0")):
+    for sp in (SamplingParams(temperature=1.0, logprobs=0), SamplingParams(top_p=0.9, top_k=20, min_p=0.05, logprobs=0),
+               SamplingParams(temperature=0.0, logprobs=0), SamplingParams(presence_penalty=0.5)):  # last: no logprobs
+        logprobs.check_request(sp, rt)
+    for sp, what in ((SamplingParams(presence_penalty=0.5, logprobs=0), "presence_penalty=0.5"),
+                     (SamplingParams(repetition_penalty=1.1, logprobs=0), "repetition_penalty=1.1"),
+                     (SamplingParams(min_tokens=3, logprobs=0), "min_tokens=3"),
+                     (SamplingParams(logit_bias={3: 1.0}, logprobs=0), "logit_bias")):
         with pytest.raises(RlkPolicyError, match=what):
             logprobs.check_request(sp, rt)
-    # vLLM's own start-up warms the sampler with every filter on: that request is not refused, a user's
+    # vLLM's own start-up warms the sampler with every processor on: that request is not refused, a user's
     # request with the same parameters is
     warmup = SamplingParams.for_sampler_warmup()
     logprobs.check_request(warmup, rt)
     user = SamplingParams(**{k: getattr(warmup, k) for k in ("temperature", "top_p", "top_k", "min_p",
                                                               "presence_penalty", "logprobs")})
-    with pytest.raises(RlkPolicyError, match="top_p=0.9"):
-        logprobs.check_request(user, rt)
-    rt.unfiltered_logprobs = True
-    logprobs.check_request(SamplingParams(top_p=0.9, top_k=20, logprobs=0), rt)
+    if user.presence_penalty:
+        with pytest.raises(RlkPolicyError, match="presence_penalty"):
+            logprobs.check_request(user, rt)
+
+
+class _Uva:
+    """The ``.np`` / ``.gpu`` pair of vLLM's ``UvaBackedTensor`` (UVA is unavailable on the CPU, so the real
+    ``SamplingStates`` cannot be built here; the GPU frameworks suite runs the real one)."""
+
+    def __init__(self, values, dtype):
+        import numpy as np
+
+        self.np = np.asarray(values)
+        self.gpu = torch.tensor(values, dtype=dtype)
+
+
+def _sampler_with(temperature, top_k, top_p, min_p):
+    from types import SimpleNamespace
+
+    from vllm.v1.worker.gpu.sample.sampler import Sampler
+
+    sampler = object.__new__(Sampler)  # the real class and its (patched) methods; states below
+    sampler.sampling_states = SimpleNamespace(temperature=_Uva(temperature, torch.float32),
+                                              top_k=_Uva(top_k, torch.int32), top_p=_Uva(top_p, torch.float32),
+                                              min_p=_Uva(min_p, torch.float32))
+    return sampler
+
+
+def test_filtered_sampling_step_is_rlk_processed_logprobs(plugin):
+    """Under logp R the MRv2 sampler's processing is contract rlk.logp.processed.v1: the processed logits are
+    rlk's ``apply_kept`` of each row's kept set, and the returned log-probs rlk's processed ``token_logprobs`` —
+    bit for bit what a trainer computes from the same logits with the same parameters (its own kept sets). A
+    greedy row takes T = 1. Negative control: vLLM's own top-k/top-p (``apply_top_k_top_p``) + log-softmax is
+    not those bits."""
+    import numpy as np
+    from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
+    from vllm.v1.worker.gpu.sample import logprob
+    from vllm.v1.worker.gpu.sample.sampler import Sampler
+
+    from rlk_core.ops import apply_kept, kept_set, token_logprobs
+    from rlk_vllm_plugin import logprobs
+
+    plugin(logp="P/R")
+    v = 1000
+    logits = _bf16(4, v, seed=5) * 4
+    temps, ks, ps, ms = [0.7, 1.0, 0.0, 1.3], [40, v, 5, v], [0.95, 0.9, 1.0, 1.0], [0.0, 0.0, 0.0, 0.05]
+    sampler = _sampler_with(temps, ks, ps, ms)
+    mapping, mapping_np = torch.arange(4), np.arange(4)
+    token = logprobs._STEP.set({"logits": logits, "temperature": torch.ones(4), "kept": None})
+    try:
+        z = Sampler.apply_sampling_params(sampler, logits, mapping, mapping_np, torch.zeros(4, dtype=torch.long),
+                                          torch.zeros(4, dtype=torch.long), torch.zeros(4, dtype=torch.long))
+        step = logprobs._STEP.get()
+        ids = torch.stack([z.argmax(-1), torch.tensor([0, 1, 2, 3])], 1)  # the argmax is kept; the others may not be
+        got = logprob.compute_token_logprobs(z, ids)
+    finally:
+        logprobs._STEP.reset(token)
+    t_eff = torch.tensor([0.7, 1.0, 1.0, 1.3])
+    want_k = kept_set(logits, t_eff, [40, 0, 5, 0], ps, ms)  # the trainer's own kept sets from the same logits
+    assert torch.equal(step["kept"].value, want_k.value) and torch.equal(step["kept"].token_id, want_k.token_id)
+    assert torch.equal(z, apply_kept(logits, t_eff, want_k))
+    want = torch.stack([token_logprobs(logits, ids[:, j], t_eff, kept=want_k)[0] for j in range(2)], 1)
+    assert torch.equal(got, want)
+    assert bool(torch.isfinite(got[:, 0]).all()) and int(want_k.size[2]) == 5
+    # negative control: vLLM's own filter and log-softmax on the same logits (top-k/top-p rows)
+    x = logits.float() / t_eff[:, None]
+    native = apply_top_k_top_p(x.clone(), torch.tensor([40, v, 5, v]), torch.tensor(ps))
+    native_lp = torch.log_softmax(native, -1).gather(1, ids[:, :1])[:, 0]
+    assert not torch.equal(native_lp[:2], got[:2, 0])
+    torch.testing.assert_close(native_lp[:2], got[:2, 0], rtol=1e-4, atol=1e-4)  # the same semantics
+
+
+def test_unfiltered_opt_in_returns_full_vocabulary_logprobs(plugin):
+    import numpy as np
+    from vllm.v1.worker.gpu.sample import logprob
+    from vllm.v1.worker.gpu.sample.sampler import Sampler
+
+    from rlk_core.ops import token_logprobs
+    from rlk_vllm_plugin import logprobs
+
+    plugin(logp="P/R", RL_KERNEL_VLLM_UNFILTERED_LOGPROBS="1")
+    logits = _bf16(2, 500, seed=6) * 4
+    sampler = _sampler_with([1.0, 0.8], [10, 500], [1.0, 0.5], [0.0, 0.0])
+    token = logprobs._STEP.set({"logits": logits, "temperature": torch.ones(2), "kept": None})
+    try:
+        z = Sampler.apply_sampling_params(sampler, logits, torch.arange(2), np.arange(2), None, None, None)
+        ids = z.argmax(-1)[:, None]
+        got = logprob.compute_token_logprobs(z, ids)[:, 0]
+    finally:
+        logprobs._STEP.reset(token)
+    assert torch.equal(got, token_logprobs(logits, ids[:, 0], torch.tensor([1.0, 0.8]))[0])
 
 
 def test_rope_tables_are_reserved_for_the_model_length_when_attention_is_r(plugin, monkeypatch):
@@ -412,8 +503,8 @@ def test_sampler_add_request_checks_the_request_with_the_installed_vllms_argumen
         Sampler.add_request(stub, *[{"req_idx": 3, "prompt_len": 11, "sampling_params": sp}[n] for n in names])
         return stub
 
-    with pytest.raises(RlkPolicyError, match="top_p=0.9"):
-        call(SamplingParams(top_p=0.9, logprobs=0))
+    with pytest.raises(RlkPolicyError, match="presence_penalty=0.5"):
+        call(SamplingParams(presence_penalty=0.5, logprobs=0))
     sp = SamplingParams(temperature=0.8, logprobs=0)
     stub = call(sp)  # accepted: vLLM's own add_request ran with the same arguments
     stub.sampling_states.add_request.assert_called_once_with(3, sp)

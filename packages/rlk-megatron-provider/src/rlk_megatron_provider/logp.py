@@ -10,6 +10,13 @@ its owner's is finite), and ``merge_logp_partials`` merges them in the fixed tre
 not differentiable in this rlk-core) the vocab shards are all-gathered and ``linear_logprobs`` /
 ``token_logprobs`` runs on the list of shards — the same bits, O(V x H) extra memory per rank.
 
+Filtered sampling (contract ``rlk.logp.processed.v1``, ``docs/ops/processed_logprobs.md``): with ``kept`` —
+each row's kept set as one threshold ``(value, token_id)``, from :func:`kept_sets` (this side's own logits and
+the rollout's top-k / top-p / min-p) or from the rollout — every path computes the processed log-prob over the
+kept set, the same bits for any vocab sharding. A keep mask (slime's / VIME's top-p replay,
+``log_prob_keep_mask``, ``[T, V/tp]`` bool) is applied to the logits as ``-inf`` (the mask form of the same
+contract).
+
 Entropy: rlk-core has no entropy op yet, so a request for entropy is refused in strict mode (audit mode
 records the fallback and returns the framework's own entropy).
 """
@@ -87,10 +94,11 @@ def _merge(m: Tensor, s: Tensor, z: Tensor, vocab_size: int, group) -> Tensor:
 
 
 def vocab_parallel_logprobs(hidden: Tensor, weight_shard: Tensor, target: Tensor, temperature, group,
-                            vocab_start: int | None = None, vocab_size: int | None = None) -> Tensor:
+                            vocab_start: int | None = None, vocab_size: int | None = None, kept=None) -> Tensor:
     """``logp`` ``[T]`` fp32 of ``target`` from hidden states ``[T, H]`` and this rank's LM-head shard
-    ``[V/tp, H]`` (contract ``rlk.logp.v1``); never materialises ``[T, V]`` logits when no gradient is
-    needed. Differentiable w.r.t. ``hidden`` and ``weight_shard``."""
+    ``[V/tp, H]`` (contract ``rlk.logp.v1``; with ``kept``, the rows' kept sets, ``rlk.logp.processed.v1``);
+    never materialises ``[T, V]`` logits when no gradient is needed. Differentiable w.r.t. ``hidden`` and
+    ``weight_shard``."""
     st = _state.get()
     tp, rank = _tp(group)
     v_local = weight_shard.shape[0]
@@ -98,14 +106,37 @@ def vocab_parallel_logprobs(hidden: Tensor, weight_shard: Tensor, target: Tensor
     vocab_size = v_local * tp if vocab_size is None else int(vocab_size)
     with st.routes.scope("logp"):
         if tp == 1:
-            return st.routes.call("logp", "linear_logprobs", hidden, weight_shard, target, temperature)[0]
+            return st.routes.call("logp", "linear_logprobs", hidden, weight_shard, target, temperature, kept=kept)[0]
         if torch.is_grad_enabled() and (hidden.requires_grad or weight_shard.requires_grad):
             full = _GatherVocab.apply(weight_shard, group, 0)
             shards = list(full.split(v_local, dim=0))
-            return st.routes.call("logp", "linear_logprobs", hidden, shards, target, temperature)[0]
+            return st.routes.call("logp", "linear_logprobs", hidden, shards, target, temperature, kept=kept)[0]
         m, s, z = st.routes.call("logp", "linear_logp_partials", hidden, weight_shard, target, temperature,
-                                 vocab_start, vocab_size)
+                                 vocab_start, vocab_size, kept=kept)
         return _merge(m, s, z, vocab_size, group)
+
+
+def kept_sets(hidden: Tensor, weight_shard: Tensor, temperature, top_k, top_p, min_p, group,
+              rows_per_chunk: int = 1024):
+    """Each row's kept set (``rlk_core.ops.KeptSet``, contract ``rlk.logp.processed.v1``) from this side's own
+    logits: the rlk LM-head GEMM on ``hidden`` ``[T, H]`` (no gradient), the vocab shards all-gathered in rank
+    order (exact), ``kept_set`` on the whole vocabulary, ``rows_per_chunk`` rows at a time. ``top_k`` /
+    ``top_p`` / ``min_p``: numbers (one setting for every row)."""
+    from rlk_core.ops import KeptSet
+
+    st = _state.get()
+    tp, _ = _tp(group)
+    parts = []
+    with torch.no_grad(), st.routes.scope("logp"):
+        for i in range(0, hidden.shape[0], rows_per_chunk):
+            logits = st.routes.call("logp", "linear", hidden[i:i + rows_per_chunk].detach(), weight_shard.detach())
+            if tp > 1:
+                logits = rlk_collectives.all_gather(logits, group, dim=1)
+            parts.append(st.routes.call("logp", "kept_set", logits, temperature, top_k, top_p, min_p))
+    if not parts:
+        empty = hidden.new_empty((0,), dtype=torch.float32)
+        return KeptSet(empty, empty.long(), empty.long())
+    return KeptSet(*(torch.cat([k[j] for k in parts]) for j in range(3)))
 
 
 def vocab_parallel_logprobs_from_logits(logits: Tensor, target: Tensor, temperature, group) -> Tensor:
@@ -202,9 +233,19 @@ def linear_logp(request) -> Any:
         start = int(_field(part, "start", "vocab_start", default=part[0] if isinstance(part, tuple) else 0))
         size = _field(part, "vocab_size", "global_vocab_size", default=None)
     h = hidden.reshape(-1, hidden.shape[-1])
-    logp = vocab_parallel_logprobs(h, proj, target.reshape(-1), temperature, group, start, size)
+    keep_mask = _field(request, "log_prob_keep_mask")
+    kept = _field(_field(request, "metadata", default={}) or {}, "rlk_kept")  # (value, token_id) from the rollout
+    flat_target = target.reshape(-1)
+    if keep_mask is not None:  # VIME's top-p replay: the mask form, on this rank's logits
+        logits = _logits_path_op("linear", h, proj)
+        logits = logits.masked_fill(~keep_mask.reshape(logits.shape).to(torch.bool), float("-inf"))
+        logp = vocab_parallel_logprobs_from_logits(logits, flat_target, temperature, group)
+    else:
+        logp = vocab_parallel_logprobs(h, proj, flat_target, temperature, group, start, size, kept=kept)
     prov = {"token_layout": _field(request, "token_layout"), "tp": _tp(group)[0], "rank": _tp(group)[1],
-            "plan": st.plan.name}
+            "plan": st.plan.name,
+            "logprobs": "processed (keep mask)" if keep_mask is not None else
+                        "processed (rlk kept sets)" if kept is not None else "unfiltered"}
     return result_cls(logp=logp.reshape(target.shape), entropy=None, backend_id=BACKEND_ID,
                       contract_id=CONTRACT_ID, provenance=prov)
 
@@ -220,10 +261,9 @@ def slime_log_probs_and_entropy(logits: Tensor, tokens: Tensor, tp_group, with_e
     st = _state.get()
     if not st.rlk("logp"):
         raise RlkPolicyError("slime_log_probs_and_entropy is bound but logp is P on the train side")
-    if log_prob_keep_mask is not None or kwargs:
-        reason = ("top-p replay (log_prob_keep_mask)" if log_prob_keep_mask is not None
-                  else f"arguments {sorted(kwargs)}")
-        raise RlkPolicyError(f"rlk-megatron-provider, module 'logp': slime's {reason} is not covered")
+    if kwargs:
+        raise RlkPolicyError(f"rlk-megatron-provider, module 'logp': slime's arguments {sorted(kwargs)} are not "
+                             f"covered")
     entropy = None
     if with_entropy:
         st.refuse("logp", "entropy was requested (rlk-core has no entropy op yet)")
@@ -232,5 +272,8 @@ def slime_log_probs_and_entropy(logits: Tensor, tokens: Tensor, tp_group, with_e
         entropy = original(logits, tokens, tp_group, with_entropy=True, chunk_size=chunk_size)[1]
     if logits.shape[0] == 0:
         return logits.new_zeros(tokens.shape, dtype=torch.float32), entropy
-    logp = vocab_parallel_logprobs_from_logits(logits.reshape(-1, logits.shape[-1]), tokens.reshape(-1), 1.0, tp_group)
+    flat = logits.reshape(-1, logits.shape[-1])
+    if log_prob_keep_mask is not None:  # top-p replay: the kept set's mask form (-inf outside it), same contract
+        flat = flat.masked_fill(~log_prob_keep_mask.reshape(flat.shape).to(torch.bool), float("-inf"))
+    logp = vocab_parallel_logprobs_from_logits(flat, tokens.reshape(-1), 1.0, tp_group)
     return logp.reshape(tokens.shape), entropy

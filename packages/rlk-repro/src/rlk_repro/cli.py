@@ -144,6 +144,14 @@ def _experiment_options(r: argparse.ArgumentParser) -> None:
     r.add_argument("--top-p", type=float, default=None,
                    help="nucleus sampling threshold in (0, 1] (0.95; --engine frameworks: 1, the only value it takes)")
     r.add_argument("--top-k", type=int, default=0, help="top-k sampling, 0 = off (0)")
+    r.add_argument("--min-p", type=float, default=0.0, help="min-p sampling in [0, 1], 0 = off (0)")
+    r.add_argument("--logprobs", choices=("processed", "unfiltered"), default="processed",
+                   help="the log-prob both sides record and compare: over the kept set of the filters (processed, "
+                   "vLLM's processed_logprobs; contract rlk.logp.processed.v1 under R) or over the whole vocabulary "
+                   "(unfiltered). Without filters the two are the same (processed)")
+    r.add_argument("--train-logprobs", choices=("processed", "unfiltered"), default=None,
+                   help="the trainer's log-prob where it should differ from --logprobs: e.g. unfiltered, as a stock "
+                   "trainer recomputes the full softmax, to measure the semantic mismatch (rlk-validate reports it)")
     r.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw", help="optimizer of the trainer (adamw)")
     r.add_argument("--lr", type=float, default=1e-4,
                    help="learning rate (1e-4: a 10-round run of a preset keeps learning without collapsing its "
@@ -232,12 +240,13 @@ def _config(a: argparse.Namespace, argv: Sequence[str], resolved):
         plan=resolved.plan, plan_sources=dict(resolved.sources), readback_mode_source=mode_source,
         rounds=a.rounds, seed=a.seed, device=device, dtype=dtype, model=a.model, checkpoint=a.checkpoint,
         prompts_per_round=a.prompts_per_round, samples_per_prompt=a.samples_per_prompt,
-        max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_p=top_p, top_k=a.top_k,
+        max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_p=top_p, top_k=a.top_k, min_p=a.min_p,
+        logprobs=a.logprobs, train_logprobs=a.train_logprobs,
         chunk_size=a.chunk_size, page_size=a.page_size, max_num_seqs=a.max_num_seqs, optimizer=a.optimizer,
         lr=a.lr, static_weights=a.static_weights, readback_mode=mode, command=["rlk-repro", *argv],
         threads=a.threads or (1 if device == "cpu" else None), state_every=state_every, **extra,
     )
-    SamplingParams(a.temperature, top_p, a.top_k, a.max_new_tokens)  # argument errors before any work
+    SamplingParams(a.temperature, top_p, a.top_k, a.max_new_tokens, min_p=a.min_p)  # argument errors first
     cfg.validate()
     return cfg
 
@@ -386,7 +395,9 @@ _DEFAULTS = {"tp": 1, "gpu_memory_utilization": 0.3, "enforce_eager": False, "tr
              "vllm_max_num_seqs": 256, "vllm_max_num_batched_tokens": 8192}
 # run/matrix options a frameworks matrix cell passes on to its `rlk-repro run` process
 _CELL_OPTIONS = ("rounds", "seed", "device", "dtype", "model", "checkpoint", "prompts_per_round", "samples_per_prompt",
-                 "max_new_tokens", "temperature", "top_p", "top_k", "optimizer", "lr", "static_weights", "audit",
+                 "max_new_tokens", "temperature", "top_p", "top_k", "min_p", "logprobs", "train_logprobs",
+                 "optimizer", "lr",
+                 "static_weights", "audit",
                  *FRAMEWORKS_ONLY)
 
 

@@ -14,6 +14,7 @@ import math
 import os
 import platform
 import secrets
+import statistics
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -311,6 +312,34 @@ def compare(rollout: torch.Tensor, train: torch.Tensor) -> dict[str, Any]:
 
 _ROUND_KEYS = ("round", "element_count", "mismatch_count", "informative_count", "informative_mismatch_count",
                "max_abs_diff", "mean_abs_diff")
+
+
+def sampling_semantics(temperature: float, top_k: int, top_p: float, min_p: float, rollout_logprobs: str,
+                       train_logprobs: str) -> dict[str, Any]:
+    """The manifest's ``sampling``: the filters the rollout sampled with and what each side's log-prob is —
+    ``processed`` (over the kept set, contract ``rlk.logp.processed.v1`` under R) or ``unfiltered`` (over the whole
+    vocabulary). Without a filter the two are the same distribution (``filtered`` False). rlk-validate refuses a
+    comparison of a processed log-prob with an unfiltered one when the rollout filtered."""
+    filtered = top_p < 1.0 or top_k > 0 or min_p > 0.0
+    return {"temperature": temperature, "top_k": top_k, "top_p": top_p, "min_p": min_p, "filtered": filtered,
+            "rollout": {"logprobs": rollout_logprobs}, "train": {"logprobs": train_logprobs}}
+
+
+def kept_metrics(rollout_sizes: list[int], train_sizes: torch.Tensor | None) -> dict[str, Any]:
+    """A round's kept-set statistics (the rollout's kept-set size per sampled token: mean, median, p99, the fraction
+    of singletons) and, where the trainer found its own kept sets, how many positions' sizes differ."""
+    if not rollout_sizes:
+        return {}
+    ordered = sorted(rollout_sizes)
+    n = len(ordered)
+    out: dict[str, Any] = {"kept_set": {
+        "tokens": n, "mean": round(statistics.fmean(ordered), 4), "median": float(statistics.median(ordered)),
+        "p99": ordered[min(n - 1, int(0.99 * n))], "singletons": round(sum(x == 1 for x in ordered) / n, 6)}}
+    if train_sizes is not None:
+        train = [int(x) for x in train_sizes.tolist()]
+        out["kept_set_mismatches"] = (sum(a != b for a, b in zip(rollout_sizes, train, strict=True))
+                                      if len(train) == n else n)
+    return out
 
 
 def bitwise_document(rounds: list[dict[str, Any]], require_exact: bool, fallback_failures: int) -> dict[str, Any]:

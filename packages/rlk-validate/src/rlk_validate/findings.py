@@ -102,6 +102,17 @@ CODES: dict[str, tuple[str, str]] = {
         WARNING,
         "another process held the run directory's lock (a run still writing it, or a sealer): it was read mid-write",
     ),
+    "SAMPLING_SEMANTICS_DIFFER": (
+        ERROR,
+        "the rollout filtered its sampling (top-k / top-p / min-p) and the two sides' log-probs are of different "
+        "distributions (one over the kept set, the other over the whole vocabulary): a semantic mismatch, not an "
+        "arithmetic one (a warning where bitwise equality is not required: it quantifies that mismatch)",
+    ),
+    "KEPT_SET_MISMATCH": (
+        ERROR,
+        "the trainer's kept sets (found from its own logits) differ in size from the rollout's at some positions",
+    ),
+    "KEPT_SET_SIZES": (INFO, "the kept-set size distribution of the run's sampled tokens"),
     "WEIGHTS_STATIC": (
         ERROR,
         "no update between rounds changed the weights (or no sequence had a non-zero advantage): a bitwise claim "

@@ -8,7 +8,7 @@ from typing import Any
 
 from .bitwise import check_train_data
 from .chain import check_chain
-from .claims import all_rr, check_bitwise_file, check_metrics
+from .claims import all_rr, check_bitwise_file, check_metrics, is_int
 from .coverage import digest_tree
 from .drift import DEFAULT_CLIP_EPS
 from .evidence import EXIT_CODE, INFORMATIVE_LOGP, MIN_INFORMATIVE_FRACTION, RUN_MARKERS, expected_plan
@@ -147,6 +147,7 @@ def _validate(run_dir: str, opts: Options, report: Report) -> None:
     f.extend(check_bitwise_file(root, info["plan"], bitwise, info["rounds"]))
     f.extend(_informative(bitwise, report.require_exact, opts.min_informative_fraction))
     f.extend(_static_weights(rows, bitwise, info, report.require_exact))
+    f.extend(_sampling(_manifest_doc(root), rows, report.require_exact))
     f.extend(digest_tree(root))
     report.inputs = dict(sorted(root.digests.items()))
     check_complete(root, report, opts.verify_key)
@@ -165,6 +166,48 @@ def _informative(bitwise: dict[str, Any] | None, require_exact: bool, bound: flo
                     f"{100 * bound:g}% of the compared ones in {len(low)} round(s): {shown}; the policy has saturated, "
                     "so bitwise equality over those rounds proves little", check="bitwise", path="train-data",
                     severity=None if require_exact else "warning", rounds=[r["round"] for r in low])]
+
+
+def _sampling(manifest: Any, rows: dict[int, dict[str, Any]], require_exact: bool) -> list[Any]:
+    """The sampling semantics of the manifest (``sampling``: the rollout's filters, each side's log-prob) and the
+    kept-set statistics of the metrics: a comparison of different semantics under filters, and kept sets that
+    differ between the sides, are findings; the size distribution is reported."""
+    out: list[Any] = []
+    sampling = manifest.get("sampling") if isinstance(manifest, dict) else None
+    if isinstance(sampling, dict) and sampling.get("filtered") is True:
+        sides = {side: (sampling.get(side) or {}).get("logprobs") for side in ("rollout", "train")}
+        if sides["rollout"] != sides["train"]:
+            out.append(finding("SAMPLING_SEMANTICS_DIFFER", f"the rollout sampled with top_k={sampling.get('top_k')}, "
+                               f"top_p={sampling.get('top_p')}, min_p={sampling.get('min_p')}; its log-probs are "
+                               f"{sides['rollout']}, the trainer's {sides['train']}: the two sides compared different "
+                               "distributions", check="run", path="manifest.json",
+                               severity=None if require_exact else "warning"))
+    stats = [(r, row["kept_set"]) for r, row in sorted(rows.items()) if _kept_stats_ok(row.get("kept_set"))]
+    differ = {r: row["kept_set_mismatches"] for r, row in rows.items() if is_int(row.get("kept_set_mismatches"))
+              and row["kept_set_mismatches"] > 0}
+    if differ:
+        out.append(finding("KEPT_SET_MISMATCH", f"kept-set sizes differ at {sum(differ.values())} position(s) in "
+                           f"round(s) {sorted(differ)}", check="run", path="metrics.jsonl",
+                           severity=None if require_exact else "warning", rounds=sorted(differ)))
+    tokens = sum(s["tokens"] for _, s in stats)
+    if stats and tokens:
+        mean = sum(s["mean"] * s["tokens"] for _, s in stats) / tokens
+        singles = sum(s["singletons"] * s["tokens"] for _, s in stats) / tokens
+        medians = sorted(s["median"] for _, s in stats)
+        p99 = max(s["p99"] for _, s in stats)
+        out.append(finding("KEPT_SET_SIZES", f"{tokens} sampled tokens: kept-set size mean {mean:.2f}, median of the "
+                           f"rounds' medians {medians[len(medians) // 2]:g}, largest round p99 {p99}, singletons "
+                           f"{100 * singles:.1f}%", check="run", path="metrics.jsonl", tokens=tokens,
+                           mean=round(mean, 4), singletons=round(singles, 6), p99=p99))
+    return out
+
+
+def _kept_stats_ok(s: Any) -> bool:
+    """A metrics row's ``kept_set`` as the engines write it (an untrusted file: anything else is not summarised)."""
+    def num(x: Any) -> bool:
+        return type(x) in (int, float) and x == x and abs(x) < 1e18
+    return (isinstance(s, dict) and is_int(s.get("tokens")) and 0 < s["tokens"] < 10**15
+            and all(num(s.get(k)) for k in ("mean", "median", "p99", "singletons")))
 
 
 def _static_weights(rows: dict[int, dict[str, Any]], bitwise: dict[str, Any] | None, info: dict[str, Any],

@@ -69,6 +69,7 @@ TARGETS: dict[str, tuple[str, ...]] = {
         "vllm.v1.worker.gpu.sample.logprob:compute_token_logprobs",
         "vllm.v1.worker.gpu.sample.sampler:Sampler.__call__",
         "vllm.v1.worker.gpu.sample.sampler:Sampler.add_request",
+        "vllm.v1.worker.gpu.sample.sampler:Sampler.apply_sampling_params",
         "vllm.v1.sample.sampler:Sampler.compute_logprobs",
     ),
     "tp": (
@@ -79,6 +80,8 @@ TARGETS: dict[str, tuple[str, ...]] = {
 # Parameters (by name) a wrapped target must take: a target whose signature lacks one is named as missing.
 PARAMETERS: dict[str, tuple[str, ...]] = {
     "vllm.v1.worker.gpu.sample.sampler:Sampler.add_request": ("sampling_params",),
+    "vllm.v1.worker.gpu.sample.sampler:Sampler.apply_sampling_params": ("logits", "expanded_idx_mapping",
+                                                                         "idx_mapping_np"),
 }
 
 
@@ -137,7 +140,7 @@ def probe(groups: tuple[str, ...]) -> Probe:
             except (ImportError, AttributeError) as exc:
                 p.missing.append(f"{target} ({type(exc).__name__}: {exc})")
                 continue
-            lacking = [n for n in PARAMETERS.get(target, ()) if n not in _parameters(p.found[target])]
+            lacking = [n for n in PARAMETERS.get(target, ()) if n not in parameters(p.found[target])]
             if lacking:
                 del p.found[target]
                 p.missing.append(f"{target} (signature: no parameter {', '.join(map(repr, lacking))})")
@@ -149,7 +152,7 @@ def probe(groups: tuple[str, ...]) -> Probe:
     return p
 
 
-def _parameters(fn: Any) -> tuple[str, ...]:
+def parameters(fn: Any) -> tuple[str, ...]:
     try:
         return tuple(inspect.signature(fn).parameters)
     except (TypeError, ValueError):
@@ -159,7 +162,7 @@ def _parameters(fn: Any) -> tuple[str, ...]:
 def argument(fn: Any, name: str) -> Callable[[tuple, dict], Any]:
     """``get(args, kwargs)``: the value of ``fn``'s parameter ``name`` in a call ``fn(*args, **kwargs)`` (``args``
     including ``self`` for a method), located by name in ``fn``'s signature once."""
-    index = _parameters(fn).index(name)
+    index = parameters(fn).index(name)
 
     def get(args: tuple, kwargs: dict) -> Any:
         return kwargs[name] if name in kwargs else args[index]

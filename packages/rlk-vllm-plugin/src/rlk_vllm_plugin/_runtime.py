@@ -161,7 +161,7 @@ def get() -> Runtime:
     return _RUNTIME
 
 
-def rlk(module: str, op: str, *args: Any) -> Any:
+def rlk(module: str, op: str, *args: Any, **kwargs: Any) -> Any:
     """Run rlk op ``op`` for ``module`` (R). Under ``torch.compile`` tracing the op goes in as the opaque
     ``torch.ops.rlk.<op>`` and the call site is recorded (see the module docstring); eager calls run in the
     module's readback scope and report their backend themselves."""
@@ -169,7 +169,7 @@ def rlk(module: str, op: str, *args: Any) -> Any:
         if _comptime is not None:
             _comptime(_rlk_site)
         return getattr(torch.ops.rlk, op)(*args)
-    return get().routes.call(module, op, *args)
+    return get().routes.call(module, op, *args, **kwargs)
 
 
 def _rlk_site(ctx: Any) -> None:

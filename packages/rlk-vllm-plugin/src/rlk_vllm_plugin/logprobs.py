@@ -1,21 +1,22 @@
-"""Sampled-token log-probs: vLLM's ``compute_token_logprobs`` -> rlk ``token_logprobs``.
+"""Sampled-token log-probs and filtered sampling: vLLM's Model Runner V2 sampler on rlk under logp R.
 
-Model Runner V2 (vLLM's default for Qwen3 in 0.22 and for every model in 0.33) computes the returned
-log-probs in the module global ``vllm.v1.worker.gpu.sample.logprob.compute_token_logprobs(logits,
-token_ids)``, looked up at call time by ``compute_topk_logprobs`` / ``compute_topk_scores``. Under logp R
-it is replaced by :func:`token_logprobs_hook`:
+Model Runner V2 (vLLM's default for Qwen3 in 0.22 and for every model in 0.33) processes the logits in
+``Sampler.apply_sampling_params`` (an fp32 copy; logit bias, penalties, bad words; temperature; min-p; top-k /
+top-p) and computes the returned log-probs in the module global
+``vllm.v1.worker.gpu.sample.logprob.compute_token_logprobs(logits, token_ids)``. Under logp R:
 
-- inside a sampling step (``Sampler.__call__`` is wrapped to hand over the step's *raw* logits and each
-  row's temperature), the result for row ``i`` and column ``k`` is rlk's
-  ``token_logprobs(raw_logits, token_ids[:, k], temperature)`` — ``log softmax(logits / T)``, the
-  trainer's definition — whichever ``--logprobs-mode`` (``processed_logprobs`` / ``raw_logprobs``) vLLM runs;
-- outside a sampling step (prompt log-probs) the given logits at temperature 1, which is vLLM's definition.
-
-With ``top_p = 1``, ``top_k`` off, ``min_p = 0`` and no penalties / logit bias / bad words these are vLLM's
-processed log-probs; with any of them vLLM's processed log-probs differ from the trainer's by
-construction, so ``Sampler.add_request`` refuses such a request that asks for log-probs (strict mode)
-unless ``RL_KERNEL_VLLM_UNFILTERED_LOGPROBS=1`` accepts the unfiltered values. Greedy requests
-(``temperature = 0``) are refused: the trainer's log-prob needs ``T > 0``.
+- ``Sampler.apply_sampling_params`` keeps vLLM's logit processors (logit bias, penalties, bad words: refused in
+  strict mode for requests that ask for log-probs, see :func:`refusals`) and replaces the rest with contract
+  ``rlk.logp.processed.v1``: ``z = f32(logits) / f32(T)`` (one IEEE division), the kept set of each row's
+  top-k / top-p / min-p (``rlk_core.ops.kept_set``: one threshold per row, batch-invariant), and the processed
+  logits ``z`` with ``-inf`` outside the kept set. vLLM's own Gumbel sampler draws from them (seeded per
+  request, a row's draw depends on that row only). Greedy rows (``temperature = 0``) take ``T = 1`` and are
+  vLLM's greedy semantics (argmax of the filtered logits): served, not comparable with training.
+- :func:`token_logprobs_hook` replaces ``compute_token_logprobs``: inside a sampling step, row ``i`` and column
+  ``k`` get rlk's ``token_logprobs(logits, token_ids[:, k], T, kept=K)`` — ``z_y - logsumexp_K z``, vLLM's
+  ``processed_logprobs`` semantics, the bits the trainer computes with the same kept set — or, with
+  ``RL_KERNEL_VLLM_UNFILTERED_LOGPROBS=1``, the unfiltered ``log softmax(z)`` (sampling stays filtered);
+  outside a sampling step (prompt log-probs) the given logits at temperature 1, which is vLLM's definition.
 
 vLLM's V1 runner computes log-probs elsewhere (``vllm.v1.sample.sampler.Sampler.compute_logprobs``, a
 full ``log_softmax``): under logp R that is a fallback (strict: raise; run vLLM with Model Runner V2).
@@ -35,20 +36,23 @@ SAMPLER_MODULE = "vllm.v1.worker.gpu.sample.sampler"
 PROMPT_LOGPROB_MODULE = "vllm.v1.worker.gpu.sample.prompt_logprob"
 V1_SAMPLER_MODULE = "vllm.v1.sample.sampler"
 
-# (raw logits [R, V], temperature [R] float32) of the sampling step in progress
-_STEP: contextvars.ContextVar[tuple[torch.Tensor, torch.Tensor] | None] = contextvars.ContextVar(
-    "rlk_vllm_sampling_step", default=None)
+# the sampling step in progress: {"logits": raw logits [R, V] (or the fp32 copy vLLM's logit processors ran on),
+# "temperature": [R] float32 (greedy rows: 1), "kept": the rows' KeptSet or None}
+_STEP: contextvars.ContextVar[dict[str, Any] | None] = contextvars.ContextVar("rlk_vllm_sampling_step", default=None)
 
 
 def token_logprobs_hook(logits: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
     """Drop-in for ``compute_token_logprobs``: float32 ``[R, K]`` log-probs of ``token_ids`` ``[R, K]``."""
     step = _STEP.get()
-    if step is not None and step[0].shape == logits.shape:
-        raw, temperature = step
+    kept = None
+    if step is not None and step["logits"].shape == logits.shape:
+        raw, temperature = step["logits"], step["temperature"]
+        if not _runtime.get().unfiltered_logprobs:
+            kept = step.get("kept")
     else:
         raw, temperature = logits, torch.ones(logits.shape[0], dtype=torch.float32, device=logits.device)
     ids = token_ids.to(torch.int64)
-    cols = [_runtime.rlk("logp", "token_logprobs", raw, ids[:, k].contiguous(), temperature)[0]
+    cols = [_runtime.rlk("logp", "token_logprobs", raw, ids[:, k].contiguous(), temperature, kept=kept)[0]
             for k in range(ids.shape[1])]
     if not cols:
         return logits.new_empty((logits.shape[0], 0), dtype=torch.float32)
@@ -56,20 +60,18 @@ def token_logprobs_hook(logits: torch.Tensor, token_ids: torch.Tensor) -> torch.
 
 
 def refusals(sp: Any) -> list[str]:
-    """What in a request's ``SamplingParams`` makes vLLM's processed log-probs differ from the trainer's."""
+    """What in a request's ``SamplingParams`` no trainer recomputes: penalties, logit bias, bad words, allowed
+    token ids, min_tokens (they change the logits before the kept set; contract ``rlk.logp.processed.v1`` covers
+    temperature, top-k, top-p and min-p only)."""
     out = []
-    if getattr(sp, "top_p", 1.0) < 1.0:
-        out.append(f"top_p={sp.top_p}")
-    if getattr(sp, "top_k", 0) not in (0, -1, None):
-        out.append(f"top_k={sp.top_k}")
-    if getattr(sp, "min_p", 0.0) > 0.0:
-        out.append(f"min_p={sp.min_p}")
     for name, neutral in (("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("repetition_penalty", 1.0)):
         if getattr(sp, name, neutral) != neutral:
             out.append(f"{name}={getattr(sp, name)}")
     for name in ("logit_bias", "bad_words", "allowed_token_ids"):
         if getattr(sp, name, None):
             out.append(name)
+    if getattr(sp, "min_tokens", 0):
+        out.append(f"min_tokens={sp.min_tokens}")
     return out
 
 
@@ -88,17 +90,16 @@ def _sampler_warmup(original):
 
 
 def check_request(sp: Any, rt: _runtime.Runtime) -> None:
+    """Refuse (strict) or log (audit) a request asking for log-probs with a logit processor no trainer recomputes.
+    top-k / top-p / min-p are served through ``rlk.logp.processed.v1``; greedy requests are served (vLLM's greedy
+    semantics, not comparable with training)."""
     if getattr(sp, "logprobs", None) is None or (getattr(sp, "extra_args", None) or {}).get(WARMUP_MARK):
         return
-    if getattr(sp, "temperature", 1.0) <= 0.0:
-        rt.violation("logp R: a request asks for log-probs with temperature 0 (greedy); the trainer's "
-                     "log-prob needs temperature > 0")
-    filters = refusals(sp)
-    if filters and not rt.unfiltered_logprobs:
-        rt.violation("logp R: a request asks for log-probs with " + ", ".join(filters) + "; vLLM's processed "
-                     "log-probs then differ from the trainer's by construction. Use top_p=1, top_k=0, min_p=0 "
-                     "and no penalties, or set RL_KERNEL_VLLM_UNFILTERED_LOGPROBS=1 to receive the unfiltered "
-                     "log-probs")
+    processors = refusals(sp)
+    if processors:
+        rt.violation("logp R: a request asks for log-probs with " + ", ".join(processors) + ", which change the "
+                     "logits before sampling and which no trainer recomputes (rlk covers temperature, top_k, top_p "
+                     "and min_p: contract rlk.logp.processed.v1); drop them for an exact run")
 
 
 def _add_request(original):
@@ -120,13 +121,71 @@ def _sampler_call(original):
         if not _runtime.get().r("logp"):
             return original(self, logits, input_batch)
         temperature = self.sampling_states.temperature.gpu[input_batch.expanded_idx_mapping].to(torch.float32)
-        token = _STEP.set((logits, temperature))
+        temperature = torch.where(temperature == 0.0, torch.ones_like(temperature), temperature)  # greedy: T = 1
+        token = _STEP.set({"logits": logits, "temperature": temperature, "kept": None})
         try:
             return original(self, logits, input_batch)
         finally:
             _STEP.reset(token)
     __call__._rlk_original = original
     return __call__
+
+
+# vLLM's logit processors that apply_sampling_params runs before the temperature (0.22's names and arguments;
+# each a no-op for rows that do not use it, and refused in strict mode for requests asking for log-probs)
+_PROCESSORS = (("logit_bias_state", "apply_logit_bias", ("expanded_idx_mapping", "idx_mapping_np", "pos")),
+               ("penalties_state", "apply_penalties",
+                ("expanded_idx_mapping", "idx_mapping_np", "input_ids", "expanded_local_pos")),
+               ("bad_words_state", "apply_bad_words",
+                ("expanded_idx_mapping", "idx_mapping_np", "input_ids", "expanded_local_pos")))
+
+
+def processed_logits(sampler: Any, logits: torch.Tensor, expanded_idx_mapping: torch.Tensor, idx_mapping_np: Any,
+                     named: dict[str, Any]) -> torch.Tensor:
+    """The processed logits of a sampling step under logp R (contract ``rlk.logp.processed.v1``): an fp32 copy,
+    vLLM's logit processors, then ``z = x / T``, each row's kept set and ``-inf`` outside it. The step's kept sets
+    go to :func:`token_logprobs_hook` through ``_STEP``."""
+    from rlk_core.ops.kept_set import apply_kept
+
+    states = sampler.sampling_states
+    x = torch.empty_like(logits, dtype=torch.float32).copy_(logits)
+    for state, method, args in _PROCESSORS:
+        fn = getattr(getattr(sampler, state, None), method, None)
+        if fn is not None and all(a in named for a in args):
+            fn(x, *(named[a] for a in args))
+    vocab = x.shape[1]
+    temp = states.temperature.gpu[expanded_idx_mapping].to(torch.float32)
+    temp = torch.where(temp == 0.0, torch.ones_like(temp), temp)  # greedy rows: T = 1, vLLM's argmax semantics
+    top_k = states.top_k.gpu[expanded_idx_mapping].to(torch.int64)
+    top_p = states.top_p.gpu[expanded_idx_mapping].to(torch.float32)
+    min_p = states.min_p.gpu[expanded_idx_mapping].to(torch.float32)
+    host = None
+    if len(idx_mapping_np) == x.shape[0]:  # one logits row per request (no speculative expansion): host values
+        host = ([int(k) if 0 < k < vocab else 0 for k in states.top_k.np[idx_mapping_np]],
+                [float(p) for p in states.top_p.np[idx_mapping_np]],
+                [float(m) for m in states.min_p.np[idx_mapping_np]])
+    kept = _runtime.rlk("logp", "kept_set", x, temp, top_k, top_p, min_p, host=host)
+    step = _STEP.get()
+    if step is not None:
+        step.update(logits=x, temperature=temp, kept=kept)
+    return apply_kept(x, temp, kept)
+
+
+def _apply_sampling_params(original):
+    """``Sampler.apply_sampling_params``: rlk's processing under logp R (:func:`processed_logits`); the arguments
+    are found by name in the installed vLLM's signature."""
+    params = set(_compat.parameters(original))  # the probe made sure of logits, expanded_idx_mapping, idx_mapping_np
+    getters = {n: _compat.argument(original, n) for n in
+               ("logits", "expanded_idx_mapping", "idx_mapping_np", "pos", "input_ids", "expanded_local_pos")
+               if n in params}
+
+    def apply_sampling_params(self, *args, **kwargs):
+        if not _runtime.get().r("logp"):
+            return original(self, *args, **kwargs)
+        named = {n: get((self, *args), kwargs) for n, get in getters.items()}
+        return processed_logits(self, named["logits"], named["expanded_idx_mapping"], named["idx_mapping_np"], named)
+    apply_sampling_params._rlk_original = original
+    return apply_sampling_params
 
 
 def _v1_compute_logprobs(original):
@@ -175,6 +234,7 @@ def install(probe: _compat.Probe) -> list[str]:
     sampler = _compat.module(SAMPLER_MODULE).Sampler
     _runtime.patch(sampler, "__call__", _sampler_call)
     _runtime.patch(sampler, "add_request", _add_request)
+    _runtime.patch(sampler, "apply_sampling_params", _apply_sampling_params)
     params = _compat.module("vllm.sampling_params").SamplingParams
     warmup = getattr(params, "for_sampler_warmup", None)
     if warmup is not None and getattr(warmup, "_rlk_original", None) is None:  # a staticmethod
@@ -184,6 +244,7 @@ def install(probe: _compat.Probe) -> list[str]:
     if getattr(v1.compute_logprobs, "_rlk_original", None) is None:  # a staticmethod in both versions
         v1.compute_logprobs = staticmethod(_v1_compute_logprobs(v1.compute_logprobs))
     return [*targets, f"{SAMPLER_MODULE}.Sampler.__call__", f"{SAMPLER_MODULE}.Sampler.add_request",
+            f"{SAMPLER_MODULE}.Sampler.apply_sampling_params",
             f"{V1_SAMPLER_MODULE}.Sampler.compute_logprobs"]
 
 
@@ -196,6 +257,7 @@ def uninstall() -> None:
     sampler = _compat.module(SAMPLER_MODULE).Sampler
     _runtime.unpatch(sampler, "__call__")
     _runtime.unpatch(sampler, "add_request")
+    _runtime.unpatch(sampler, "apply_sampling_params")
     params = _compat.module("vllm.sampling_params").SamplingParams
     original = getattr(getattr(params, "for_sampler_warmup", None), "_rlk_original", None)
     if original is not None:

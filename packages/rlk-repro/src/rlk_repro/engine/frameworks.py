@@ -29,7 +29,7 @@ import torch
 from rlk_core.errors import RlkConfigError
 from rlk_repro import lifecycle, runs
 from rlk_repro.engine.data import encode, load_prompts, prompts_sha256, vocab_reward
-from rlk_repro.engine.local import DTYPES, LocalRunConfig, LocalRunResult, load_model
+from rlk_repro.engine.local import DTYPES, LocalRunConfig, LocalRunResult, load_model, sampling_params
 from rlk_repro.engine.trainer import Sample, group_advantages
 from rlk_repro.jitwatch import JitWatch
 from rlk_repro.jitwatch import counts as jit_counts
@@ -55,9 +55,10 @@ class FrameworksRunConfig(LocalRunConfig):
         for name in ("tp", "train_micro_tokens", "vllm_max_num_seqs", "vllm_max_num_batched_tokens"):
             if getattr(self, name) < 1:
                 raise RlkConfigError(f"{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
-        if self.top_p != 1.0 or self.top_k != 0:
-            raise RlkConfigError(f"--engine frameworks samples the unfiltered distribution the trainer recomputes: "
-                                 f"--top-p 1 and --top-k 0 (got {self.top_p}, {self.top_k})")
+        filtered = self.top_p < 1.0 or self.top_k > 0 or self.min_p > 0.0
+        if filtered and self.logprobs == "unfiltered" and not self.plan.uses_rlk("logp", "rollout"):
+            raise RlkConfigError("--logprobs unfiltered with filters needs rlk on vLLM's logp (R): vLLM's own "
+                                 "processed log-probs are over the kept set")
         if not self.device.startswith("cuda"):
             raise RlkConfigError(f"--engine frameworks runs on cuda, not {self.device!r}")
         if self.static_weights:
@@ -224,6 +225,8 @@ class _Run:
         self.prompts = load_prompts()
         self.encoded = [encode(p.text, self.model_cfg.bos_token_id) for p in self.prompts]
         self.max_len = max(len(e) for e in self.encoded) + cfg.max_new_tokens
+        if cfg.logprobs == "unfiltered":  # the plugin returns log softmax(z) over the whole vocabulary (logp R)
+            os.environ["RL_KERNEL_VLLM_UNFILTERED_LOGPROBS"] = "1"
         self.progress.line(f"starting vLLM (TP {cfg.tp}, gpu_memory_utilization {cfg.gpu_memory_utilization}, "
                   f"{'eager' if cfg.enforce_eager else 'CUDA graphs'})")
         self.vllm = VllmRollout(write_model_dir(self.scratch / "model", self.model_cfg), dtype=cfg.dtype,
@@ -236,7 +239,8 @@ class _Run:
         init_model_parallel(cfg.tp, cfg.seed)
         self.trainer = MegatronTrainer(self.model_cfg, weights, tp=cfg.tp, rank=self.rank, device=self.device,
                                        dtype=DTYPES[cfg.dtype], temperature=cfg.temperature,
-                                       optimizer=cfg.optimizer, lr=cfg.lr, micro_tokens=cfg.train_micro_tokens)
+                                       optimizer=cfg.optimizer, lr=cfg.lr, micro_tokens=cfg.train_micro_tokens,
+                                       sampling=sampling_params(cfg), processed=cfg.train_semantics == "processed")
         del weights
         self.initial_sync = self.vllm.load_weights(self.trainer.hf_weights())
         self.progress.line(f"Megatron ready (rlk layers {self.trainer.layer_counts}); initial weights loaded into vLLM "
@@ -277,6 +281,8 @@ class _Run:
             "rounds": cfg.rounds, "ranks": 1, "repos": [runs.repo_state(Path(__file__).resolve().parent)],
             "packages": packages, "hardware": runs.hardware(self.device),
             "inputs": {"prompts": prompts_sha256(), "checkpoint": self.ckpt_hash},
+            "sampling": runs.sampling_semantics(cfg.temperature, cfg.top_k, cfg.top_p, cfg.min_p, cfg.logprobs,
+                                                cfg.train_semantics),
             "seeds": {"train": cfg.seed, "rollout": cfg.seed},
             "config": {**{k: v for k, v in asdict(cfg).items() if k not in ("plan", "command", "plan_sources")},
                        "env": plan.env(), "model_config": self.model_cfg.as_dict(),
@@ -303,7 +309,8 @@ class _Run:
         cfg, n = self.cfg, self.cfg.samples_per_prompt
         chosen, seeds, limits = self._requests(rnd)
         with self.watch.phase("rollout"):
-            roll = self.vllm.generate([self.encoded[i] for i in chosen], seeds, limits, n, cfg.temperature)
+            roll = self.vllm.generate([self.encoded[i] for i in chosen], seeds, limits, n, cfg.temperature,
+                                      cfg.top_p, cfg.top_k, cfg.min_p)
         comps = roll.completions
         vocab = self.model_cfg.vocab_size
         rewards = [vocab_reward(c.tokens, self.prompts[chosen[c.prompt_index]].answer, vocab) for c in comps]
@@ -328,6 +335,8 @@ class _Run:
             "eos_finished": sum(c.finish_reason == "stop" for c in comps),
             "triton_jit": self.watch.take(),  # this rank's JIT compiles per phase (round 0's "setup": start-up)
             "python_gc": self.watch.take_gc(),  # this process's garbage collections per phase (their pauses)
+            # the trainer's kept sets (it finds them from its own logits; vLLM does not report its own)
+            **runs.kept_metrics([int(x) for t in self.trainer.kept_sizes for x in t.tolist()], None),
         }
         if self.lead:
             runs.append_jsonl(self.run_dir / "metrics.jsonl", row)

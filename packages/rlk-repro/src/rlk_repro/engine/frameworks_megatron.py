@@ -88,7 +88,7 @@ class MegatronTrainer:
 
     def __init__(self, cfg, weights: dict[str, torch.Tensor], *, tp: int, rank: int, device: torch.device,
                  dtype: torch.dtype, temperature: float, optimizer: str, lr: float, micro_tokens: int,
-                 clip_eps: float = 0.2) -> None:
+                 clip_eps: float = 0.2, sampling=None, processed: bool = False) -> None:
         from megatron.core import parallel_state
         from megatron.core.models.gpt import GPTModel
 
@@ -97,6 +97,10 @@ class MegatronTrainer:
 
         self.cfg, self.tp, self.device, self.dtype = cfg, tp, device, dtype
         self.temperature, self.clip_eps, self.micro_tokens = temperature, clip_eps, micro_tokens
+        # processed log-probs: the rollout's filters (engine.sampling.SamplingParams); each position's kept set is
+        # found from this side's own logits (rlk's kept_set under R, the native filter under P)
+        self.sampling, self.processed = sampling, processed and sampling is not None
+        self.kept_sizes: list[torch.Tensor] = []  # per micro-batch of the last step (processed only)
         self.state = prov.initialize_from_environment()
         self.r_attention = self.state.rlk("attention")
         self.r_logp = self.state.rlk("logp")
@@ -185,14 +189,29 @@ class MegatronTrainer:
             from rlk_megatron_provider import logp
 
             h = self.box["hidden"]  # [s, b, H] (THD: [T, 1, H])
-            h = h.transpose(0, 1).reshape(-1, h.shape[-1])
-            return logp.vocab_parallel_logprobs(h[rows], self.box["weight"], target, self.temperature, self.group)
+            h = h.transpose(0, 1).reshape(-1, h.shape[-1])[rows]
+            kept = None
+            if self.processed:
+                sp = self.sampling
+                kept = logp.kept_sets(h, self.box["weight"], self.temperature, sp.top_k, sp.top_p, sp.min_p,
+                                      self.group)
+                self.kept_sizes.append(kept.size.cpu())
+                kept = (kept.value, kept.token_id)
+            return logp.vocab_parallel_logprobs(h, self.box["weight"], target, self.temperature, self.group, kept=kept)
         logits = out.reshape(-1, out.shape[-1])[rows]  # GPTModel returns [b, s, V/tp]
         if self.tp > 1:
             from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
             logits = gather_from_tensor_model_parallel_region(logits)
-        return torch.log_softmax(logits.float() / self.temperature, dim=-1).gather(-1, target[:, None])[:, 0]
+        z = logits.float() / self.temperature
+        if self.processed:  # the native filter (vLLM's rules in torch) on this side's logits
+            from rlk_repro.engine.sampling import native_processed
+
+            with torch.no_grad():
+                keep = native_processed(logits.detach(), [self.sampling] * logits.shape[0]) != float("-inf")
+            self.kept_sizes.append(keep.sum(-1).cpu())
+            z = z.masked_fill(~keep, float("-inf"))
+        return torch.log_softmax(z, dim=-1).gather(-1, target[:, None])[:, 0]
 
     # -- the step ----------------------------------------------------------------------------------
     def step(self, samples: list[Sample]) -> MegatronStep:
@@ -203,6 +222,7 @@ class MegatronTrainer:
             p.grad = None
         per_sample: list[torch.Tensor] = []
         loss_sum = 0.0
+        self.kept_sizes = []
         for idx in self.micro_batches(samples):
             mb = [samples[i] for i in idx]
             lp = self._logprobs(mb)

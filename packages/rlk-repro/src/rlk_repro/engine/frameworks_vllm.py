@@ -6,8 +6,8 @@ The plugin is loaded by vLLM itself (its ``vllm.general_plugins`` entry point) a
 torchrun for tensor parallelism (every rank holds one engine; same prompts and seeds, so every rank samples
 the same tokens). The model starts from dummy weights and receives the trainer's before the first round
 (:mod:`rlk_vllm_plugin.weight_sync`), exactly as after every update. Sampling: ``n`` samples per prompt,
-``logprobs=0`` (the sampled token's log-prob), temperature as configured, top-p 1, top-k off, min-p 0 (the
-unfiltered distribution the trainer recomputes), one seed per prompt.
+``logprobs=0`` (the sampled token's log-prob, ``logprobs_mode=processed_logprobs`` as VIME runs it: after
+temperature and the filters), temperature, top-p, top-k and min-p as configured, one seed per prompt.
 """
 
 from __future__ import annotations
@@ -65,7 +65,8 @@ class VllmRollout:
                                   load_format="dummy", max_model_len=max_model_len, enforce_eager=enforce_eager,
                                   gpu_memory_utilization=gpu_memory_utilization, enable_chunked_prefill=True,
                                   max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                                  tensor_parallel_size=tp, disable_log_stats=True)
+                                  tensor_parallel_size=tp, disable_log_stats=True,
+                                  logprobs_mode="processed_logprobs")  # VIME's default: after temperature / filters
         if tp > 1:
             kw["distributed_executor_backend"] = "external_launcher"
             # vLLM 0.22's fused all-reduce + RMSNorm pass bypasses the plugin's all-reduce and norm
@@ -78,10 +79,10 @@ class VllmRollout:
         self.start_seconds = time.perf_counter() - t0
 
     def generate(self, prompts: list[list[int]], seeds: list[int], limits: list[int], n: int,
-                 temperature: float) -> RolloutResult:
+                 temperature: float, top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0) -> RolloutResult:
         from vllm import SamplingParams
 
-        sps = [SamplingParams(n=n, temperature=temperature, top_p=1.0, top_k=0, min_p=0.0, logprobs=0,
+        sps = [SamplingParams(n=n, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, logprobs=0,
                               max_tokens=lim, seed=seed, detokenize=False)
                for seed, lim in zip(seeds, limits, strict=True)]
         t0 = time.perf_counter()

@@ -24,7 +24,7 @@ from rlk_core.plan import RoutePlan
 from rlk_core.readback import ReadbackRecorder
 from rlk_repro import lifecycle, runs
 from rlk_repro.engine.data import encode, load_prompts, prompts_sha256, vocab_reward
-from rlk_repro.engine.rollout import Request, RolloutEngine
+from rlk_repro.engine.rollout import LOGPROBS, Request, RolloutEngine
 from rlk_repro.engine.sampling import SamplingParams
 from rlk_repro.engine.trainer import Sample, Trainer, group_advantages
 from rlk_repro.jitwatch import JitWatch
@@ -57,6 +57,9 @@ class LocalRunConfig:
     temperature: float = 1.0
     top_p: float = 0.95
     top_k: int = 0
+    min_p: float = 0.0
+    logprobs: str = "processed"  # the log-prob both sides record: over the kept set, or "unfiltered"
+    train_logprobs: str | None = None  # the trainer's, where it differs (a semantic-mismatch run); None: logprobs
     chunk_size: int = 16
     page_size: int = 8
     max_num_seqs: int = 6
@@ -87,8 +90,16 @@ class LocalRunConfig:
             raise RlkConfigError(f"state-every must be >= 0 (0 = never), got {self.state_every}")
         if self.threads is not None and self.threads < 1:
             raise RlkConfigError(f"threads must be >= 1, got {self.threads}")
+        for name, value in (("logprobs", self.logprobs), ("train-logprobs", self.train_semantics)):
+            if value not in LOGPROBS:
+                raise RlkConfigError(f"{name} {value!r} is not one of {', '.join(LOGPROBS)}")
+        SamplingParams(self.temperature, self.top_p, self.top_k, 1, self.seed, self.min_p)  # ranges, before any run
         if self.readback_mode not in ("strict", "audit"):
             raise RlkConfigError(f"readback mode {self.readback_mode!r} is not strict or audit")
+
+    @property
+    def train_semantics(self) -> str:
+        return self.train_logprobs or self.logprobs
 
     @property
     def mode(self) -> str:
@@ -242,9 +253,10 @@ def _start(cfg: LocalRunConfig, run_id: str, run_dir: Path, device: torch.device
         reserve_tables(device, model_cfg.head_dim, model_cfg.rope_theta, rows)
     engine = RolloutEngine(model_cfg, weights, Ops(plan, "rollout", rec_roll), device=device, dtype=dtype,
                            page_size=cfg.page_size, chunk_size=cfg.chunk_size, max_num_seqs=cfg.max_num_seqs,
-                           max_model_len=max_len, seed=cfg.seed)
+                           max_model_len=max_len, seed=cfg.seed, logprobs=cfg.logprobs)
     trainer = Trainer(model_cfg, weights, Ops(plan, "train", rec_train), device=device, dtype=dtype,
-                      temperature=cfg.temperature, optimizer=cfg.optimizer, lr=cfg.lr, update=not cfg.static_weights)
+                      temperature=cfg.temperature, optimizer=cfg.optimizer, lr=cfg.lr, update=not cfg.static_weights,
+                      sampling=sampling_params(cfg), logprobs=cfg.train_semantics)
     if state is not None:
         trainer.opt.load_state_dict(state["optimizer"])
         engine.cache.free = list(state["kv_free"])
@@ -261,12 +273,18 @@ def _manifest(cfg: LocalRunConfig, run_id: str, ses: _Session, device: torch.dev
         "rounds": cfg.rounds, "ranks": 1, "repos": [runs.repo_state(Path(__file__).resolve().parent)],
         "packages": runs.package_versions(), "hardware": runs.hardware(device),
         "inputs": {"prompts": prompts_sha256(), "checkpoint": ses.checkpoint_hash},
+        "sampling": runs.sampling_semantics(cfg.temperature, cfg.top_k, cfg.top_p, cfg.min_p, cfg.logprobs,
+                                            cfg.train_semantics),
         "seeds": {"train": cfg.seed, "rollout": cfg.seed},
         "config": {**{k: v for k, v in asdict(cfg).items() if k not in ("plan", "command", "plan_sources")},
                    "env": plan.env(), "model_config": ses.model_cfg.as_dict(), "require_exact": cfg.exact_required,
                    "max_model_len": ses.max_len, "max_batched_tokens": ses.engine.max_batched_tokens,
                    "torch_threads": torch.get_num_threads()},
     }
+
+
+def sampling_params(cfg: LocalRunConfig, max_new_tokens: int = 16) -> SamplingParams:
+    return SamplingParams(cfg.temperature, cfg.top_p, cfg.top_k, max_new_tokens, cfg.seed, cfg.min_p)
 
 
 def _requests(cfg: LocalRunConfig, ses: _Session, rnd: int) -> tuple[list[int], list[Request]]:
@@ -280,8 +298,7 @@ def _requests(cfg: LocalRunConfig, ses: _Session, rnd: int) -> tuple[list[int], 
             k = j * n + s
             limit = cfg.max_new_tokens - (k * 7 + rnd) % (cfg.max_new_tokens // 2 + 1)
             requests.append(Request(rid=rnd * 100_000 + k, prompt=list(ses.encoded[pi]),
-                                    params=SamplingParams(cfg.temperature, cfg.top_p, cfg.top_k, max(1, limit),
-                                                          cfg.seed),
+                                    params=sampling_params(cfg, max(1, limit)),
                                     arrival_step=k // cfg.arrivals_per_step))
     return chosen, requests
 
@@ -347,6 +364,8 @@ def _round(cfg: LocalRunConfig, ses: _Session, run_dir: Path, rnd: int, watch: J
         "triton_jit": watch.take(),  # the round's JIT compiles per phase (round 0's "setup": model and engine)
         "python_gc": watch.take_gc(),  # the round's garbage collections per phase (their pauses)
         "rollout_step_ms": step_summary(stats.step_seconds, stats.step_tokens, launch=stats.step_launch_seconds),
+        **runs.kept_metrics([n for r in requests for n in r.kept_sizes], ses.trainer.kept_sizes
+                       if ses.trainer.processed else None),
     }
     runs.append_jsonl(run_dir / "metrics.jsonl", row)
     log.info("round %d: %d tokens compared, %d mismatches (max |diff| %.3g), reward %.3f, loss %.4g, "

@@ -5,8 +5,10 @@ prompt chunks (at most ``chunk_size`` tokens per request, within the step's toke
 still in prefill; requests arrive at their own step and finish on EOS or their token limit, so the
 batch changes from step to step. Attention of the step runs in two calls: paged decode for the
 decoding requests and paged prefill for the prompt chunks, both over the same paged cache. Logits are
-computed for each request whose known tokens are all in the cache; the next token is sampled and its
-log-prob under the unfiltered temperature-scaled distribution is recorded by the ``logp`` module.
+computed for each request whose known tokens are all in the cache; the next token is sampled from the
+processed distribution (the kept set of its top-k / top-p / min-p: ``Ops.kept_set``) and its log-prob is
+recorded by the ``logp`` module over the kept set (``processed``, vLLM's ``processed_logprobs``) or over the
+whole vocabulary (``unfiltered``), as the engine's ``logprobs`` says.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from rlk_core.errors import RlkConfigError
-from rlk_repro.engine.sampling import SamplingParams, draw_seed, sample_tokens
+from rlk_repro.engine.sampling import SamplingParams, draw_seed, race
 from rlk_repro.model import qwen3
 from rlk_repro.model.config import Qwen3Config
 from rlk_repro.model.ops import Ops
@@ -35,6 +37,7 @@ class Request:
     output: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     entropies: list[float] = field(default_factory=list)  # of softmax(logits / T) where each token was sampled
+    kept_sizes: list[int] = field(default_factory=list)  # the kept set's size where each token was sampled
     num_computed: int = 0  # tokens whose K/V are in the cache
     blocks: list[int] = field(default_factory=list)
     finish_reason: str | None = None
@@ -65,6 +68,9 @@ class RolloutStats:
     # of each step's wall time, the host's part before the first wait on the device: its inputs copied and every
     # layer queued (the rest is the wait for the layers, the LM head and sampling: the device's time shows there)
     step_launch_seconds: list[float] = field(default_factory=list)
+
+
+LOGPROBS = ("processed", "unfiltered")  # the recorded log-prob: over the kept set, or over the whole vocabulary
 
 
 class PagedKVCache:
@@ -98,9 +104,13 @@ class PagedKVCache:
 class RolloutEngine:
     def __init__(self, cfg: Qwen3Config, weights: Weights, ops: Ops, *, device: torch.device, dtype: torch.dtype,
                  page_size: int = 16, chunk_size: int = 16, max_num_seqs: int = 8,
-                 max_batched_tokens: int | None = None, max_model_len: int = 512, seed: int = 0) -> None:
+                 max_batched_tokens: int | None = None, max_model_len: int = 512, seed: int = 0,
+                 logprobs: str = "processed") -> None:
         if ops.side != "rollout":
             raise RlkConfigError(f"the rollout engine needs rollout-side ops, got {ops.side!r}")
+        if logprobs not in LOGPROBS:
+            raise RlkConfigError(f"logprobs {logprobs!r} is not one of {', '.join(LOGPROBS)}")
+        self.logprobs = logprobs
         for name, val in (("page_size", page_size), ("chunk_size", chunk_size), ("max_num_seqs", max_num_seqs)):
             if val < 1:
                 raise RlkConfigError(f"{name} must be >= 1, got {val}")
@@ -259,18 +269,22 @@ class RolloutEngine:
             return []
         hn = qwen3.final_norm(ops, cfg, w, h[torch.tensor(rows, device=dev)])
         logits = ops.linear("logp", hn, qwen3.lm_head_weight(w))
-        tokens = sample_tokens(logits, [r.params for r in ready],
-                               [draw_seed(r.params.seed, r.rid, len(r.output)) for r in ready])
+        params = [r.params for r in ready]
+        z, kept = ops.kept_set(logits, params)
+        tokens = race(z, [draw_seed(r.params.seed, r.rid, len(r.output)) for r in ready])
         target = torch.tensor(tokens, device=dev, dtype=torch.long)
-        logp = torch.empty(len(ready), device=dev, dtype=torch.float32)
-        for temp in sorted({r.params.temperature for r in ready}):
-            sel = torch.tensor([i for i, r in enumerate(ready) if r.params.temperature == temp], device=dev)
-            logp[sel] = ops.token_logprobs(logits[sel], target[sel], temp)
+        temp = torch.tensor([p.temperature for p in params], device=dev, dtype=torch.float32)
+        if self.logprobs == "processed":
+            logp = ops.token_logprobs(logits, target, temp, kept)
+        else:
+            logp = ops.token_logprobs(logits, target, temp)
+        sizes = torch.isfinite(z).sum(-1).to(torch.float32)
         ent = entropy(logits, [r.params.temperature for r in ready])  # evidence only: never feeds a log-prob
-        for r, tok, (lp, h) in zip(ready, tokens, torch.stack([logp, ent], 1).tolist(), strict=True):
+        for r, tok, (lp, h, n) in zip(ready, tokens, torch.stack([logp, ent, sizes], 1).tolist(), strict=True):
             r.output.append(tok)
             r.logprobs.append(lp)
             r.entropies.append(h)
+            r.kept_sizes.append(int(n))
         stats.generated += len(ready)
         return ready
 

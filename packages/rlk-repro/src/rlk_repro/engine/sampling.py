@@ -1,11 +1,14 @@
-"""Per-request seeded sampling with temperature, top-k and top-p.
+"""Per-request seeded sampling with temperature, min-p, top-k and top-p.
 
-The token is drawn from the filtered, temperature-scaled distribution; the log-prob the engine records
-is computed separately (by the ``logp`` module's op) under the temperature-scaled *unfiltered*
-distribution, which is what the trainer recomputes. Each draw is an exponential race whose noise is a
-counter-based hash of (draw seed, vocab id) — the draw seed derived from (run seed, request id, token
-index) — computed elementwise in int64, so a request's samples do not depend on the batch it ran in
-or on the device, and a whole step's requests are sampled in a few batched kernels with one host read.
+The token is drawn from the processed distribution: ``softmax`` of the tempered logits with the tokens outside
+the kept set at ``-inf``. Under an R ``logp`` the kept set is rlk's (``rlk_core.ops.kept_set``, contract
+``rlk.logp.processed.v1``), under P this module's native filter (:func:`native_processed`, vLLM's rules in
+torch). The log-prob the engine records is computed separately by the ``logp`` module's op, over the kept set
+(``processed``, the default) or the whole vocabulary (``unfiltered``), as the run's sampling semantics say.
+Each draw is an exponential race whose noise is a counter-based hash of (draw seed, vocab id) — the draw seed
+derived from (run seed, request id, token index) — computed elementwise in int64, so a request's samples do not
+depend on the batch it ran in or on the device, and a whole step's requests are sampled in a few batched
+kernels with one host read.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ class SamplingParams:
     top_k: int = 0  # 0: off
     max_new_tokens: int = 16
     seed: int = 0
+    min_p: float = 0.0  # 0: off
 
     def __post_init__(self) -> None:
         if not self.temperature > 0:
@@ -33,6 +37,8 @@ class SamplingParams:
             raise RlkConfigError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise RlkConfigError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
+        if not 0 <= self.min_p <= 1:
+            raise RlkConfigError(f"min_p must be in [0, 1] (0 = off), got {self.min_p}")
         if self.max_new_tokens < 1:
             raise RlkConfigError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
 
@@ -64,13 +70,20 @@ def race_noise(seeds: torch.Tensor, vocab: int) -> torch.Tensor:
     return -torch.log(u)
 
 
-def sample_tokens(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int]) -> list[int]:
-    """One token per row of ``logits`` ``[B, V]``: temperature, top-k, top-p (per row), then the race
-    ``argmax(probs / E)`` with :func:`race_noise` of that row's draw seed."""
+def filtered(params: SamplingParams) -> bool:
+    return params.top_p < 1.0 or params.top_k > 0 or params.min_p > 0.0
+
+
+def native_processed(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """The P side's processed logits ``[B, V]`` fp32: ``logits / T``, then min-p, top-k and top-p as vLLM applies
+    them in torch (``-inf`` outside what they keep). No fixed order: the bits may depend on the batch."""
     x = logits.float()
     temp = torch.tensor([p.temperature for p in params], device=x.device, dtype=torch.float32)
     x = x / temp[:, None]
     vocab = x.shape[-1]
+    min_p = torch.tensor([p.min_p for p in params], device=x.device, dtype=torch.float32)
+    if bool((min_p > 0).any()):
+        x = x.masked_fill(x < (x.amax(-1) + torch.log(min_p))[:, None], float("-inf"))
     for k in sorted({p.top_k for p in params if p.top_k and p.top_k < vocab}):
         rows = torch.tensor([i for i, p in enumerate(params) if p.top_k == k], device=x.device)
         kth = torch.topk(x[rows], k, dim=-1).values[:, -1:]
@@ -82,9 +95,21 @@ def sample_tokens(logits: torch.Tensor, params: list[SamplingParams], seeds: lis
         drop = (torch.cumsum(probs, dim=-1) - probs) > top_p[:, None]  # keep the smallest prefix reaching top_p
         drop &= (top_p < 1.0)[:, None]
         x = x.scatter(-1, order, sorted_x.masked_fill(drop, float("-inf")))
-    probs = torch.softmax(x, dim=-1).double()
-    noise = race_noise(torch.tensor(seeds, device=x.device, dtype=torch.int64), vocab)
+    return x
+
+
+def race(z: torch.Tensor, seeds: list[int]) -> list[int]:
+    """One token per row of the processed logits ``z`` ``[B, V]`` (``-inf`` outside the kept set): the race
+    ``argmax(softmax(z) / E)`` with :func:`race_noise` of that row's draw seed."""
+    probs = torch.softmax(z, dim=-1).double()
+    noise = race_noise(torch.tensor(seeds, device=z.device, dtype=torch.int64), z.shape[-1])
     return torch.argmax(probs / noise, dim=-1).tolist()
+
+
+def sample_tokens(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int]) -> list[int]:
+    """One token per row of ``logits`` ``[B, V]`` with the native filter (:func:`native_processed`) and
+    :func:`race`."""
+    return race(native_processed(logits, params), seeds)
 
 
 def sample_token(logits: torch.Tensor, params: SamplingParams, seed: int) -> int:

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from rlk_core.errors import RlkConfigError
+from rlk_repro.engine.sampling import SamplingParams, filtered
 from rlk_repro.model import qwen3
 from rlk_repro.model.config import Qwen3Config
 from rlk_repro.model.ops import Ops
@@ -53,12 +54,17 @@ def make_optimizer(params: list[torch.Tensor], optimizer: str, lr: float, foreac
 class Trainer:
     def __init__(self, cfg: Qwen3Config, weights: Weights, ops: Ops, *, device: torch.device, dtype: torch.dtype,
                  temperature: float, optimizer: str = "adamw", lr: float = 1e-3, clip_eps: float = 0.2,
-                 update: bool = True) -> None:
+                 update: bool = True, sampling: SamplingParams | None = None, logprobs: str = "processed") -> None:
         if ops.side != "train":
             raise RlkConfigError(f"the trainer needs train-side ops, got {ops.side!r}")
         self.cfg, self.ops, self.device, self.dtype = cfg, ops, device, dtype
         self.temperature, self.clip_eps = temperature, clip_eps
         self.update = update  # False: a static-weights run (the loss and gradients are computed, never applied)
+        # the rollout's filters: with processed log-probs the trainer finds each position's kept set from its own
+        # logits (the same op as the rollout engine under R) and computes the log-prob over it
+        self.sampling = sampling if sampling is not None else SamplingParams(temperature)
+        self.processed = logprobs == "processed" and filtered(self.sampling)
+        self.kept_sizes: torch.Tensor | None = None  # of the last forward_logprobs, per row (processed only)
         self.master = {k: v.detach().to(device=device, dtype=torch.float32).clone().requires_grad_(True)
                        for k, v in weights.items()}
         self.opt = make_optimizer([self.master[k] for k in sorted(self.master)], optimizer, lr)
@@ -90,7 +96,28 @@ class Trainer:
         hn = qwen3.final_norm(ops, cfg, w, h)
         if rows is not None:
             hn, target = hn[rows], target[rows]
-        return ops.linear_logprobs(hn, qwen3.lm_head_weight(w), target, self.temperature)
+        weight = qwen3.lm_head_weight(w)
+        kept = self.kept_sets(hn, weight) if self.processed else None
+        return ops.linear_logprobs(hn, weight, target, self.temperature, kept)
+
+    def kept_sets(self, hn: torch.Tensor, weight: torch.Tensor, rows_per_chunk: int = 1024):
+        """Each row's kept set from this side's own logits (no gradient), in row chunks: rlk's threshold under R
+        (``value``, ``token_id``), the native filter's mask under P."""
+        parts = []
+        with torch.no_grad():
+            for i in range(0, hn.shape[0], rows_per_chunk):
+                logits = self.ops.linear("logp", hn[i:i + rows_per_chunk].detach(), weight.detach())
+                parts.append(self.ops.kept_set(logits, [self.sampling] * logits.shape[0])[1])
+        if not parts:
+            self.kept_sizes = torch.zeros(0, dtype=torch.int64)
+            return None
+        if isinstance(parts[0], torch.Tensor):  # P: masks
+            mask = torch.cat(parts)
+            self.kept_sizes = mask.sum(-1).cpu()
+            return mask
+        value, token_id = torch.cat([k.value for k in parts]), torch.cat([k.token_id for k in parts])
+        self.kept_sizes = torch.cat([k.size for k in parts]).cpu()
+        return value, token_id
 
     def step(self, samples: list[Sample]) -> TrainResult:
         """Recompute log-probs, then one GRPO (PPO-clip, token-mean) update."""

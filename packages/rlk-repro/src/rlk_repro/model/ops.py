@@ -15,9 +15,12 @@ prefill / decode attention and computes log-probs from materialised logits after
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 
+from rlk_core.ops.kept_set import apply_kept
 from rlk_core.plan import RoutePlan
 from rlk_core.readback import ReadbackRecorder
 from rlk_core.routes import SideRoutes
@@ -119,24 +122,51 @@ class Ops:
         return torch.cat(outs)
 
     # -- log-probs --------------------------------------------------------------------------------
-    def token_logprobs(self, logits: torch.Tensor, target: torch.Tensor, temperature: float) -> torch.Tensor:
-        """Rollout side: log-prob of ``target`` under softmax(logits / T), from materialised logits."""
+    def kept_set(self, logits: torch.Tensor, params: list) -> tuple[torch.Tensor, Any]:
+        """The processed logits (fp32 ``[B, V]``, ``logits / T`` with ``-inf`` outside each row's kept set) and the
+        kept set for :meth:`token_logprobs` / :meth:`linear_logprobs`: rlk's threshold (``kept_set``, contract
+        ``rlk.logp.processed.v1``) for R, the native filter's mask for P. ``params``: each row's
+        ``SamplingParams`` (temperature, top_k, top_p, min_p)."""
+        from rlk_repro.engine.sampling import filtered, native_processed
+
+        temp = torch.tensor([p.temperature for p in params], device=logits.device, dtype=torch.float32)
+        if not any(filtered(p) for p in params):  # nothing to keep out: the whole vocabulary, no kept set
+            return logits.float() / temp[:, None], None
         if self.r["logp"]:
-            return self.routes.call("logp", "token_logprobs", logits, target, temperature)[0]
+            kept = self.routes.call("logp", "kept_set", logits, temp, [p.top_k for p in params],
+                                    [p.top_p for p in params], [p.min_p for p in params])
+            return apply_kept(logits, temp, kept), kept
+        self._p("logp", "kept_set")
+        z = native_processed(logits, params)
+        return z, z != float("-inf")
+
+    def token_logprobs(self, logits: torch.Tensor, target: torch.Tensor, temperature: float | torch.Tensor,
+                       kept: Any = None) -> torch.Tensor:
+        """Rollout side: log-prob of ``target`` under softmax(logits / T), from materialised logits; with ``kept``
+        (from :meth:`kept_set`) over the kept set only (the processed log-prob)."""
+        if self.r["logp"]:
+            return self.routes.call("logp", "token_logprobs", logits, target, temperature, kept=kept)[0]
         self._p("logp", "token_logprobs")
-        logp = torch.log_softmax(logits.float() / temperature, dim=-1)
-        return logp.gather(-1, target[:, None]).squeeze(-1)
+        return _native_logprobs(logits, target, temperature, kept)
 
     def linear_logprobs(self, hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
-                        temperature: float) -> torch.Tensor:
-        """Train side: LM head + log-softmax + selection (fused for R; full logits for P)."""
+                        temperature: float, kept: Any = None) -> torch.Tensor:
+        """Train side: LM head + log-softmax + selection (fused for R; full logits for P); with ``kept`` over the
+        kept set only."""
         if self.r["logp"]:
-            return self.routes.call("logp", "linear_logprobs", hidden, weight, target, temperature)[0]
+            return self.routes.call("logp", "linear_logprobs", hidden, weight, target, temperature, kept=kept)[0]
         self._p("logp", "linear")
         logits = F.linear(hidden, weight)
         self._p("logp", "token_logprobs")
-        logp = torch.log_softmax(logits.float() / temperature, dim=-1)
-        return logp.gather(-1, target[:, None]).squeeze(-1)
+        return _native_logprobs(logits, target, temperature, kept)
+
+
+def _native_logprobs(logits: torch.Tensor, target: torch.Tensor, temperature, kept) -> torch.Tensor:
+    t = temperature[:, None] if isinstance(temperature, torch.Tensor) else temperature
+    z = logits.float() / t
+    if kept is not None:
+        z = z.masked_fill(~kept, float("-inf"))
+    return torch.log_softmax(z, dim=-1).gather(-1, target[:, None]).squeeze(-1)
 
 
 def _gather(k_cache: torch.Tensor, v_cache: torch.Tensor, blocks: torch.Tensor, n: int):
