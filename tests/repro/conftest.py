@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from rlk_core.plan import RoutePlan
@@ -32,3 +34,59 @@ def rr_run(tmp_path_factory):
 @pytest.fixture(scope="session")
 def pp_run(tmp_path_factory):
     return run_local(small_config(RoutePlan("P/P", "P/P", "P/P")), tmp_path_factory.mktemp("pp"))
+
+
+# -- a DAPO-Math-17k-shaped Parquet fixture (issue 37) ---------------------------------------------------------------
+# The official file's schema: data_source, prompt as a chat list of {content, role}, ability, reward_model
+# {ground_truth, style}, extra_info {index: string}; each problem is repeated, as the official file repeats them.
+
+INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
+PROBLEMS = [  # (question, ground truth)
+    ("What is $1+1$?", "2"),
+    ("Compute $\\frac{3}{4} + \\frac{1}{4}$.", "1"),
+    ("Solve $2x = 7$ for $x$.", "\\frac{7}{2}"),
+    ("What is $12 \\times 12$?", "144"),
+    ("How many degrees are in a right angle?", "90"),
+]
+
+
+def dapo_rows(repeats: int = 3) -> list[dict]:
+    out = []
+    for _ in range(repeats):
+        for i, (q, a) in enumerate(PROBLEMS):
+            out.append({
+                "data_source": "math_dapo",
+                "prompt": [{"content": f"{q}\n\n{INSTRUCTION}", "role": "user"}],
+                "ability": "MATH",
+                "reward_model": {"ground_truth": a, "style": "rule-lighteval/MATH_v2"},
+                "extra_info": {"index": f"{i:08x}-dapo"},
+            })
+    return out
+
+
+def write_dapo_parquet(path: Path, table_rows: list[dict] | None = None) -> Path:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    schema = pa.schema([
+        ("data_source", pa.string()),
+        ("prompt", pa.list_(pa.struct([("content", pa.string()), ("role", pa.string())]))),
+        ("ability", pa.string()),
+        ("reward_model", pa.struct([("ground_truth", pa.string()), ("style", pa.string())])),
+        ("extra_info", pa.struct([("index", pa.string())])),
+    ])
+    pq.write_table(pa.Table.from_pylist(dapo_rows() if table_rows is None else table_rows, schema=schema), path)
+    return path
+
+
+@pytest.fixture(name="dapo_parquet")
+def _dapo_parquet(tmp_path):
+    pytest.importorskip("pyarrow", reason="the Parquet fixture needs pyarrow (rlk-repro[prepare])")
+    return write_dapo_parquet(tmp_path / "dapo-math-17k.parquet")
+
+
+@pytest.fixture(name="make_dapo_parquet")
+def _make_dapo_parquet():
+    """``write_dapo_parquet(path, rows)``, and ``dapo_rows`` to build rows from."""
+    pytest.importorskip("pyarrow", reason="the Parquet fixture needs pyarrow (rlk-repro[prepare])")
+    return write_dapo_parquet, dapo_rows

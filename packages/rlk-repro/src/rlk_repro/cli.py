@@ -96,6 +96,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--selfcheck", action="store_true",
                    help="also run rlk-selfcheck's contract checks on the device (about 10 s on a 2-core CPU)")
     d.add_argument("--json", metavar="FILE", help="also write the result as JSON")
+    d.add_argument("--workspace", metavar="W", default=None,  # issue 37
+                   help="also check a prepared workspace: its recorded layout, data, manifests and checkpoint")
     d.add_argument("--debug", action="store_true", help="show tracebacks")
     rp = sub.add_parser("report", help="plots and a summary table of run directories and matrix roots",
                         description="consistency.png, learning.png, optimization.png, performance.png and "
@@ -106,6 +108,10 @@ def build_parser() -> argparse.ArgumentParser:
     rp.add_argument("--output", default=None,
                     help="where to write (default: the report/ folder of a single run directory or matrix root)")
     rp.add_argument("--debug", action="store_true", help="show tracebacks")
+    # issue 37: prepare (rlk_repro.prepare_cli)
+    from rlk_repro import prepare_cli
+
+    prepare_cli.add_parser(sub)
     return p
 
 
@@ -427,6 +433,10 @@ def _cmd_doctor(a: argparse.Namespace) -> int:
     resolved = _resolve(a, all_variables=False)
     plan = resolved.plan
     checks = diagnose(device, plan, selfcheck=a.selfcheck, progress=Progress().callback(), engine=a.engine)
+    if a.workspace is not None:  # issue 37
+        from rlk_repro.workspace import checks as workspace_checks
+
+        checks += workspace_checks(a.workspace)
     print(f"rlk-repro doctor: device {device}, plan "
           + ", ".join(f"{m} {c['case']} ({c['source']})" for m, c in resolved.as_dict().items()))
     print(format_checks(checks))
@@ -513,7 +523,8 @@ def _vime(argv: list[str]) -> int:
 
 def _main(argv: list[str]) -> int:
     debug = "--debug" in argv
-    name = "rlk-repro" + next((f" {c}" for c in argv if c in ("run", "plan", "matrix", "doctor", "report")), "")
+    commands = ("run", "plan", "matrix", "doctor", "report", "prepare")
+    name = "rlk-repro" + next((f" {c}" for c in argv if c in commands), "")
     try:
         if argv[:1] in (["plan"], ["run"]) and _engine(argv) == "vime":
             return _vime(argv)
@@ -525,6 +536,10 @@ def _main(argv: list[str]) -> int:
             return _cmd_report(a)
         if a.command == "doctor":
             return _cmd_doctor(a)
+        if a.command == "prepare":  # issue 37
+            from rlk_repro import prepare_cli
+
+            return prepare_cli.main(a)
         if a.command == "plan":
             return _cmd_plan(a, argv)
         return _cmd_matrix(a, argv) if a.command == "matrix" else _cmd_run(a, argv)
