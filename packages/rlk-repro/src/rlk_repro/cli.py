@@ -179,6 +179,9 @@ def _experiment_options(r: argparse.ArgumentParser) -> None:
     f.add_argument("--vllm-max-num-batched-tokens", type=positive_int, default=8192,
                    help="vLLM max_num_batched_tokens (8192)")
     f.add_argument("--run-name", default=None, help=argparse.SUPPRESS)  # a matrix cell's directory name
+    from rlk_repro import model_options  # issue 37: real model, data, chat template, reward
+
+    model_options.add_options(r)
 
 
 FRAMEWORKS_ONLY = ("tp", "gpu_memory_utilization", "enforce_eager", "train_micro_tokens", "vllm_max_num_seqs",
@@ -242,10 +245,17 @@ def _config(a: argparse.Namespace, argv: Sequence[str], resolved):
         chunk_size=a.chunk_size, page_size=a.page_size, max_num_seqs=a.max_num_seqs, optimizer=a.optimizer,
         lr=a.lr, static_weights=a.static_weights, readback_mode=mode, command=["rlk-repro", *argv],
         threads=a.threads or (1 if device == "cpu" else None), state_every=state_every, **extra,
+        **_model_options(a, argv, frameworks),
     )
     SamplingParams(a.temperature, top_p, a.top_k, a.max_new_tokens)  # argument errors before any work
     cfg.validate()
     return cfg
+
+
+def _model_options(a: argparse.Namespace, argv: Sequence[str], frameworks: bool) -> dict:
+    from rlk_repro import model_options  # issue 37
+
+    return model_options.config_kwargs(a, argv, frameworks)
 
 
 def _needs(a: argparse.Namespace) -> None:
