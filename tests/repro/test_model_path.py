@@ -133,3 +133,12 @@ def test_cli_run_with_workspace(hf_model, dapo_parquet, tmp_path, capsys):
     man = json.loads((runs[0] / "manifest.json").read_text())
     assert man["config"]["model_path"] == str(w / "models" / hf_model.name)
     assert man["claims"]["experiment"] is False and man["data"]["sha256"].startswith("sha256:")
+
+
+def test_report_says_what_a_run_may_claim(rr_run, tmp_path):
+    from rlk_repro.report import write_report
+
+    summaries, written, *_ = write_report([str(rr_run.run_dir)], str(tmp_path / "rep"))
+    assert summaries[0]["claims"].startswith("no experiment or reward claim: random-weight model (preset tiny)")
+    md = (tmp_path / "rep" / "metrics-summary.md").read_text()
+    assert f"- {summaries[0]['label']}: no experiment or reward claim: random-weight model" in md

@@ -237,6 +237,7 @@ def _config(a: argparse.Namespace, argv: Sequence[str], resolved):
         given = [k for k in FRAMEWORKS_ONLY if getattr(a, k, None) != _DEFAULTS.get(k)]
         if given:
             raise RlkConfigError(f"--{given[0].replace('_', '-')} is an option of --engine frameworks")
+    model_kw = _model_options(a, argv, frameworks)  # issue 37 (before the fields: --phase sets rounds and seed)
     cfg = (FrameworksRunConfig if frameworks else LocalRunConfig)(
         plan=resolved.plan, plan_sources=dict(resolved.sources), readback_mode_source=mode_source,
         rounds=a.rounds, seed=a.seed, device=device, dtype=dtype, model=a.model, checkpoint=a.checkpoint,
@@ -245,7 +246,7 @@ def _config(a: argparse.Namespace, argv: Sequence[str], resolved):
         chunk_size=a.chunk_size, page_size=a.page_size, max_num_seqs=a.max_num_seqs, optimizer=a.optimizer,
         lr=a.lr, static_weights=a.static_weights, readback_mode=mode, command=["rlk-repro", *argv],
         threads=a.threads or (1 if device == "cpu" else None), state_every=state_every, **extra,
-        **_model_options(a, argv, frameworks),
+        **model_kw,
     )
     SamplingParams(a.temperature, top_p, a.top_k, a.max_new_tokens)  # argument errors before any work
     cfg.validate()

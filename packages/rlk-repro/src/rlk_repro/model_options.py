@@ -41,6 +41,9 @@ def add_options(r: argparse.ArgumentParser) -> None:
     g.add_argument("--rm-type", choices=("deepscaler", "stand-in"), default=None,
                    help="reward: deepscaler (VIME's rule reward; default with --model-path) or stand-in (vocab_reward, "
                    "for random-weight models; the default without --model-path)")
+    g.add_argument("--phase", choices=("short", "precision", "convergence"), default=None,
+                   help="the seeds' phase: its rounds (8 / 30 / 200) and seed (--seed one of 1234 / 1234, 2345, 3456 "
+                   "/ 1234; default its first)")
     g.add_argument("--rollout-stop-token-ids", type=int, nargs="+", default=None, metavar="ID",
                    help="stop tokens besides the config's, generation config's and tokenizer's EOS")
 
@@ -62,6 +65,14 @@ def config_kwargs(a: argparse.Namespace, argv: Sequence[str], frameworks: bool) 
             a.model_path = str(model) if model is not None else None
         if hasattr(a, "output") and not any(x == "--output" or x.startswith("--output=") for x in argv):
             a.output = str(ws.paths(a.workspace)["runs"])
+    if getattr(a, "phase", None) is not None:
+        from rlk_repro.phases import phase_settings
+
+        rounds, seed = phase_settings(a.phase, a.seed if any(x == "--seed" or x.startswith("--seed=") for x in argv)
+                                      else None)
+        if any(x == "--rounds" or x.startswith("--rounds=") for x in argv) and a.rounds != rounds:
+            raise RlkConfigError(f"--phase {a.phase} runs {rounds} rounds; --rounds {a.rounds} contradicts it")
+        a.rounds, a.seed = rounds, seed
     given = [n for n in _NAMES if getattr(a, n, None) not in (None, False, "prompt", "label")]
     if frameworks and given:
         raise RlkConfigError(f"--{given[0].replace('_', '-')} is an option of the local engine (the frameworks engine "
