@@ -34,12 +34,11 @@ from typing import Any
 from rlk_core.errors import RlkConfigError
 from rlk_repro import workspace as ws
 
-DATA_SCHEMA = "rlk.prepare-data.v1"
+DATA_SCHEMA = ws.DATA_SCHEMA
 CHECKPOINT_SCHEMA = "rlk.checkpoint.v1"
 DAPO_URL = "https://huggingface.co/datasets/BytedTsinghua-SIA/DAPO-Math-17k/resolve/main/data/dapo-math-17k.parquet"
 #: fewer distinct problems than this is a developer fixture (the official set deduplicates to about 17.4k)
 MIN_EXPERIMENT_ROWS = 17_000
-PURPOSES = ("experiment", "developer-fixture")
 #: files of a Hugging Face model directory that travel with the weights
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
                    "vocab.json", "merges.txt", "chat_template.jinja")
@@ -170,28 +169,6 @@ def _tool() -> dict[str, Any]:
 
     return {"name": "rlk-repro", "version": __version__,
             "repo": runs.repo_state(Path(__file__).resolve().parent)}
-
-
-def read_data_manifest(jsonl: str | os.PathLike[str], verify: bool = True) -> dict[str, Any] | None:
-    """The sibling manifest of a prepared JSONL file (None when there is none); with ``verify`` the JSONL's sha256
-    must still be the recorded one (a file edited after prepare is refused, one line)."""
-    from rlk_repro import runs
-
-    path = ws.manifest_path(jsonl)
-    if not path.is_file():
-        return None
-    try:
-        doc = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError) as exc:
-        raise RlkConfigError(f"{path} cannot be read: {exc}") from None
-    if not isinstance(doc, dict) or doc.get("schema") != DATA_SCHEMA or doc.get("purpose") not in PURPOSES:
-        raise RlkConfigError(f"{path} is not a {DATA_SCHEMA} manifest with a purpose of {' / '.join(PURPOSES)}")
-    if verify:
-        actual = runs.file_sha256(Path(jsonl))
-        if actual != doc["output"]["sha256"]:
-            raise RlkConfigError(f"{jsonl} changed after prepare: sha256 {actual}, its manifest {path.name} records "
-                                 f"{doc['output']['sha256']}; run prepare again")
-    return doc
 
 
 def convert_checkpoint(model_path: Path, dest: Path) -> dict[str, Any]:

@@ -25,6 +25,8 @@ from typing import Any
 from rlk_core.errors import RlkConfigError
 
 WORKSPACE_SCHEMA = "rlk.workspace.v1"
+DATA_SCHEMA = "rlk.prepare-data.v1"  # the sibling manifest of prepared data (written by rlk_repro.prepare)
+PURPOSES = ("experiment", "developer-fixture")
 WORKSPACE_DOC = "workspace.json"
 LAYOUT = {"data": "data", "models": "models", "runs": "runs"}
 SOURCE_NAME = "dapo-math-17k.parquet"
@@ -77,6 +79,28 @@ def model_path(workspace: str | os.PathLike[str]) -> Path | None:
     return Path(workspace) / rel if rel else None
 
 
+def read_data_manifest(jsonl: str | os.PathLike[str], verify: bool = True) -> dict[str, Any] | None:
+    """The sibling manifest of a prepared JSONL file (None when there is none); with ``verify`` the JSONL's sha256
+    must still be the recorded one (a file edited after prepare is refused, one line)."""
+    from rlk_repro import runs
+
+    path = manifest_path(jsonl)
+    if not path.is_file():
+        return None
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as exc:
+        raise RlkConfigError(f"{path} cannot be read: {exc}") from None
+    if not isinstance(doc, dict) or doc.get("schema") != DATA_SCHEMA or doc.get("purpose") not in PURPOSES:
+        raise RlkConfigError(f"{path} is not a {DATA_SCHEMA} manifest with a purpose of {' / '.join(PURPOSES)}")
+    if verify:
+        actual = runs.file_sha256(Path(jsonl))
+        if actual != doc["output"]["sha256"]:
+            raise RlkConfigError(f"{jsonl} changed after prepare: sha256 {actual}, its manifest {path.name} records "
+                                 f"{doc['output']['sha256']}; run prepare again")
+    return doc
+
+
 def checks(workspace: str | os.PathLike[str]) -> list:
     """``doctor --workspace W``: the recorded layout and every file prepare recorded, re-hashed (FAIL: missing or
     changed; warn: a developer fixture, a source Parquet no longer where prepare read it)."""
@@ -119,8 +143,6 @@ def checks(workspace: str | os.PathLike[str]) -> list:
 
 def _data_checks(w: Path, data: dict[str, Any], runs, statuses, Check) -> list:
     OK, WARN, FAIL = statuses
-    from rlk_repro.prepare import read_data_manifest
-
     out = []
     jsonl = w / data["output"]
     if not jsonl.is_file():

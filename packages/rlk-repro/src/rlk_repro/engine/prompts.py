@@ -80,7 +80,7 @@ def load_prompt_set(cfg, model_cfg) -> PromptSet:
     """What ``cfg`` (a :class:`~rlk_repro.engine.local.LocalRunConfig`) asks for; one-line errors before any work."""
     from rlk_repro.deepscaler import reward as deepscaler_reward
     from rlk_repro.model.tokenizer import HFTokenizer
-    from rlk_repro.prepare import read_data_manifest
+    from rlk_repro.workspace import read_data_manifest
 
     tok = HFTokenizer(cfg.model_path) if cfg.model_path else None
     rm_type = cfg.rm_type or ("deepscaler" if tok is not None else "stand-in")
