@@ -32,14 +32,15 @@ if [ "${RLK_TRITON:-triton==3.6.0}" != "skip" ] && ! "$venv/bin/python" -c "impo
   "${pip[@]}" "${RLK_TRITON:-triton==3.6.0}"
 fi
 # --no-build-isolation: rlk-core builds its compiled ops against the torch installed above.
-step "installing the six rlk packages (editable) with their small dependencies, pytest and ruff"
+step "installing the six rlk packages (editable) with their small dependencies (rlk-repro's prepare and tokenizer" \
+  "extras: pyarrow and tokenizers, ~45 MB), pytest and ruff"
 "${pip[@]}" --no-build-isolation \
   -e "packages/rlk-core[test]" \
   -e packages/rlk-collectives \
   -e packages/rlk-vllm-plugin \
   -e packages/rlk-megatron-provider \
   -e "packages/rlk-validate[test,plot,sign]" \
-  -e packages/rlk-repro \
+  -e "packages/rlk-repro[prepare,tokenizer]" \
   pytest ruff
 # The real frameworks the adapters are tested against (CPU builds; the adapters' tests skip without them).
 # RLK_FRAMEWORKS=skip leaves them out.

@@ -96,6 +96,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--selfcheck", action="store_true",
                    help="also run rlk-selfcheck's contract checks on the device (about 10 s on a 2-core CPU)")
     d.add_argument("--json", metavar="FILE", help="also write the result as JSON")
+    d.add_argument("--workspace", metavar="W", default=None,  # issue 37
+                   help="also check a prepared workspace: its recorded layout, data, manifests and checkpoint")
     d.add_argument("--debug", action="store_true", help="show tracebacks")
     rp = sub.add_parser("report", help="plots and a summary table of run directories and matrix roots",
                         description="consistency.png, learning.png, optimization.png, performance.png and "
@@ -106,6 +108,10 @@ def build_parser() -> argparse.ArgumentParser:
     rp.add_argument("--output", default=None,
                     help="where to write (default: the report/ folder of a single run directory or matrix root)")
     rp.add_argument("--debug", action="store_true", help="show tracebacks")
+    # issue 37: prepare (rlk_repro.prepare_cli)
+    from rlk_repro import prepare_cli
+
+    prepare_cli.add_parser(sub)
     return p
 
 
@@ -181,6 +187,9 @@ def _experiment_options(r: argparse.ArgumentParser) -> None:
     f.add_argument("--vllm-max-num-batched-tokens", type=positive_int, default=8192,
                    help="vLLM max_num_batched_tokens (8192)")
     f.add_argument("--run-name", default=None, help=argparse.SUPPRESS)  # a matrix cell's directory name
+    from rlk_repro import model_options  # issue 37: real model, data, chat template, reward
+
+    model_options.add_options(r)
 
 
 FRAMEWORKS_ONLY = ("tp", "gpu_memory_utilization", "enforce_eager", "train_micro_tokens", "vllm_max_num_seqs",
@@ -236,6 +245,7 @@ def _config(a: argparse.Namespace, argv: Sequence[str], resolved):
         given = [k for k in FRAMEWORKS_ONLY if getattr(a, k, None) != _DEFAULTS.get(k)]
         if given:
             raise RlkConfigError(f"--{given[0].replace('_', '-')} is an option of --engine frameworks")
+    model_kw = _model_options(a, argv, frameworks)  # issue 37 (before the fields: --phase sets rounds and seed)
     cfg = (FrameworksRunConfig if frameworks else LocalRunConfig)(
         plan=resolved.plan, plan_sources=dict(resolved.sources), readback_mode_source=mode_source,
         rounds=a.rounds, seed=a.seed, device=device, dtype=dtype, model=a.model, checkpoint=a.checkpoint,
@@ -245,10 +255,17 @@ def _config(a: argparse.Namespace, argv: Sequence[str], resolved):
         chunk_size=a.chunk_size, page_size=a.page_size, max_num_seqs=a.max_num_seqs, optimizer=a.optimizer,
         lr=a.lr, static_weights=a.static_weights, readback_mode=mode, command=["rlk-repro", *argv],
         threads=a.threads or (1 if device == "cpu" else None), state_every=state_every, **extra,
+        **model_kw,
     )
     SamplingParams(a.temperature, top_p, a.top_k, a.max_new_tokens, min_p=a.min_p)  # argument errors first
     cfg.validate()
     return cfg
+
+
+def _model_options(a: argparse.Namespace, argv: Sequence[str], frameworks: bool) -> dict:
+    from rlk_repro import model_options  # issue 37
+
+    return model_options.config_kwargs(a, argv, frameworks)
 
 
 def _needs(a: argparse.Namespace) -> None:
@@ -438,6 +455,10 @@ def _cmd_doctor(a: argparse.Namespace) -> int:
     resolved = _resolve(a, all_variables=False)
     plan = resolved.plan
     checks = diagnose(device, plan, selfcheck=a.selfcheck, progress=Progress().callback(), engine=a.engine)
+    if a.workspace is not None:  # issue 37
+        from rlk_repro.workspace import checks as workspace_checks
+
+        checks += workspace_checks(a.workspace)
     print(f"rlk-repro doctor: device {device}, plan "
           + ", ".join(f"{m} {c['case']} ({c['source']})" for m, c in resolved.as_dict().items()))
     print(format_checks(checks))
@@ -524,7 +545,8 @@ def _vime(argv: list[str]) -> int:
 
 def _main(argv: list[str]) -> int:
     debug = "--debug" in argv
-    name = "rlk-repro" + next((f" {c}" for c in argv if c in ("run", "plan", "matrix", "doctor", "report")), "")
+    commands = ("run", "plan", "matrix", "doctor", "report", "prepare")
+    name = "rlk-repro" + next((f" {c}" for c in argv if c in commands), "")
     try:
         if argv[:1] in (["plan"], ["run"]) and _engine(argv) == "vime":
             return _vime(argv)
@@ -536,6 +558,10 @@ def _main(argv: list[str]) -> int:
             return _cmd_report(a)
         if a.command == "doctor":
             return _cmd_doctor(a)
+        if a.command == "prepare":  # issue 37
+            from rlk_repro import prepare_cli
+
+            return prepare_cli.main(a)
         if a.command == "plan":
             return _cmd_plan(a, argv)
         return _cmd_matrix(a, argv) if a.command == "matrix" else _cmd_run(a, argv)

@@ -223,6 +223,7 @@ def summarize(run: RunMetrics) -> dict[str, Any]:
         "exit": run.status.get("exit"), "exit_code": run.status.get("exit_code"),
         "validated": run.status.get("validated"), **report_meta.provenance(run.manifest),
         "reference_note": report_meta.reference_note(run.path, run.plan),
+        "claims": report_meta.claims_text(run.manifest),  # issue 37: random weights / fixtures claim nothing
     }
 
 
@@ -258,6 +259,8 @@ def summary_markdown(summaries: list[dict[str, Any]], skipped: list[str] | None 
     text += "\nProvenance:\n\n" + "".join(
         f"- {s['label']}: run {s['run_id']}, model {s['model']}, {s['device']}, {s['dtype']}, commit {s['commit']}"
         + (f"; {s['reference_note']}" if s.get("reference_note") else "") + "\n" for s in summaries)
+    text += "\nClaims (issue 37: a random-weight model, the stand-in reward or a developer fixture backs no " \
+        "experiment or reward claim):\n\n" + "".join(f"- {s['label']}: {s['claims']}\n" for s in summaries)
     if skipped:
         text += "\nNot reported (no readable metrics):\n\n" + "".join(f"- {s}\n" for s in skipped)
     return text

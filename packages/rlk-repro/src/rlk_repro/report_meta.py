@@ -149,3 +149,14 @@ def figure_footer(runs: list[Any]) -> str:
     if diffs:
         notes.append("WARNING: the runs differ in more than their routes: " + "; ".join(diffs)[:300])
     return footer([provenance(r.manifest) for r in runs], ["\n".join(textwrap.wrap(n, 150)) for n in notes])
+
+
+def claims_text(manifest: dict[str, Any]) -> str:
+    """What a run may back (issue 37): ``experiment`` or ``no experiment or reward claim: <reasons>``; a run from
+    before the manifest recorded its claims is labelled so."""
+    claims = manifest.get("claims")
+    if not isinstance(claims, dict):
+        return "no experiment or reward claim: the manifest records no claims (a run from before issue 37)"
+    if claims.get("experiment"):
+        return "experiment"
+    return "no experiment or reward claim: " + "; ".join(str(r) for r in claims.get("reasons") or ["unknown"])

@@ -23,7 +23,7 @@ from rlk_core.ops.rope import reserve_tables
 from rlk_core.plan import RoutePlan
 from rlk_core.readback import ReadbackRecorder
 from rlk_repro import lifecycle, runs
-from rlk_repro.engine.data import encode, load_prompts, prompts_sha256, vocab_reward
+from rlk_repro.engine.prompts import PromptSet, claims, load_prompt_set
 from rlk_repro.engine.rollout import LOGPROBS, Request, RolloutEngine
 from rlk_repro.engine.sampling import SamplingParams
 from rlk_repro.engine.trainer import Sample, Trainer, group_advantages
@@ -71,6 +71,15 @@ class LocalRunConfig:
     threads: int | None = None  # torch intra-op threads for the run (None: leave torch's setting)
     require_exact: bool | None = None  # default: the plan is all R/R
     state_every: int = 1  # save the round state (rlk_repro.resume) every N rounds; 0 = never
+    # issue 37: a real model and data (rlk_repro.engine.prompts)
+    model_path: str | None = None  # HF directory: config, safetensors and tokenizer files
+    prompt_data: str | None = None  # VIME JSONL (rlk-repro prepare's output); None: the bundled prompts
+    input_key: str = "prompt"
+    label_key: str = "label"
+    apply_chat_template: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    rm_type: str | None = None  # deepscaler / stand-in; None: deepscaler with --model-path, else stand-in
+    stop_token_ids: list[int] | None = None  # besides the config's, generation config's and tokenizer's EOS
     command: list[str] = field(default_factory=lambda: list(sys.argv))
 
     def validate(self) -> None:
@@ -84,6 +93,17 @@ class LocalRunConfig:
             raise RlkConfigError(f"model {self.model!r} is not one of {', '.join(PRESETS)}")
         if self.checkpoint is not None:
             Qwen3Config.from_dir(self.checkpoint)  # a readable config.json, before any run directory exists
+        if self.model_path is not None:  # issue 37
+            if self.checkpoint is not None:
+                raise RlkConfigError("--model-path and --checkpoint are exclusive (--model-path also reads the "
+                                     "tokenizer)")
+            Qwen3Config.from_dir(self.model_path)
+        if self.prompt_data is not None and not os.path.isfile(self.prompt_data):
+            raise RlkConfigError(f"--prompt-data {self.prompt_data}: no such file")
+        if self.apply_chat_template and self.model_path is None:
+            raise RlkConfigError("--apply-chat-template needs --model-path DIR (the chat template is the tokenizer's)")
+        if self.rm_type not in (None, "deepscaler", "stand-in"):
+            raise RlkConfigError(f"--rm-type {self.rm_type!r} is not deepscaler or stand-in")
         if self.lr <= 0:
             raise RlkConfigError(f"lr must be > 0, got {self.lr}")
         if self.state_every < 0:
@@ -138,8 +158,8 @@ def resolve_device(name: str) -> torch.device:
 
 
 def load_model(cfg: LocalRunConfig) -> tuple[Qwen3Config, dict[str, torch.Tensor], str]:
-    if cfg.checkpoint:
-        model_cfg, weights = load_checkpoint(cfg.checkpoint)
+    if cfg.checkpoint or cfg.model_path:
+        model_cfg, weights = load_checkpoint(cfg.checkpoint or cfg.model_path)
         weights = {k: v.float() for k, v in weights.items()}
     else:
         model_cfg = PRESETS[cfg.model]
@@ -190,6 +210,7 @@ class _Session:
     encoded: list[list[int]]
     checkpoint_hash: str
     max_len: int
+    prompt_set: PromptSet
 
 
 def _run(cfg: LocalRunConfig, run_id: str, run_dir: Path, device: torch.device, dtype: torch.dtype,
@@ -233,10 +254,11 @@ def _start(cfg: LocalRunConfig, run_id: str, run_dir: Path, device: torch.device
         model_cfg, weights, ckpt_hash = load_model(cfg)
     else:
         state = resume.load_state()
-        model_cfg = Qwen3Config.from_dir(cfg.checkpoint) if cfg.checkpoint else PRESETS[cfg.model]
+        model_dir = cfg.checkpoint or cfg.model_path
+        model_cfg = Qwen3Config.from_dir(model_dir) if model_dir else PRESETS[cfg.model]
         weights, ckpt_hash = state["master"], resume.manifest["inputs"]["checkpoint"]
-    prompts = load_prompts()
-    encoded = [encode(p.text, model_cfg.bos_token_id) for p in prompts]
+    ps = load_prompt_set(cfg, model_cfg)  # issue 37: the model's tokenizer and template, or the bundled bytes
+    prompts, encoded = ps.prompts, ps.encoded
     max_len = max(len(e) for e in encoded) + cfg.max_new_tokens
     readbacks = run_dir / "readbacks"
     rec_train = ReadbackRecorder("local", "train", plan, mode=cfg.readback_mode, directory=readbacks, run_id=run_id)
@@ -253,14 +275,15 @@ def _start(cfg: LocalRunConfig, run_id: str, run_dir: Path, device: torch.device
         reserve_tables(device, model_cfg.head_dim, model_cfg.rope_theta, rows)
     engine = RolloutEngine(model_cfg, weights, Ops(plan, "rollout", rec_roll), device=device, dtype=dtype,
                            page_size=cfg.page_size, chunk_size=cfg.chunk_size, max_num_seqs=cfg.max_num_seqs,
-                           max_model_len=max_len, seed=cfg.seed, logprobs=cfg.logprobs)
+                           max_model_len=max_len, seed=cfg.seed, stop_token_ids=ps.stop_token_ids,
+                           logprobs=cfg.logprobs)
     trainer = Trainer(model_cfg, weights, Ops(plan, "train", rec_train), device=device, dtype=dtype,
                       temperature=cfg.temperature, optimizer=cfg.optimizer, lr=cfg.lr, update=not cfg.static_weights,
                       sampling=sampling_params(cfg), logprobs=cfg.train_semantics)
     if state is not None:
         trainer.opt.load_state_dict(state["optimizer"])
         engine.cache.free = list(state["kv_free"])
-    return _Session(model_cfg, engine, trainer, (rec_train, rec_roll), prompts, encoded, ckpt_hash, max_len)
+    return _Session(model_cfg, engine, trainer, (rec_train, rec_roll), prompts, encoded, ckpt_hash, max_len, ps)
 
 
 def _manifest(cfg: LocalRunConfig, run_id: str, ses: _Session, device: torch.device) -> dict[str, Any]:
@@ -272,9 +295,17 @@ def _manifest(cfg: LocalRunConfig, run_id: str, ses: _Session, device: torch.dev
         "plan_sources": sources, "readback_mode": {"mode": cfg.readback_mode, "source": cfg.readback_mode_source},
         "rounds": cfg.rounds, "ranks": 1, "repos": [runs.repo_state(Path(__file__).resolve().parent)],
         "packages": runs.package_versions(), "hardware": runs.hardware(device),
-        "inputs": {"prompts": prompts_sha256(), "checkpoint": ses.checkpoint_hash},
+        "inputs": {"prompts": ses.prompt_set.sha256, "checkpoint": ses.checkpoint_hash},
         "sampling": runs.sampling_semantics(cfg.temperature, cfg.top_k, cfg.top_p, cfg.min_p, cfg.logprobs,
                                             cfg.train_semantics),
+        # issue 37: what the run may claim (rlk_repro.engine.prompts.claims), its model, data and reward
+        "claims": claims(cfg, ses.prompt_set),
+        "model": {"kind": "checkpoint" if (cfg.model_path or cfg.checkpoint) else "random-weight preset",
+                  "path": cfg.model_path or cfg.checkpoint, "preset": None if (cfg.model_path or cfg.checkpoint)
+                  else cfg.model, "tokenizer": ses.prompt_set.tokenizer},
+        "data": ses.prompt_set.data,
+        "reward": {"rm_type": ses.prompt_set.rm_type, "stop_token_ids": ses.prompt_set.stop_token_ids,
+                   "apply_chat_template": cfg.apply_chat_template},
         "seeds": {"train": cfg.seed, "rollout": cfg.seed},
         "config": {**{k: v for k, v in asdict(cfg).items() if k not in ("plan", "command", "plan_sources")},
                    "env": plan.env(), "model_config": ses.model_cfg.as_dict(), "require_exact": cfg.exact_required,
@@ -336,8 +367,8 @@ def _round(cfg: LocalRunConfig, ses: _Session, run_dir: Path, rnd: int, watch: J
 
     # vocab_reward, as the frameworks engine: with a large vocabulary (a random-weight Qwen3-0.6B) the byte-token
     # reward alone is 0 for every sample, every advantage 0 and no update ever changes the weights (WEIGHTS_STATIC)
-    rewards = [vocab_reward(r.output, ses.prompts[chosen[i // n]].answer, ses.model_cfg.vocab_size)
-               for i, r in enumerate(requests)]
+    # issue 37: the deepscaler rule on the decoded response for a real model (--model-path), else vocab_reward
+    rewards = [ses.prompt_set.reward(r.output, ses.prompts[chosen[i // n]].answer) for i, r in enumerate(requests)]
     adv = group_advantages(rewards, n)
     samples = [Sample(r.prompt, r.output, r.logprobs, a) for r, a in zip(requests, adv, strict=True)]
     with progress.counter(sum(len(r.prompt) + len(r.output) - 1 for r in requests), f"round {rnd + 1} train") as bar, \

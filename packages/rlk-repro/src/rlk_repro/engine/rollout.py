@@ -105,7 +105,7 @@ class RolloutEngine:
     def __init__(self, cfg: Qwen3Config, weights: Weights, ops: Ops, *, device: torch.device, dtype: torch.dtype,
                  page_size: int = 16, chunk_size: int = 16, max_num_seqs: int = 8,
                  max_batched_tokens: int | None = None, max_model_len: int = 512, seed: int = 0,
-                 logprobs: str = "processed") -> None:
+                 stop_token_ids: list[int] | None = None, logprobs: str = "processed") -> None:
         if ops.side != "rollout":
             raise RlkConfigError(f"the rollout engine needs rollout-side ops, got {ops.side!r}")
         if logprobs not in LOGPROBS:
@@ -116,6 +116,8 @@ class RolloutEngine:
                 raise RlkConfigError(f"{name} must be >= 1, got {val}")
         self.cfg, self.ops, self.device, self.dtype = cfg, ops, device, dtype
         self.chunk_size, self.max_num_seqs, self.max_model_len = chunk_size, max_num_seqs, max_model_len
+        # a response ends at any of these (kept in the response, as vLLM keeps its EOS); default: the config's EOS
+        self.stop_token_ids = frozenset(stop_token_ids) if stop_token_ids else frozenset({cfg.eos_token_id})
         self.max_batched_tokens = max_batched_tokens or (max_num_seqs + 2 * chunk_size)
         if self.max_batched_tokens < max_num_seqs + 1:
             raise RlkConfigError(f"max_batched_tokens={self.max_batched_tokens} must exceed "
@@ -174,7 +176,7 @@ class RolloutEngine:
             for r in sampled:
                 if on_token is not None:
                     on_token(1)
-                if r.output[-1] == self.cfg.eos_token_id:
+                if r.output[-1] in self.stop_token_ids:
                     r.finish_reason = "eos"
                 elif len(r.output) >= r.params.max_new_tokens:
                     r.finish_reason = "length"

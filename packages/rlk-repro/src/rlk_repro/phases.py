@@ -1,0 +1,81 @@
+"""The seeds' experiment phases and the paired-seed estimate (issue 37; a first part: the table, ``run --phase``,
+the statistics and the merge rule — ``report`` does not call them yet).
+
+=============  =====  ==================  ==================================================================
+phase          steps  seeds               decision
+=============  =====  ==================  ==================================================================
+short          8      1234                state transition, weight update and cache issues
+precision      30     1234, 2345, 3456    the drift distribution; reward / throughput / overhead uncertainty
+convergence    200    1234                the main evidence: learning and performance curves
+=============  =====  ==================  ==================================================================
+
+Each phase runs as native / consistency pairs in the same seed order; an estimate over paired seeds is the mean
+of the per-seed differences with a 95% confidence interval (Student's t). Runs whose code revision, checkpoint,
+prompt hash or CUDA-graph settings differ are never merged into one estimate (:func:`merge_problem`).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from typing import Any
+
+from rlk_core.errors import RlkConfigError
+
+PHASES: dict[str, dict[str, Any]] = {
+    "short": {"steps": 8, "seeds": (1234,)},
+    "precision": {"steps": 30, "seeds": (1234, 2345, 3456)},
+    "convergence": {"steps": 200, "seeds": (1234,)},
+}
+# two-sided 95% Student t quantiles by degrees of freedom (1..30); beyond 30, the normal 1.96
+_T95 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
+        2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042)
+
+
+def phase_settings(phase: str, seed: int | None) -> tuple[int, int]:
+    """(rounds, seed) of one run of ``phase``; ``seed`` must be one of the phase's (default: its first)."""
+    if phase not in PHASES:
+        raise RlkConfigError(f"--phase {phase!r} is not one of {', '.join(PHASES)}")
+    spec = PHASES[phase]
+    if seed is None:
+        seed = spec["seeds"][0]
+    if seed not in spec["seeds"]:
+        raise RlkConfigError(f"--phase {phase} runs seeds {', '.join(map(str, spec['seeds']))}; --seed {seed} is not "
+                             "one of them")
+    return spec["steps"], seed
+
+
+def paired_estimate(pairs: list[tuple[float, float]]) -> dict[str, Any]:
+    """Mean of ``b - a`` over paired seeds and its 95% confidence interval (None with one pair)."""
+    if not pairs:
+        raise RlkConfigError("a paired estimate needs at least one native / consistency pair")
+    diffs = [b - a for a, b in pairs]
+    mean = statistics.fmean(diffs)
+    if len(diffs) < 2:
+        return {"n": 1, "mean": mean, "ci95": None}
+    sd = statistics.stdev(diffs)
+    t = _T95[len(diffs) - 2] if len(diffs) - 1 <= len(_T95) else 1.96
+    half = t * sd / math.sqrt(len(diffs))
+    return {"n": len(diffs), "mean": mean, "ci95": [mean - half, mean + half]}
+
+
+def _merge_view(manifest: dict[str, Any]) -> dict[str, Any]:
+    repos = manifest.get("repos") or [{}]
+    config = manifest.get("config") or {}
+    inputs = manifest.get("inputs") or {}
+    return {"code revision": (repos[0].get("sha"), repos[0].get("dirty")), "checkpoint": inputs.get("checkpoint"),
+            "prompt hash": inputs.get("prompts"),
+            "CUDA-graph settings": (config.get("enforce_eager"), config.get("cuda_graph"))}
+
+
+def merge_problem(manifests: list[dict[str, Any]]) -> str | None:
+    """Why these runs cannot go into one estimate (None: they can): the first of code revision, checkpoint, prompt
+    hash and CUDA-graph settings that differs, or a dirty checkout, whose revision says nothing."""
+    views = [_merge_view(m) for m in manifests]
+    for key in views[0] if views else ():
+        values = [v[key] for v in views]
+        if any(v != values[0] for v in values[1:]):
+            return f"the runs' {key} differ ({', '.join(sorted({str(v) for v in values}))}): not merged"
+    if views and views[0]["code revision"][1]:
+        return "the runs come from a dirty checkout: its code revision does not say what ran; not merged"
+    return None
