@@ -22,7 +22,8 @@
 # bitwise tests of the adapters in the real frameworks and of the frameworks loop; $EXACT_MARK, default
 # "gpu and not multi_gpu"; the loop's R/R run directory is kept as rr-run/), exact (every one of them; $EXACT_MARK
 # "multi_gpu" on an x2 machine), vllm (vllm_gpu.py: throughput), vllm-capture (R/R and P/P with --capture-max 4096),
-# loop (loop_gpu.py: R/R 10 rounds + P/P, throughput), matrix-a / matrix-b (loop_gpu.py --matrix, 4 cells each, 2
+# loop (loop_gpu.py: R/R 10 rounds + P/P, throughput), filtered (filtered_gpu.py: top-k / top-p / min-p runs),
+# processed (bench_processed_logprobs.py), matrix-a / matrix-b (loop_gpu.py --matrix, 4 cells each, 2
 # rounds), hybrid (megatron_gpu.py --hybrid), megatron (megatron_gpu.py: step time), cuda (build rlk_core._C + cubins, the rlk.cuda and
 # log-prob GPU tests — or the files in $CUDA_TESTS, selected by $CUDA_TESTS_K —, host_overhead.py $HOST_SECTIONS
 # within $HOST_CAP s, default 90), tests ($GPU_TESTS, default tests/gpu, no
@@ -35,7 +36,7 @@ ROOT=$(cd "$HERE/../.." && pwd)
 SHIP=/tmp/ship
 declare -A CAP=([vllm]=420 [vllm-capture]=300 [loop]=420 [matrix-a]=400 [matrix-b]=400 [hybrid]=180
                 [megatron]=240 [cuda]=330 [local]=420 [tests]=300 [profile]=200 [exact]=560 [exact-megatron]=240
-                [exact-vllm]=480 [exact-loop]=420)
+                [exact-vllm]=480 [exact-loop]=420 [filtered]=560 [processed]=240)
 
 prepare() {
     cd "$ROOT" || exit 2
@@ -124,6 +125,12 @@ stage() {  # stage NAME SECONDS
         matrix-b) timeout "$cap" $py "$G/benchmarks/frameworks/loop_gpu.py" --out "$out" --rounds 2 --prompts 32 \
                       --max-new-tokens 64 --matrix ffn-RP,ffn-PR,logp-RP,logp-PR --matrix-cap-s $((cap - 20)) ;;
         hybrid) timeout "$cap" $py "$G/benchmarks/frameworks/megatron_gpu.py" --hybrid --out "$out" ;;
+        filtered)  # filtered_gpu.py: R/R and P/P runs with top-k / top-p / min-p ($FILTERED_ONLY, $FILTERED_ROUNDS)
+            timeout "$cap" $py "$G/benchmarks/frameworks/filtered_gpu.py" --out "$out" --cap-s $(( cap / 3 )) \
+                ${FILTERED_ONLY:+--only "$FILTERED_ONLY"} ${FILTERED_ROUNDS:+--rounds "$FILTERED_ROUNDS"} ;;
+        processed)  # bench_processed_logprobs.py (kernels as built: run after cuda)
+            (cd "$G/benchmarks" && RLK_BENCH_OUT="$out" timeout "$cap" $py bench_processed_logprobs.py \
+                > "$out/processed.log" 2>&1); tail -20 "$out/processed.log" ;;
         megatron) timeout "$cap" $py "$G/benchmarks/frameworks/megatron_gpu.py" --budget-s $((cap - 40)) --out "$out" ;;
         cuda)
             # $RLK_BUILD_OPS / $RLK_BUILD_DTYPES (setup.py) limit the AOT families and dtypes built (the GPU suite skips,

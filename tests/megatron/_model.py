@@ -257,6 +257,33 @@ def run_megatron(spec: dict) -> dict:
                     hidden=hidden, projection=captured["weight"], local_logits=None,
                     vocab_partition=(tp_rank * v_local, (tp_rank + 1) * v_local)))
             out["logp_vime"] = _gather_cp(logp.linear_logp(req).logp, cu, cp, cp_group)
+            # processed log-probs (rlk.logp.processed.v1): this side's kept sets (rank's logits gathered), then the
+            # partials with the threshold; the reference: the processed op on the gathered vocabulary
+            from rlk_core.ops import kept_set, linear
+            from rlk_core.ops.kept_set import kept_mask
+
+            kept = logp.kept_sets(hidden, captured["weight"], TEMPERATURE, 8, 0.9, 0.0, tp_group, rows_per_chunk=5)
+            full_kept = kept_set(linear(hidden.detach(), vocab), TEMPERATURE, 8, 0.9)
+            out["kept_equal_here"] = bool(torch.equal(kept.value, full_kept.value)
+                                          and torch.equal(kept.token_id, full_kept.token_id))
+            pair = (kept.value, kept.token_id)
+            # targets in the kept sets (a row's first token in the order: the lowest id of its largest logit) but
+            # the sampled ones' every other row, whose log-prob is -inf where they fall outside
+            tgt_p = linear(hidden.detach(), vocab).argmax(-1)
+            tgt_p[1::2] = tgt_l[1::2]
+            req.targets = tgt_p
+            out["logp_processed"] = _gather_cp(logp.vocab_parallel_logprobs(
+                hidden, captured["weight"], tgt_p, TEMPERATURE, tp_group, kept=pair), cu, cp, cp_group)
+            out["logp_processed_gathered_vocab"] = _gather_cp(linear_logprobs(
+                hidden.detach(), vocab, tgt_p, TEMPERATURE, kept=pair)[0], cu, cp, cp_group)
+            out["logp_unfiltered_same_targets"] = _gather_cp(logp.vocab_parallel_logprobs(
+                hidden, captured["weight"], tgt_p, TEMPERATURE, tp_group), cu, cp, cp_group)
+            local_logits = linear(hidden.detach(), captured["weight"].detach())
+            mask = kept_mask(local_logits, TEMPERATURE, pair, tp_rank * v_local)
+            req.log_prob_keep_mask = mask  # VIME's top-p replay: the mask form, this rank's columns
+            out["logp_vime_keep_mask"] = _gather_cp(logp.linear_logp(req).logp, cu, cp, cp_group)
+            req.log_prob_keep_mask, req.metadata = None, {"rlk_kept": pair}
+            out["logp_vime_kept"] = _gather_cp(logp.linear_logp(req).logp, cu, cp, cp_group)
         if spec.get("repeat"):
             with torch.no_grad():
                 lp_first = logp.vocab_parallel_logprobs(first, captured["weight"], tgt_l, TEMPERATURE, tp_group)

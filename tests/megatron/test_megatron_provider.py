@@ -316,3 +316,32 @@ def test_vime_provider_equals_linear_logprobs(provider):
 
     with pytest.raises(RlkPolicyError, match="module 'logp'.*entropy"):
         linear_logp(types.SimpleNamespace(**{**vars(req), "with_entropy": True}))
+
+
+def test_slime_top_p_replay_and_vime_kept_sets_are_processed_logprobs(provider):
+    """slime's ``log_prob_keep_mask`` (top-p replay) and VIME's request with a keep mask or rlk's kept sets give
+    the processed log-prob of contract rlk.logp.processed.v1, bitwise (mask form == threshold form)."""
+    from rlk_core.ops import kept_set, linear, linear_logprobs, token_logprobs
+    from rlk_core.ops.kept_set import kept_mask
+    from rlk_megatron_provider import linear_logp
+    from rlk_megatron_provider.logp import slime_log_probs_and_entropy
+
+    provider()
+    g = torch.Generator().manual_seed(8)
+    hidden, proj = torch.randn(9, 64, generator=g), torch.randn(128, 64, generator=g) * 0.3
+    logits = linear(hidden, proj)
+    ks = kept_set(logits, 1.0, 10, 0.9)
+    mask = kept_mask(logits, 1.0, ks)
+    targets = logits.argmax(-1)
+    want = token_logprobs(logits, targets, 1.0, kept=ks)[0]
+    assert torch.equal(want, linear_logprobs(hidden, proj, targets, 1.0, kept=ks)[0])
+    got, _ = slime_log_probs_and_entropy(logits[None], targets[None], None, log_prob_keep_mask=mask[None])
+    assert torch.equal(got[0], want)
+    req = types.SimpleNamespace(targets=targets, tp_group=None, token_layout="single", temperature=1.0,
+                                log_prob_keep_mask=mask, context=types.SimpleNamespace(
+                                    hidden=hidden, projection=proj, vocab_partition=(0, 128), local_logits=None))
+    assert torch.equal(linear_logp(req).logp, want)
+    req.log_prob_keep_mask, req.metadata = None, {"rlk_kept": (ks.value, ks.token_id)}
+    res = linear_logp(req)
+    assert torch.equal(res.logp, want) and res.provenance["logprobs"] == "processed (rlk kept sets)"
+    assert not torch.equal(want, token_logprobs(logits, targets, 1.0)[0])  # the unfiltered log-prob differs

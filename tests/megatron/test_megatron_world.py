@@ -81,6 +81,16 @@ def test_logp_provider_equals_linear_logprobs_on_gathered_vocab_and_repeats(tp, 
     assert torch.equal(res["logp_logits"], res["logp_gathered_vocab"])  # slime's logits path
     assert torch.equal(res["logp_vime"], res["logp_gathered_vocab"])  # VIME's provider (rank's vocab partition)
     assert torch.equal(res["logp_repeat"], res["logp_nograd"])  # a second forward: the same bits
+    # processed log-probs (top_k 8, top_p 0.9): sharded == gathered vocabulary, threshold == VIME's keep mask
+    assert res["kept_equal_here"]  # kept sets from the rank's gathered logits == from the whole LM head
+    assert torch.equal(res["logp_processed"], res["logp_processed_gathered_vocab"])
+    assert torch.equal(res["logp_vime_keep_mask"], res["logp_processed"])
+    assert torch.equal(res["logp_vime_kept"], res["logp_processed"])
+    finite = torch.isfinite(res["logp_processed"])
+    # half the targets are kept tokens (finite); of the sampled half most fall outside the top 8 (-inf)
+    assert 2 * int(finite.sum()) >= finite.numel() and not bool(finite.all())
+    # renormalised over the kept set: larger than the full-vocabulary log-prob of the same token
+    assert bool((res["logp_processed"][finite] > res["logp_unfiltered_same_targets"][finite]).all())
     assert [r["repeat_equal"] for r in res["readbacks"]] == [True] * (tp * cp)  # on every rank
 
 

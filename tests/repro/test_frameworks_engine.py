@@ -83,8 +83,9 @@ def test_requirements_pass_with_everything_present(monkeypatch):
 @pytest.mark.parametrize("argv, message", [
     (["run", "--tp", "2"], "--tp is an option of --engine frameworks"),
     (["run", "--enforce-eager"], "--enforce-eager is an option of --engine frameworks"),
-    (["run", "--engine", "frameworks", "--top-p", "0.9"], "--top-p 1 and --top-k 0"),
-    (["run", "--engine", "frameworks", "--top-k", "5"], "--top-p 1 and --top-k 0"),
+    (["run", "--engine", "frameworks", "--top-p", "0.9", "--logprobs", "unfiltered", "--logp-case", "P/P"],
+     "needs rlk on vLLM's logp"),
+    (["run", "--engine", "frameworks", "--min-p", "1.5"], "min_p must be in [0, 1]"),
     (["run", "--engine", "frameworks", "--device", "cpu"], "runs on cuda"),
     (["run", "--engine", "frameworks", "--dtype", "float32"], "runs bfloat16"),
     (["run", "--engine", "frameworks", "--gpu-memory-utilization", "1.5"], "gpu-memory-utilization"),
