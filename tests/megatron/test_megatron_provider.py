@@ -318,7 +318,7 @@ def test_vime_provider_equals_linear_logprobs(provider):
         linear_logp(types.SimpleNamespace(**{**vars(req), "with_entropy": True}))
 
 
-def test_slime_top_p_replay_and_vime_kept_sets_are_processed_logprobs(provider):
+def test_slime_top_p_replay_and_vime_kept_sets_are_processed_logprobs(provider, monkeypatch):
     """slime's ``log_prob_keep_mask`` (top-p replay) and VIME's request with a keep mask or rlk's kept sets give
     the processed log-prob of contract rlk.logp.processed.v1, bitwise (mask form == threshold form)."""
     from rlk_core.ops import kept_set, linear, linear_logprobs, token_logprobs
@@ -345,3 +345,8 @@ def test_slime_top_p_replay_and_vime_kept_sets_are_processed_logprobs(provider):
     res = linear_logp(req)
     assert torch.equal(res.logp, want) and res.provenance["logprobs"] == "processed (rlk kept sets)"
     assert not torch.equal(want, token_logprobs(logits, targets, 1.0)[0])  # the unfiltered log-prob differs
+    # no mask, no kept sets: the rollout's filters from RL_KERNEL_LOGP_SAMPLING, the trainer's own kept sets
+    monkeypatch.setenv("RL_KERNEL_LOGP_SAMPLING", "top_k=10,top_p=0.9")
+    req.metadata = None
+    assert torch.equal(linear_logp(req).logp, want)
+    assert torch.equal(slime_log_probs_and_entropy(logits[None], targets[None], None)[0][0], want)

@@ -137,8 +137,8 @@ def test_the_forwarded_environment_is_the_exported_one(capsys, tmp_path, paths) 
 
 
 @pytest.mark.parametrize(("args", "words"), [
-    (["--top-p", "0.95"], "--top-p 0.95"),
-    (["--top-k", "20"], "--top-k 20"),
+    (["--top-p", "0.95", "--logp-case", "P/R"], "--top-p 0.95"),
+    (["--top-k", "20", "--logp-case", "P/R"], "--top-k 20"),
     (["--temperature", "0"], "must be > 0"),
     (["--tensor-parallel", "3"], "does not divide"),
     (["--rollout-tensor-parallel", "3"], "rollout TP 3"),
@@ -151,6 +151,14 @@ def test_bad_combinations_are_one_line_exit_2(capsys, paths, args, words) -> Non
     err = capsys.readouterr().err
     assert err.count("\n") <= 2 and words in err, err
     assert "Traceback" not in err
+
+
+def test_filtered_sampling_rr_exports_the_filters_to_the_trainer(plan_json) -> None:
+    doc = plan_json("--top-p", "0.95", "--top-k", "40")
+    assert doc["env"]["RL_KERNEL_LOGP_SAMPLING"] == "top_k=40,top_p=0.95"
+    assert "RL_KERNEL_VLLM_UNFILTERED_LOGPROBS" not in doc["env"]
+    assert has(doc["submit"], "--rollout-top-p", "0.95") and has(doc["submit"], "--rollout-top-k", "40")
+    assert "RL_KERNEL_LOGP_SAMPLING" not in plan_json()["env"]  # no filter: nothing to tell the trainer
 
 
 def test_filtered_sampling_with_opt_in_or_production_logp(plan_json) -> None:

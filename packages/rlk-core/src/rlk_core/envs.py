@@ -110,6 +110,23 @@ def _names(raw: str, var: EnvVar) -> tuple[str, ...]:
     return items
 
 
+def _sampling(raw: str, var: EnvVar) -> dict[str, float]:
+    """``top_k=40,top_p=0.95,min_p=0.05`` (any subset) -> ``{"top_k": 40, "top_p": 0.95, "min_p": 0.05}``, checked."""
+    out: dict[str, float] = {"top_k": 0, "top_p": 1.0, "min_p": 0.0}
+    for part in filter(None, (x.strip() for x in raw.split(","))):
+        key, sep, value = part.partition("=")
+        key = key.strip()
+        if not sep or key not in out:
+            raise var.error(raw, f"{part!r} is not top_k=N, top_p=P or min_p=P")
+        try:
+            out[key] = int(value) if key == "top_k" else float(value)
+        except ValueError:
+            raise var.error(raw, f"{key}={value!r} is not a number") from None
+    if out["top_k"] < 0 or not 0 < out["top_p"] <= 1 or not 0 <= out["min_p"] <= 1:
+        raise var.error(raw, "top_k >= 0, 0 < top_p <= 1, 0 <= min_p <= 1")
+    return out
+
+
 def _backend_overrides(raw: str, var: EnvVar) -> dict[str, str]:
     out: dict[str, str] = {}
     for item in raw.split(","):
@@ -139,9 +156,16 @@ ENV_VARS: tuple[EnvVar, ...] = (
            "Directory that receives one rlk.readback.v1 JSON per (framework, target, process). "
            "Unset: nothing is written.", allowed_doc="a directory path"),
     EnvVar("RL_KERNEL_VLLM_UNFILTERED_LOGPROBS", _bool, False,
-           "vLLM, logp R: accept requests with top-p / top-k / min-p / penalties / logit bias; their returned "
-           "log-probs are then the unfiltered log softmax(logits / T) (the trainer's), not vLLM's processed "
-           "ones. Unset: strict mode refuses such requests.", ("1", "0", "true", "false")),
+           "vLLM, logp R: return the unfiltered log softmax(logits / T) of the sampled tokens instead of the "
+           "processed log-prob over the kept set of top-k / top-p / min-p (sampling stays filtered). Unset: the "
+           "processed log-prob (contract rlk.logp.processed.v1), vLLM's processed_logprobs semantics.",
+           ("1", "0", "true", "false")),
+    EnvVar("RL_KERNEL_LOGP_SAMPLING", _sampling, None,
+           "Megatron, logp R: the rollout's filters (e.g. top_k=40,top_p=0.95,min_p=0.05). The trainer then finds "
+           "each position's kept set from its own logits and computes the processed log-prob over it (contract "
+           "rlk.logp.processed.v1), the bits vLLM's rlk sampler returns; no keep-mask replay is needed. Unset: "
+           "the unfiltered log-prob (or the request's keep mask).",
+           allowed_doc="comma-separated top_k=N, top_p=P, min_p=P"),
     EnvVar("RL_KERNEL_VLLM_ATTENTION_OVERRIDE", _choice, None,
            "vLLM, attention R, for launchers that cannot pass --attention-backend CUSTOM: register rlk's backend "
            "under this existing backend name as well (e.g. FLASH_ATTN, the default on Hopper).",

@@ -158,6 +158,16 @@ def vocab_parallel_logprobs_from_logits(logits: Tensor, target: Tensor, temperat
         return _merge(m, s, z, v_local * tp, group)
 
 
+def _filters() -> dict[str, float] | None:
+    """The rollout's top-k / top-p / min-p (``RL_KERNEL_LOGP_SAMPLING``), or None where it filters nothing."""
+    from rlk_core import envs
+
+    f = envs.get("RL_KERNEL_LOGP_SAMPLING")
+    if f is None or (f["top_k"] == 0 and f["top_p"] >= 1.0 and f["min_p"] == 0.0):
+        return None
+    return f
+
+
 # -- VIME: --linear-logp-provider rlk_megatron_provider.linear_logp ----------------------------------
 @dataclass
 class LinearLogpResult:
@@ -241,6 +251,10 @@ def linear_logp(request) -> Any:
         logits = logits.masked_fill(~keep_mask.reshape(logits.shape).to(torch.bool), float("-inf"))
         logp = vocab_parallel_logprobs_from_logits(logits, flat_target, temperature, group)
     else:
+        filters = _filters()
+        if kept is None and filters is not None:  # the rollout's filters: this side's own kept sets
+            ks = kept_sets(h, proj, temperature, filters["top_k"], filters["top_p"], filters["min_p"], group)
+            kept = (ks.value, ks.token_id)
         logp = vocab_parallel_logprobs(h, proj, flat_target, temperature, group, start, size, kept=kept)
     prov = {"token_layout": _field(request, "token_layout"), "tp": _tp(group)[0], "rank": _tp(group)[1],
             "plan": st.plan.name,
@@ -275,5 +289,15 @@ def slime_log_probs_and_entropy(logits: Tensor, tokens: Tensor, tp_group, with_e
     flat = logits.reshape(-1, logits.shape[-1])
     if log_prob_keep_mask is not None:  # top-p replay: the kept set's mask form (-inf outside it), same contract
         flat = flat.masked_fill(~log_prob_keep_mask.reshape(flat.shape).to(torch.bool), float("-inf"))
+    elif _filters() is not None:  # the rollout's filters: kept sets of the (already tempered) logits, gathered
+        f = _filters()
+        tp, rank = _tp(tp_group)
+        full = flat.detach() if tp == 1 else rlk_collectives.all_gather(flat.detach(), tp_group, dim=1)
+        with st.routes.scope("logp"):
+            ks = st.routes.call("logp", "kept_set", full, 1.0, f["top_k"], f["top_p"], f["min_p"])
+        from rlk_core.ops.kept_set import kept_mask
+
+        keep = kept_mask(flat.detach(), 1.0, ks, rank * flat.shape[-1])
+        flat = flat.masked_fill(~keep, float("-inf"))
     logp = vocab_parallel_logprobs_from_logits(flat, tokens.reshape(-1), 1.0, tp_group)
     return logp.reshape(tokens.shape), entropy

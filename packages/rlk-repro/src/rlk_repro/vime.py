@@ -23,9 +23,9 @@ flags are recorded in ``data/vime-train-flags.txt``: every printed flag is one o
   among ``--extra``), which it calls after recording (``RL_KERNEL_TIS_FUNCTION``);
 - the rollout side: ``--vllm-attention-backend CUSTOM`` where attention's rollout letter is R,
   ``--vllm-enable-deterministic-inference`` wherever a plan routes anything to rlk (the native control
-  stays what users run today); temperature / top-p / top-k that keep vLLM's processed log-probs equal
-  to the trainer's where logp's rollout letter is R (top-p 1, top-k off) unless the user opts in to
-  unfiltered log-probs;
+  stays what users run today); temperature / top-p / top-k: with logp R/R both sides compute the processed
+  log-prob over the same kept sets (contract rlk.logp.processed.v1; the trainer learns the filters from
+  ``RL_KERNEL_LOGP_SAMPLING``), with a P trainer filters need the user's opt-in to unfiltered log-probs;
 - the environment (``RL_KERNEL_*``) both exported and forwarded through Ray's runtime env
   (``ray job submit --runtime-env-json '{"env_vars": {...}}'``): Ray workers do not inherit the
   launcher's environment, and without it every R side silently runs production code.
@@ -65,6 +65,8 @@ ENTRY_POINTS: dict[str, Any] = {
     "vllm_attention_backend": "CUSTOM",
     # the plugin's opt-in variable for unfiltered log-probs (top-p < 1 / top-k > 0 with R logp)
     "vllm_unfiltered_logprobs_var": "RL_KERNEL_VLLM_UNFILTERED_LOGPROBS",
+    # the rollout's filters for the train side's processed log-probs (logp R/R with top-p < 1 / top-k > 0)
+    "logp_sampling_var": "RL_KERNEL_LOGP_SAMPLING",
     # the variable the record hook writes into
     "logprob_records_var": "RL_KERNEL_LOGPROB_RECORDS_DIR",
     # the variable naming the user's own TIS/MIS function the record hook calls after recording
@@ -180,11 +182,13 @@ def check(cfg: VimeConfig) -> None:
     if not cfg.temperature > 0:
         raise RlkConfigError(f"--temperature {cfg.temperature} must be > 0: the trainer's log-prob divides by it")
     filtered = cfg.top_p < 1 or cfg.top_k > 0
-    if filtered and cfg.letter("logp", "rollout") == "R" and not cfg.unfiltered_logprobs:
+    if (filtered and cfg.letter("logp", "rollout") == "R" and cfg.letter("logp", "train") != "R"
+            and not cfg.unfiltered_logprobs):
         raise RlkConfigError(
-            f"logp {cfg.plan['logp']} with --top-p {cfg.top_p} / --top-k {cfg.top_k}: vLLM's processed log-probs "
-            "are renormalised over the kept tokens and differ from the trainer's by construction; use --top-p 1 "
-            "--top-k 0, or --unfiltered-logprobs to accept the unfiltered log softmax(logits / T)")
+            f"logp {cfg.plan['logp']} with --top-p {cfg.top_p} / --top-k {cfg.top_k}: rlk's rollout returns the "
+            "processed log-probs over the kept set, and the trainer's logp P computes the full softmax; plan logp "
+            "R/R (the trainer then finds the same kept sets: RL_KERNEL_LOGP_SAMPLING), or --unfiltered-logprobs to "
+            "return the unfiltered log softmax(logits / T)")
     if cfg.unfiltered_logprobs and cfg.letter("logp", "rollout") != "R":
         raise RlkConfigError("--unfiltered-logprobs needs logp R on the rollout side (it is rlk's log-prob hook)")
     if cfg.letter("logp", "train") == "R" and not cfg.linear_logp_abi:
@@ -223,6 +227,9 @@ def environment(cfg: VimeConfig) -> dict[str, str]:
     env[ENTRY_POINTS["logprob_records_var"]] = f"{cfg.run_dir}/{RECORDS_DIR}"
     if cfg.unfiltered_logprobs:
         env[ENTRY_POINTS["vllm_unfiltered_logprobs_var"]] = "1"
+    elif (cfg.top_p < 1 or cfg.top_k > 0) and cfg.letter("logp", "train") == "R":
+        # the train side's kept sets: the processed log-prob over the rollout's filters, no keep-mask replay
+        env[ENTRY_POINTS["logp_sampling_var"]] = f"top_k={cfg.top_k},top_p={cfg.top_p}"
     if cfg.tis_function:
         env[ENTRY_POINTS["user_tis_var"]] = cfg.tis_function
     return env

@@ -56,9 +56,9 @@ def add_options(p: argparse.ArgumentParser) -> None:
                    help=f"--rollout-max-prompt-len: longer prompts are dropped ({d.max_prompt_tokens})")
     p.add_argument("--temperature", type=float, default=d.temperature, help="sampling and trainer temperature (1.0)")
     p.add_argument("--top-p", type=float, default=d.top_p,
-                   help="top-p (1.0; < 1 with logp R needs --unfiltered-logprobs)")
+                   help="top-p (1.0; < 1 with logp P/R needs --unfiltered-logprobs; R/R computes processed log-probs)")
     p.add_argument("--top-k", type=int, default=d.top_k,
-                   help="top-k, 0 = off (0; > 0 with logp R needs --unfiltered-logprobs)")
+                   help="top-k, 0 = off (0; > 0 with logp P/R needs --unfiltered-logprobs)")
     p.add_argument("--unfiltered-logprobs", action="store_true",
                    help="logp R: accept top-p/top-k and return the unfiltered log softmax(logits / T)")
     p.add_argument("--seed", type=int, default=d.seed, help=f"training seed ({d.seed})")
