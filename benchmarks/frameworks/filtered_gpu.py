@@ -93,7 +93,7 @@ def main(argv=None) -> int:
     p.add_argument("--gpu-mem", type=float, default=0.3)
     p.add_argument("--seed", type=int, default=4242)
     p.add_argument("--only", default=",".join(n for n in RUNS if n != "rr-ten"))
-    p.add_argument("--cap-s", type=float, default=240)
+    p.add_argument("--budget-s", type=float, default=540, help="all runs together: each gets what is left / runs left")
     a = p.parse_args(argv)
     out = Path(a.out).resolve()
     (out / "logs").mkdir(parents=True, exist_ok=True)
@@ -107,7 +107,8 @@ def main(argv=None) -> int:
                                      capture_output=True, text=True, timeout=20).stdout.strip()
     res: dict = {"meta": meta, "settings": vars(a), "stages": {}, "runs": {}}
     t0 = time.monotonic()
-    for name in a.only.split(","):
+    names = a.only.split(",")
+    for i, name in enumerate(names):
         mode, extra, rounds = RUNS[name]
         rounds = rounds or (a.rounds if mode == "consistency" else a.pp_rounds)
         cmd = [sys.executable, "-m", "rlk_repro", "run", "--engine", "frameworks", "--mode", mode, "--model", a.model,
@@ -115,7 +116,8 @@ def main(argv=None) -> int:
                "--max-new-tokens", str(a.max_new_tokens), "--gpu-memory-utilization", str(a.gpu_mem),
                "--seed", str(a.seed), "--output", str(runs), "--run-name", name, *extra]
         before = {q.name for q in runs.iterdir()}
-        res["stages"][name] = _stage(name, cmd, env, a.cap_s, out)
+        cap = (a.budget_s - (time.monotonic() - t0)) / (len(names) - i)
+        res["stages"][name] = _stage(name, cmd, env, max(cap, 30.0), out)
         run = _newest_run(runs, before)
         if run is not None:
             with contextlib.suppress(Exception):

@@ -126,7 +126,7 @@ stage() {  # stage NAME SECONDS
                       --max-new-tokens 64 --matrix ffn-RP,ffn-PR,logp-RP,logp-PR --matrix-cap-s $((cap - 20)) ;;
         hybrid) timeout "$cap" $py "$G/benchmarks/frameworks/megatron_gpu.py" --hybrid --out "$out" ;;
         filtered)  # filtered_gpu.py: R/R and P/P runs with top-k / top-p / min-p ($FILTERED_ONLY, $FILTERED_ROUNDS)
-            timeout "$cap" $py "$G/benchmarks/frameworks/filtered_gpu.py" --out "$out" --cap-s $(( cap / 3 )) \
+            timeout "$cap" $py "$G/benchmarks/frameworks/filtered_gpu.py" --out "$out" --budget-s $(( cap - 20 )) \
                 ${FILTERED_ONLY:+--only "$FILTERED_ONLY"} ${FILTERED_ROUNDS:+--rounds "$FILTERED_ROUNDS"} ;;
         processed)  # bench_processed_logprobs.py (kernels as built: run after cuda)
             (cd "$G/benchmarks" && RLK_BENCH_OUT="$out" timeout "$cap" $py bench_processed_logprobs.py \
