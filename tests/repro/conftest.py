@@ -15,7 +15,7 @@ ROUNDS = 5
 def small_config(plan: RoutePlan, rounds: int = ROUNDS, **kw) -> LocalRunConfig:
     """Tiny model, 2 prompts x 3 samples, 8 new tokens; chunk 12 and page 4, so most prompts are chunked."""
     base = dict(plan=plan, rounds=rounds, seed=7, model="tiny", prompts_per_round=2, samples_per_prompt=3,
-                max_new_tokens=8, chunk_size=12, page_size=4, max_num_seqs=4, lr=3e-3,
+                max_new_tokens=8, chunk_size=12, page_size=4, max_num_seqs=4, lr=3e-3, top_p=1.0,
                 threads=1, command=["pytest", "tests/repro"])
     base.update(kw)
     return LocalRunConfig(**base)
