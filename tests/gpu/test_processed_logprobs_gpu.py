@@ -46,7 +46,7 @@ def test_processed_backends_are_the_kernels():
     x, temp = _rows(4)
     ks = kept_set(x, temp, **_params(4))
     y = _targets(x, temp, ks)
-    sel = REGISTRY.select("processed_token_logprobs", "cuda", ([x], y, temp, ks.value, ks.token_id))
+    sel = REGISTRY.select("processed_token_logprobs", "cuda", ([x], y, temp, ks.value, ks.token_id), True)
     assert sel.backend.id in ("rlk.triton", "rlk.cuda") and sel.fallback_reason is None
 
 
@@ -117,7 +117,9 @@ def test_processed_linear_logprobs_fused_equals_unfused_and_backward():
 
 def test_negative_control_native_filter():
     """vLLM's torch top-k/top-p path (sort ascending, softmax, cumsum, mask) and log_softmax: not the contract's
-    bits (and batch-dependent reductions), though the same semantics."""
+    bits, though the same semantics where the two kept sets agree. They need not: bf16 logits tie often, and vLLM
+    keeps every token tied at the k-th value and cuts ties at top-p in its sort's order, while the contract
+    breaks ties by token id."""
     t = 64
     x, temp = _rows(t, seed=9)
     ks = kept_set(x, temp, top_k=40, top_p=0.95)
@@ -129,6 +131,9 @@ def test_negative_control_native_filter():
     s, idx = z.sort(dim=-1)
     cut = s.softmax(-1).cumsum(-1) <= 1 - 0.95
     cut[:, -1] = False
-    native = z.scatter(-1, idx, s.masked_fill(cut, float("-inf"))).log_softmax(-1).gather(1, y[:, None])[:, 0]
+    zn = z.scatter(-1, idx, s.masked_fill(cut, float("-inf")))
+    native = zn.log_softmax(-1).gather(1, y[:, None])[:, 0]
     assert not torch.equal(native, logp)
-    torch.testing.assert_close(native[torch.isfinite(native)], logp[torch.isfinite(native)], rtol=1e-4, atol=1e-4)
+    same = torch.isfinite(zn).sum(-1) == ks.size  # rows whose two kept sets have the same size
+    assert int(same.sum()) >= 8, int(same.sum())
+    torch.testing.assert_close(native[same], logp[same], rtol=1e-4, atol=1e-4)

@@ -307,6 +307,9 @@ def compare(rollout: torch.Tensor, train: torch.Tensor) -> dict[str, Any]:
         "informative_mismatch_count": int((neq & informative).sum()),
         "max_abs_diff": float(finite.max()) if finite.numel() else 0.0,
         "mean_abs_diff": float(finite.mean()) if finite.numel() else 0.0,
+        # pairs whose difference is not finite (a log-prob of -inf on one side: a token outside that side's kept
+        # set); counted as mismatches above, left out of the two differences
+        "nonfinite_diff_count": int(diff.numel() - finite.numel()),
     }
 
 

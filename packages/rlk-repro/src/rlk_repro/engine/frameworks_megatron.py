@@ -60,6 +60,17 @@ class MasterOptimizer:
                 p.copy_(self.master[n])
 
 
+def grpo_surrogate(lp: torch.Tensor, adv: torch.Tensor, clip_eps: float) -> torch.Tensor:
+    """PPO-clip surrogate per token at the recompute point (ratio 1, its gradient flows). A token whose log-prob is
+    not finite — sampled outside this side's kept set, which only a P side's filter can disagree on — takes no
+    part (ratio 1 without a gradient, surrogate 0): it would turn the loss and the weights into NaN."""
+    ok = torch.isfinite(lp)
+    safe = torch.where(ok, lp, torch.zeros_like(lp))
+    ratio = torch.exp(safe - safe.detach())
+    surrogate = torch.minimum(ratio * adv, ratio.clamp(1 - clip_eps, 1 + clip_eps) * adv)
+    return torch.where(ok, surrogate, torch.zeros_like(surrogate))
+
+
 def init_model_parallel(tp: int, seed: int) -> None:
     """Megatron's parallel state on the already-initialised default process group (shared with vLLM)."""
     from megatron.core import parallel_state, tensor_parallel
@@ -228,9 +239,7 @@ class MegatronTrainer:
             lp = self._logprobs(mb)
             adv = torch.tensor([s.advantage for s in mb for _ in s.response], device=self.device,
                                dtype=torch.float32)
-            ratio = torch.exp(lp - lp.detach())
-            surrogate = torch.minimum(ratio * adv, ratio.clamp(1 - self.clip_eps, 1 + self.clip_eps) * adv)
-            loss = -surrogate.sum() / total
+            loss = -grpo_surrogate(lp, adv, self.clip_eps).sum() / total
             loss.backward()
             loss_sum += float(loss.detach())
             per_sample += list(lp.detach().float().cpu().split([len(s.response) for s in mb]))

@@ -132,9 +132,11 @@ class Trainer:
         logp = self.forward_logprobs(seqs, torch.cat(rows))
         old = logp.detach()
         a = torch.tensor(adv, device=self.device, dtype=torch.float32)
-        ratio = torch.exp(logp - old)
+        ok = torch.isfinite(logp)  # a token outside this side's kept set (a P filter's disagreement) takes no part
+        safe = torch.where(ok, logp, torch.zeros_like(logp))
+        ratio = torch.exp(safe - safe.detach())
         surrogate = torch.minimum(ratio * a, ratio.clamp(1 - self.clip_eps, 1 + self.clip_eps) * a)
-        loss = -surrogate.mean()
+        loss = -torch.where(ok, surrogate, torch.zeros_like(surrogate)).mean()
         self.opt.zero_grad(set_to_none=True)
         loss.backward()
         grads = [p.grad for p in self.master.values() if p.grad is not None]
