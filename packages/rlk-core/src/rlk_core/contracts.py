@@ -31,6 +31,12 @@ OP_CONTRACTS: dict[str, str] = {
     "linear_logprobs": "rlk.logp.v1",
     "linear_logprobs_backward": "rlk.logp.v1",
     "linear_logp_partials": "rlk.logp.v1",
+    "moe_topk": "rlk.moe.v1",
+    "moe_topk_backward": "rlk.moe.v1",
+    "moe_grouped_linear": "rlk.moe.v1",
+    "moe_grouped_linear_backward": "rlk.moe.v1",
+    "moe_combine": "rlk.moe.v1",
+    "moe_combine_backward": "rlk.moe.v1",
 }
 
 # ops that belong to another op's arithmetic (its backward, its vocab-parallel halves): a backend forced
@@ -45,6 +51,9 @@ COMPANION_OF: dict[str, str] = {
     "merge_logp_partials": "token_logprobs",
     "linear_logprobs_backward": "linear_logprobs",
     "linear_logp_partials": "linear_logprobs",
+    "moe_topk_backward": "moe_topk",
+    "moe_grouped_linear_backward": "moe_grouped_linear",
+    "moe_combine_backward": "moe_combine",
 }
 
 # collectives (rlk_collectives) report under this contract id; they are not registry ops
