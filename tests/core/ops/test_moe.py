@@ -314,3 +314,22 @@ def test_opcheck():
 def test_bad_inputs(call, match):
     with pytest.raises(RlkInputError, match=match):
         call()
+
+
+def test_the_moe_form_runs_under_the_ffn_module_and_reports_there():
+    from rlk_core import routes
+    from rlk_core.contracts import OP_CONTRACTS
+    from rlk_core.plan import RoutePlan
+    from rlk_core.readback import ReadbackRecorder
+
+    plan = RoutePlan("P/P", "R/R", "P/P")
+    rec = ReadbackRecorder("local", "train", plan)
+    side = routes.SideRoutes(plan, "train", rec)
+    logits = torch.randn(4, 8, requires_grad=True)
+    w, _ = side.call("ffn", "moe_topk", logits, 2, True)
+    w.sum().backward()
+    got = rec.to_dict()["modules"]["ffn"]["ops"]
+    assert got["moe_topk"]["contract_id"] == OP_CONTRACTS["moe_topk"] == "rlk.moe.v1"
+    assert got["moe_topk"]["backend_id"] == "rlk.reference"
+    assert set(routes.FORM_OPS["ffn"]) == {"moe_topk", "moe_grouped_linear", "moe_combine"}
+    assert all(routes.BACKWARD_OPS[n] == n + "_backward" for n in routes.FORM_OPS["ffn"])
