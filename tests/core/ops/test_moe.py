@@ -333,3 +333,29 @@ def test_the_moe_form_runs_under_the_ffn_module_and_reports_there():
     assert got["moe_topk"]["backend_id"] == "rlk.reference"
     assert set(routes.FORM_OPS["ffn"]) == {"moe_topk", "moe_grouped_linear", "moe_combine"}
     assert all(routes.BACKWARD_OPS[n] == n + "_backward" for n in routes.FORM_OPS["ffn"])
+
+
+def test_the_block_computes_hugging_face_s_qwen3_moe_block_and_hf_s_is_the_negative_control():
+    """transformers' own Qwen3MoeSparseMoeBlock with the same weights — its gate (``[E, H]``) and its experts'
+    ``gate_up_proj [E, 2I, H]`` (gate rows first) / ``down_proj [E, H, I]``, the layout of ``moe_ffn``: the rlk block
+    is within fp32 tolerance of it; HF's token output changes when the batch around the token changes (per-expert
+    F.linear over the tokens each expert received, index_add_: fp32 on this CPU's BLAS), the rlk block's does not."""
+    qwen3_moe = pytest.importorskip("transformers.models.qwen3_moe.modeling_qwen3_moe")
+    from transformers import Qwen3MoeConfig
+
+    cfg = Qwen3MoeConfig(hidden_size=256, moe_intermediate_size=128, num_experts=8, num_experts_per_tok=2,
+                         norm_topk_prob=True)
+    hf = qwen3_moe.Qwen3MoeSparseMoeBlock(cfg).eval()
+    rw, w13, w2 = _block(torch.float32, 256, 8, inter=128, seed=5)
+    with torch.no_grad():
+        hf.gate.weight.copy_(rw)
+        hf.experts.gate_up_proj.copy_(w13)
+        hf.experts.down_proj.copy_(w2)
+    x = torch.randn(64, 256, generator=_gen(60))
+    with torch.no_grad():
+        want = hf(x[None])[0]
+        alone = hf(x[None, :1])[0]
+    got, _ = layer.moe_ffn(x, rw, w13, w2, 2)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    assert not torch.equal(alone[0], want[0]), "the HF control did not differ on this machine"
+    assert_bitwise_equal(layer.moe_ffn(x[:1], rw, w13, w2, 2)[0][0], got[0])
