@@ -359,3 +359,21 @@ def test_the_block_computes_hugging_face_s_qwen3_moe_block_and_hf_s_is_the_negat
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
     assert not torch.equal(alone[0], want[0]), "the HF control did not differ on this machine"
     assert_bitwise_equal(layer.moe_ffn(x[:1], rw, w13, w2, 2)[0][0], got[0])
+
+
+def test_grouped_linear_takes_megatron_s_grouped_mlp_weights_as_views():
+    """GroupedMLP's ``weight1 [H, E*2I]`` / ``weight2 [E*I, H]`` seen as ``[E, 2I, H]`` / ``[E, H, I]`` without a copy:
+    the same bits as the contiguous weights, and the gradient lands in the stored parameter's layout."""
+    e, h, inter = 4, 32, 8
+    w1 = torch.randn(h, e * 2 * inter, generator=_gen(70)).bfloat16().requires_grad_()
+    x = torch.randn(10, h, generator=_gen(71)).bfloat16()
+    off = torch.tensor([0, 3, 3, 9, 10])
+    view = w1.view(h, e, 2 * inter).permute(1, 2, 0)
+    assert not view.is_contiguous()
+    y = ops.moe_grouped_linear(x, view, off)
+    assert_bitwise_equal(y, ops.moe_grouped_linear(x, view.detach().contiguous(), off))
+    y.float().sum().backward()
+    w_c = view.detach().contiguous().requires_grad_()
+    ops.moe_grouped_linear(x, w_c, off).float().sum().backward()
+    assert w1.grad.shape == w1.shape
+    assert_bitwise_equal(w1.grad.view(h, e, 2 * inter).permute(1, 2, 0), w_c.grad)
