@@ -38,6 +38,12 @@ OP_CONTRACTS: dict[str, str] = {
     "processed_linear_logprobs": "rlk.logp.processed.v1",
     "processed_linear_logprobs_backward": "rlk.logp.processed.v1",
     "processed_linear_logp_partials": "rlk.logp.processed.v1",
+    "moe_topk": "rlk.moe.v1",
+    "moe_topk_backward": "rlk.moe.v1",
+    "moe_grouped_linear": "rlk.moe.v1",
+    "moe_grouped_linear_backward": "rlk.moe.v1",
+    "moe_combine": "rlk.moe.v1",
+    "moe_combine_backward": "rlk.moe.v1",
 }
 
 # ops that belong to another op's arithmetic (its backward, its vocab-parallel halves): a backend forced
@@ -56,6 +62,9 @@ COMPANION_OF: dict[str, str] = {
     "processed_logp_partials": "processed_token_logprobs",
     "processed_linear_logprobs_backward": "processed_linear_logprobs",
     "processed_linear_logp_partials": "processed_linear_logprobs",
+    "moe_topk_backward": "moe_topk",
+    "moe_grouped_linear_backward": "moe_grouped_linear",
+    "moe_combine_backward": "moe_combine",
 }
 
 # collectives (rlk_collectives) report under this contract id; they are not registry ops

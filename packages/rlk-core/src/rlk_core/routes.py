@@ -49,6 +49,11 @@ MODULE_OPS: dict[tuple[str, str], tuple[str, ...]] = {
 TP_OPS: dict[str, tuple[str, ...]] = {
     "logp": ("linear_logp_partials", "logp_partials", "merge_logp_partials"),
 }
+# The ops of a module's other form (``docs/ops/moe.md``: an MoE block is the ffn module's MoE form), run where a
+# model's layer has that form, beside (shared experts) or instead of the ops above.
+FORM_OPS: dict[str, tuple[str, ...]] = {
+    "ffn": ("moe_topk", "moe_grouped_linear", "moe_combine"),
+}
 # Ops whose backward is a registry op of its own (training runs it; it reports like a forward op).
 BACKWARD_OPS: dict[str, str] = {
     "rms_norm": "rms_norm_backward",
@@ -57,6 +62,9 @@ BACKWARD_OPS: dict[str, str] = {
     "attention_varlen": "attention_varlen_backward",
     "linear_logprobs": "linear_logprobs_backward",
     "token_logprobs": "token_logprobs_backward",
+    "moe_topk": "moe_topk_backward",
+    "moe_grouped_linear": "moe_grouped_linear_backward",
+    "moe_combine": "moe_combine_backward",
 }
 
 
@@ -108,7 +116,7 @@ class SideRoutes:
             raise RlkConfigError("this rlk-core lacks " + ", ".join(missing))
         self.plan, self.side, self.recorder = plan, side, recorder
         self._rlk = {m: plan.uses_rlk(m, side) for m in MODULES}
-        self._allowed = {m: ops_for(m, side) + TP_OPS.get(m, ()) for m in MODULES}
+        self._allowed = {m: ops_for(m, side) + TP_OPS.get(m, ()) + FORM_OPS.get(m, ()) for m in MODULES}
         self._fns = {n: op_function(n) for m in MODULES if self._rlk[m] for n in self._allowed[m]}
         # what call() may run, by (module, op), with the recorder's scope for the module: one lookup per call
         self._calls = {(m, n): (self._fns[n], recorder.scope_of(m))
@@ -196,6 +204,10 @@ def markdown() -> str:
         roll = ", ".join(f"`{n}`" for n in ops_for(m, "rollout"))
         if m in TP_OPS:
             train += "; sharded vocab: " + ", ".join(f"`{n}`" for n in TP_OPS[m])
+        if m in FORM_OPS:
+            form = list(FORM_OPS[m])
+            train += "; MoE form: " + ", ".join(f"`{n}`" for n in form + [BACKWARD_OPS[n] for n in form])
+            roll += "; MoE form: " + ", ".join(f"`{n}`" for n in form)
         lines.append(f"| `{m}` | `{CASE_VARS[m]}` | {MODULE_SCOPE[m]} | {train} | {roll} |")
     return "\n".join(lines) + "\n"
 

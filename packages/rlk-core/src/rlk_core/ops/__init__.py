@@ -15,6 +15,7 @@ from rlk_core.ops.attention import (
 from rlk_core.ops.kept_set import KeptSet, apply_kept, kept_set
 from rlk_core.ops.linear import linear
 from rlk_core.ops.linear_logprobs import linear_logp_partials, linear_logprobs
+from rlk_core.ops.moe import moe_combine, moe_grouped_linear, moe_topk
 from rlk_core.ops.rms_norm import rms_norm
 from rlk_core.ops.rope import rope, rope_cos_sin
 from rlk_core.ops.swiglu import swiglu
@@ -33,6 +34,9 @@ __all__ = [
     "linear_logprobs",
     "logp_partials",
     "merge_logp_partials",
+    "moe_combine",
+    "moe_grouped_linear",
+    "moe_topk",
     "rms_norm",
     "rope",
     "rope_cos_sin",
