@@ -14,6 +14,7 @@ from rlk_core.ops.attention import (
 )
 from rlk_core.ops.linear import linear
 from rlk_core.ops.linear_logprobs import linear_logp_partials, linear_logprobs
+from rlk_core.ops.linear_tp import linear_tp, linear_tp_finish, linear_tp_partials
 from rlk_core.ops.rms_norm import rms_norm
 from rlk_core.ops.rope import rope, rope_cos_sin
 from rlk_core.ops.swiglu import swiglu
@@ -27,6 +28,9 @@ __all__ = [
     "linear",
     "linear_logp_partials",
     "linear_logprobs",
+    "linear_tp",
+    "linear_tp_finish",
+    "linear_tp_partials",
     "logp_partials",
     "merge_logp_partials",
     "rms_norm",
