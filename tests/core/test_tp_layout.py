@@ -5,7 +5,7 @@ import pytest
 
 from rlk_core import envs
 from rlk_core.errors import RlkConfigError, RlkPolicyError
-from rlk_core.tp import check_tp_layout, tp_invariant_leaves
+from rlk_core.tp import DEFAULT_LEAVES, check_tp_layout, tp_invariant_leaves
 
 
 @pytest.mark.parametrize("raw, g", [(None, 0), ("", 0), ("off", 0), ("0", 0), ("on", 8), ("ON", 8), ("2", 2),
@@ -13,6 +13,8 @@ from rlk_core.tp import check_tp_layout, tp_invariant_leaves
 def test_the_variable_parses_to_g(raw, g):
     env = {} if raw is None else {"RL_KERNEL_TP_INVARIANT": raw}
     assert tp_invariant_leaves(env) == g
+    if raw == "on":
+        assert g == DEFAULT_LEAVES
 
 
 @pytest.mark.parametrize("raw", ["1", "3", "12", "-8", "yes", "8.0"])

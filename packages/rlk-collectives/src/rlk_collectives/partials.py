@@ -21,8 +21,8 @@ import torch.distributed as dist
 from rlk_collectives import _ops
 from rlk_collectives._group import Group, check_agreement, check_local, resolve
 from rlk_core.errors import RlkInputError
-from rlk_core.ops.linear_tp import DEFAULT_LEAVES, linear_tp_finish
 from rlk_core.readback import note_op_call
+from rlk_core.tp import DEFAULT_LEAVES
 
 Tensor = torch.Tensor
 
@@ -58,6 +58,8 @@ def _finish(out: Tensor, bias: Tensor | None, dtype: torch.dtype | None) -> Tens
         if bias is not None:
             raise RlkInputError("rlk_collectives: a bias is added by the final rounding; pass dtype with it")
         return out
+    from rlk_core.ops import linear_tp_finish  # the op package only where a rounding is asked for
+
     return linear_tp_finish(out, bias, dtype)
 
 

@@ -102,7 +102,7 @@ def _tp_leaves(raw: str, var: EnvVar) -> int:
     if value in ("off", "0", "false"):
         return 0
     if value in ("on", "true"):
-        return 8
+        return 8  # rlk_core.tp.DEFAULT_LEAVES (envs imports nothing of rlk_core's ops)
     if value.isdigit() and int(value) >= 2 and not int(value) & (int(value) - 1):
         return int(value)
     raise var.error(raw)

@@ -14,6 +14,8 @@ from collections.abc import Mapping
 from rlk_core import envs
 from rlk_core.errors import RlkPolicyError
 
+DEFAULT_LEAVES = 8  # G when the run does not say otherwise (RL_KERNEL_TP_INVARIANT=on); rlk_core.ops.linear_tp's
+
 
 def tp_invariant_leaves(env: Mapping[str, str] | None = None) -> int:
     """G of the run (``RL_KERNEL_TP_INVARIANT``), 0 when invariant mode is off."""

@@ -21,8 +21,8 @@ from rlk_core.ops.linear_tp.reference import (
     linear_tp_partials_reference,
     pairs_sum,
 )
+from rlk_core.tp import DEFAULT_LEAVES
 
-DEFAULT_LEAVES = 8  # G when the run does not say otherwise (RL_KERNEL_TP_INVARIANT=on)
 MAX_LEAVES = 8  # the most leaves one call merges (the kernel's unrolled tree; 16 spills registers on sm_90)
 
 __all__ = ["DEFAULT_LEAVES", "MAX_LEAVES", "check_layout", "linear_tp", "linear_tp_finish", "linear_tp_partials",
