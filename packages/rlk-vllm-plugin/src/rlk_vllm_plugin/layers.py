@@ -171,11 +171,41 @@ def _linear_apply(original):
                 rt.violation(f"linear {layer.prefix!r}: vLLM replaced the weight (CPU weight packing); rlk "
                              "cannot run it")
                 return original(self, layer, x, bias)
+            leaves = _tp_leaves(layer, rt)
+            if leaves:  # TP-invariant mode: a row-parallel linear under rlk.gemm.tp.v1 (docs/ops/linear_tp.md)
+                s = _runtime.rlk(module, "linear_tp_partials", x, weight, leaves)
+                return _finish(s, bias, x.dtype)
             return _runtime.rlk(module, "linear", x, weight, bias)
         _runtime.production(module, "linear", "production.vllm.UnquantizedLinearMethod.apply")
         return original(self, layer, x, bias)
     apply._rlk_original = original
     return apply
+
+
+def _tp_leaves(layer: Any, rt: Any) -> int:
+    """G for a row-parallel linear when ``RL_KERNEL_TP_INVARIANT`` is set, else 0 (read at a layer's first call and
+    kept on it: a property of the run). At TP 1 the layer's whole K holds the G leaves; at TP > 1 the rank's partial
+    would have to reach vLLM's all-reduce in fp32 and be rounded after it, which this version does not do: refused
+    (strict) or run as rlk.gemm.bi.v1 (audit, recorded)."""
+    leaves = layer.__dict__.get("_rlk_tp_leaves")
+    if leaves is None:
+        from rlk_core import envs
+
+        leaves = envs.current("RL_KERNEL_TP_INVARIANT")
+        if leaves and not isinstance(layer, _compat.module("vllm.model_executor.layers.linear").RowParallelLinear):
+            leaves = 0
+        if leaves and getattr(layer, "tp_size", 1) > 1:
+            rt.violation(f"RL_KERNEL_TP_INVARIANT={leaves}: linear {getattr(layer, 'prefix', '?')!r} runs at TP "
+                         f"{layer.tp_size}; the TP-invariant rollout covers TP 1 only in this version")
+            leaves = 0
+        layer.__dict__["_rlk_tp_leaves"] = leaves
+    return leaves
+
+
+def _finish(s: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    from rlk_core.ops import linear_tp_finish
+
+    return linear_tp_finish(s, bias, dtype)
 
 
 def _empty(weight: torch.Tensor) -> bool:
