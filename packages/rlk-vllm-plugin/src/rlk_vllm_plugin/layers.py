@@ -183,22 +183,17 @@ def _linear_apply(original):
 
 
 def _tp_leaves(layer: Any, rt: Any) -> int:
-    """G for a row-parallel linear when ``RL_KERNEL_TP_INVARIANT`` is set, else 0 (read at a layer's first call and
-    kept on it: a property of the run). At TP 1 the layer's whole K holds the G leaves; at TP > 1 the rank's partial
-    would have to reach vLLM's all-reduce in fp32 and be rounded after it, which this version does not do: refused
-    (strict) or run as rlk.gemm.bi.v1 (audit, recorded)."""
-    leaves = layer.__dict__.get("_rlk_tp_leaves")
-    if leaves is None:
-        from rlk_core import envs
-
-        leaves = envs.current("RL_KERNEL_TP_INVARIANT")
-        if leaves and not isinstance(layer, _compat.module("vllm.model_executor.layers.linear").RowParallelLinear):
-            leaves = 0
-        if leaves and getattr(layer, "tp_size", 1) > 1:
-            rt.violation(f"RL_KERNEL_TP_INVARIANT={leaves}: linear {getattr(layer, 'prefix', '?')!r} runs at TP "
-                         f"{layer.tp_size}; the TP-invariant rollout covers TP 1 only in this version")
-            leaves = 0
-        layer.__dict__["_rlk_tp_leaves"] = leaves
+    """G for a row-parallel linear when ``RL_KERNEL_TP_INVARIANT`` is set (read with the plan: ``rt.tp_leaves``), else
+    0 — one attribute read when the mode is off, nothing that breaks a ``torch.compile`` trace. At TP 1 the layer's
+    whole K holds the G leaves; at TP > 1 the rank's partial would have to reach vLLM's all-reduce in fp32 and be
+    rounded after it, which this version does not do: refused (strict) or run as rlk.gemm.bi.v1 (audit)."""
+    leaves = rt.tp_leaves
+    if not leaves or not isinstance(layer, _compat.module("vllm.model_executor.layers.linear").RowParallelLinear):
+        return 0
+    if getattr(layer, "tp_size", 1) > 1:
+        rt.violation(f"RL_KERNEL_TP_INVARIANT={leaves}: linear {getattr(layer, 'prefix', '?')!r} runs at TP "
+                     f"{layer.tp_size}; the TP-invariant rollout covers TP 1 only in this version")
+        return 0
     return leaves
 
 
