@@ -155,6 +155,35 @@ def _step(which: str, t_local: int, micro_batches: int, rates: dict, attn: dict,
     }
 
 
+def tp_invariant_partials(t_local: int, micro_batches: int, bw: dict, step_s: float, tp: int) -> dict:
+    """The extra bytes of TP-invariant mode (``rlk.gemm.tp.v1``, docs/ops/linear_tp.md) at TP ``tp``: the two
+    row-parallel reductions per layer (o_proj, down_proj) move fp32 partials instead of the bf16 sums, forward only
+    (their backward moves bf16 gradients as before). Training with sequence parallelism: a reduce-scatter of
+    ``t_local x hidden`` per reduction, ``(W-1)/W`` of it per rank (plus the same again where activation
+    checkpointing recomputes the forward, not charged here). Rollout decode (no SP): an all-reduce per reduction,
+    ``2 (W-1)/W`` of ``hidden`` elements per token per rank. Time at the bus bandwidth measured on two H200s over
+    NVLink, NCCL's and rlk's (W = 2 standing in for W = 4 / 8, as everywhere in this projection)."""
+    m = MODEL
+    h, layers = m["hidden"], m["layers"]
+    share = (tp - 1) / tp
+    per_micro = {
+        dtype: layers * 2 * share * t_local * h * size for dtype, size in (("bf16", 2), ("fp32", 4))
+    }
+    extra = per_micro["fp32"] - per_micro["bf16"]
+    out = {
+        "tp": tp,
+        "train_bytes_per_rank_per_micro_batch": per_micro,
+        "train_extra_bytes_per_rank_per_step": extra * micro_batches,
+        "rollout_decode_extra_bytes_per_token_per_rank": layers * 2 * 2 * share * h * (4 - 2),
+    }
+    for which in ("native", "rlk"):
+        gbps = bw["reduce_scatter"][which]
+        ms = extra * micro_batches / (gbps * 1e9) * 1e3
+        out[f"train_extra_ms_per_step_at_{which}_busbw"] = ms
+        out[f"train_extra_share_of_rlk_step_at_{which}_busbw"] = ms / 1e3 / step_s
+    return out
+
+
 def project(tokens_per_step: int, tokens_per_gpu: int) -> dict:
     m = MODEL
     h, d, layers = m["hidden"], m["head_dim"], m["layers"]
@@ -210,6 +239,8 @@ def project(tokens_per_step: int, tokens_per_gpu: int) -> dict:
         },
         "steps": steps,
         "rlk_vs_native": steps["native"]["step_s"] / steps["rlk"]["step_s"],
+        "tp_invariant_partials": {
+            f"tp{tp}": tp_invariant_partials(t_local, micro_batches, bw, steps["rlk"]["step_s"], tp) for tp in (4, 8)},
         "memory_per_gpu": {**mem, "training_total_gib": train_gib},
         "rollout_per_gpu": rollout,
         "not_modelled": [
@@ -254,6 +285,17 @@ def _markdown(p: dict) -> str:
         "",
         f"Rollout (vLLM TP 4): weights {p['rollout_per_gpu']['weights_bf16_gib']:.2f} GiB per GPU, KV cache "
         f"{p['rollout_per_gpu']['kv_bytes_per_token_per_gpu']:,} bytes per token per GPU.",
+        "",
+        "TP-invariant mode (`rlk.gemm.tp.v1`): the row-parallel reductions move fp32 partials instead of bf16 "
+        "sums (forward only; SP reduce-scatter in training, all-reduce per decode token in rollout):",
+        "",
+        "| TP | extra bytes per rank per step (training) | ms per step at NCCL / rlk bus bandwidth | share of the "
+        "rlk step | extra bytes per decode token per rank |",
+        "| --- | --- | --- | --- | --- |",
+        *[f"| {t['tp']} | {t['train_extra_bytes_per_rank_per_step'] / GIB:.2f} GiB | "
+          f"{t['train_extra_ms_per_step_at_native_busbw']:.1f} / {t['train_extra_ms_per_step_at_rlk_busbw']:.1f} | "
+          f"{100 * t['train_extra_share_of_rlk_step_at_rlk_busbw']:.1f}% | "
+          f"{t['rollout_decode_extra_bytes_per_token_per_rank']:,.0f} |" for t in p["tp_invariant_partials"].values()],
         "",
         "Not modelled: " + "; ".join(p["not_modelled"]) + ".",
         "",

@@ -60,3 +60,19 @@ def test_cli_writes_json_and_markdown(projection, tmp_path, capsys):
     data = json.loads((out / "projection_qwen3-8b_tp4_cp2.json").read_text())
     assert data["parallel"] == {"tp": 4, "cp": 2, "gpus": 8, "dp": 1}
     assert "Projected rlk / native" in (out / "projection_qwen3-8b_tp4_cp2.md").read_text()
+
+
+def test_tp_invariant_partials_double_the_row_parallel_bytes(projection):
+    """Issue 39: the fp32 partials' extra bytes at TP 4 / 8 — the forward's row-parallel reductions in fp32 instead of
+    bf16, twice the bytes; more of them per rank at TP 8 ((W-1)/W); time at the measured bus bandwidths."""
+    p = projection.project(256 * 2048, 8192)
+    tp4, tp8 = p["tp_invariant_partials"]["tp4"], p["tp_invariant_partials"]["tp8"]
+    per = tp4["train_bytes_per_rank_per_micro_batch"]
+    assert per["fp32"] == 2 * per["bf16"] == 2 * 36 * 2 * 0.75 * 8192 * 4096 * 2
+    assert tp4["train_extra_bytes_per_rank_per_step"] == (per["fp32"] - per["bf16"]) * p["micro_batches"]
+    assert tp8["train_extra_bytes_per_rank_per_step"] / tp4["train_extra_bytes_per_rank_per_step"] == pytest.approx(
+        (7 / 8) / (3 / 4))
+    bw = p["inputs"]["collective_busbw_gbps"]["reduce_scatter"]
+    assert tp4["train_extra_ms_per_step_at_native_busbw"] == pytest.approx(
+        tp4["train_extra_bytes_per_rank_per_step"] / (bw["native"] * 1e9) * 1e3)
+    assert tp4["rollout_decode_extra_bytes_per_token_per_rank"] == 36 * 2 * 2 * 0.75 * 4096 * 2

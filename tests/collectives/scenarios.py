@@ -178,3 +178,53 @@ def errors(rank: int, world: int) -> dict:
         out["subgroup"] = _expect_error(lambda: all_reduce(y, sub))
     out["after"] = all_reduce(torch.full((3,), float(rank + 1)))
     return out
+
+
+# -- rlk.gemm.tp.v1: the fp32-partial rank merge (rlk_collectives.partials) ------------------------------------------
+TP_M, TP_N, TP_K, TP_G = 16, 24, 8 * 40, 8
+
+
+def tp_inputs():
+    """The same row-parallel problem on every rank: x [M, K], w [N, K], bias [N] (bf16), and an embedding table."""
+    g = torch.Generator().manual_seed(35)
+    x = torch.randn(TP_M, TP_K, generator=g).to(torch.bfloat16)
+    w = (torch.randn(TP_N, TP_K, generator=g) / TP_K**0.5).to(torch.bfloat16)
+    b = torch.randn(TP_N, generator=g).to(torch.bfloat16)
+    table = torch.randn(64, 12, generator=g).to(torch.bfloat16)
+    ids = torch.randint(0, 64, (TP_M,), generator=g)
+    return x, w, b, table, ids
+
+
+def partials(rank: int, world: int) -> dict:
+    """A row-parallel linear at TP = world: this rank's K slice, G / W leaves, merged by the collectives (all-reduce;
+    reduce-scatter + all-gather for SP); a vocab-parallel embedding; bad input on every rank."""
+    from rlk_collectives import all_reduce_partials, reduce_scatter_partials
+    from rlk_core.ops import linear, linear_tp_partials
+
+    x, w, b, table, ids = tp_inputs()
+    c = TP_K // world
+    xs, ws = x[:, rank * c:(rank + 1) * c], w[:, rank * c:(rank + 1) * c]
+    out: dict = {}
+    if world == 4:  # a group of 3 ranks: not a power of two
+        sub = dist.new_group([0, 1, 2])
+        if rank < 3:
+            out["not_pow2"] = _expect_error(lambda: all_reduce_partials(torch.zeros(4), sub, leaves_total=TP_G))
+    if world & (world - 1) == 0:
+        s = linear_tp_partials(xs, ws, TP_G // world)
+        out["ar"] = all_reduce_partials(s, leaves_total=TP_G, bias=b, dtype=torch.bfloat16)
+        out["ar_fp32"] = all_reduce_partials(s, leaves_total=TP_G, check=False)
+        mine = reduce_scatter_partials(s, leaves_total=TP_G, bias=b, dtype=torch.bfloat16)
+        out["rs"] = mine
+        out["sp"] = all_gather(mine)
+        out["naive"] = all_reduce(linear(xs, ws))  # without invariant mode: the rank sum of rounded bi GEMMs
+        out["bf16_partials"] = _expect_error(lambda: all_reduce_partials(s.bfloat16(), leaves_total=TP_G))
+        out["g_mismatch"] = _expect_error(lambda: all_reduce_partials(s, leaves_total=TP_G if rank else 2 * TP_G))
+        if world > 1:
+            out["g_small"] = _expect_error(lambda: all_reduce_partials(s, leaves_total=world // 2))
+    # vocab-parallel embedding (Megatron's VocabParallelEmbedding): each rank looks up its rows, zeros elsewhere
+    rows = table.shape[0] // world
+    local = (ids >= rank * rows) & (ids < (rank + 1) * rows)
+    emb = table[rank * rows:(rank + 1) * rows][(ids - rank * rows).clamp(0, rows - 1)]
+    out["embedding"] = all_reduce(emb.masked_fill(~local[:, None], 0.0))
+    out["after"] = all_reduce(torch.ones(3))
+    return out

@@ -13,6 +13,7 @@ from __future__ import annotations
 # op name (as in rlk_core.ops and torch.ops.rlk, and the registry's ops) -> contract id
 OP_CONTRACTS: dict[str, str] = {
     "linear": "rlk.gemm.bi.v1",
+    "linear_tp_partials": "rlk.gemm.tp.v1",
     "rms_norm": "rlk.rms_norm.v1",
     "rms_norm_backward": "rlk.rms_norm.v1",
     "swiglu": "rlk.swiglu.v1",

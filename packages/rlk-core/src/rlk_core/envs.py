@@ -96,6 +96,18 @@ def _count(raw: str, var: EnvVar) -> int:
     return int(value)
 
 
+def _tp_leaves(raw: str, var: EnvVar) -> int:
+    """``off`` / ``0`` -> 0 (invariant mode off), ``on`` -> 8, or G itself: a power of two >= 2."""
+    value = raw.strip().lower()
+    if value in ("off", "0", "false"):
+        return 0
+    if value in ("on", "true"):
+        return 8  # rlk_core.tp.DEFAULT_LEAVES (envs imports nothing of rlk_core's ops)
+    if value.isdigit() and int(value) >= 2 and not int(value) & (int(value) - 1):
+        return int(value)
+    raise var.error(raw)
+
+
 def _targets(raw: str, var: EnvVar) -> tuple[str, ...]:
     items = tuple(t.strip() for t in raw.split(",") if t.strip())
     if not all(t.count(":") == 1 and all(t.split(":")) for t in items):
@@ -152,6 +164,13 @@ ENV_VARS: tuple[EnvVar, ...] = (
     EnvVar("RL_KERNEL_MODE", _choice, "strict",
            "strict: any fallback on an R side raises and an rlk backend on a P side is an error. "
            "audit: both are recorded in the readback and the run continues.", MODES),
+    EnvVar("RL_KERNEL_TP_INVARIANT", _tp_leaves, 0,
+           "TP-invariant mode (contract rlk.gemm.tp.v1, docs/ops/linear_tp.md): every row-parallel linear cuts K "
+           "into G fixed leaves merged by one tree, so any TP dividing G gives the same bits and the train TP may "
+           "differ from the rollout TP. The value is G, the largest TP the run supports; set the same on both sides. "
+           "Unset / off: row-parallel linears sum per-rank partials (rlk.gemm.bi.v1), and strict mode refuses a "
+           "train TP that differs from the rollout TP.",
+           allowed_doc="off, 0, on (= 8), or a power of two >= 2 (2, 4, 8, 16, ...)"),
     EnvVar("RL_KERNEL_READBACK_DIR", _path, None,
            "Directory that receives one rlk.readback.v1 JSON per (framework, target, process). "
            "Unset: nothing is written.", allowed_doc="a directory path"),

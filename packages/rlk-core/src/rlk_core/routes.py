@@ -47,6 +47,8 @@ MODULE_OPS: dict[tuple[str, str], tuple[str, ...]] = {
 }
 # The tensor-parallel variants a sharded side runs in place of (or beside) the ops above.
 TP_OPS: dict[str, tuple[str, ...]] = {
+    "attention": ("linear_tp_partials",),  # the output projection in TP-invariant mode (RL_KERNEL_TP_INVARIANT)
+    "ffn": ("linear_tp_partials",),  # the down projection in TP-invariant mode
     "logp": ("linear_logp_partials", "logp_partials", "merge_logp_partials"),
 }
 # The ops of a module's other form (``docs/ops/moe.md``: an MoE block is the ffn module's MoE form), run where a
@@ -203,7 +205,8 @@ def markdown() -> str:
         train = ", ".join(f"`{n}`" for n in ops_for(m, "train", backward=True))
         roll = ", ".join(f"`{n}`" for n in ops_for(m, "rollout"))
         if m in TP_OPS:
-            train += "; sharded vocab: " + ", ".join(f"`{n}`" for n in TP_OPS[m])
+            what = "sharded vocab" if m == "logp" else "TP-invariant mode"
+            train += f"; {what}: " + ", ".join(f"`{n}`" for n in TP_OPS[m])
         if m in FORM_OPS:
             form = list(FORM_OPS[m])
             train += "; MoE form: " + ", ".join(f"`{n}`" for n in form + [BACKWARD_OPS[n] for n in form])

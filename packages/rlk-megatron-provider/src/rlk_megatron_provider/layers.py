@@ -14,7 +14,12 @@ layer                         forward                             backward
 column-parallel input         identity                            rlk all-reduce of the input gradient
 column-parallel gathered out  rlk all-gather (last dim, exact)    own slice of the gradient
 row-parallel output           rlk all-reduce of the partial sums  identity
+row-parallel, TP-invariant    rlk all_reduce_partials (fp32)      identity (into the fp32 partial)
 ============================  ==================================  =====================================
+
+TP-invariant mode (``RL_KERNEL_TP_INVARIANT=G``, read when a layer is built): a row-parallel linear runs
+``linear_tp_partials`` over its G / TP K-leaves and ``rlk_collectives.all_reduce_partials`` (contract
+``rlk.gemm.tp.v1``, docs/ops/linear_tp.md), so its output has the same bits at every TP dividing G.
 
 Nothing here computes: every floating-point operation is an rlk op or an rlk collective.
 """
@@ -26,7 +31,9 @@ import torch.nn.functional as F
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 import rlk_collectives
+from rlk_core import envs
 from rlk_core.errors import RlkPolicyError
+from rlk_core.ops import linear_tp_finish
 from rlk_megatron_provider import _compat, _state
 
 Tensor = torch.Tensor
@@ -70,6 +77,21 @@ class _GatherLastDim(torch.autograd.Function):
     def backward(ctx, grad):
         start = ctx.rank * ctx.width
         return grad[..., start:start + ctx.width].contiguous(), None, None, None
+
+
+class _ReducePartialsFromTP(torch.autograd.Function):
+    """The row-parallel merge of ``rlk.gemm.tp.v1``: the ranks' fp32 partials by the rank tree, rounded once to
+    ``dtype``; backward the identity (Megatron's convention for the row-parallel reduce), into the fp32 partial."""
+
+    @staticmethod
+    def forward(ctx, s, group, module, check, leaves, dtype):
+        with _state.get().routes.scope(module):
+            return rlk_collectives.all_reduce_partials(s.detach(), group, leaves_total=leaves, dtype=dtype,
+                                                       check=check)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.float(), None, None, None, None, None
 
 
 def copy_to_tp(x: Tensor, group, module: str) -> Tensor:
@@ -289,21 +311,35 @@ class RlkRowParallelLinear(_RlkLayer, _compat.RowParallelLinear):
     """``RowParallelLinear`` on ``rlk_core.ops.linear`` + the rlk all-reduce of the partial sums.
 
     Under TP the result is ``tree_sum_fp32`` over ranks of each rank's rlk GEMM over its K shard (one
-    rounding): bitwise what a TP-k rollout computes, not what TP 1 computes (the K reduction differs)."""
+    rounding): bitwise what a TP-k rollout computes, not what TP 1 computes (the K reduction differs).
+    In TP-invariant mode (``RL_KERNEL_TP_INVARIANT=G`` when the layer is built): ``linear_tp_partials`` over the
+    rank's G / TP leaves, merged by ``all_reduce_partials`` — the same bits at every TP dividing G."""
 
     def __init__(self, *args, rlk_module: str, **kwargs):
         super().__init__(*args, **kwargs)
         problems = linear_problems(self, self.config)
         if not self.input_is_parallel:
             problems.append("input_is_parallel=False (a scatter of the input) is not covered")
+        self.rlk_tp_leaves = envs.current("RL_KERNEL_TP_INVARIANT")
+        if self.rlk_tp_leaves:
+            tp = _tp(_compat.tp_group_of(self))
+            if tp & (tp - 1) or self.rlk_tp_leaves % tp:
+                problems.append(f"TP {tp} is not a power of two dividing RL_KERNEL_TP_INVARIANT={self.rlk_tp_leaves}")
         self._rlk_setup(rlk_module, problems)
 
     def forward(self, input_: Tensor):
         if not self.rlk_active:
             self._production("linear")
             return super().forward(input_)
-        y = _state.get().routes.call(self.rlk_module, "linear", input_, self.weight)
+        routes = _state.get().routes
         group, tp = self._tp_group()
+        if self.rlk_tp_leaves:
+            s = routes.call(self.rlk_module, "linear_tp_partials", input_, self.weight, self.rlk_tp_leaves // tp)
+            if tp > 1:
+                return _ReducePartialsFromTP.apply(s, group, self.rlk_module, self.rlk_check_collectives,
+                                                   self.rlk_tp_leaves, input_.dtype), None
+            return linear_tp_finish(s, None, input_.dtype), None
+        y = routes.call(self.rlk_module, "linear", input_, self.weight)
         return (_ReduceFromTP.apply(y, group, self.rlk_module, self.rlk_check_collectives) if tp > 1 else y), None
 
 

@@ -73,12 +73,14 @@ class Runtime:
     _sites: dict[str, Any] = field(default_factory=dict)
     _r: dict[str, bool] = field(default_factory=dict)  # r(module) for the plan in _r_plan
     _r_plan: RoutePlan | None = None
+    tp_leaves: int = 0  # RL_KERNEL_TP_INVARIANT (G; 0: off), read once with the plan: hooks read no environment
 
     @classmethod
     def from_env(cls) -> Runtime:
         return cls(plan=RoutePlan.from_env(), mode=envs.get("RL_KERNEL_MODE"),
                    unfiltered_logprobs=envs.get("RL_KERNEL_VLLM_UNFILTERED_LOGPROBS"),
-                   attention_override=envs.get("RL_KERNEL_VLLM_ATTENTION_OVERRIDE"))
+                   attention_override=envs.get("RL_KERNEL_VLLM_ATTENTION_OVERRIDE"),
+                   tp_leaves=envs.get("RL_KERNEL_TP_INVARIANT"))
 
     @property
     def strict(self) -> bool:

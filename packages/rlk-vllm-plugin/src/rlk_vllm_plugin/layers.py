@@ -171,11 +171,36 @@ def _linear_apply(original):
                 rt.violation(f"linear {layer.prefix!r}: vLLM replaced the weight (CPU weight packing); rlk "
                              "cannot run it")
                 return original(self, layer, x, bias)
+            leaves = _tp_leaves(layer, rt)
+            if leaves:  # TP-invariant mode: a row-parallel linear under rlk.gemm.tp.v1 (docs/ops/linear_tp.md)
+                s = _runtime.rlk(module, "linear_tp_partials", x, weight, leaves)
+                return _finish(s, bias, x.dtype)
             return _runtime.rlk(module, "linear", x, weight, bias)
         _runtime.production(module, "linear", "production.vllm.UnquantizedLinearMethod.apply")
         return original(self, layer, x, bias)
     apply._rlk_original = original
     return apply
+
+
+def _tp_leaves(layer: Any, rt: Any) -> int:
+    """G for a row-parallel linear when ``RL_KERNEL_TP_INVARIANT`` is set (read with the plan: ``rt.tp_leaves``), else
+    0 — one attribute read when the mode is off, nothing that breaks a ``torch.compile`` trace. At TP 1 the layer's
+    whole K holds the G leaves; at TP > 1 the rank's partial would have to reach vLLM's all-reduce in fp32 and be
+    rounded after it, which this version does not do: refused (strict) or run as rlk.gemm.bi.v1 (audit)."""
+    leaves = rt.tp_leaves
+    if not leaves or not isinstance(layer, _compat.module("vllm.model_executor.layers.linear").RowParallelLinear):
+        return 0
+    if getattr(layer, "tp_size", 1) > 1:
+        rt.violation(f"RL_KERNEL_TP_INVARIANT={leaves}: linear {getattr(layer, 'prefix', '?')!r} runs at TP "
+                     f"{layer.tp_size}; the TP-invariant rollout covers TP 1 only in this version")
+        return 0
+    return leaves
+
+
+def _finish(s: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    from rlk_core.ops import linear_tp_finish
+
+    return linear_tp_finish(s, bias, dtype)
 
 
 def _empty(weight: torch.Tensor) -> bool:

@@ -15,6 +15,7 @@ from rlk_core.ops.attention import (
 from rlk_core.ops.kept_set import KeptSet, apply_kept, kept_set
 from rlk_core.ops.linear import linear
 from rlk_core.ops.linear_logprobs import linear_logp_partials, linear_logprobs
+from rlk_core.ops.linear_tp import linear_tp, linear_tp_finish, linear_tp_partials
 from rlk_core.ops.moe import moe_combine, moe_grouped_linear, moe_topk
 from rlk_core.ops.rms_norm import rms_norm
 from rlk_core.ops.rope import rope, rope_cos_sin
@@ -32,6 +33,9 @@ __all__ = [
     "linear",
     "linear_logp_partials",
     "linear_logprobs",
+    "linear_tp",
+    "linear_tp_finish",
+    "linear_tp_partials",
     "logp_partials",
     "merge_logp_partials",
     "moe_combine",
