@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from _common import MODELS, randn
 from bench_logprobs import fwd_bwd, peak_extra
-from harness import default_out_dir, environment, require_cuda, time_fns, write_results
+from harness import copy_bandwidth, default_out_dir, environment, require_cuda, time_fns, write_results
 
 from rlk_core.ops import apply_kept, kept_set
 from rlk_core.ops.linear_logprobs import linear_logprobs
@@ -116,7 +116,8 @@ def main() -> None:
         torch.cuda.empty_cache()
     for b in (1, 64, 256):
         rows.append(sampler_case(b, v, args.repeats))
-    meta = {"env": environment(), "repeats": args.repeats, "filters": {"top_k": TOP_K, "top_p": TOP_P},
+    meta = {"env": environment(), "copy": copy_bandwidth(), "repeats": args.repeats,
+            "filters": {"top_k": TOP_K, "top_p": TOP_P},
             "time_ratio": "processed / unfiltered fused op (target <= 1.05)",
             "speed_ratio": "native torch filter step / rlk processed step (>= 1: rlk faster)"}
     write_results(default_out_dir(), "processed_logprobs", meta, rows,
