@@ -243,9 +243,13 @@ def linear_logprob_cases(device, dtypes=DTYPES) -> Iterator[Case]:
         w = _rand((vocab, hidden), dtype, device, gen) / 8
         target = torch.randint(0, vocab, (t,), generator=torch.Generator().manual_seed(t)).to(device)
         temp = torch.full((t,), 0.9, device=device)
+        keep_value = torch.full((t,), float("-inf"), device=device)  # a kept set of the whole vocabulary
+        keep_id = torch.full((t,), vocab - 1, dtype=torch.int64, device=device)
         for tp in (1, 2):
             ws = list(w.split(vocab // tp)) if tp > 1 else [w]
             yield "linear_logprobs", (h, ws, target.int() if tp == 2 else target, temp), True
+            # the processed form (contract rlk.logp.processed.v1): the FILTER variants of the same leaf-slot classes
+            yield "processed_linear_logprobs", (h, ws, target, temp, keep_value, keep_id), True
         yield "linear_logp_partials", (h, w[: vocab // 2], target, temp, 0, vocab), True
 
 
