@@ -374,6 +374,21 @@ class _Uva:
         self.gpu = torch.tensor(values, dtype=dtype)
 
 
+def _apply_sampling_params(sampler, logits, n: int):
+    """``Sampler.apply_sampling_params`` with the installed vLLM's arguments by name (0.22 and 0.33 differ)."""
+    import inspect
+
+    import numpy as np
+    from vllm.v1.worker.gpu.sample.sampler import Sampler
+
+    zeros = torch.zeros(n, dtype=torch.long)
+    values = {"logits": logits, "expanded_idx_mapping": torch.arange(n), "idx_mapping": torch.arange(n),
+              "idx_mapping_np": np.arange(n), "pos": zeros, "input_ids": zeros, "expanded_local_pos": zeros,
+              "seq_lens_upper_bound_np": np.full(n, 64)}
+    names = list(inspect.signature(Sampler.apply_sampling_params._rlk_original).parameters)[1:]
+    return Sampler.apply_sampling_params(sampler, **{k: values[k] for k in names if k in values})
+
+
 def _sampler_with(temperature, top_k, top_p, min_p):
     from types import SimpleNamespace
 
@@ -395,7 +410,6 @@ def test_filtered_sampling_step_is_rlk_processed_logprobs(plugin):
     import numpy as np
     from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
     from vllm.v1.worker.gpu.sample import logprob
-    from vllm.v1.worker.gpu.sample.sampler import Sampler
 
     from rlk_core.ops import apply_kept, kept_set, token_logprobs
     from rlk_vllm_plugin import logprobs
@@ -405,11 +419,10 @@ def test_filtered_sampling_step_is_rlk_processed_logprobs(plugin):
     logits = _bf16(4, v, seed=5) * 4
     temps, ks, ps, ms = [0.7, 1.0, 0.0, 1.3], [40, v, 5, v], [0.95, 0.9, 1.0, 1.0], [0.0, 0.0, 0.0, 0.05]
     sampler = _sampler_with(temps, ks, ps, ms)
-    mapping, mapping_np = torch.arange(4), np.arange(4)
+    _mapping, _mapping_np = torch.arange(4), np.arange(4)
     token = logprobs._STEP.set({"logits": logits, "temperature": torch.ones(4), "kept": None})
     try:
-        z = Sampler.apply_sampling_params(sampler, logits, mapping, mapping_np, torch.zeros(4, dtype=torch.long),
-                                          torch.zeros(4, dtype=torch.long), torch.zeros(4, dtype=torch.long))
+        z = _apply_sampling_params(sampler, logits, 4)
         step = logprobs._STEP.get()
         ids = torch.stack([z.argmax(-1), torch.tensor([0, 1, 2, 3])], 1)  # the argmax is kept; the others may not be
         got = logprob.compute_token_logprobs(z, ids)
@@ -431,9 +444,7 @@ def test_filtered_sampling_step_is_rlk_processed_logprobs(plugin):
 
 
 def test_unfiltered_opt_in_returns_full_vocabulary_logprobs(plugin):
-    import numpy as np
     from vllm.v1.worker.gpu.sample import logprob
-    from vllm.v1.worker.gpu.sample.sampler import Sampler
 
     from rlk_core.ops import token_logprobs
     from rlk_vllm_plugin import logprobs
@@ -443,7 +454,7 @@ def test_unfiltered_opt_in_returns_full_vocabulary_logprobs(plugin):
     sampler = _sampler_with([1.0, 0.8], [10, 500], [1.0, 0.5], [0.0, 0.0])
     token = logprobs._STEP.set({"logits": logits, "temperature": torch.ones(2), "kept": None})
     try:
-        z = Sampler.apply_sampling_params(sampler, logits, torch.arange(2), np.arange(2), None, None, None)
+        z = _apply_sampling_params(sampler, logits, 2)
         ids = z.argmax(-1)[:, None]
         got = logprob.compute_token_logprobs(z, ids)[:, 0]
     finally:

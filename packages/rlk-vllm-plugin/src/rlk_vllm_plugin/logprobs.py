@@ -140,6 +140,11 @@ _PROCESSORS = (("logit_bias_state", "apply_logit_bias", ("expanded_idx_mapping",
                 ("expanded_idx_mapping", "idx_mapping_np", "input_ids", "expanded_local_pos")))
 
 
+# 0.33's LogitsContext fields (all arguments of its apply_sampling_params)
+_CONTEXT_FIELDS = ("expanded_idx_mapping", "idx_mapping", "idx_mapping_np", "expanded_local_pos", "input_ids", "pos",
+                   "seq_lens_upper_bound_np")
+
+
 def processed_logits(sampler: Any, logits: torch.Tensor, expanded_idx_mapping: torch.Tensor, idx_mapping_np: Any,
                      named: dict[str, Any]) -> torch.Tensor:
     """The processed logits of a sampling step under logp R (contract ``rlk.logp.processed.v1``): an fp32 copy,
@@ -148,11 +153,25 @@ def processed_logits(sampler: Any, logits: torch.Tensor, expanded_idx_mapping: t
     from rlk_core.ops.kept_set import apply_kept
 
     states = sampler.sampling_states
+    if named.get("skip_top_k_top_p"):  # 0.33: its FlashInfer sampler filters on its own, outside the kept set
+        _runtime.get().violation("logp R: vLLM asked for its logits without top-k / top-p (its FlashInfer sampler "
+                                 "then filters on its own, not through rlk's kept set); run with "
+                                 "VLLM_USE_FLASHINFER_SAMPLER=0")
     x = torch.empty_like(logits, dtype=torch.float32).copy_(logits)
-    for state, method, args in _PROCESSORS:
-        fn = getattr(getattr(sampler, state, None), method, None)
-        if fn is not None and all(a in named for a in args):
-            fn(x, *(named[a] for a in args))
+    processors = getattr(sampler, "logits_processors", None)
+    if processors is not None:  # 0.33: the processor list and the thinking budget, as apply_sampling_params runs them
+        context = _compat.module(SAMPLER_MODULE).LogitsContext
+        ctx = context(**{k: named[k] for k in _CONTEXT_FIELDS if k in named})
+        for processor in processors:
+            x = processor.apply(x, ctx)
+        budget = getattr(sampler, "thinking_budget_state", None)
+        if budget is not None:
+            budget.apply(x, ctx)
+    else:
+        for state, method, args in _PROCESSORS:
+            fn = getattr(getattr(sampler, state, None), method, None)
+            if fn is not None and all(a in named for a in args):
+                fn(x, *(named[a] for a in args))
     vocab = x.shape[1]
     temp = states.temperature.gpu[expanded_idx_mapping].to(torch.float32)
     temp = torch.where(temp == 0.0, torch.ones_like(temp), temp)  # greedy rows: T = 1, vLLM's argmax semantics
@@ -176,13 +195,18 @@ def _apply_sampling_params(original):
     are found by name in the installed vLLM's signature."""
     params = set(_compat.parameters(original))  # the probe made sure of logits, expanded_idx_mapping, idx_mapping_np
     getters = {n: _compat.argument(original, n) for n in
-               ("logits", "expanded_idx_mapping", "idx_mapping_np", "pos", "input_ids", "expanded_local_pos")
-               if n in params}
+               ("logits", "expanded_idx_mapping", "idx_mapping", "idx_mapping_np", "pos", "input_ids",
+                "expanded_local_pos", "seq_lens_upper_bound_np", "skip_top_k_top_p") if n in params}
 
     def apply_sampling_params(self, *args, **kwargs):
         if not _runtime.get().r("logp"):
             return original(self, *args, **kwargs)
-        named = {n: get((self, *args), kwargs) for n, get in getters.items()}
+        named = {}
+        for n, get in getters.items():
+            try:
+                named[n] = get((self, *args), kwargs)
+            except IndexError:  # an argument left at its default (0.33's skip_top_k_top_p)
+                pass
         return processed_logits(self, named["logits"], named["expanded_idx_mapping"], named["idx_mapping_np"], named)
     apply_sampling_params._rlk_original = original
     return apply_sampling_params
