@@ -443,6 +443,30 @@ def test_filtered_sampling_step_is_rlk_processed_logprobs(plugin):
     torch.testing.assert_close(native_lp[:2], got[:2, 0], rtol=1e-4, atol=1e-4)  # the same semantics
 
 
+def test_a_step_without_filters_takes_the_unfiltered_op(plugin):
+    """No row filters: the processed logits are z = x / T and the log-probs rlk's unfiltered token_logprobs (the
+    same distribution; no kept-set pass over the logits)."""
+    from vllm.v1.worker.gpu.sample import logprob
+
+    from rlk_core.ops import token_logprobs
+    from rlk_vllm_plugin import logprobs
+
+    plugin(logp="P/R")
+    logits = _bf16(3, 400, seed=7) * 4
+    sampler = _sampler_with([1.0, 0.8, 0.0], [400, 400, 400], [1.0, 1.0, 1.0], [0.0, 0.0, 0.0])
+    token = logprobs._STEP.set({"logits": logits, "temperature": torch.ones(3), "kept": None})
+    try:
+        z = _apply_sampling_params(sampler, logits, 3)
+        assert logprobs._STEP.get()["kept"] is None
+        ids = z.argmax(-1)[:, None]
+        got = logprob.compute_token_logprobs(z, ids)[:, 0]
+    finally:
+        logprobs._STEP.reset(token)
+    t = torch.tensor([1.0, 0.8, 1.0])
+    assert torch.equal(z, logits.float() / t[:, None])
+    assert torch.equal(got, token_logprobs(logits, ids[:, 0], t)[0])
+
+
 def test_unfiltered_opt_in_returns_full_vocabulary_logprobs(plugin):
     from vllm.v1.worker.gpu.sample import logprob
 

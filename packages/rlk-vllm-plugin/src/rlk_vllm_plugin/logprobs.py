@@ -150,7 +150,8 @@ def processed_logits(sampler: Any, logits: torch.Tensor, expanded_idx_mapping: t
     """The processed logits of a sampling step under logp R (contract ``rlk.logp.processed.v1``): an fp32 copy,
     vLLM's logit processors, then ``z = x / T``, each row's kept set and ``-inf`` outside it. The step's kept sets
     go to :func:`token_logprobs_hook` through ``_STEP``."""
-    from rlk_core.ops.kept_set import apply_kept
+    from rlk_core.ops.kept_set import PATH_ALL, apply_kept
+    from rlk_core.ops.kept_set.reference import choose_path, tempered
 
     states = sampler.sampling_states
     if named.get("skip_top_k_top_p"):  # 0.33: its FlashInfer sampler filters on its own, outside the kept set
@@ -183,8 +184,12 @@ def processed_logits(sampler: Any, logits: torch.Tensor, expanded_idx_mapping: t
         host = ([int(k) if 0 < k < vocab else 0 for k in states.top_k.np[idx_mapping_np]],
                 [float(p) for p in states.top_p.np[idx_mapping_np]],
                 [float(m) for m in states.min_p.np[idx_mapping_np]])
-    kept = _runtime.rlk("logp", "kept_set", x, temp, top_k, top_p, min_p, host=host)
     step = _STEP.get()
+    if host is not None and choose_path(vocab, *host)[0] == PATH_ALL:  # no row filters: the whole vocabulary
+        if step is not None:
+            step.update(logits=x, temperature=temp, kept=None)
+        return tempered(x, temp)
+    kept = _runtime.rlk("logp", "kept_set", x, temp, top_k, top_p, min_p, host=host)
     if step is not None:
         step.update(logits=x, temperature=temp, kept=kept)
     return apply_kept(x, temp, kept)
