@@ -71,7 +71,8 @@ for a, b in chunks:
                               slot_mapping=slots)
     with set_current_vllm_config(vc), set_forward_context({n: md for n in kv}, vc, slot_mapping={n: slots for n in kv}):
         logits = model.compute_logits(model(ids, pos))
-    token = logprobs._STEP.set((logits, torch.full((b - a,), T, dtype=torch.float32)))
+    temperature = torch.full((b - a,), T, dtype=torch.float32)
+    token = logprobs._STEP.set({"logits": logits, "temperature": temperature, "kept": None})
     try:
         outs.append(logprobs.token_logprobs_hook(logits, torch.tensor(seq[a + 1:b + 1])[:, None])[:, 0])
     finally:
