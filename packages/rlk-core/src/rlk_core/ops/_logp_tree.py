@@ -193,11 +193,16 @@ def check_rows(op: str, t: int, target: torch.Tensor, temperature: torch.Tensor,
     """``target`` int ``[T]`` in ``[0, V)``; ``temperature`` fp32 ``[T]``, finite and > 0."""
     C.int_tensor(target, op, "target")
     C.require(tuple(target.shape) == (t,), op, f"target must have shape ({t},), got {tuple(target.shape)}")
+    C.in_range(target, op, "target", 0, vocab_size)
+    check_temperature(op, t, temperature)
+
+
+def check_temperature(op: str, t: int, temperature: torch.Tensor) -> None:
+    """``temperature`` fp32 ``[T]``, finite and > 0."""
     C.require(isinstance(temperature, torch.Tensor) and temperature.dtype == torch.float32, op,
               "temperature must be an fp32 tensor here (the public function converts a float)")
     C.require(tuple(temperature.shape) == (t,), op,
               f"temperature must have shape ({t},) (one per row), got {tuple(temperature.shape)}")
-    C.in_range(target, op, "target", 0, vocab_size)
     if temperature.numel() and C.values_checked(temperature):  # reading GPU values syncs: RLK_VALUE_CHECKS
         bad = ~(torch.isfinite(temperature) & (temperature > 0))
         if bool(bad.any()):

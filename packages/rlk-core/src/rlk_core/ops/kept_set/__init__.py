@@ -1,5 +1,5 @@
 """``kept_set``: the kept set of top-k / top-p / min-p sampling as one threshold per row, contract
-``rlk.logp.processed.v1`` (``docs/ops/processed_logprobs.md``), and :func:`apply_kept`, the processed logits a
+``rlk.logp.processed.v1`` (``docs/ops/kept_set.md``), and :func:`apply_kept`, the processed logits a
 sampler draws from. The processed log-probs themselves are ``token_logprobs`` / ``linear_logprobs`` with
 ``kept=``.
 """
@@ -34,7 +34,7 @@ def _check(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
     C.ndim(logits, OP, "logits", (2,))
     t, vocab = logits.shape
     C.require(vocab > 0, OP, "the vocabulary is empty")
-    L.check_rows(OP, t, torch.zeros(t, dtype=torch.int64, device=logits.device), temperature, vocab)
+    L.check_temperature(OP, t, temperature)
     for name, x, dtype in (("top_k", top_k, torch.int64), ("top_p", top_p, torch.float32),
                            ("min_p", min_p, torch.float32)):
         C.require(isinstance(x, torch.Tensor) and x.dtype == dtype and tuple(x.shape) == (t,), OP,
@@ -133,7 +133,8 @@ def as_kept(op: str, kept, t: int, device: torch.device) -> tuple[torch.Tensor, 
               f"kept.value must be float32 of shape ({t},), got {value.dtype} {tuple(value.shape)}")
     C.int_tensor(token_id, op, "kept.token_id")
     C.require(tuple(token_id.shape) == (t,), op, f"kept.token_id must have shape ({t},), got {tuple(token_id.shape)}")
-    C.same_device(op, kept_value=value, kept_token_id=token_id, rows=torch.empty(0, device=device))
+    C.same_device(op, kept_value=value, kept_token_id=token_id)
+    C.require(value.device == device, op, f"kept is on {value.device}, the rows on {device}")
     return value.contiguous(), token_id.to(torch.int64).contiguous()
 
 
