@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from rlk_core.errors import RlkPolicyError
 from rlk_vllm_plugin import _compat, _runtime
 
 LOGPROB_MODULE = "vllm.v1.worker.gpu.sample.logprob"
@@ -45,7 +46,10 @@ def token_logprobs_hook(logits: torch.Tensor, token_ids: torch.Tensor) -> torch.
     """Drop-in for ``compute_token_logprobs``: float32 ``[R, K]`` log-probs of ``token_ids`` ``[R, K]``."""
     step = _STEP.get()
     kept = None
-    if step is not None and step["logits"].shape == logits.shape:
+    if step is not None:  # inside Sampler.__call__: apply_sampling_params has filled the step
+        if step.get("logits") is None or step["logits"].shape != logits.shape:
+            raise RlkPolicyError("logp R: vLLM computed sampled-token log-probs without its apply_sampling_params "
+                                 "step (rlk's processing did not run for these logits)")
         raw, temperature = step["logits"], step["temperature"]
         if not _runtime.get().unfiltered_logprobs:
             kept = step.get("kept")
@@ -120,9 +124,7 @@ def _sampler_call(original):
     def __call__(self, logits, input_batch):
         if not _runtime.get().r("logp"):
             return original(self, logits, input_batch)
-        temperature = self.sampling_states.temperature.gpu[input_batch.expanded_idx_mapping].to(torch.float32)
-        temperature = torch.where(temperature == 0.0, torch.ones_like(temperature), temperature)  # greedy: T = 1
-        token = _STEP.set({"logits": logits, "temperature": temperature, "kept": None})
+        token = _STEP.set({})  # filled by apply_sampling_params (processed_logits), read by the log-prob hook
         try:
             return original(self, logits, input_batch)
         finally:
@@ -184,15 +186,13 @@ def processed_logits(sampler: Any, logits: torch.Tensor, expanded_idx_mapping: t
         host = ([int(k) if 0 < k < vocab else 0 for k in states.top_k.np[idx_mapping_np]],
                 [float(p) for p in states.top_p.np[idx_mapping_np]],
                 [float(m) for m in states.min_p.np[idx_mapping_np]])
+    kept = None
+    if host is None or choose_path(vocab, *host)[0] != PATH_ALL:  # some row filters (else: the whole vocabulary)
+        kept = _runtime.rlk("logp", "kept_set", x, temp, top_k, top_p, min_p, host=host)
     step = _STEP.get()
-    if host is not None and choose_path(vocab, *host)[0] == PATH_ALL:  # no row filters: the whole vocabulary
-        if step is not None:
-            step.update(logits=x, temperature=temp, kept=None)
-        return tempered(x, temp)
-    kept = _runtime.rlk("logp", "kept_set", x, temp, top_k, top_p, min_p, host=host)
     if step is not None:
         step.update(logits=x, temperature=temp, kept=kept)
-    return apply_kept(x, temp, kept)
+    return tempered(x, temp) if kept is None else apply_kept(x, temp, kept)
 
 
 def _apply_sampling_params(original):
