@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from rlk_core.errors import RlkConfigError
-from rlk_repro.engine.trainer import Sample, make_optimizer
+from rlk_repro.engine.trainer import Sample, grpo_surrogate, make_optimizer
 
 
 @dataclass
@@ -58,17 +58,6 @@ class MasterOptimizer:
         with torch.no_grad():
             for n, p in self.params.items():
                 p.copy_(self.master[n])
-
-
-def grpo_surrogate(lp: torch.Tensor, adv: torch.Tensor, clip_eps: float) -> torch.Tensor:
-    """PPO-clip surrogate per token at the recompute point (ratio 1, its gradient flows). A token whose log-prob is
-    not finite — sampled outside this side's kept set, which only a P side's filter can disagree on — takes no
-    part (ratio 1 without a gradient, surrogate 0): it would turn the loss and the weights into NaN."""
-    ok = torch.isfinite(lp)
-    safe = torch.where(ok, lp, torch.zeros_like(lp))
-    ratio = torch.exp(safe - safe.detach())
-    surrogate = torch.minimum(ratio * adv, ratio.clamp(1 - clip_eps, 1 + clip_eps) * adv)
-    return torch.where(ok, surrogate, torch.zeros_like(surrogate))
 
 
 def init_model_parallel(tp: int, seed: int) -> None:

@@ -132,11 +132,7 @@ class Trainer:
         logp = self.forward_logprobs(seqs, torch.cat(rows))
         old = logp.detach()
         a = torch.tensor(adv, device=self.device, dtype=torch.float32)
-        ok = torch.isfinite(logp)  # a token outside this side's kept set (a P filter's disagreement) takes no part
-        safe = torch.where(ok, logp, torch.zeros_like(logp))
-        ratio = torch.exp(safe - safe.detach())
-        surrogate = torch.minimum(ratio * a, ratio.clamp(1 - self.clip_eps, 1 + self.clip_eps) * a)
-        loss = -torch.where(ok, surrogate, torch.zeros_like(surrogate)).mean()
+        loss = -grpo_surrogate(logp, a, self.clip_eps).mean()
         self.opt.zero_grad(set_to_none=True)
         loss.backward()
         grads = [p.grad for p in self.master.values() if p.grad is not None]
@@ -148,6 +144,17 @@ class Trainer:
         per_sample = list(old.split([len(s.response) for s in samples]))
         return TrainResult(per_sample, float(loss.detach()), grad_norm, start,
                            time.perf_counter() - t0)
+
+
+def grpo_surrogate(lp: torch.Tensor, adv: torch.Tensor, clip_eps: float) -> torch.Tensor:
+    """PPO-clip surrogate per token at the recompute point (ratio 1, its gradient flows). A token whose log-prob is
+    not finite — sampled outside this side's kept set, which only a P side's filter can disagree on — takes no
+    part (ratio 1 without a gradient, surrogate 0): it would turn the loss and the weights into NaN."""
+    ok = torch.isfinite(lp)
+    safe = torch.where(ok, lp, torch.zeros_like(lp))
+    ratio = torch.exp(safe - safe.detach())
+    surrogate = torch.minimum(ratio * adv, ratio.clamp(1 - clip_eps, 1 + clip_eps) * adv)
+    return torch.where(ok, surrogate, torch.zeros_like(surrogate))
 
 
 def group_advantages(rewards: list[float], group_size: int) -> list[float]:
