@@ -22,14 +22,13 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from loop_gpu import _dump, _env, _newest_run, _stage, _summary, _write_plugin_site
+from loop_gpu import _dump, _newest_run, _stage, _summary, setup
 
 SEEDS_FILTERS = ["--top-p", "0.95", "--top-k", "40"]
 RUNS = {  # name -> (mode, options, rounds: None = --rounds / --pp-rounds)
@@ -95,17 +94,7 @@ def main(argv=None) -> int:
     p.add_argument("--only", default=",".join(n for n in RUNS if n != "rr-ten"))
     p.add_argument("--budget-s", type=float, default=540, help="all runs together: each gets what is left / runs left")
     a = p.parse_args(argv)
-    out = Path(a.out).resolve()
-    (out / "logs").mkdir(parents=True, exist_ok=True)
-    runs = out / "runs"
-    runs.mkdir(exist_ok=True)
-    _write_plugin_site(out / "plugin-site")
-    env = _env(out)
-    meta = {"RLK_COMMIT": os.environ.get("RLK_COMMIT"), "argv": sys.argv}
-    with contextlib.suppress(Exception):
-        meta["gpu"] = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
-                                     capture_output=True, text=True, timeout=20).stdout.strip()
-    res: dict = {"meta": meta, "settings": vars(a), "stages": {}, "runs": {}}
+    out, runs, env, res = setup(a)
     t0 = time.monotonic()
     names = a.only.split(",")
     for i, name in enumerate(names):

@@ -137,6 +137,22 @@ def _markdown(res: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def setup(a: argparse.Namespace) -> tuple[Path, Path, dict, dict]:
+    """``(out, out/runs, the stages' environment, the result document)`` for ``a.out``: the folders, the plugin's
+    dist-info, the GPU and commit in the document's ``meta``."""
+    out = Path(a.out).resolve()
+    (out / "logs").mkdir(parents=True, exist_ok=True)
+    runs = out / "runs"
+    runs.mkdir(exist_ok=True)
+    _write_plugin_site(out / "plugin-site")
+    meta = {"RLK_COMMIT": os.environ.get("RLK_COMMIT"), "argv": sys.argv}
+    with contextlib.suppress(Exception):
+        meta["gpu"] = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total",
+                                      "--format=csv,noheader"], capture_output=True, text=True,
+                                     timeout=20).stdout.strip()
+    return out, runs, _env(out), {"meta": meta, "settings": vars(a), "stages": {}, "runs": {}}
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True)
@@ -155,18 +171,7 @@ def main(argv=None) -> int:
                    "frameworks --cells CELLS` (--rounds, --prompts, ... apply), then `rlk-repro report` on its root")
     p.add_argument("--matrix-cap-s", type=float, default=540)
     a = p.parse_args(argv)
-    out = Path(a.out).resolve()
-    (out / "logs").mkdir(parents=True, exist_ok=True)
-    runs = out / "runs"
-    runs.mkdir(exist_ok=True)
-    _write_plugin_site(out / "plugin-site")
-    env = _env(out)
-    meta = {"RLK_COMMIT": os.environ.get("RLK_COMMIT"), "argv": sys.argv}
-    with contextlib.suppress(Exception):
-        meta["gpu"] = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total",
-                                      "--format=csv,noheader"], capture_output=True, text=True,
-                                     timeout=20).stdout.strip()
-    res: dict = {"meta": meta, "settings": vars(a), "stages": {}, "runs": {}}
+    out, runs, env, res = setup(a)
     t0 = time.monotonic()
 
     def save():
