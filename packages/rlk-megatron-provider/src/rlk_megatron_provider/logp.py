@@ -10,7 +10,7 @@ its owner's is finite), and ``merge_logp_partials`` merges them in the fixed tre
 not differentiable in this rlk-core) the vocab shards are all-gathered and ``linear_logprobs`` /
 ``token_logprobs`` runs on the list of shards — the same bits, O(V x H) extra memory per rank.
 
-Filtered sampling (contract ``rlk.logp.processed.v1``, ``docs/ops/processed_logprobs.md``): with ``kept`` —
+Filtered sampling (contract ``rlk.logp.processed.v1``, ``docs/ops/kept_set.md``): with ``kept`` —
 each row's kept set as one threshold ``(value, token_id)``, from :func:`kept_sets` (this side's own logits and
 the rollout's top-k / top-p / min-p) or from the rollout — every path computes the processed log-prob over the
 kept set, the same bits for any vocab sharding. A keep mask (slime's / VIME's top-p replay,

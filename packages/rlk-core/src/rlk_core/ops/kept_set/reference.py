@@ -4,7 +4,7 @@ Per row: ``z = f32(logits) / f32(T)`` (``-0.0`` taken as ``+0.0``), a total orde
 descending, ties by id ascending), min-p, top-k and top-p each keeping a prefix of that order; the kept set is
 the first ``n`` tokens and is returned as its last element ``(value, token_id)`` and ``n``. Every step is a
 max, a compare, a count, an exact sort / topk, a gather or an elementwise fp32 operation in a fixed tree
-(``docs/ops/processed_logprobs.md``), so a row's result depends on that row alone, on any device.
+(``docs/ops/kept_set.md``), so a row's result depends on that row alone, on any device.
 """
 
 from __future__ import annotations

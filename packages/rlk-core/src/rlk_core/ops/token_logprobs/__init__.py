@@ -120,7 +120,7 @@ def token_logprobs(logits: torch.Tensor | Sequence[torch.Tensor], target: torch.
     deterministic.
 
     ``kept`` (a :class:`~rlk_core.ops.kept_set.KeptSet` or ``(value [T], token_id [T])``): the processed
-    log-prob of contract ``rlk.logp.processed.v1`` (``docs/ops/processed_logprobs.md``) — the same tree over
+    log-prob of contract ``rlk.logp.processed.v1`` (``docs/ops/kept_set.md``) — the same tree over
     the kept tokens only (the others ``-inf``); a target outside the kept set gets ``-inf``; the gradient flows
     through the kept tokens only. Op ``processed_token_logprobs``.
     """
