@@ -48,8 +48,10 @@ def model_problems(config) -> dict[str, list[str]]:
     if getattr(config, "tp_comm_overlap", False):
         common.append("tp_comm_overlap (TE userbuffers) is requested")
     ffn = list(common)
-    if getattr(config, "num_moe_experts", None):
-        ffn.append("MoE layers are not covered")
+    if getattr(config, "num_moe_experts", None):  # issue 36: the MoE layer spec (rlk_megatron_provider.moe)
+        from rlk_megatron_provider.moe import moe_problems
+
+        ffn += moe_problems(config)
     if not (getattr(config, "gated_linear_unit", False) and getattr(config, "activation_func", None) is F.silu):
         ffn.append("the MLP activation is not SwiGLU (gated_linear_unit with F.silu)")
     return {"attention": common + config_problems(config), "ffn": ffn, "logp": list(common)}
@@ -129,7 +131,12 @@ def _layer_spec(config, rope_theta: float, base, slots: tuple[str, ...], active:
                 ))
     if active["ffn"]:
         cls, _ = _compat.mlp_parts(sub.mlp)
-        if not (isinstance(cls, type) and issubclass(cls, _compat.MLP)):
+        if isinstance(cls, type) and issubclass(cls, _compat.moe().MoELayer):
+            from rlk_megatron_provider.moe import moe_spec
+
+            changes["pre_mlp_layernorm"] = _norm("ffn")
+            changes["mlp"] = moe_spec(sub.mlp)
+        elif not (isinstance(cls, type) and issubclass(cls, _compat.MLP)):
             st.refuse("ffn", f"the {where}MLP slot {sub.mlp!r} is not a dense Megatron MLP")
         else:
             changes["pre_mlp_layernorm"] = _norm("ffn")
