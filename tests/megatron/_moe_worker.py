@@ -46,6 +46,8 @@ def run(rank: int, spec: dict, port: int, out: str) -> None:
         tensor_parallel.model_parallel_cuda_manual_seed(0)
         torch.manual_seed(0)
         mine = one_rank(spec, rank)
+        if spec.get("aux_too"):  # the same model with the aux / z losses on, in the same processes
+            mine["aux"] = one_rank({**spec, "aux": 0.5, "z": 0.5}, rank)
         every = [None] * ep
         dist.all_gather_object(every, mine)
         if rank == 0:
@@ -67,6 +69,11 @@ def one_rank(spec: dict, rank: int) -> dict:
     from rlk_repro.model.weights import random_weights
 
     cfg, ep = model_config(spec), spec["ep"]
+    stock = spec.get("stock_router_without_te", False)
+    if stock:  # test-only: megatron-core 0.16.1's router GEMM names te_general_gemm, undefined without TE
+        from megatron.core.transformer.moe import moe_utils
+
+        moe_utils.te_general_gemm = None
     w = random_weights(cfg, 3)
     tcfg = _model.transformer_config(
         cfg, 1, 1, num_moe_experts=cfg.num_experts, moe_router_topk=cfg.num_experts_per_tok,
@@ -80,7 +87,7 @@ def one_rank(spec: dict, rank: int) -> dict:
                      position_embedding_type="rope", rotary_base=int(cfg.rope_theta), pre_process=True,
                      post_process=True, parallel_output=True)
     counts = prov.prepare_model(model)
-    sd = to_megatron(cfg, w, ep=ep, ep_rank=rank, experts="grouped")
+    sd = to_megatron(cfg, w, ep=ep, ep_rank=rank, experts="sequential" if stock else "grouped")
     missing, unexpected = model.load_state_dict(sd, strict=False)
     missing = [k for k in missing if not k.endswith("_extra_state")]
     assert not missing and not unexpected, (missing, unexpected)
@@ -90,7 +97,10 @@ def one_rank(spec: dict, rank: int) -> dict:
         captured["hidden"], captured["weight"] = args[0], mod.weight
 
     model.output_layer.register_forward_hook(grab, with_kwargs=True)
-    seqs = _model.sequences(spec["lengths"][rank], cfg.vocab_size, seed=11 + rank)
+    # one global batch (the same sequences at every EP size), this rank's part of it
+    flat = [n for part in spec["lengths"] for n in part]
+    start = sum(len(part) for part in spec["lengths"][:rank])
+    seqs = _model.sequences(flat, cfg.vocab_size, seed=11)[start:start + len(spec["lengths"][rank])]
     ids = torch.tensor([t for s in seqs for t in s[:-1]])
     target = torch.tensor([t for s in seqs for t in s[1:]])
     lens = [len(s) - 1 for s in seqs]
@@ -104,7 +114,7 @@ def one_rank(spec: dict, rank: int) -> dict:
     layers = model.decoder.layers
     return {"counts": counts, "logp": lp.detach(), "seqs": seqs,
             "grads": {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None},
-            "ids": [layer.mlp.last_ids for layer in layers],
+            "ids": [getattr(layer.mlp, "last_ids", None) for layer in layers],
             "local_experts": list(layers[0].mlp.local_expert_indices),
             "classes": [type(m).__name__ for m in (layers[0].mlp, layers[0].mlp.router, layers[0].mlp.experts)],
             "readback": _state.get().recorder.to_dict()}

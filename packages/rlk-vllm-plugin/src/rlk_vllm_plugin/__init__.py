@@ -112,7 +112,7 @@ def _install(rt, probe) -> None:
 
     _runtime.install(rt)
     _runtime.flush_at_exit()
-    names = ["RMSNorm", "SiluAndMul"]  # R: the rlk op; P: vLLM's own method, counted
+    names = ["RMSNorm", "SiluAndMul", "UnquantizedFusedMoEMethod"]  # R: the rlk op; P: vLLM's own, counted
     if rt.r("attention"):
         names.append("RotaryEmbedding")
     layers.oot_classes(probe)
