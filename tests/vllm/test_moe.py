@@ -11,30 +11,21 @@ pytest.importorskip("vllm")
 pytestmark = pytest.mark.vllm
 
 SCRIPT = """
-import json, tempfile, torch
-from vllm.config import CompilationConfig, ModelConfig, VllmConfig, set_current_vllm_config
-from vllm.distributed import init_distributed_environment, initialize_model_parallel
+import json, torch
+from vllm.config import set_current_vllm_config
 from vllm.forward_context import set_forward_context
-from vllm.model_executor.model_loader import get_model_loader
 from vllm.plugins import load_general_plugins
 
 load_general_plugins()
+import vllm_tiny
 from rlk_core.ops.moe.layer import moe_ffn
 from rlk_repro.model import weights as W
 from rlk_repro.model.config import PRESETS
 from rlk_vllm_plugin import _runtime
 
 cfg = PRESETS["qwen3-moe-tiny"]
-d = tempfile.mkdtemp()
 w = W.random_weights(cfg, seed=3, dtype=torch.bfloat16)
-W.save_checkpoint(d, cfg, w)
-mc = ModelConfig(model=d, skip_tokenizer_init=True, dtype=torch.bfloat16, enforce_eager=True)
-vc = VllmConfig(model_config=mc, compilation_config=CompilationConfig(mode=0))
-with set_current_vllm_config(vc):
-    init_distributed_environment(world_size=1, rank=0, distributed_init_method=f"file://{d}/dist", local_rank=0,
-                                 backend="gloo")
-    initialize_model_parallel(1, 1)
-    model = get_model_loader(vc.load_config).load_model(vllm_config=vc, model_config=mc)
+vc, model = vllm_tiny.tiny_model(cfg, w)
 out = {}
 for layer in range(cfg.num_hidden_layers):
     mlp = model.model.layers[layer].mlp
