@@ -32,8 +32,9 @@ from rlk_megatron_provider.layers import (
 ModuleSpec = _compat.ModuleSpec
 
 
-def model_problems(config) -> dict[str, list[str]]:
-    """Config-level reasons each module's R route cannot be installed (TE-only or uncovered features)."""
+def model_problems(config, hybrid: bool = False) -> dict[str, list[str]]:
+    """Config-level reasons each module's R route cannot be installed (TE-only or uncovered features); ``hybrid``:
+    for a HybridModel stack (whose MoE layers the MoE layer spec does not cover)."""
     common = []
     if getattr(config, "normalization", "RMSNorm") != "RMSNorm":
         common.append(f"normalization={config.normalization!r} (rlk covers RMSNorm)")
@@ -48,7 +49,9 @@ def model_problems(config) -> dict[str, list[str]]:
     if getattr(config, "tp_comm_overlap", False):
         common.append("tp_comm_overlap (TE userbuffers) is requested")
     ffn = list(common)
-    if getattr(config, "num_moe_experts", None):  # issue 36: the MoE layer spec (rlk_megatron_provider.moe)
+    if getattr(config, "num_moe_experts", None) and hybrid:
+        ffn.append("MoE layers are not covered in a HybridModel (the MoE layer spec covers GPTModel's)")
+    elif getattr(config, "num_moe_experts", None):  # issue 36: the MoE layer spec (rlk_megatron_provider.moe)
         from rlk_megatron_provider.moe import moe_problems
 
         ffn += moe_problems(config)
@@ -65,10 +68,10 @@ def _linear(cls: type, module: str) -> ModuleSpec:
     return ModuleSpec(module=cls, params={"rlk_module": module})
 
 
-def _active(config) -> dict[str, bool]:
+def _active(config, hybrid: bool = False) -> dict[str, bool]:
     """Which modules get rlk slots: R in the plan and installable (a refusal raises in strict mode)."""
     st = _state.get()
-    problems = model_problems(config)
+    problems = model_problems(config, hybrid)
     out = {}
     for m in ("attention", "ffn", "logp"):
         ok = st.rlk(m)
@@ -207,7 +210,7 @@ def rlk_hybrid_stack_spec(config, *, rope_theta: float, base: ModuleSpec | None 
     st = _state.get()
     if base is None:
         base = local_hybrid_stack_spec()
-    active = _active(config)
+    active = _active(config, hybrid=True)
     if not (isinstance(base, ModuleSpec) and isinstance(base.module, type) and issubclass(base.module, h.HybridStack)
             and isinstance(base.submodules, h.HybridStackSubmodules)):
         for m in ("attention", "ffn", "logp"):
