@@ -47,14 +47,16 @@ def run(name: str, ep: int, env: dict | None = None, **spec) -> list[dict]:
 
 
 def reference():
-    """The local engine's trainer (all R) on the whole batch: its log-probs and its gradients of their sum."""
+    """The local engine's trainer (all R) on the whole batch: its log-probs, its gradients of their sum and each
+    layer's ``[T, k]`` expert ids."""
     cfg = _moe_worker.model_config({})
     from rlk_repro.model.weights import random_weights
 
     seqs = [s for r in run("ep1", 1, aux_too=True) for s in r["seqs"]]
     lp, tr = _model.local_logprobs(cfg, random_weights(cfg, 3), seqs)
-    tr.forward_logprobs(seqs).sum().backward()
-    return cfg, lp, {k: v.grad for k, v in tr.master.items()}
+    routing: list[torch.Tensor] = []
+    tr.forward_logprobs(seqs, routing=routing).sum().backward()
+    return cfg, lp, {k: v.grad for k, v in tr.master.items()}, routing
 
 
 def _experts(every: list[dict], cfg, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -69,7 +71,7 @@ def test_ep1_moe_model_equals_the_local_engine_bitwise():
     from rlk_megatron_provider.weights import from_megatron
 
     (res,) = run("ep1", 1, aux_too=True)
-    cfg, lp, ref = reference()
+    cfg, lp, ref, routing = reference()
     assert res["classes"] == ["RlkMoELayer", "RlkTopKRouter", "RlkGroupedExperts"]
     assert torch.equal(res["logp"], lp)
     grads = dict(res["grads"])
@@ -77,6 +79,7 @@ def test_ep1_moe_model_equals_the_local_engine_bitwise():
     got = from_megatron(cfg, [grads], experts="grouped")
     assert [k for k in ref if k != "embed" and not torch.equal(got[k], ref[k])] == []
     assert {"layers.1.router", "layers.1.w13", "layers.1.w2"} <= set(ref)
+    assert all(torch.equal(a, b) for a, b in zip(res["ids"], routing, strict=True))  # every token's experts, in order
     ops = res["readback"]["modules"]["ffn"]["ops"]
     for op in ("moe_topk", "moe_grouped_linear", "moe_combine"):
         assert ops[op]["contract_id"] == "rlk.moe.v1" and ops[op]["backend_id"].startswith("rlk.")
@@ -89,7 +92,7 @@ def test_expert_parallel_changes_no_bit(ep):
     on the whole batch and EP 1's; the experts' gradients (each over every rank's tokens) are too; every token goes
     to the same experts."""
     every = run(f"ep{ep}", ep)
-    cfg, lp, ref = reference()
+    cfg, lp, ref, _ = reference()
     (one,) = run("ep1", 1, aux_too=True)
     assert [r["local_experts"] for r in every] == [list(range(q * 8 // ep, (q + 1) * 8 // ep)) for q in range(ep)]
     assert len({r["logp"].numel() for r in every}) > 1  # the ranks' token counts differ
@@ -121,7 +124,7 @@ def test_the_stock_moe_layer_is_the_negative_control():
     combine), the rest R: its log-probs differ from the local engine's rlk ones on this CPU."""
     env = {**R_ALL, "RL_KERNEL_FFN_CASE": "P/P"}
     (res,) = run("ep1-stock", 1, env=env, stock_router_without_te=True)
-    _, lp, _ = reference()
+    _, lp, _, _ = reference()
     assert res["classes"][0] == "MoELayer" and res["classes"][2] == "SequentialMLP"
     assert res["logp"].shape == lp.shape and not torch.equal(res["logp"], lp)
     torch.testing.assert_close(res["logp"], lp, rtol=1e-4, atol=1e-4)  # the same model: only the arithmetic differs
