@@ -246,7 +246,7 @@ def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 # no index besides positions/targets
-DENSE_BUILD = ("linear", "rms_norm", "swiglu", "rope", "token_logprobs", "linear_logprobs")
+DENSE_BUILD = ("linear", "rms_norm", "swiglu", "rope", "token_logprobs", "linear_logprobs", "linear_tp", "moe")
 
 
 def _build_calls(module, family: str, dtype: torch.dtype, device: torch.device):

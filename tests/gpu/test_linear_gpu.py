@@ -95,8 +95,8 @@ def test_every_shipped_tile_gives_the_same_bits(n, k):
 def _straggling_split(reader: torch.cuda.Stream | None = None):
     """A row split whose first launch has one straggler (133 tiles of 128x256, K = 16384, on 132 programs:
     one program computes two tiles) and whose second launch is small (128 rows); the output starts as NaN
-    and is copied right after the second launch, on the same stream or on ``reader`` (not ordered after
-    it). Returns (the copy, the output once the device is idle, the first part's rows, x, w)."""
+    and is copied right after the second launch, on the same stream or on ``reader`` (ordered after the fill,
+    not after the split). Returns (the copy, the output once the device is idle, the first part's rows, x, w)."""
     from rlk_core.ops.linear import triton as lt
 
     rows = 133 * 128
@@ -104,8 +104,11 @@ def _straggling_split(reader: torch.cuda.Stream | None = None):
     cfg = dict(lt.tile_config(_LARGE_TMA[0][0], 16384, tma=True), SPLIT_ROWS=rows,
                REST=lt.tile_config(_LARGE_TMA[2][0], 16384, tma=True))
     out = torch.full((rows + 128, 256), float("nan"), dtype=x.dtype, device=x.device)
+    filled = torch.cuda.Event()
+    filled.record()  # a reader on another stream waits for the NaN fill (else it may read the memory's old bits)
     lt._launch(jit_plan(x.device), x, w, None, out, cfg)
     with torch.cuda.stream(reader or torch.cuda.current_stream()):
+        torch.cuda.current_stream().wait_event(filled)
         seen = out.clone()
     torch.cuda.synchronize()
     return seen, out, rows, x, w
