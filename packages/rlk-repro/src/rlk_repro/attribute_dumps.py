@@ -41,7 +41,8 @@ LAYER_POINTS: tuple[tuple[str, str], ...] = (
     ("ffn.swiglu", "ffn"),
     ("ffn.down", "ffn"),
 )
-FINAL_POINTS: tuple[tuple[str, str], ...] = (("final.residual", "residual"), ("final.norm", "logp"))
+FINAL_POINTS: tuple[tuple[str, str], ...] = (("final.residual", "residual"), ("final.norm", "logp"),
+                                             ("final.logits", "logp"), ("final.logprobs", "logp"))
 
 
 def point_order(num_layers: int) -> list[tuple[str, str]]:
@@ -59,9 +60,9 @@ class Dump:
     points: dict[str, dict[tuple[int, int], torch.Tensor]] = field(default_factory=dict)
     ops: dict[str, set[str]] = field(default_factory=dict)
 
-    def add(self, label: str, op: str, keys: list[tuple[int, int]], rows: torch.Tensor) -> None:
+    def add(self, label: str, ops: set[str], keys: list[tuple[int, int]], rows: torch.Tensor) -> None:
         store = self.points.setdefault(label, {})
-        self.ops.setdefault(label, set()).add(op)
+        self.ops.setdefault(label, set()).update(ops)
         detached = rows.detach().cpu()
         for i, key in enumerate(keys):
             store[key] = detached[i].clone()

@@ -118,7 +118,7 @@ class TapOps(Ops):
                                    f"and {len(self._logit_keys)} log-prob rows")
             keep = [i for i, k in enumerate(keys) if k[0] in self.selected]
             if keep:
-                self.dump.add(label, "+".join(sorted({op for op, _ in parts})), [keys[i] for i in keep],
+                self.dump.add(label, {op for op, _ in parts}, [keys[i] for i in keep],
                               rows[torch.tensor(keep, device=rows.device)])
         self.layers_seen = max(self.layers_seen, self._layer + 1)
         self._pending = {}
@@ -172,6 +172,9 @@ class TapOps(Ops):
         return self._put("final.logprobs", "token_logprobs", super().token_logprobs(logits, target, temperature, kept))
 
     def linear_logprobs(self, hidden, weight, target, temperature, kept=None):
+        if "final.logits" not in self._pending:  # the fused op keeps its logits: this side's GEMM on the same rows
+            with torch.no_grad():
+                self._put("final.logits", "linear", super().linear("logp", hidden.detach(), weight.detach()))
         return self._put("final.logprobs", "linear_logprobs",
                          super().linear_logprobs(hidden, weight, target, temperature, kept))
 
@@ -210,6 +213,7 @@ class Side:
 
 @dataclass
 class LocalReplay:
+    run_dir: Path
     manifest: dict[str, Any]
     config: Any  # LocalRunConfig
     model_cfg: Qwen3Config
@@ -339,7 +343,7 @@ def replay_local(run_dir: Path, rnd: int, selected: list[int] | None, injection:
         "rollout": Side("rollout", Ops(plan, "rollout", recorder("rollout")), engine.weights, cfg.logprobs == "processed"),
         "train": Side("train", Ops(plan, "train", recorder("train")), trainer.export_weights(), trainer.processed),
     }
-    return LocalReplay(manifest=manifest, config=cfg, model_cfg=model_cfg, round=rnd, weights_check=weights_check,
+    return LocalReplay(run_dir=run_dir, manifest=manifest, config=cfg, model_cfg=model_cfg, round=rnd, weights_check=weights_check,
                        train_data=train_data, selected=selected,
                        prompts=[r.prompt for r in requests], rollout_outputs=[list(r.output) for r in requests],
                        rollout_logprobs=[torch.tensor(r.logprobs, dtype=torch.float32) for r in requests],
