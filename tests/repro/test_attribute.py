@@ -51,10 +51,12 @@ def _status(doc) -> dict[int, str]:
 def test_rr_run_attributes_no_boundary(rr_doc):
     doc, replay, _ = rr_doc
     assert doc["verdict"]["kind"] == "no_boundary" and doc["verdict"]["boundary"] is None
-    assert _status(doc) == {0: "pass", 1: "pass", 2: "pass", 3: "pass", 4: "pass", 5: "trivial", 6: "trivial", 7: "pass"}
+    assert _status(doc) == {0: "pass", 1: "pass", 2: "pass", 3: "pass", 4: "pass", 5: "trivial", 6: "trivial",
+                            7: "pass"}
     layers = doc["layers"]
     assert layers["missing"] == []  # every point dumped by both sides: agreement is never assumed from absence
-    assert [p["point"] for p in layers["points"]] == [label for label, _ in point_order(replay.model_cfg.num_hidden_layers)]
+    order = [label for label, _ in point_order(replay.model_cfg.num_hidden_layers)]
+    assert [p["point"] for p in layers["points"]] == order
     assert all(p["equal"] for p in layers["points"])
     assert doc["positions_compared"] == sum(len(replay.rollout_outputs[s]) for s in (0, 4))
 
@@ -161,4 +163,5 @@ def test_cli_writes_the_report_beside_the_run_and_never_over_it(runs, tmp_path, 
     assert cli.main(["attribute", str(runs["rr"]), "--output", str(out)]) == 2  # exists
     assert cli.main(["attribute", str(runs["rr"]), "--output", str(runs["rr"] / "x")]) == 2  # inside the run
     assert cli.main(["attribute", str(runs["rr"]), "--inject", "train:0:nope", "--output", str(tmp_path / "y")]) == 2
-    assert cli.main(["abtest", "--tensors", str(out / "ab-tensors.safetensors"), "--repeats", "1"]) == 0
+    ab = ["abtest", "--tensors", str(out / "ab-tensors.safetensors"), "--repeats", "1", "--threads", "1"]
+    assert cli.main(ab) == 0

@@ -452,7 +452,8 @@ def markdown(report: dict[str, Any]) -> str:
         e = r["logp_error"]
         lines.append(f"| {r['impl']} | {chr(65 + group_of[r['impl']])} | {_f(e['max'])} | {_f(e['mean'])} | "
                      f"{_f(e['p99'])} | {_f(r['dhidden_max_rel'])} | {_f(r['dweight_max_rel'])} | "
-                     f"{_f(r['forward_deterministic'])} | {_f(r['backward_deterministic'])} | {_f(r['tokens_per_s'])} | "
+                     f"{_f(r['forward_deterministic'])} | {_f(r['backward_deterministic'])} | "
+                     f"{_f(r['tokens_per_s'])} | "
                      f"{_f(r['peak_memory_bytes'])} |")
     lines += ["", "Errors are |logp - fp64 reference|; implementations in one group agree bit for bit on every "
               "log-prob.", ""]

@@ -35,7 +35,7 @@ import torch
 from rlk_core.errors import RlkConfigError
 from rlk_repro import abtest
 from rlk_repro.attribute_dumps import compare_dumps, diff_stats, layer_of, operator_of, save_dump
-from rlk_repro.attribute_local import Injection, LocalReplay, lm_head, replay_local
+from rlk_repro.attribute_local import Injection, LocalReplay, lm_head, read_manifest, replay_local
 from rlk_repro.model.weights import weights_sha256
 from rlk_validate import evidence
 
@@ -205,9 +205,10 @@ def probe_kept(rp: LocalReplay, keys: list[tuple[int, int]], masks: dict[str, to
     definition = differ & logits_equal  # the same logits, different sets: the filters are not the same definition
     target = _targets(rp, keys)
     outside = int((~a.gather(-1, target[:, None])[:, 0]).sum())
-    ev.update({"positions": len(keys), "sets_differ": int(differ.sum()), "differ_with_equal_logits": int(definition.sum()),
-               "sampled_outside_train_set": outside,
-               "sizes": {"train_mean": float(a.sum(-1).float().mean()), "rollout_mean": float(b.sum(-1).float().mean())}})
+    ev.update({"positions": len(keys), "sets_differ": int(differ.sum()),
+               "differ_with_equal_logits": int(definition.sum()), "sampled_outside_train_set": outside,
+               "sizes": {"train_mean": float(a.sum(-1).float().mean()),
+                         "rollout_mean": float(b.sum(-1).float().mean())}})
     if int(definition.sum()):
         return _probe(6, "kept token sets", FAIL, f"semantic: at {int(definition.sum())} positions the two sides' "
                       "filters keep different sets from the same logits (the filters are not one definition)", **ev)
@@ -285,6 +286,19 @@ def attribute(run_dir: Path, rnd: int = 0, sequences: list[int] | None = None, i
                                                                                                      abtest.ABInputs]:
     """The attribution of round ``rnd`` of ``run_dir`` (the first ``max_sequences`` sequences unless
     ``sequences``): the report and what it was computed from."""
+    threads = torch.get_num_threads()
+    recorded = ((read_manifest(run_dir).get("config") or {}).get("threads"))
+    if recorded:  # the run's intra-op threads (its bits do not depend on them; its timings and CPU overhead do)
+        torch.set_num_threads(int(recorded))
+    try:
+        return _attribute(run_dir, rnd, sequences, injection, frameworks, repeats, max_sequences)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _attribute(run_dir: Path, rnd: int, sequences: list[int] | None, injection: Injection | None,
+               frameworks: tuple[str, ...], repeats: int, max_sequences: int) -> tuple[dict, LocalReplay,
+                                                                                       abtest.ABInputs]:
     if sequences is None:
         from rlk_repro.attribute_local import read_train_data
 
@@ -356,7 +370,8 @@ def markdown(doc: dict[str, Any]) -> str:
                 if doc["injection"] else ""), "",
              f"**Verdict ({v['kind']}):** {v['summary']}", ""]
     if v.get("first_difference_unattributed"):
-        lines += [f"(The first difference in the dumps is at {v['first_difference_unattributed']}; not attributed while "
+        lines += [f"(The first difference in the dumps is at {v['first_difference_unattributed']}; not attributed "
+                  "while "
                   "the probe above fails.)", ""]
     lines += ["## Probes", "", "| # | probe | status | detail |", "|---|---|---|---|"]
     lines += [f"| {p['id']} | {p['name']} | {p['status']} | {p['detail']} |" for p in doc["probes"]]

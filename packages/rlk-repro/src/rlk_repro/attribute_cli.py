@@ -75,6 +75,7 @@ def add_parser(sub) -> None:
     ab.add_argument("--with", dest="frameworks", type=_frameworks, default=(), metavar="vllm,megatron",
                     help="also run vLLM's and/or megatron-core's native path (where they import)")
     ab.add_argument("--repeats", type=int, default=5)
+    ab.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's setting)")
     ab.add_argument("--output", type=Path, default=None, help="write ab-report.json and ab-report.md here")
     ab.add_argument("--json", action="store_true", help="print the JSON instead of the table")
     ab.add_argument("--debug", action="store_true", help="show tracebacks")
@@ -111,6 +112,12 @@ def main_abtest(a: argparse.Namespace) -> int:
             raise RlkConfigError(f"--shape needs three positive integers T,H,V, got {a.shape}")
         t, h, v = a.shape
         inputs = abtest.generate_inputs(t, h, v, a.dtype, a.seed, a.temperature, a.top_k, a.top_p)
+    if a.threads is not None:
+        if a.threads < 1:
+            raise RlkConfigError(f"--threads must be >= 1, got {a.threads}")
+        import torch
+
+        torch.set_num_threads(a.threads)
     report = abtest.run_ab(inputs, frameworks=a.frameworks, repeats=a.repeats, device=a.device, seed=a.seed)
     if a.output is not None:
         a.output.mkdir(parents=True, exist_ok=True)

@@ -38,9 +38,9 @@ from rlk_repro.engine.trainer import Trainer
 from rlk_repro.model import qwen3
 from rlk_repro.model.config import PRESETS, Qwen3Config
 from rlk_repro.model.ops import Ops
-from rlk_repro.model.weights import Weights, weights_sha256
-from rlk_repro.runs import file_sha256
+from rlk_repro.model.weights import Weights
 from rlk_repro.resume import STATE_DIR, STATE_DOC, STATE_FILE, recorded_config
+from rlk_repro.runs import file_sha256
 from rlk_validate import evidence
 
 # (module, op, occurrence within the layer) -> point name; the order of rlk_repro.model.qwen3's blocks
@@ -159,10 +159,12 @@ class TapOps(Ops):
         return self._put(self._point("attention", "rope"), "rope", super().rope(x, positions, theta))
 
     def attention_varlen(self, *args, **kw):
-        return self._put(f"layers.{self._layer}.attention.core", "attention_varlen", super().attention_varlen(*args, **kw))
+        return self._put(f"layers.{self._layer}.attention.core", "attention_varlen",
+                         super().attention_varlen(*args, **kw))
 
     def attention_decode(self, *args, **kw):
-        return self._put(f"layers.{self._layer}.attention.core", "attention_decode", super().attention_decode(*args, **kw))
+        return self._put(f"layers.{self._layer}.attention.core", "attention_decode",
+                         super().attention_decode(*args, **kw))
 
     def attention_paged_prefill(self, *args, **kw):
         return self._put(f"layers.{self._layer}.attention.core", "attention_paged_prefill",
@@ -283,8 +285,6 @@ def replay_local(run_dir: Path, rnd: int, selected: list[int] | None, injection:
         raise RlkConfigError(f"{run_dir}: a {manifest.get('engine')!r} run; the replay runs local-engine runs (a "
                              "framework engine supplies its own dumps: docs/attribution.md)")
     cfg = local.LocalRunConfig(**recorded_config(SimpleNamespace(manifest=manifest), local.LocalRunConfig))
-    if cfg.threads is not None:
-        torch.set_num_threads(cfg.threads)
     device, dtype = local.resolve_device(cfg.device), local.DTYPES[cfg.dtype]
     train_data = read_train_data(run_dir, rnd)
     n_seqs = int(train_data["token_ids"].shape[0])
@@ -298,7 +298,8 @@ def replay_local(run_dir: Path, rnd: int, selected: list[int] | None, injection:
     max_len = max(len(e) for e in ps.encoded) + cfg.max_new_tokens
     plan = cfg.plan
     if any(plan.uses_rlk("attention", side) for side in ("train", "rollout")):
-        reserve_tables(device, model_cfg.head_dim, model_cfg.rope_theta, max(max_len, model_cfg.max_position_embeddings))
+        rows = max(max_len, model_cfg.max_position_embeddings)  # as the engine reserves them (its bits do not change)
+        reserve_tables(device, model_cfg.head_dim, model_cfg.rope_theta, rows)
     chosen, requests = local._requests(cfg, SimpleNamespace(prompts=ps.prompts, encoded=ps.encoded), rnd)
     if len(requests) != n_seqs:
         raise RlkConfigError(f"round {rnd}: the manifest's configuration gives {len(requests)} requests, train-data "
@@ -340,10 +341,12 @@ def replay_local(run_dir: Path, rnd: int, selected: list[int] | None, injection:
     train_ops.end()
     per_seq = list(logp.split([len(r.output) for r in requests]))
     sides = {
-        "rollout": Side("rollout", Ops(plan, "rollout", recorder("rollout")), engine.weights, cfg.logprobs == "processed"),
+        "rollout": Side("rollout", Ops(plan, "rollout", recorder("rollout")), engine.weights,
+                        cfg.logprobs == "processed"),
         "train": Side("train", Ops(plan, "train", recorder("train")), trainer.export_weights(), trainer.processed),
     }
-    return LocalReplay(run_dir=run_dir, manifest=manifest, config=cfg, model_cfg=model_cfg, round=rnd, weights_check=weights_check,
+    return LocalReplay(run_dir=run_dir, manifest=manifest, config=cfg, model_cfg=model_cfg, round=rnd,
+                       weights_check=weights_check,
                        train_data=train_data, selected=selected,
                        prompts=[r.prompt for r in requests], rollout_outputs=[list(r.output) for r in requests],
                        rollout_logprobs=[torch.tensor(r.logprobs, dtype=torch.float32) for r in requests],
