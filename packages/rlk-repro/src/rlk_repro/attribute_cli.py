@@ -44,7 +44,8 @@ def add_parser(sub) -> None:
                     "starting weights: a static-weights run, or the round a saved round state names)")
     at.add_argument("--sequences", type=_ints, default=None, metavar="I,J,...",
                     help="train-data rows to compare (default: the first --max-sequences)")
-    at.add_argument("--max-sequences", type=int, default=4, metavar="N")
+    at.add_argument("--max-sequences", type=int, default=4, metavar="N",
+                    help="how many sequences of the round to compare without --sequences (default 4)")
     at.add_argument("--inject", default=None, metavar="SIDE:LAYER:POINT",
                     help="positive control: perturb one point on one side by one ulp (e.g. train:1:ffn.swiglu); "
                     "the report must name it")
@@ -66,15 +67,17 @@ def add_parser(sub) -> None:
     src.add_argument("--tensors", type=Path, default=None, metavar="FILE", help="an rlk.ab-tensors.v1 file")
     src.add_argument("--shape", type=_ints, default=[64, 128, 1000], metavar="T,H,V",
                      help="generated tensors of this shape (default 64,128,1000)")
-    ab.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="bfloat16")
-    ab.add_argument("--seed", type=int, default=0)
-    ab.add_argument("--temperature", type=float, default=1.0)
-    ab.add_argument("--top-p", type=float, default=1.0)
-    ab.add_argument("--top-k", type=int, default=0)
-    ab.add_argument("--device", default="cpu")
+    ab.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="bfloat16",
+                    help="the generated hidden states' and weight's dtype (default bfloat16)")
+    ab.add_argument("--seed", type=int, default=0, help="seed of the generated tensors and of the backward's "
+                    "upstream gradient (default 0)")
+    ab.add_argument("--temperature", type=float, default=1.0, help="generated: the temperature (default 1)")
+    ab.add_argument("--top-p", type=float, default=1.0, help="generated: top-p of the kept set (default 1: off)")
+    ab.add_argument("--top-k", type=int, default=0, help="generated: top-k of the kept set (default 0: off)")
+    ab.add_argument("--device", default="cpu", help="the torch device to run on (default cpu)")
     ab.add_argument("--with", dest="frameworks", type=_frameworks, default=(), metavar="vllm,megatron",
                     help="also run vLLM's and/or megatron-core's native path (where they import)")
-    ab.add_argument("--repeats", type=int, default=5)
+    ab.add_argument("--repeats", type=int, default=5, help="timing repeats per implementation (default 5)")
     ab.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's setting)")
     ab.add_argument("--output", type=Path, default=None, help="write ab-report.json and ab-report.md here")
     ab.add_argument("--json", action="store_true", help="print the JSON instead of the table")
