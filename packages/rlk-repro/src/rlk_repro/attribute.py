@@ -259,7 +259,8 @@ def probe_ab(report: dict[str, Any]) -> dict[str, Any]:
 
 
 # -- the verdict ---------------------------------------------------------------------------------------------------
-def verdict(probes: list[dict[str, Any]], layers: dict[str, Any]) -> dict[str, Any]:
+def verdict(probes: list[dict[str, Any]], layers: dict[str, Any], plan: dict[str, str] | None = None
+            ) -> dict[str, Any]:
     blocking = [p for p in probes if p["id"] in BLOCKING and p["status"] == FAIL]
     b = layers["boundary"]
     if blocking:
@@ -274,10 +275,14 @@ def verdict(probes: list[dict[str, Any]], layers: dict[str, Any]) -> dict[str, A
                 "module": b["module"], "train_ops": b["train_ops"], "rollout_ops": b["rollout_ops"],
                 "first_row": b["first_row"], "mismatches": b.get("mismatches"), "elements": b.get("elements"),
                 "max_abs_diff": b.get("max_abs_diff")}
+    case = (plan or {}).get(b["module"])  # "X/Y": the train side's case, then the rollout side's
+    if case:
+        boundary["cases"] = dict(zip(("train", "rollout"), case.split("/"), strict=True))
+    sides = {s: "/".join(b[f"{s}_ops"]) + (f" ({boundary['cases'][s]})" if case else "") for s in ("train", "rollout")}
     where = f"layer {boundary['layer']}" if boundary["layer"] is not None else "after the last layer"
     return {"kind": "boundary", "boundary": boundary,
             "summary": f"the bits part at {b['point']} ({where}, operator {boundary['operator']}, module "
-                       f"{b['module']}: train {'/'.join(b['train_ops'])} vs rollout {'/'.join(b['rollout_ops'])}); "
+                       f"{b['module']}: train {sides['train']} vs rollout {sides['rollout']}); "
                        "every point before it agrees bit for bit"}
 
 
@@ -320,7 +325,7 @@ def _attribute(run_dir: Path, rnd: int, sequences: list[int] | None, injection: 
            "sequences": rp.selected, "positions_compared": len(keys),
            "injection": None if injection is None else {"side": injection.side, "point": injection.label},
            "weights": rp.weights_check["source"], "probes": probes, "layers": layers, "ab": ab,
-           "verdict": verdict(probes, layers)}
+           "verdict": verdict(probes, layers, rp.manifest.get("plan"))}
     return doc, rp, inputs
 
 
