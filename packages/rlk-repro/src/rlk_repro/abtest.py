@@ -40,6 +40,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from rlk_repro._tensorio import bits, read_checked
+
 AB_SCHEMA = "rlk.ab-report.v1"
 TENSORS_SCHEMA = "rlk.ab-tensors.v1"
 FRAMEWORK_IMPLS = ("vllm", "megatron")
@@ -121,14 +123,7 @@ def save_inputs(inputs: ABInputs, path: Path) -> None:
 def load_inputs(path: Path) -> ABInputs:
     import json
 
-    from safetensors import safe_open
-    from safetensors.torch import load_file
-
-    with safe_open(str(path), "pt") as fh:
-        meta = fh.metadata() or {}
-    if meta.get("schema") != TENSORS_SCHEMA:
-        raise ValueError(f"{path}: not an {TENSORS_SCHEMA} file (schema {meta.get('schema')!r})")
-    t = load_file(str(path))
+    t, meta = read_checked(path, TENSORS_SCHEMA)
     tp = tuple(int(x) for x in meta.get("tp", "1").split(",") if x)
     return ABInputs(t["hidden"], t["weight"], t["target"], t["temperature"], t.get("kept_value"),
                     t.get("kept_token_id"), tp, {**json.loads(meta.get("source", "{}")), "file": str(path)})
@@ -245,6 +240,7 @@ def _rlk(inp: ABInputs) -> list[Impl]:
 def _backends(inp: ABInputs, device: torch.device) -> list[Impl]:
     """Every backend registered for the log-prob op and available on ``device``, called directly."""
     from rlk_core.backends import REGISTRY
+    from rlk_core.errors import RlkBackendError
 
     op = "linear_logprobs" if inp.kept is None else "processed_linear_logprobs"
     extra = () if inp.kept is None else inp.kept
@@ -255,7 +251,7 @@ def _backends(inp: ABInputs, device: torch.device) -> list[Impl]:
             continue
         try:
             bwd = REGISTRY.get(f"{op}_backward", b.id)
-        except Exception:  # no backward registered under this id: forward only
+        except RlkBackendError:  # no backward registered under this id: forward only
             bwd = None
 
         def fwd(h, w, b=b):
@@ -289,16 +285,10 @@ def implementations(inp: ABInputs, device: torch.device, frameworks: tuple[str, 
 
 
 # -- measuring -----------------------------------------------------------------------------------------------------
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    ints = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16,
-            torch.float64: torch.int64}
-    return t.detach().contiguous().view(ints[t.dtype])
-
-
 def bit_equal(a: torch.Tensor | None, b: torch.Tensor | None) -> bool | None:
     if a is None or b is None:
         return None
-    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(_bits(a), _bits(b))
+    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(bits(a), bits(b))
 
 
 def reference(inp: ABInputs, mask: torch.Tensor | None, g: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -440,9 +430,9 @@ def _f(x: Any) -> str:
     return str(x)
 
 
-def markdown(report: dict[str, Any]) -> str:
+def markdown(report: dict[str, Any], level: int = 1) -> str:
     s = report["shape"]
-    lines = [f"# Operator A/B: selected log-prob, T={s['tokens']} H={s['hidden']} V={s['vocab']}", "",
+    lines = [f"{'#' * level} Operator A/B: selected log-prob, T={s['tokens']} H={s['hidden']} V={s['vocab']}", "",
              f"device {report['device']}; {report['dtype_policy']}; kept set: {_f(report['kept_set'])}; "
              f"memory: {report['memory']}", "",
              "| impl | group | logp max err | mean | p99 | d hidden rel | d weight rel | fwd det | bwd det | "

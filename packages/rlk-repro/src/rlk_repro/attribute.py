@@ -87,6 +87,10 @@ def probe_identity(rp: LocalReplay) -> dict[str, Any]:
             problems.append(f"sequence {s}: train-data's prompt tokens are not the request's prompt")
         if ids[lp:lp + n].tolist() != resp:
             problems.append(f"sequence {s}: train-data's response tokens are not the tokens the rollout sampled")
+        for side in ("train", "rollout"):  # the ids each side's log-prob op was given, at its own positions
+            got = rp.dumps[side].points.get("final.targets", {})
+            if [int(got[k]) for k in sorted(k for k in got if k[0] == s)] != resp:
+                problems.append(f"sequence {s}: the {side} side's log-prob targets are not the sampled response")
         if rp.train_targets[s] != resp:
             problems.append(f"sequence {s}: the trainer's shifted targets are not the sampled response")
         if rp.train_positions[s] != list(range(lp - 1, lp + n - 1)):
@@ -227,7 +231,7 @@ def _round_metrics(rp: LocalReplay) -> dict[str, Any]:
     return {}
 
 
-def ab_inputs(rp: LocalReplay, keys: list[tuple[int, int]], masks: dict[str, torch.Tensor | None]) -> abtest.ABInputs:
+def ab_inputs(rp: LocalReplay, keys: list[tuple[int, int]]) -> abtest.ABInputs:
     """The captured tensors: the trainer's final hidden states at the selected log-prob positions, its LM head,
     the targets, the temperature and the trainer's kept set (rlk's threshold)."""
     from rlk_core.ops import kept_set, linear
@@ -315,7 +319,7 @@ def _attribute(run_dir: Path, rnd: int, sequences: list[int] | None, injection: 
             raise RuntimeError(f"tap: the {side} side ran {seen} layers, the model has {n_layers}")
     keys = _logit_keys(rp)
     masks = _kept_masks(rp, keys)
-    inputs = ab_inputs(rp, keys, masks)
+    inputs = ab_inputs(rp, keys)
     ab = abtest.run_ab(inputs, frameworks=frameworks, repeats=repeats)
     probes = [probe_fidelity(rp, injection), probe_identity(rp), probe_model_state(rp), probe_logits(rp, keys),
               probe_lse(rp, keys, masks), probe_tp(rp), probe_kept(rp, keys, masks), probe_ab(ab)]
@@ -392,5 +396,5 @@ def markdown(doc: dict[str, Any]) -> str:
                   f"first at (sequence, position) {b.get('first_row')}."]
     if doc["layers"]["missing"]:
         lines += ["", f"Points not dumped by both sides: {', '.join(doc['layers']['missing'])}"]
-    lines += ["", "## Operator A/B on the captured tokens (probe 7)", "", abtest.markdown(doc["ab"])]
+    lines += ["", "## Operator A/B on the captured tokens (probe 7)", "", abtest.markdown(doc["ab"], level=3)]
     return "\n".join(lines) + "\n"

@@ -20,7 +20,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
+
+from rlk_repro._tensorio import bits, read_checked
 
 DUMP_SCHEMA = "rlk.attribution-dump.v1"
 
@@ -83,13 +85,7 @@ def save_dump(dump: Dump, path: Path) -> None:
 
 
 def load_dump(path: Path) -> Dump:
-    from safetensors import safe_open
-
-    with safe_open(str(path), "pt") as fh:
-        meta = fh.metadata() or {}
-    if meta.get("schema") != DUMP_SCHEMA:
-        raise ValueError(f"{path}: not an {DUMP_SCHEMA} file (schema {meta.get('schema')!r})")
-    tensors = load_file(str(path))
+    tensors, meta = read_checked(path, DUMP_SCHEMA)
     dump = Dump(meta["side"])
     for label in (k for k in tensors if not k.endswith(".rows")):
         keys = [tuple(r) for r in tensors[f"{label}.rows"].tolist()]
@@ -100,22 +96,16 @@ def load_dump(path: Path) -> Dump:
     return dump
 
 
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    ints = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16,
-            torch.float64: torch.int64}
-    return t.contiguous().view(ints[t.dtype]) if t.dtype in ints else t
-
-
 def diff_stats(a: torch.Tensor, b: torch.Tensor) -> dict[str, Any]:
     """Bitwise and numerical comparison of two same-shape tensors (differences in float64)."""
     if a.shape != b.shape or a.dtype != b.dtype:
         return {"comparable": False, "why": f"shape/dtype {tuple(a.shape)} {a.dtype} vs {tuple(b.shape)} {b.dtype}"}
-    neq = _bits(a) != _bits(b)
+    neq = bits(a) != bits(b)
     d = (a.double() - b.double()).abs()
     finite = d[torch.isfinite(d)]
     scale = b.double().abs()
     rel = finite.max() / scale.max().clamp_min(1e-300) if finite.numel() else torch.tensor(0.0)
-    return {"comparable": True, "equal": bool(torch.equal(_bits(a), _bits(b))), "elements": int(a.numel()),
+    return {"comparable": True, "equal": bool(torch.equal(bits(a), bits(b))), "elements": int(a.numel()),
             "mismatches": int(neq.sum()), "mismatch_fraction": float(neq.float().mean()) if a.numel() else 0.0,
             "max_abs_diff": float(finite.max()) if finite.numel() else 0.0,
             "mean_abs_diff": float(finite.mean()) if finite.numel() else 0.0,
@@ -124,7 +114,7 @@ def diff_stats(a: torch.Tensor, b: torch.Tensor) -> dict[str, Any]:
 
 def first_differing_row(a: torch.Tensor, b: torch.Tensor, keys: list[tuple[int, int]]) -> tuple[int, int] | None:
     """The ``(sequence, position)`` of the first row (in key order) whose bits differ."""
-    rows = (_bits(a) != _bits(b)).reshape(a.shape[0], -1).any(-1)
+    rows = (bits(a) != bits(b)).reshape(a.shape[0], -1).any(-1)
     idx = torch.nonzero(rows).flatten()
     return keys[int(idx[0])] if idx.numel() else None
 

@@ -107,8 +107,10 @@ class TapOps(Ops):
 
     def end(self) -> None:
         for label, parts in self._pending.items():
-            rows = torch.cat([t.reshape(t.shape[0], *t.shape[1:]) for _, t in parts]) if len(parts) > 1 else parts[0][1]
+            rows = torch.cat([t for _, t in parts]) if len(parts) > 1 else parts[0][1]  # decode rows, then prefill
             n = rows.shape[0]
+            # equal counts mean the same keys: every scheduled request ran one token and completed (rollout), or
+            # every prompt is one token long (train)
             if n == len(self._token_keys):
                 keys = self._token_keys
             elif n == len(self._logit_keys):
@@ -171,9 +173,11 @@ class TapOps(Ops):
                          super().attention_paged_prefill(*args, **kw))
 
     def token_logprobs(self, logits, target, temperature, kept=None):
+        self._put("final.targets", "token_logprobs", target)  # the ids this side takes the log-prob of (probe 1)
         return self._put("final.logprobs", "token_logprobs", super().token_logprobs(logits, target, temperature, kept))
 
     def linear_logprobs(self, hidden, weight, target, temperature, kept=None):
+        self._put("final.targets", "linear_logprobs", target)
         if "final.logits" not in self._pending:  # the fused op keeps its logits: this side's GEMM on the same rows
             with torch.no_grad():
                 self._put("final.logits", "linear", super().linear("logp", hidden.detach(), weight.detach()))
