@@ -165,3 +165,18 @@ def test_cli_writes_the_report_beside_the_run_and_never_over_it(runs, tmp_path, 
     assert cli.main(["attribute", str(runs["rr"]), "--inject", "train:0:nope", "--output", str(tmp_path / "y")]) == 2
     ab = ["abtest", "--tensors", str(out / "ab-tensors.safetensors"), "--repeats", "1", "--threads", "1"]
     assert cli.main(ab) == 0
+
+
+def test_dumps_alone_are_compared_but_never_attributed(runs, tmp_path, capsys):
+    out = tmp_path / "pp"
+    assert cli.main(["attribute", str(runs["pp"]), "--sequences", "0,1", "--repeats", "1", "--output", str(out)]) == 0
+    report = json.loads((out / "attribution.json").read_text())
+    capsys.readouterr()
+    dumps = [str(out / "dumps" / "train.safetensors"), str(out / "dumps" / "rollout.safetensors")]
+    assert cli.main(["attribute", "--dumps", *dumps, "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["verdict"]["kind"] == "unchecked" and doc["verdict"]["boundary"] is None
+    assert doc["verdict"]["first_difference_unattributed"] == report["verdict"]["boundary"]["point"]
+    assert {p["status"] for p in doc["probes"]} == {"not_available"}
+    assert cli.main(["attribute", "--dumps", *dumps[::-1]]) == 2  # the sides swapped
+    assert cli.main(["attribute", str(runs["pp"]), "--dumps", *dumps]) == 2  # both

@@ -333,6 +333,34 @@ def _attribute(run_dir: Path, rnd: int, sequences: list[int] | None, injection: 
     return doc, rp, inputs
 
 
+def attribute_dumps(train_path: Path, rollout_path: Path) -> dict[str, Any]:
+    """The per-layer comparison of two dumps an engine produced itself (``rlk.attribution-dump.v1``: a framework
+    engine's hooks, or an earlier attribution's ``dumps/``). Probes 0-2 and 6 cannot run on dumps alone, so the
+    first difference is reported and not attributed (verdict ``unchecked``)."""
+    from rlk_repro.attribute_dumps import load_dump
+
+    try:
+        train, rollout = load_dump(train_path), load_dump(rollout_path)
+    except (OSError, ValueError, KeyError) as exc:
+        raise RlkConfigError(f"--dumps: {exc}") from None
+    if (train.side, rollout.side) != ("train", "rollout"):
+        raise RlkConfigError(f"--dumps TRAIN ROLLOUT: the files are the {train.side} and {rollout.side} sides")
+    found = [layer_of(label) for label in (*train.points, *rollout.points)]
+    n_layers = max((x for x in found if x is not None), default=-1) + 1
+    layers = compare_dumps(train, rollout, n_layers)
+    probes = [_probe(pid, name, NA, "dumps only: this probe needs the run (its train-data, manifest and weights)")
+              for pid, name in ((0, "replay fidelity"), (1, "sample and token identity"), (2, "model state"),
+                                (6, "kept token sets"))]
+    b = layers["boundary"]
+    v = ({"kind": "no_boundary", "boundary": None, "summary": "the two dumps agree bit for bit at every point both "
+          "hold" + (f" ({len(layers['missing'])} points missing from one side)" if layers["missing"] else "")}
+         if b is None else
+         {"kind": "unchecked", "boundary": None, "first_difference_unattributed": b["point"],
+          "summary": f"the dumps first differ at {b['point']}; not attributed: probes 0, 1, 2 and 6 need the run"})
+    return {"schema": ATTRIBUTION_SCHEMA, "dumps": {"train": str(train_path), "rollout": str(rollout_path)},
+            "layers_found": n_layers, "probes": probes, "layers": layers, "verdict": v}
+
+
 def write(doc: dict[str, Any], rp: LocalReplay, inputs: abtest.ABInputs, out: Path) -> None:
     out.mkdir(parents=True, exist_ok=False)
     (out / "dumps").mkdir()

@@ -39,7 +39,11 @@ def add_parser(sub) -> None:
                         "logits, log-sum-exp, TP reduce, kept sets, native vs rlk on fixed tokens), then the first "
                         "layer and operator where the bits part; no operator is blamed while probe 0, 1, 2 or 6 "
                         "fails. docs/attribution.md.")
-    at.add_argument("run_dir", metavar="RUN_DIR", type=Path, help="a local-engine run directory")
+    at.add_argument("run_dir", metavar="RUN_DIR", type=Path, nargs="?", default=None,
+                    help="a local-engine run directory")
+    at.add_argument("--dumps", nargs=2, type=Path, default=None, metavar=("TRAIN", "ROLLOUT"),
+                    help="instead of RUN_DIR: compare two rlk.attribution-dump.v1 files an engine wrote itself "
+                    "(the per-layer walk only; the first difference is not attributed)")
     at.add_argument("--round", type=int, default=0, help="the round to replay (default 0; others need their "
                     "starting weights: a static-weights run, or the round a saved round state names)")
     at.add_argument("--sequences", type=_ints, default=None, metavar="I,J,...",
@@ -86,9 +90,21 @@ def add_parser(sub) -> None:
 
 
 def main_attribute(a: argparse.Namespace) -> int:
+    from rlk_core.errors import RlkConfigError
     from rlk_repro import attribute as at
     from rlk_repro.attribute_local import Injection
 
+    if (a.run_dir is None) == (a.dumps is None):
+        raise RlkConfigError("give RUN_DIR or --dumps TRAIN ROLLOUT (one of them)")
+    if a.dumps is not None:
+        doc = at._jsonable(at.attribute_dumps(*a.dumps))
+        if a.output is not None:
+            a.output.mkdir(parents=True, exist_ok=False)
+            from rlk_validate import evidence
+
+            evidence.write_json_atomic(a.output / "attribution.json", doc)
+        print(json.dumps(doc, indent=1) if a.json else f"{doc['verdict']['kind']}: {doc['verdict']['summary']}")
+        return 0
     out = a.output or at.default_output(a.run_dir, a.round)
     at.check_output(out, a.run_dir)
     injection = Injection.parse(a.inject) if a.inject else None
