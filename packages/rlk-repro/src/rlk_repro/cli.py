@@ -112,6 +112,9 @@ def build_parser() -> argparse.ArgumentParser:
     from rlk_repro import prepare_cli
 
     prepare_cli.add_parser(sub)
+    from rlk_repro import attribute_cli  # issue 38: attribute, abtest (each sets its own `main`)
+
+    attribute_cli.add_parser(sub)
     return p
 
 
@@ -545,7 +548,7 @@ def _vime(argv: list[str]) -> int:
 
 def _main(argv: list[str]) -> int:
     debug = "--debug" in argv
-    commands = ("run", "plan", "matrix", "doctor", "report", "prepare")
+    commands = ("run", "plan", "matrix", "doctor", "report", "prepare", "attribute", "abtest")
     name = "rlk-repro" + next((f" {c}" for c in argv if c in commands), "")
     try:
         if argv[:1] in (["plan"], ["run"]) and _engine(argv) == "vime":
@@ -554,6 +557,8 @@ def _main(argv: list[str]) -> int:
         if a.command is None:
             build_parser().print_help()
             return EXIT_USAGE
+        if getattr(a, "main", None) is not None:  # a subcommand module's own command (attribute_cli)
+            return a.main(a)
         if a.command == "report":
             return _cmd_report(a)
         if a.command == "doctor":
