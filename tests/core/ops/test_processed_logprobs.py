@@ -346,13 +346,15 @@ def test_triton_kept_set_under_interpreter(run_interpreted):
             x[2, 7] = -0.0
             x[2, :30] = 0.0            # zeros (one of them -0.0) tied
             temp = (torch.rand(t, generator=g) + 0.5)
-            k = torch.tensor([40, 7, 30, 300, 40, 1][:t])
             p = torch.tensor([0.95, 1.0, 0.5, 0.8, 0.01, 0.99][:t])
             m = torch.tensor([0.0, 0.05, 0.0, 0.1, 0.0, 0.3][:t])
-            kmax = int(k.max())
-            ref = R.kept_set_reference(x, temp, k, p, m, R.PATH_TOP_K, kmax)
-            got = KT.kept_set(CPU, x, temp, k, p, m, R.PATH_TOP_K, kmax)
-            assert same(got, ref), (got, ref)
+            # kmax 300: the torch finish; <= 256: the finish kernel (one block of the top-p scan)
+            for ks in ([40, 7, 30, 300, 40, 1], [40, 7, 30, 256, 40, 1], [64, 64, 64, 64, 64, 64], [2, 1, 3, 1, 2, 5]):
+                k = torch.tensor(ks[:t])
+                kmax = int(k.max())
+                ref = R.kept_set_reference(x, temp, k, p, m, R.PATH_TOP_K, kmax)
+                got = KT.kept_set(CPU, x, temp, k, p, m, R.PATH_TOP_K, kmax)
+                assert same(got, ref), (ks, got, ref)
             sort = KT.kept_set(CPU, x, temp, torch.zeros(t, dtype=torch.int64), p, m, R.PATH_SORT, 0)
             assert same(sort, R.kept_set_reference(x, temp, torch.zeros(t, dtype=torch.int64), p, m, R.PATH_SORT, 0))
         # negative control: the finish given one candidate fewer (the k-th token's tie dropped) differs

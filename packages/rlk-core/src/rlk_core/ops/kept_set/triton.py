@@ -24,6 +24,9 @@ from rlk_core.ops.kept_set import reference as R
 
 BLOCK = 2048  # columns per step of a row's program (a constant: never a function of T or V)
 NUM_WARPS = 8
+KM = 256  # the finish kernel's candidates per kind (kmax <= KM: the top-p scan is one block of the contract's 256)
+LOW: tl.constexpr = tl.constexpr((1 << 32) - 1)
+NO_KEY: tl.constexpr = tl.constexpr(-(1 << 63))  # below every candidate's key (a NaN's is above it)
 
 
 @triton.jit(do_not_specialize=["V", "cap", "stride_x"])
@@ -61,6 +64,83 @@ def _candidates_kernel(x_ptr, temp_ptr, tau_ptr, minz_ptr, gv_ptr, gi_ptr, ei_pt
     tl.store(count_ptr + row * 3 + 2, n_min)
 
 
+@triton.jit
+def _halve(x, W: tl.constexpr):
+    """``[W] -> [W/2]``: element ``i`` plus element ``i + W/2`` (one level of ``tree_sum``'s pairwise halves)."""
+    a, b = tl.split(tl.permute(tl.reshape(x, (2, W // 2)), (1, 0)))
+    return a + b
+
+
+@triton.jit
+def _first_half(x, W: tl.constexpr):
+    """``[W] -> [W/2]``: the first ``W/2`` elements."""
+    a, b = tl.split(tl.permute(tl.reshape(x, (2, W // 2)), (1, 0)))
+    return a
+
+
+@triton.jit(do_not_specialize=["V"])
+def _finish_kernel(gv_ptr, gi_ptr, ei_ptr, eg_ptr, et_ptr, count_ptr, tau_ptr, topk_ptr, topp_ptr, scan_ptr,
+                   value_ptr, id_ptr, size_ptr, V, KM: tl.constexpr):
+    """Row ``program_id``'s kept set from its candidates (``kmax <= KM = 256``: one block of the top-p scan) — the
+    reference's ``_finish`` + ``prefix_threshold`` with the same fp32 operations: the candidates ordered by their
+    64-bit keys (a slot number in place of the id: equal values are all ``z > tau`` slots in id order or all ``tau``
+    slots in id order, so slot order is id order), ``e`` (the torch ``exp`` of each candidate, given) summed by the
+    pairwise-halves tree, ``target = top_p * C``, the Hillis-Steele scan through ``scan_ptr`` and the first position
+    reaching the target."""
+    row = tl.program_id(0).to(tl.int64)
+    n_gt = tl.load(count_ptr + row * 3).to(tl.int64)
+    n_eq = tl.load(count_ptr + row * 3 + 1).to(tl.int64)
+    n_min = tl.load(count_ptr + row * 3 + 2).to(tl.int64)
+    tau = tl.load(tau_ptr + row)
+    k = tl.load(topk_ptr + row)
+    top_p = tl.load(topp_ptr + row)
+    slot = tl.arange(0, 2 * KM).to(tl.int64)
+    in_g = slot < KM
+    gslot = tl.where(in_g, slot, 0)
+    eslot = tl.where(in_g, 0, slot - KM)
+    valid = tl.where(in_g, slot < n_gt, eslot < n_eq)
+    value = tl.where(in_g, tl.load(gv_ptr + row * KM + gslot, mask=in_g & valid, other=0.0), tau)
+    bits = value.to(tl.int32, bitcast=True)
+    mono = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(tl.int64)
+    key = tl.where(valid, mono * 4294967296 + (LOW - slot), NO_KEY)
+    order = _first_half(tl.sort(key, descending=True), 2 * KM)  # the first KM candidates in the contract's order
+    pos = tl.arange(0, KM).to(tl.int64)
+    s = LOW - (order & LOW)  # their slots
+    n_k = tl.where((k >= 1) & (k < V), k, V)
+    n1 = tl.minimum(n_min, n_k)
+    e = tl.where(s < KM, tl.load(eg_ptr + row * KM + tl.where(s < KM, s, 0)), tl.load(et_ptr + row))
+    e = tl.where(pos < n1, e, 0.0)
+    total = _halve(e, KM)
+    total = _halve(total, KM // 2)
+    total = _halve(total, KM // 4)
+    total = _halve(total, KM // 8)
+    total = _halve(total, KM // 16)
+    total = _halve(total, KM // 32)
+    total = _halve(total, KM // 64)
+    total = _halve(total, KM // 128)
+    target = top_p * tl.reshape(total, ())
+    # the inclusive Hillis-Steele scan of e: shifts 1, 2, ..., KM/2, each x[i] + x[i - s] for i >= s
+    c = e
+    base = scan_ptr + row * KM
+    for step in tl.static_range(8):
+        tl.store(base + pos, c)
+        tl.debug_barrier()
+        prev = tl.load(base + pos - (1 << step), mask=pos >= (1 << step), other=0.0)
+        tl.debug_barrier()
+        c = tl.where(pos >= (1 << step), c + prev, c)
+    j = tl.min(tl.where(c >= target, pos, KM - 1), axis=0)
+    n = tl.where(top_p < 1.0, tl.minimum(j + 1, n1), n1)
+    last = tl.sum(tl.where(pos == n - 1, s, 0), axis=0)
+    in_last_g = last < KM
+    v = tl.where(in_last_g, tl.load(gv_ptr + row * KM + tl.where(in_last_g, last, 0)), tau)
+    tid = tl.where(in_last_g, tl.load(gi_ptr + row * KM + tl.where(in_last_g, last, 0)),
+                   tl.load(ei_ptr + row * KM + tl.where(in_last_g, 0, last - KM)))
+    whole = n >= V
+    tl.store(value_ptr + row, tl.where(whole, float("-inf"), v))
+    tl.store(id_ptr + row, tl.where(whole, V - 1, tid))
+    tl.store(size_ptr + row, tl.where(whole, V, n))
+
+
 def _bounds(logits: torch.Tensor, temperature: torch.Tensor, min_p: torch.Tensor, kmax: int
             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(z_max, tau, min-p bound)`` per row from a ``topk`` of the raw logits (``z`` is monotone in them)."""
@@ -94,8 +174,22 @@ def kept_set(p, logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Te
         return p.host(R.kept_set_reference, logits, temperature, top_k, top_p, min_p, path, kmax)
     x, temperature = p.contiguous(logits), p.contiguous(temperature)
     zmax, tau, minz = p.host(_bounds, x, temperature, min_p, kmax)
-    gv, gi, ei = p.new((t, kmax), torch.float32), p.new((t, kmax), torch.int64), p.new((t, kmax), torch.int64)
+    cap = KM if kmax <= KM else kmax
+    gv, gi, ei = p.new((t, cap), torch.float32), p.new((t, cap), torch.int64), p.new((t, cap), torch.int64)
     count = p.new((t, 3), torch.int32)
-    p.launch(_candidates_kernel, (t,), x, temperature, tau, minz, gv, gi, ei, count, vocab, kmax, x.stride(0),
+    p.launch(_candidates_kernel, (t,), x, temperature, tau, minz, gv, gi, ei, count, vocab, cap, x.stride(0),
              BLOCK=BLOCK, num_warps=NUM_WARPS)
-    return p.host(_finish, gv, gi, ei, count, tau, zmax, top_k, top_p, kmax, vocab)
+    if kmax > KM:
+        return p.host(_finish, gv, gi, ei, count, tau, zmax, top_k, top_p, kmax, vocab)
+    eg, et = p.host(_exps, gv, tau, zmax)
+    value, token_id, size = p.new((t,), torch.float32), p.new((t,), torch.int64), p.new((t,), torch.int64)
+    scratch = p.new((t, KM), torch.float32)
+    p.launch(_finish_kernel, (t,), gv, gi, ei, eg, et, count, tau, p.contiguous(top_k, torch.int64),
+             p.contiguous(top_p, torch.float32), scratch, value, token_id, size, vocab, KM=KM, num_warps=4)
+    return value, token_id, size
+
+
+def _exps(gv: torch.Tensor, tau: torch.Tensor, zmax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``exp(z - base(z_max))`` of each candidate (torch's ``exp``, as the reference's top-p mass takes it)."""
+    base = torch.where(zmax == R.NEG_INF, torch.zeros_like(zmax), zmax)
+    return torch.exp(gv - base[:, None]), torch.exp(tau - base)
