@@ -27,6 +27,7 @@ class UsageError(Exception):
 SUBCOMMANDS = """subcommands:
   rlk-validate [run] RUN_DIR [options]      check one run directory (`run` for a directory named like a subcommand)
   rlk-validate matrix MATRIX_ROOT [options] check every cell of an ablation matrix root
+  rlk-validate ladder LADDER_ROOT [options] check every rung of a mismatch-knob ladder root (docs/ladder.md)
   rlk-validate codes                        list the finding codes
   rlk-validate keygen DIR                   write an Ed25519 key pair for signed seals (--sign-key, --verify-key)
   rlk-validate import-vime SRC DST          turn a VIME run's artifact directory into an rlk run directory"""
@@ -254,6 +255,28 @@ def _main_matrix(argv: Sequence[str]) -> int:
     return rep.exit_code
 
 
+def _main_ladder(argv: Sequence[str]) -> int:
+    from .ladder import validate_ladder
+
+    p = _Parser(prog="rlk-validate ladder", description="Check every rung of a ladder root (`rlk-repro ladder`): each "
+                "rung as a run, its knobs, the skip records, the shared provenance, and ladder-report.json against the "
+                "rungs' data. Writes nothing unless --write is given.")
+    p.add_argument("ladder_root", metavar="LADDER_ROOT")
+    p.add_argument("--write", action="store_true", help="write ladder-report.json and .md into LADDER_ROOT")
+    _common(p)
+    a = p.parse_args(argv)
+    _check_outputs(a, a.ladder_root, "LADDER_ROOT")
+    rep = validate_ladder(a.ladder_root, _options(a), write=a.write)
+    _print(rep.summary().splitlines()[-1] if a.quiet else rep.summary())
+    if a.json:
+        try:
+            _write_json(a.json, rep.to_json())
+        except OSError as e:
+            print(f"rlk-validate: cannot write {clean(a.json)}: {e.strerror or e}", file=sys.stderr)
+            return EXIT_USAGE
+    return rep.exit_code
+
+
 def _main_codes() -> int:
     _print("\n".join(f"{code:<26} {sev:<10} {meaning}" for code, (sev, meaning) in CODES.items()))
     return 0
@@ -303,6 +326,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args and args[0] == "matrix":
             return _main_matrix(args[1:])
+        if args and args[0] == "ladder":
+            return _main_ladder(args[1:])
         if args and args[0] == "codes":
             return _main_codes()
         if args and args[0] == "import-vime":
