@@ -234,7 +234,7 @@ def _resume(a: argparse.Namespace, root: Path, build_parser) -> argparse.Namespa
         raise RlkConfigError(f"--resume {root}: {LADDER_OPTIONS} is unreadable ({exc})") from None
     if not isinstance(doc, dict) or doc.get("schema") != LADDER_OPTIONS_SCHEMA:
         raise RlkConfigError(f"--resume {root}: {LADDER_OPTIONS} is not a {LADDER_OPTIONS_SCHEMA} document")
-    defaults = {k: v for k, v in vars(build_parser().parse_args(["ladder"])).items() if k != "dry_run"}
+    defaults = vars(build_parser().parse_args(["ladder"]))
     merged = matrix.merge_recorded(a, root, doc, defaults, LADDER_OPTIONS, "every rung of a ladder shares one "
                                    "configuration. Drop the flag, or start a new ladder", what="ladder")
     merged.dry_run = a.dry_run
