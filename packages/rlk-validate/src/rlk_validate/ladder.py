@@ -308,7 +308,7 @@ def validate_ladder(path: str | os.PathLike[str], options: Options | None = None
         m = rung_metrics(r, g["knobs"])
         metrics[name] = m
         entry.update(dir=name, status=r.verdict, metrics=m)
-        entry["_codes"] = [f.code for f in (*r.findings, *kf)]
+        entry["_codes"] = [f.code for f in (*r.findings, *kf) if f.severity != "info"]
     by_name = {g["name"]: g for g in doc["rungs"]}
     for entry in rep.rungs:
         codes = entry.pop("_codes", None)

@@ -233,7 +233,11 @@ def _fallbacks(m: dict[str, Any]) -> list[str]:
             for module, e in mods.items() for f in e.get("fallbacks", [])]
 
 
-FRAMEWORK_CODES = ("READBACK", "ROUTE", "FALLBACK", "HOOK", "LADDER_RUNG_KNOBS_MISMATCH", "MODE_PLAN_MISMATCH")
+#: findings that say what ran is not what was asked for (readbacks, routes, the rung's knobs)
+FRAMEWORK_CODES = ("READBACK", "MODULE_RECORD_MISSING", "MODULE_NOT_EXECUTED", "CASE_MISMATCH", "R_NOT_RLK",
+                   "R_CONTRACT_MISSING", "FALLBACK", "BACKEND_DIVERGES", "P_NOT_PRODUCTION", "P_REPORTS_RLK",
+                   "PLAN_INVALID", "MODE_PLAN_MISMATCH", "LADDER_RUNG_KNOBS_MISMATCH")
+#: findings that say the two sides computed different distributions
 SEMANTIC_CODES = ("SAMPLING_SEMANTICS_DIFFER", "KEPT_SET_MISMATCH")
 
 
