@@ -254,18 +254,7 @@ def run_ladder(a: argparse.Namespace, argv: Sequence[str], config_of, frameworks
     from rlk_repro.lifecycle import utc_now
     from rlk_repro.runs import new_run_id, write_json_atomic
 
-    root = None
-    if a.resume:
-        root = Path(a.resume)
-        if not root.is_dir():
-            raise RlkConfigError(f"--resume {root}: not a directory")
-        lifecycle.refuse_inside_run_dir(root, "--resume")
-        a = _resume(a, root, build_parser)
-    else:
-        out = Path(a.output)
-        if out.exists() and not out.is_dir():
-            raise RlkConfigError(f"--output {out} exists and is not a directory")
-        lifecycle.refuse_inside_run_dir(out, "--output")
+    root, a = matrix.root_and_options(a, lambda a, root: _resume(a, root, build_parser))
     _check_knob_flags(a)
     rungs = rungs_of(a)
     if root is not None and a._recorded_rungs != [r.as_json() for r in rungs]:

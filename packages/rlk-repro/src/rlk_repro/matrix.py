@@ -138,18 +138,7 @@ def run_matrix(a: argparse.Namespace, argv: Sequence[str], config_of, frameworks
     from rlk_validate.matrix import expected_plan, validate_matrix
     from rlk_validate.validate import Options
 
-    root = None
-    if a.resume:
-        root = Path(a.resume)
-        if not root.is_dir():
-            raise RlkConfigError(f"--resume {root}: not a directory")
-        lifecycle.refuse_inside_run_dir(root, "--resume")
-        a = _resume_options(a, root, build_parser)
-    else:
-        out = Path(a.output)
-        if out.exists() and not out.is_dir():
-            raise RlkConfigError(f"--output {out} exists and is not a directory")
-        lifecycle.refuse_inside_run_dir(out, "--output")
+    root, a = root_and_options(a, lambda a, root: _resume_options(a, root, build_parser))
     frameworks = a.engine == "frameworks"
     cells = cells_of(a.cells)
     if frameworks:
@@ -184,6 +173,22 @@ def run_matrix(a: argparse.Namespace, argv: Sequence[str], config_of, frameworks
                           Options)
     finally:
         lock.release()
+
+
+def root_and_options(a: argparse.Namespace, resume_options) -> tuple[Path | None, argparse.Namespace]:
+    """``--resume ROOT``: the existing root and its recorded options (``resume_options(a, root)``); else None (a new
+    root goes under ``--output``) and ``a``. An unusable path exits 2 before anything is created."""
+    if a.resume:
+        root = Path(a.resume)
+        if not root.is_dir():
+            raise RlkConfigError(f"--resume {root}: not a directory")
+        lifecycle.refuse_inside_run_dir(root, "--resume")
+        return root, resume_options(a, root)
+    out = Path(a.output)
+    if out.exists() and not out.is_dir():
+        raise RlkConfigError(f"--output {out} exists and is not a directory")
+    lifecycle.refuse_inside_run_dir(out, "--output")
+    return None, a
 
 
 def resume_command(root: Path) -> str:

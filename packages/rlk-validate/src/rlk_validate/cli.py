@@ -245,6 +245,11 @@ def _main_matrix(argv: Sequence[str]) -> int:
     if a.write and a.no_write:
         raise UsageError("--write and --no-write contradict each other")
     rep = validate_matrix(a.matrix_root, _options(a), allow_partial=a.allow_partial, write=a.write)
+    return _emit(a, rep)
+
+
+def _emit(a: argparse.Namespace, rep: Any) -> int:
+    """A root's report (matrix, ladder): its summary (the verdict line alone with ``-q``), ``--json``; its exit code."""
     _print(rep.summary().splitlines()[-1] if a.quiet else rep.summary())
     if a.json:
         try:
@@ -266,15 +271,7 @@ def _main_ladder(argv: Sequence[str]) -> int:
     _common(p)
     a = p.parse_args(argv)
     _check_outputs(a, a.ladder_root, "LADDER_ROOT")
-    rep = validate_ladder(a.ladder_root, _options(a), write=a.write)
-    _print(rep.summary().splitlines()[-1] if a.quiet else rep.summary())
-    if a.json:
-        try:
-            _write_json(a.json, rep.to_json())
-        except OSError as e:
-            print(f"rlk-validate: cannot write {clean(a.json)}: {e.strerror or e}", file=sys.stderr)
-            return EXIT_USAGE
-    return rep.exit_code
+    return _emit(a, validate_ladder(a.ladder_root, _options(a), write=a.write))
 
 
 def _main_codes() -> int:
