@@ -28,7 +28,9 @@ from rlk_core.errors import RlkConfigError
 from rlk_repro import lifecycle, matrix
 from rlk_repro.progress import Progress
 from rlk_validate import evidence
-from rlk_validate.ladder import LADDER_OPTIONS, LADDER_OPTIONS_SCHEMA, SKIP_SCHEMA, SKIP_SUFFIX
+from rlk_validate.evidence import LADDER_OPTIONS, LADDER_OPTIONS_SCHEMA
+from rlk_validate.evidence import LADDER_SKIP_SCHEMA as SKIP_SCHEMA
+from rlk_validate.evidence import LADDER_SKIP_SUFFIX as SKIP_SUFFIX
 
 EXIT_OK, EXIT_MISMATCH, EXIT_FAILED = 0, 1, 3
 MODULES = ("attention", "ffn", "logp")

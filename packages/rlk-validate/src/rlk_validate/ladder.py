@@ -18,6 +18,13 @@ from typing import Any
 
 from . import __version__
 from .evidence import (
+    LADDER_OPTIONS,
+    LADDER_OPTIONS_SCHEMA,
+    LADDER_REPORT_JSON,
+    LADDER_REPORT_MD,
+    LADDER_REPORT_SCHEMA,
+    LADDER_SKIP_SCHEMA,
+    LADDER_SKIP_SUFFIX,
     MANIFEST,
     MATRIX_SHARED_FIELDS,
     REPORT_DIR,
@@ -41,13 +48,7 @@ from .safeio import InputError, Root
 from .validate import Options, unusable_reason, validate_run
 
 CHECK = "ladder"
-LADDER_OPTIONS = "ladder-options.json"
-LADDER_OPTIONS_SCHEMA = "rlk.ladder-options.v1"
-LADDER_REPORT_JSON = "ladder-report.json"
-LADDER_REPORT_MD = "ladder-report.md"
-LADDER_REPORT_SCHEMA = "rlk.ladder-report.v1"
-SKIP_SUFFIX = ".skipped.json"
-SKIP_SCHEMA = "rlk.ladder-skip.v1"
+SKIP_SUFFIX, SKIP_SCHEMA = LADDER_SKIP_SUFFIX, LADDER_SKIP_SCHEMA
 #: ``config`` keys that follow from a rung's knobs and so differ between rungs (besides the route keys)
 KNOB_CONFIG_KEYS = (*SAMPLING_KNOBS, "rollout_quantization")
 
