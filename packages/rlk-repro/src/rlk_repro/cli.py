@@ -115,6 +115,9 @@ def build_parser() -> argparse.ArgumentParser:
     from rlk_repro import attribute_cli  # issue 38: attribute, abtest (each sets its own `main`)
 
     attribute_cli.add_parser(sub)
+    from rlk_repro import ladder_cli  # issue 38: the mismatch-knob ladder
+
+    ladder_cli.add_parser(sub)
     return p
 
 
@@ -548,7 +551,7 @@ def _vime(argv: list[str]) -> int:
 
 def _main(argv: list[str]) -> int:
     debug = "--debug" in argv
-    commands = ("run", "plan", "matrix", "doctor", "report", "prepare", "attribute", "abtest")
+    commands = ("run", "plan", "matrix", "doctor", "report", "prepare", "attribute", "abtest", "ladder")
     name = "rlk-repro" + next((f" {c}" for c in argv if c in commands), "")
     try:
         if argv[:1] in (["plan"], ["run"]) and _engine(argv) == "vime":
@@ -567,6 +570,10 @@ def _main(argv: list[str]) -> int:
             from rlk_repro import prepare_cli
 
             return prepare_cli.main(a)
+        if a.command == "ladder":  # issue 38
+            from rlk_repro import ladder_cli
+
+            return ladder_cli.main(a, argv)
         if a.command == "plan":
             return _cmd_plan(a, argv)
         return _cmd_matrix(a, argv) if a.command == "matrix" else _cmd_run(a, argv)

@@ -27,6 +27,7 @@ class UsageError(Exception):
 SUBCOMMANDS = """subcommands:
   rlk-validate [run] RUN_DIR [options]      check one run directory (`run` for a directory named like a subcommand)
   rlk-validate matrix MATRIX_ROOT [options] check every cell of an ablation matrix root
+  rlk-validate ladder LADDER_ROOT [options] check every rung of a mismatch-knob ladder root (docs/ladder.md)
   rlk-validate codes                        list the finding codes
   rlk-validate keygen DIR                   write an Ed25519 key pair for signed seals (--sign-key, --verify-key)
   rlk-validate import-vime SRC DST          turn a VIME run's artifact directory into an rlk run directory"""
@@ -244,6 +245,11 @@ def _main_matrix(argv: Sequence[str]) -> int:
     if a.write and a.no_write:
         raise UsageError("--write and --no-write contradict each other")
     rep = validate_matrix(a.matrix_root, _options(a), allow_partial=a.allow_partial, write=a.write)
+    return _emit(a, rep)
+
+
+def _emit(a: argparse.Namespace, rep: Any) -> int:
+    """A root's report (matrix, ladder): its summary (the verdict line alone with ``-q``), ``--json``; its exit code."""
     _print(rep.summary().splitlines()[-1] if a.quiet else rep.summary())
     if a.json:
         try:
@@ -252,6 +258,20 @@ def _main_matrix(argv: Sequence[str]) -> int:
             print(f"rlk-validate: cannot write {clean(a.json)}: {e.strerror or e}", file=sys.stderr)
             return EXIT_USAGE
     return rep.exit_code
+
+
+def _main_ladder(argv: Sequence[str]) -> int:
+    from .ladder import validate_ladder
+
+    p = _Parser(prog="rlk-validate ladder", description="Check every rung of a ladder root (`rlk-repro ladder`): each "
+                "rung as a run, its knobs, the skip records, the shared provenance, and ladder-report.json against the "
+                "rungs' data. Writes nothing unless --write is given.")
+    p.add_argument("ladder_root", metavar="LADDER_ROOT")
+    p.add_argument("--write", action="store_true", help="write ladder-report.json and .md into LADDER_ROOT")
+    _common(p)
+    a = p.parse_args(argv)
+    _check_outputs(a, a.ladder_root, "LADDER_ROOT")
+    return _emit(a, validate_ladder(a.ladder_root, _options(a), write=a.write))
 
 
 def _main_codes() -> int:
@@ -303,6 +323,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args and args[0] == "matrix":
             return _main_matrix(args[1:])
+        if args and args[0] == "ladder":
+            return _main_ladder(args[1:])
         if args and args[0] == "codes":
             return _main_codes()
         if args and args[0] == "import-vime":

@@ -31,6 +31,10 @@ RUN_VALIDATION_SCHEMA = "rlk.run-validation.v1"
 MATRIX_REPORT_SCHEMA = "rlk.matrix-report.v1"
 COMPLETE_SCHEMA = "rlk.complete.v1"
 MATRIX_OPTIONS_SCHEMA = "rlk.matrix-options.v1"
+# a ladder root of `rlk-repro ladder` (docs/ladder.md)
+LADDER_OPTIONS_SCHEMA = "rlk.ladder-options.v1"
+LADDER_REPORT_SCHEMA = "rlk.ladder-report.v1"
+LADDER_SKIP_SCHEMA = "rlk.ladder-skip.v1"
 # a VIME run's artifact directory, before `rlk-validate import-vime` (docs/vime.md)
 VIME_LAUNCH_SCHEMA = "rlk.vime-launch.v1"
 VIME_ENVIRONMENT_SCHEMA = "rlk.vime-environment.v1"
@@ -47,6 +51,9 @@ SCHEMAS: dict[str, str] = {
     "matrix-report": MATRIX_REPORT_SCHEMA,
     "complete": COMPLETE_SCHEMA,
     "matrix-options": MATRIX_OPTIONS_SCHEMA,
+    "ladder-options": LADDER_OPTIONS_SCHEMA,
+    "ladder-report": LADDER_REPORT_SCHEMA,
+    "ladder-skip": LADDER_SKIP_SCHEMA,
     "vime-launch": VIME_LAUNCH_SCHEMA,
     "vime-environment": VIME_ENVIRONMENT_SCHEMA,
     "vime-logprobs": VIME_LOGPROBS_SCHEMA,
@@ -137,6 +144,11 @@ RUN_MARKERS = (MANIFEST, READBACKS_DIR, TRAIN_DATA_DIR, EXIT_CODE, BITWISE, METR
 MATRIX_OPTIONS = "matrix-options.json"
 #: the lock file of a matrix root (held by the one ``rlk-repro matrix`` process writing it; names the holder)
 MATRIX_LOCK = ".rlk-matrix.lock"
+#: a ladder root's files (``rlk-repro ladder``): its options and rungs, its report, a skipped rung's record
+LADDER_OPTIONS = "ladder-options.json"
+LADDER_REPORT_JSON = "ladder-report.json"
+LADDER_REPORT_MD = "ladder-report.md"
+LADDER_SKIP_SUFFIX = ".skipped.json"
 
 
 def is_run_dir(path: str | os.PathLike[str]) -> bool:

@@ -190,6 +190,20 @@ CODES: dict[str, tuple[str, str]] = {
         ERROR,
         "a cell's commit, seeds, inputs or configuration (routes aside) differ from the other cells of the root",
     ),
+    # ladder root (rlk-validate ladder, docs/ladder.md)
+    "LADDER_OPTIONS_INVALID": (ERROR, "ladder-options.json is not an rlk.ladder-options.v1 list of distinct rungs"),
+    "LADDER_RUNG_MISSING": (INCOMPLETE, "a rung of the ladder has neither a run directory nor a skip record"),
+    "LADDER_RUNG_FAILED": (ERROR, "a rung's run directory failed validation"),
+    "LADDER_RUNG_INCOMPLETE": (INCOMPLETE, "a rung's evidence is incomplete"),
+    "LADDER_RUNG_KNOBS_MISMATCH": (ERROR, "a rung's manifest does not show the rung's routes, filters, temperature or "
+                                   "quantization"),
+    "LADDER_RUNG_SKIPPED": (INFO, "a rung was skipped: the machine or engine lacks what it needs (the reason)"),
+    "LADDER_SKIP_INVALID": (ERROR, "a skip record is malformed, names no need of its rung, or sits beside a run of it"),
+    "LADDER_UNKNOWN_ENTRY": (WARNING, "an entry of the ladder root is not a rung; it was skipped"),
+    "LADDER_PROVENANCE_MISMATCH": (ERROR, "a rung's commit, seeds, inputs or configuration (knobs and routes aside) "
+                                   "differ from the other rungs'"),
+    "LADDER_REPORT_STALE": (ERROR, "ladder-report.json does not hold what the rungs' data give now"),
+    "LADDER_WRITE_FAILED": (ERROR, "ladder-report.json / ladder-report.md could not be written"),
 }
 
 
