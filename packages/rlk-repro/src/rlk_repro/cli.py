@@ -187,9 +187,10 @@ def _experiment_options(r: argparse.ArgumentParser) -> None:
     f.add_argument("--vllm-max-num-batched-tokens", type=positive_int, default=8192,
                    help="vLLM max_num_batched_tokens (8192)")
     f.add_argument("--run-name", default=None, help=argparse.SUPPRESS)  # a matrix cell's directory name
-    from rlk_repro import model_options  # issue 37: real model, data, chat template, reward
+    from rlk_repro import model_options, trace  # issue 37: real model, data, chat template, reward; --trace
 
     model_options.add_options(r)
+    trace.add_options(r)
 
 
 FRAMEWORKS_ONLY = ("tp", "gpu_memory_utilization", "enforce_eager", "train_micro_tokens", "vllm_max_num_seqs",
@@ -254,7 +255,7 @@ def _config(a: argparse.Namespace, argv: Sequence[str], resolved):
         logprobs=a.logprobs, train_logprobs=a.train_logprobs,
         chunk_size=a.chunk_size, page_size=a.page_size, max_num_seqs=a.max_num_seqs, optimizer=a.optimizer,
         lr=a.lr, static_weights=a.static_weights, readback_mode=mode, command=["rlk-repro", *argv],
-        threads=a.threads or (1 if device == "cpu" else None), state_every=state_every, **extra,
+        threads=a.threads or (1 if device == "cpu" else None), state_every=state_every, trace=a.trace, **extra,
         **model_kw,
     )
     SamplingParams(a.temperature, top_p, a.top_k, a.max_new_tokens, min_p=a.min_p)  # argument errors first

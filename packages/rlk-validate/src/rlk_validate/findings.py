@@ -179,6 +179,16 @@ CODES: dict[str, tuple[str, str]] = {
         INFO,
         "train/rollout mismatch of a case that is not required to be bitwise equal",
     ),
+    # kernel trace (rlk_validate.kernel_trace: `rlk-repro run --trace`)
+    "KERNEL_TRACE_MISSING": (INCOMPLETE, "the run asked for a kernel trace (--trace) but kernel-trace.json is absent"),
+    "KERNEL_TRACE_INVALID": (ERROR, "kernel-trace.json lacks fields or has wrong types"),
+    "KERNEL_TRACE_DISAGREES": (ERROR, "kernel-trace.json's per-family counts differ from those recomputed from its "
+                               "kernels"),
+    "KERNEL_FAMILY_MISSING": (ERROR, "an all-R run's traced round ran no kernel of a required rlk family (GEMM, "
+                              "attention forward / backward, SwiGLU, RMSNorm, log-prob; collective at TP > 1)"),
+    "VENDOR_KERNEL_IN_R": (ERROR, "an all-R run's traced round ran a vendor GEMM, vendor / flash attention or "
+                           "NCCL / custom all-reduce payload kernel"),
+    "KERNEL_TRACE_SUMMARY": (INFO, "the per-family kernel counts of the traced round, per side"),
     # matrix
     "MATRIX_CELL_MISSING": (INCOMPLETE, "an expected matrix cell directory is absent"),
     "MATRIX_CELL_PLAN_MISMATCH": (ERROR, "a cell's plan is not the plan its name stands for"),
