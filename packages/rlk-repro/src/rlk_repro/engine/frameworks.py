@@ -34,6 +34,7 @@ from rlk_repro.engine.trainer import Sample, group_advantages
 from rlk_repro.jitwatch import JitWatch
 from rlk_repro.jitwatch import counts as jit_counts
 from rlk_repro.progress import Progress
+from rlk_repro.trace import Tracer
 from rlk_validate import evidence
 
 log = logging.getLogger("rlk_repro")
@@ -248,6 +249,7 @@ class _Run:
         if self.lead:
             runs.write_json_atomic(self.run_dir / "manifest.json", self._manifest())
         rounds: list[dict[str, Any]] = []
+        self.tracer = Tracer(cfg.trace and self.lead, str(self.device), cfg.tp)  # issue 37: run --trace (rank 0)
         self.clock = self.progress.rounds(cfg.rounds)
         for rnd in range(cfg.rounds):
             rounds.append(self._round(rnd))
@@ -308,7 +310,7 @@ class _Run:
     def _round(self, rnd: int) -> dict[str, Any]:
         cfg, n = self.cfg, self.cfg.samples_per_prompt
         chosen, seeds, limits = self._requests(rnd)
-        with self.watch.phase("rollout"):
+        with self.watch.phase("rollout"), self.tracer.side("rollout", rnd):
             roll = self.vllm.generate([self.encoded[i] for i in chosen], seeds, limits, n, cfg.temperature,
                                       cfg.top_p, cfg.top_k, cfg.min_p)
         comps = roll.completions
@@ -317,8 +319,9 @@ class _Run:
         adv = group_advantages(rewards, n)
         samples = [Sample(list(self.encoded[chosen[c.prompt_index]]), c.tokens, c.logprobs, a)
                    for c, a in zip(comps, adv, strict=True)]
-        with self.watch.phase("train"):
+        with self.watch.phase("train"), self.tracer.side("train", rnd):
             res = self.trainer.step(samples)
+        self.tracer.write(self.run_dir)
         roll_lp = [torch.tensor(c.logprobs, dtype=torch.float32) for c in comps]
         cmp = runs.compare(torch.cat(roll_lp), torch.cat(res.train_logprobs))
         if self.lead:
