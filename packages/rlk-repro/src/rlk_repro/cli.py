@@ -181,6 +181,9 @@ def _experiment_options(r: argparse.ArgumentParser) -> None:
     f.add_argument("--gpu-memory-utilization", type=float, default=0.3,
                    help="vLLM's share of the GPU memory; Megatron uses the rest (0.3)")
     f.add_argument("--enforce-eager", action="store_true", help="vLLM without CUDA graphs / torch.compile")
+    f.add_argument("--cuda-graph-decode", action="store_true",
+                   help="vLLM CUDA graphs FULL_DECODE_ONLY with exact capture sizes 1..prompts x samples (the seeds' "
+                   "profile); rlk-validate then fails the run if decode ran eager or outside those sizes")
     f.add_argument("--train-micro-tokens", type=positive_int, default=8192,
                    help="tokens per Megatron forward/backward (padded tokens for a P attention) (8192)")
     f.add_argument("--vllm-max-num-seqs", type=positive_int, default=256, help="vLLM max_num_seqs (256)")
@@ -193,7 +196,8 @@ def _experiment_options(r: argparse.ArgumentParser) -> None:
     trace.add_options(r)
 
 
-FRAMEWORKS_ONLY = ("tp", "gpu_memory_utilization", "enforce_eager", "train_micro_tokens", "vllm_max_num_seqs",
+FRAMEWORKS_ONLY = ("tp", "gpu_memory_utilization", "enforce_eager", "cuda_graph_decode", "train_micro_tokens",
+                   "vllm_max_num_seqs",
                    "vllm_max_num_batched_tokens")
 
 
@@ -409,8 +413,8 @@ def _cmd_plan(a: argparse.Namespace, argv: Sequence[str]) -> int:
     return EXIT_OK
 
 
-_DEFAULTS = {"tp": 1, "gpu_memory_utilization": 0.3, "enforce_eager": False, "train_micro_tokens": 8192,
-             "vllm_max_num_seqs": 256, "vllm_max_num_batched_tokens": 8192}
+_DEFAULTS = {"tp": 1, "gpu_memory_utilization": 0.3, "enforce_eager": False, "cuda_graph_decode": False,
+             "train_micro_tokens": 8192, "vllm_max_num_seqs": 256, "vllm_max_num_batched_tokens": 8192}
 # run/matrix options a frameworks matrix cell passes on to its `rlk-repro run` process
 _CELL_OPTIONS = ("rounds", "seed", "device", "dtype", "model", "checkpoint", "prompts_per_round", "samples_per_prompt",
                  "max_new_tokens", "temperature", "top_p", "top_k", "min_p", "logprobs", "train_logprobs",
