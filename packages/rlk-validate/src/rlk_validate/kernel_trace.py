@@ -27,13 +27,12 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from .evidence import MODULES
+from .evidence import KERNEL_TRACE_SCHEMA, MODULES
 from .findings import Finding, finding
 from .safeio import MAX_INT, InputError, Root
 
 CHECK = "kernel-trace"
 KERNEL_TRACE = "kernel-trace.json"
-KERNEL_TRACE_SCHEMA = "rlk.kernel-trace.v1"
 TRACE_SIDES = ("rollout", "train")
 
 #: rlk's kernels (the ``@triton.jit`` functions of ``rlk_core/ops/*/triton*.py``, whose names the AOT cubins keep)

@@ -177,7 +177,7 @@ def main(argv: list[str]) -> int:
     import argparse
     import sys
 
-    from .evidence import write_json_atomic
+    from .evidence import VIME_DUMPS_COMPARISON_SCHEMA, write_json_atomic
     from .report import clean
 
     p = argparse.ArgumentParser(prog="rlk-validate vime-dumps", allow_abbrev=False,
@@ -201,7 +201,7 @@ def main(argv: list[str]) -> int:
               f"{r['mismatch_count']:>9} {r['max_abs_diff']:>10.3g} {r['train_rollout_logprob_abs_diff']:>13.6g}")
     compared, mism = sum(r["compared_tokens"] for r in rows), sum(r["mismatch_count"] for r in rows)
     if a.json:
-        write_json_atomic(a.json, {"schema": "rlk.vime-dumps-comparison.v1", "dumps": rows,
+        write_json_atomic(a.json, {"schema": VIME_DUMPS_COMPARISON_SCHEMA, "dumps": rows,
                                    "compared_tokens": compared, "mismatch_count": mism})
     if compared == 0:
         print("FAIL: no token compared (every loss mask is 0)")
