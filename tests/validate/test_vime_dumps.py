@@ -167,3 +167,20 @@ def test_import_vime_with_records_and_dumps_needs_a_choice(tmp_path: Path, cli) 
     d = json.loads((tmp_path / "b" / "manifest.json").read_text())["config"]
     assert d["train_data_from"] == "debug-train-data"
     assert json.loads((tmp_path / "c" / "manifest.json").read_text())["config"]["train_data_from"] == "logprob-records"
+
+
+def test_the_committed_dumps_are_what_the_builder_writes() -> None:
+    """data/vime-debug (read by the torch-free suite) holds, tensor for tensor, what write_committed writes now."""
+    from vime_dump_builders import COMMITTED, COMMITTED_ROLLOUTS
+
+    for rid, drift in COMMITTED_ROLLOUTS.items():
+        want = payload(rid, drift=drift)
+        got = torch.load(COMMITTED / f"{rid}_{want['rank']}.pt", weights_only=True)
+        assert got.keys() == want.keys() and len(got["samples"]) == len(want["samples"])
+        for a, b in zip(got["samples"], want["samples"], strict=True):
+            assert a.keys() == b.keys()
+            for k in a:
+                if torch.is_tensor(a[k]):
+                    assert torch.equal(a[k], b[k]) and a[k].dtype == b[k].dtype, k
+                else:
+                    assert a[k] == b[k], k

@@ -130,3 +130,26 @@ def expected(rollout_id: int, **kw) -> dict:
         mism += int(torch.ne(s["log_probs"][m], s["rollout_log_probs"][m]).sum())
     return {"compared_tokens": tokens, "mismatch_count": mism, "samples": len(p["samples"]),
             "values": {k: np.asarray(p["samples"][0][k]) for k in ("log_probs", "rollout_log_probs", "tokens")}}
+
+
+COMMITTED = Path(__file__).parent / "data" / "vime-debug"
+#: the committed fixture: rollout 0 equal, rollout 1 one ulp-ish apart at the first response token of every sample
+COMMITTED_ROLLOUTS = {0: 0.0, 1: 2.0 ** -12}
+
+
+def write_committed(directory: Path = COMMITTED) -> None:
+    """(Re)write the committed dumps and their expected comparison, for the torch-free suite (from the repo root:
+    ``python -c 'import sys; sys.path.insert(0, "tests/validate"); import vime_dump_builders as b;
+    b.write_committed()'``)."""
+    import json
+
+    directory.mkdir(parents=True, exist_ok=True)
+    want = {}
+    for rid, drift in COMMITTED_ROLLOUTS.items():
+        p = payload(rid, drift=drift)
+        torch.save(p, directory / f"{rid}_{p['rank']}.pt")
+        e = expected(rid, drift=drift)
+        want[f"{rid}_{p['rank']}.pt"] = {"compared_tokens": e["compared_tokens"], "mismatch_count": e["mismatch_count"],
+                                          "samples": e["samples"],
+                                          "first_log_probs": [float(x) for x in e["values"]["log_probs"]]}
+    (directory / "expected.json").write_text(json.dumps(want, indent=1) + "\n")
