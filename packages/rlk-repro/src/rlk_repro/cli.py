@@ -187,18 +187,23 @@ def _experiment_options(r: argparse.ArgumentParser) -> None:
     f.add_argument("--gpu-memory-utilization", type=float, default=0.3,
                    help="vLLM's share of the GPU memory; Megatron uses the rest (0.3)")
     f.add_argument("--enforce-eager", action="store_true", help="vLLM without CUDA graphs / torch.compile")
+    f.add_argument("--cuda-graph-decode", action="store_true",
+                   help="vLLM CUDA graphs FULL_DECODE_ONLY with exact capture sizes 1..prompts x samples (the seeds' "
+                   "profile); rlk-validate then fails the run if decode ran eager or outside those sizes")
     f.add_argument("--train-micro-tokens", type=positive_int, default=8192,
                    help="tokens per Megatron forward/backward (padded tokens for a P attention) (8192)")
     f.add_argument("--vllm-max-num-seqs", type=positive_int, default=256, help="vLLM max_num_seqs (256)")
     f.add_argument("--vllm-max-num-batched-tokens", type=positive_int, default=8192,
                    help="vLLM max_num_batched_tokens (8192)")
     f.add_argument("--run-name", default=None, help=argparse.SUPPRESS)  # a matrix cell's directory name
-    from rlk_repro import model_options  # issue 37: real model, data, chat template, reward
+    from rlk_repro import model_options, trace  # issue 37: real model, data, chat template, reward; --trace
 
     model_options.add_options(r)
+    trace.add_options(r)
 
 
-FRAMEWORKS_ONLY = ("tp", "gpu_memory_utilization", "enforce_eager", "train_micro_tokens", "vllm_max_num_seqs",
+FRAMEWORKS_ONLY = ("tp", "gpu_memory_utilization", "enforce_eager", "cuda_graph_decode", "train_micro_tokens",
+                   "vllm_max_num_seqs",
                    "vllm_max_num_batched_tokens")
 
 
@@ -260,7 +265,7 @@ def _config(a: argparse.Namespace, argv: Sequence[str], resolved):
         logprobs=a.logprobs, train_logprobs=a.train_logprobs,
         chunk_size=a.chunk_size, page_size=a.page_size, max_num_seqs=a.max_num_seqs, optimizer=a.optimizer,
         lr=a.lr, static_weights=a.static_weights, readback_mode=mode, command=["rlk-repro", *argv],
-        threads=a.threads or (1 if device == "cpu" else None), state_every=state_every, **extra,
+        threads=a.threads or (1 if device == "cpu" else None), state_every=state_every, trace=a.trace, **extra,
         **model_kw,
     )
     SamplingParams(a.temperature, top_p, a.top_k, a.max_new_tokens, min_p=a.min_p)  # argument errors first
@@ -414,8 +419,8 @@ def _cmd_plan(a: argparse.Namespace, argv: Sequence[str]) -> int:
     return EXIT_OK
 
 
-_DEFAULTS = {"tp": 1, "gpu_memory_utilization": 0.3, "enforce_eager": False, "train_micro_tokens": 8192,
-             "vllm_max_num_seqs": 256, "vllm_max_num_batched_tokens": 8192}
+_DEFAULTS = {"tp": 1, "gpu_memory_utilization": 0.3, "enforce_eager": False, "cuda_graph_decode": False,
+             "train_micro_tokens": 8192, "vllm_max_num_seqs": 256, "vllm_max_num_batched_tokens": 8192}
 # run/matrix options a frameworks matrix cell passes on to its `rlk-repro run` process
 _CELL_OPTIONS = ("rounds", "seed", "device", "dtype", "model", "checkpoint", "prompts_per_round", "samples_per_prompt",
                  "max_new_tokens", "temperature", "top_p", "top_k", "min_p", "logprobs", "train_logprobs",

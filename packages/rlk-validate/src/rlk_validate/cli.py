@@ -30,7 +30,8 @@ SUBCOMMANDS = """subcommands:
   rlk-validate ladder LADDER_ROOT [options] check every rung of a mismatch-knob ladder root (docs/ladder.md)
   rlk-validate codes                        list the finding codes
   rlk-validate keygen DIR                   write an Ed25519 key pair for signed seals (--sign-key, --verify-key)
-  rlk-validate import-vime SRC DST          turn a VIME run's artifact directory into an rlk run directory"""
+  rlk-validate import-vime SRC DST          turn a VIME run's artifact directory into an rlk run directory
+  rlk-validate vime-dumps DIR               compare the log-probs of VIME's --save-debug-train-data dumps"""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -305,15 +306,18 @@ def _main_import_vime(argv: Sequence[str]) -> int:
                 "SRC is only read, DST must not exist. Then check DST with `rlk-validate DST`.")
     p.add_argument("src", metavar="SRC")
     p.add_argument("dst", metavar="DST")
+    p.add_argument("--from", dest="source", choices=("records", "dumps"), default=None,
+                   help="where train-data comes from when SRC holds both: the record hook's logprob-records/ or VIME's "
+                   "--save-debug-train-data dumps in debug-train-data/ (default: the one SRC holds)")
     p.add_argument("--debug", action="store_true", help="show tracebacks")
     a = p.parse_args(argv)
     try:
-        s = import_vime(a.src, a.dst)
+        s = import_vime(a.src, a.dst, a.source)
     except ImportProblem as e:
         print(f"rlk-validate import-vime: {clean(e)}", file=sys.stderr)
         return EXIT_USAGE
-    print(f"wrote {s['dst']}: {s['rounds']} round(s), {s['record_files']} record file(s) from writer rank(s) "
-          f"{s['writer_ranks']}, {s['vime_steps']} VIME step metric(s); now: rlk-validate {s['dst']}")
+    print(f"wrote {s['dst']}: {s['rounds']} round(s), {s['record_files']} file(s) of {s['source']}/ from writer "
+          f"rank(s) {s['writer_ranks']}, {s['vime_steps']} VIME step metric(s); now: rlk-validate {s['dst']}")
     return 0
 
 
@@ -329,6 +333,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _main_codes()
         if args and args[0] == "import-vime":
             return _main_import_vime(args[1:])
+        if args and args[0] == "vime-dumps":  # issue 37: VIME's --save-debug-train-data dumps (rlk_validate.vime_dump)
+            from .vime_dump import main as vime_dumps
+
+            return vime_dumps(args[1:])
         if args and args[0] == "keygen":
             return _main_keygen(args[1:])
         if args and args[0] == "run":
