@@ -295,7 +295,15 @@ def run_megatron(spec: dict) -> dict:
     out["logp"] = _gather_cp(lp.detach(), cu, cp, cp_group)
     if spec.get("backward"):
         lp.sum().backward()
+        if spec.get("finalize") and tp > 1:  # Megatron's TP sum of the q/k-norm (and SP norm) grads, as training does
+            _finalize_tp_grads(model, tp_group)
         out["grads"] = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        if spec.get("all_grads"):  # every TP rank's grads (CP rank 0's), in TP rank order
+            import torch.distributed as dist
+
+            every = [None] * dist.get_world_size()
+            dist.all_gather_object(every, (cp_rank, tp_rank, out["grads"]))
+            out["tp_grads"] = [g for _, _, g in sorted(e for e in every if e[0] == 0)]
     out["readback"] = _state.get().recorder.to_dict()
     if spec.get("all_readbacks"):  # every rank's readback, by global rank, with its (TP, CP) coordinates
         import torch.distributed as dist
@@ -305,6 +313,18 @@ def run_megatron(spec: dict) -> dict:
         out["readbacks"] = [None] * dist.get_world_size()
         dist.all_gather_object(out["readbacks"], mine)
     return out
+
+
+def _finalize_tp_grads(model, tp_group) -> None:
+    """megatron-core's own TP all-reduce of the gradients of parameters that are not TP-split but see only the
+    rank's part of the data (q/k layernorms over the rank's heads; norms under sequence parallelism):
+    ``finalize_model_grads``' ``_allreduce_non_tensor_model_parallel_grads`` (it reads ``param.grad`` where no
+    ``main_grad`` exists, and the chunk's ``ddp_config``)."""
+    from megatron.core.distributed import DistributedDataParallelConfig
+    from megatron.core.distributed.finalize_model_grads import _allreduce_non_tensor_model_parallel_grads
+
+    model.ddp_config = DistributedDataParallelConfig()
+    _allreduce_non_tensor_model_parallel_grads([model], model.config, tp_group)
 
 
 def _all_gather_list(x, group):

@@ -69,7 +69,8 @@ def run(name: str, tp: int, cp: int, tied: bool, layout: str, env: dict, backwar
         if lengths is None:
             lengths = THD if layout == "thd" else SBHD
         spec = dict(tp=tp, cp=cp, tied=tied, lengths=lengths, layout=layout, backward=backward, env=env,
-                    port=_free_port(), via=via, model=model or {}, repeat=repeat, all_readbacks=all_readbacks)
+                    port=_free_port(), via=via, model=model or {}, repeat=repeat, all_readbacks=all_readbacks,
+                    all_grads=backward, finalize=backward)
         proc = subprocess.run([sys.executable, os.path.join(HERE, "_worker.py"), json.dumps(spec), out],
                               capture_output=True, text=True, timeout=120 + 40 * tp * cp)
         assert proc.returncode == 0, proc.stderr[-4000:]

@@ -15,11 +15,14 @@ column-parallel input         identity                            rlk all-reduce
 column-parallel gathered out  rlk all-gather (last dim, exact)    own slice of the gradient
 row-parallel output           rlk all-reduce of the partial sums  identity
 row-parallel, TP-invariant    rlk all_reduce_partials (fp32)      identity (into the fp32 partial)
+column-parallel, TP-invariant identity                            dX by rlk.gemm.tp.v1 over N, merged
 ============================  ==================================  =====================================
 
 TP-invariant mode (``RL_KERNEL_TP_INVARIANT=G``, read when a layer is built): a row-parallel linear runs
 ``linear_tp_partials`` over its G / TP K-leaves and ``rlk_collectives.all_reduce_partials`` (contract
-``rlk.gemm.tp.v1``, docs/ops/linear_tp.md), so its output has the same bits at every TP dividing G.
+``rlk.gemm.tp.v1``, docs/ops/linear_tp.md), so its output has the same bits at every TP dividing G; a
+column-parallel linear's input gradient is the same GEMM over N (:mod:`rlk_megatron_provider.tp_grads`), so the
+gradients are too.
 
 Nothing here computes: every floating-point operation is an rlk op or an rlk collective.
 """
@@ -34,7 +37,7 @@ import rlk_collectives
 from rlk_core import envs
 from rlk_core.errors import RlkPolicyError
 from rlk_core.ops import linear_tp_finish
-from rlk_megatron_provider import _compat, _state
+from rlk_megatron_provider import _compat, _state, tp_grads
 
 Tensor = torch.Tensor
 
@@ -133,6 +136,7 @@ class _RlkLayer:
     :func:`rlk_megatron_provider.spec.check_collectives_once`)."""
 
     rlk_check_collectives = True
+    rlk_tp_leaves = 0  # G of RL_KERNEL_TP_INVARIANT when the layer was built (0: off)
 
     def _rlk_setup(self, module: str, problems: list[str]) -> None:
         st = _state.get()
@@ -159,7 +163,34 @@ class RlkColumnParallelLinear(_RlkLayer, _compat.ColumnParallelLinear):
 
     def __init__(self, *args, rlk_module: str, **kwargs):
         super().__init__(*args, **kwargs)
-        self._rlk_setup(rlk_module, linear_problems(self, self.config))
+        problems = linear_problems(self, self.config)
+        self.rlk_module = rlk_module
+        self.rlk_tp_leaves = envs.current("RL_KERNEL_TP_INVARIANT")
+        if self.rlk_tp_leaves:
+            problems += tp_grads.column_problems(self._rlk_components(), self.rlk_tp_leaves,
+                                                 _tp(_compat.tp_group_of(self)))
+        self._rlk_setup(rlk_module, problems)
+
+    def _rlk_components(self) -> list[int]:
+        """The local sizes of the weight's components, back to back in its rows (a gated fc1: ``[gate_r; up_r]``)."""
+        n = self.output_size_per_partition
+        if self.rlk_module == "ffn" and getattr(self.config, "gated_linear_unit", False):
+            return [n // 2, n // 2]
+        return [n]
+
+    def _rlk_leaf_rows(self, leaves: int, device) -> Tensor:
+        """The local rows in leaf-major order (TP-invariant input gradient), built once per device."""
+        cached = self.__dict__.get("_rlk_rows")
+        if cached is None or cached.device != device:
+            cached = self.__dict__["_rlk_rows"] = tp_grads.leaf_rows(self._rlk_components(), leaves, device)
+        return cached
+
+    def _rlk_input(self, input_: Tensor, group, tp: int) -> Tensor:
+        """Megatron's copy-to-TP region (identity forward, rlk all-reduce of the input gradient) — in TP-invariant
+        mode part of the GEMM's own backward (:class:`~rlk_megatron_provider.tp_grads.ColumnTPInvariant`)."""
+        if tp > 1 and not self.rlk_tp_leaves:
+            return _CopyToTP.apply(input_, group, self.rlk_module, self.rlk_check_collectives)
+        return input_
 
     def forward(self, input_: Tensor, weight: Tensor | None = None, runtime_gather_output: bool | None = None):
         if not self.rlk_active:
@@ -167,7 +198,7 @@ class RlkColumnParallelLinear(_RlkLayer, _compat.ColumnParallelLinear):
             return super().forward(input_, weight=weight, runtime_gather_output=runtime_gather_output)
         w = self.weight if weight is None else weight
         group, tp = self._tp_group()
-        x = _CopyToTP.apply(input_, group, self.rlk_module, self.rlk_check_collectives) if tp > 1 else input_
+        x = self._rlk_input(input_, group, tp)
         y = self._gemm(x, w)
         gather = self.gather_output if runtime_gather_output is None else runtime_gather_output
         if gather and tp > 1:
@@ -176,6 +207,8 @@ class RlkColumnParallelLinear(_RlkLayer, _compat.ColumnParallelLinear):
 
 
     def _gemm(self, x: Tensor, w: Tensor) -> Tensor:
+        if self.rlk_tp_leaves:
+            return tp_grads.ColumnTPInvariant.apply(x, w, self)
         return _state.get().routes.call(self.rlk_module, "linear", x, w)
 
 
@@ -299,8 +332,14 @@ class RlkQKVLinear(RlkColumnParallelLinear):
                                  "route and no gathered output")
         w = self.weight if weight is None else weight
         group, tp = self._tp_group()
-        x = _CopyToTP.apply(input_, group, self.rlk_module, self.rlk_check_collectives) if tp > 1 else input_
+        x = self._rlk_input(input_, group, tp)
         return RlkColumnParallelLinear._gemm(self, x, _CachedRows.apply(w, self)), None
+
+    def _rlk_components(self) -> list[int]:
+        """``[q_r, k_r, v_r]``: the rows of the ``[q; k; v]`` copy the GEMM runs on."""
+        c, tp = self.config, _tp(_compat.tp_group_of(self))
+        kv = c.num_query_groups // tp * c.kv_channels
+        return [c.num_attention_heads // tp * c.kv_channels, kv, kv]
 
     def _gemm(self, x: Tensor, w: Tensor) -> Tensor:
         y = super()._gemm(x, _CachedRows.apply(w, self))
@@ -357,7 +396,13 @@ class RlkRMSNorm(_RlkLayer, torch.nn.Module):
         if not self.rlk_active:  # the spec keeps the stock norm for such modules; reaching here is a bug
             raise RlkPolicyError(f"RlkRMSNorm built for module {rlk_module!r}, which does not run rlk")
 
+    rlk_head_tree = None  # (TP group, heads, G): a q/k norm in TP-invariant mode (set by RlkSelfAttention)
+
     def forward(self, x: Tensor) -> Tensor:
+        if self.rlk_head_tree is not None:
+            group, heads, leaves = self.rlk_head_tree
+            return tp_grads.HeadLeavesNorm.apply(x, self.weight, self.eps, self.rlk_module, group, heads, leaves,
+                                                 self.rlk_check_collectives)
         return _state.get().routes.call(self.rlk_module, "rms_norm", x, self.weight, self.eps)
 
 

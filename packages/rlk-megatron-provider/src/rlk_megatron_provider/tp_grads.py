@@ -1,0 +1,132 @@
+"""TP-invariant gradients (``RL_KERNEL_TP_INVARIANT=G``): the two backward reductions that TP splits.
+
+In a Qwen3 block every backward reduction but two runs over something TP does not split (tokens, a row's hidden
+size, a head's dimension), so it has the same bits at every TP once its inputs do. The two that TP splits:
+
+- **a column-parallel linear's input gradient** ``dX = dY W`` (QKV, fc1): a reduction over the output rows N,
+  which the ranks share, summed over ranks by Megatron's ``copy_to_tensor_model_parallel_region`` backward. Under
+  invariant mode it is a row-parallel GEMM of contract ``rlk.gemm.tp.v1`` over N: the rows put in leaf-major order
+  (:func:`rlk_core.ops.linear_tp.column_leaf_rows`: leaf ``j`` = every component's ``j``-th of G slices, in
+  component order), ``linear_tp_partials`` over the rank's G / TP leaves, ``rlk_collectives.all_reduce_partials``
+  across the ranks, one rounding (:class:`ColumnTPInvariant`). The weight gradient ``dW = dY^T X`` (over the
+  tokens) and the forward are ``rlk_core.ops.linear``'s, unchanged.
+- **the q/k-norm weight gradient**: the norm's weight is shared by every head, and a rank sees its own heads;
+  Megatron sums the ranks' partial gradients in ``finalize_model_grads`` (``_allreduce_non_tensor_model_parallel
+  _grads``, a TP all-reduce of the grads of ``q_layernorm`` / ``k_layernorm``). Under invariant mode each head's
+  heads are cut into ``n = gcd(H, G)`` leaves of consecutive heads (:func:`rlk_core.ops.linear_tp.head_leaves`),
+  a leaf's weight gradient is ``rms_norm_backward`` on that leaf's rows (tokens x the leaf's heads: the same rows at
+  every TP), the leaves merged by the adjacent-pairs tree, across ranks by ``all_reduce_partials``
+  (:class:`HeadLeavesNorm`). The merged gradient is then left on TP rank 0 and ``-0.0`` on every other rank:
+  ``x + (-0.0) == x`` for every ``x`` (signed zeros and NaN included), so Megatron's TP sum that follows, in any
+  order and algorithm, returns rank 0's bits exactly. (A step that skips ``finalize_model_grads`` sees the
+  gradient on TP rank 0 only.)
+
+Nothing here computes: every floating-point operation is an rlk op or an rlk collective (``docs/ops/linear_tp.md``,
+"Gradients").
+"""
+
+from __future__ import annotations
+
+import torch
+
+import rlk_collectives
+from rlk_core.ops import linear_tp_finish
+from rlk_core.ops.linear_tp import column_leaf_rows, head_leaves, pairs_sum
+from rlk_core.ops._dispatch import op as op_named
+from rlk_megatron_provider import _state
+
+Tensor = torch.Tensor
+
+
+def _tp(group) -> tuple[int, int]:
+    if group is None or group.size() == 1:
+        return 1, 0
+    return group.size(), group.rank()
+
+
+def _merge(s: Tensor, group, leaves_total: int, dtype: torch.dtype, check: bool) -> Tensor:
+    """The rank merge of fp32 partials (the top levels of the leaf tree) and the one rounding."""
+    if _tp(group)[0] > 1:
+        return rlk_collectives.all_reduce_partials(s, group, leaves_total=leaves_total, dtype=dtype, check=check)
+    return linear_tp_finish(s, None, dtype)
+
+
+def column_problems(components: list[int], leaves_total: int, tp: int) -> list[str]:
+    """Why a column-parallel linear with local components ``components`` cannot take the TP-invariant input
+    gradient at this TP and G (empty: it can)."""
+    if tp & (tp - 1) or leaves_total % tp:
+        return [f"TP {tp} is not a power of two dividing RL_KERNEL_TP_INVARIANT={leaves_total}"]
+    bad = [c * tp for c in components if c % (leaves_total // tp)]
+    if bad:
+        return [f"the input gradient's leaves: component sizes {[c * tp for c in components]} are not all "
+                f"divisible by G={leaves_total} (every component is cut into G leaves)"]
+    return []
+
+
+class ColumnTPInvariant(torch.autograd.Function):
+    """``y = x W^T`` of a column-parallel linear (``rlk_core.ops.linear``, per output column: TP-invariant as it
+    is) whose input gradient is the ``rlk.gemm.tp.v1`` row-parallel GEMM over N, merged over the TP ranks (it
+    replaces Megatron's copy-to-TP region: the identity forward, the all-reduce backward). ``layer``: the rlk
+    layer (its module, TP group, G and ``rlk_components``)."""
+
+    @staticmethod
+    def forward(ctx, x, w, layer):
+        ctx.layer = layer
+        ctx.save_for_backward(x, w)
+        return _state.get().routes.call(layer.rlk_module, "linear", x, w)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, w = ctx.saved_tensors
+        layer = ctx.layer
+        routes = _state.get().routes
+        group, tp = layer._tp_group()
+        g2 = dy.reshape(-1, dy.shape[-1]).to(x.dtype)
+        dx = dw = None
+        if ctx.needs_input_grad[0]:
+            leaves = layer.rlk_tp_leaves // tp
+            rows = layer._rlk_leaf_rows(leaves, w.device)
+            s = routes.call(layer.rlk_module, "linear_tp_partials", g2.index_select(1, rows),
+                            w.index_select(0, rows).t().contiguous(), leaves)
+            with routes.scope(layer.rlk_module):
+                dx = _merge(s, group, layer.rlk_tp_leaves, x.dtype, layer.rlk_check_collectives).reshape(x.shape)
+        if ctx.needs_input_grad[1]:  # dW = dY^T X over the tokens: rlk_core.ops.linear's backward GEMM
+            x2 = x.reshape(-1, x.shape[-1])
+            dw = routes.call(layer.rlk_module, "linear", g2.t(), x2.t()).to(w.dtype)
+        return dx, dw, None
+
+
+def leaf_rows(components: list[int], leaves: int, device) -> Tensor:
+    return torch.tensor(column_leaf_rows(components, leaves), dtype=torch.long, device=device)
+
+
+class HeadLeavesNorm(torch.autograd.Function):
+    """The q/k RMSNorm (``rms_norm`` over the last dim of ``x [..., H_local, d]``, weight ``[d]``) with the weight
+    gradient merged over head leaves and TP ranks (module docstring); the input gradient is ``rms_norm``'s."""
+
+    @staticmethod
+    def forward(ctx, x, w, eps, module, group, heads_total, leaves_total, check):
+        ctx.args = (eps, module, group, heads_total, leaves_total, check)
+        ctx.save_for_backward(x, w)
+        return _state.get().routes.call(module, "rms_norm", x, w, eps)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, w = ctx.saved_tensors
+        eps, module, group, heads_total, leaves_total, check = ctx.args
+        routes = _state.get().routes
+        tp, rank = _tp(group)
+        n = head_leaves(heads_total, leaves_total)
+        local, per_leaf = x.shape[-2], heads_total // n
+        backward = op_named("rms_norm_backward")  # the registry op rms_norm's autograd runs
+        dxs, leaves = [], []
+        with routes.scope(module):
+            for first in range(0, local, per_leaf):  # one call per leaf: its rows are (token, head in the leaf)
+                dx_l, dw_l = backward(dy[..., first:first + per_leaf, :].contiguous(),
+                                      x[..., first:first + per_leaf, :].contiguous(), w, eps)
+                dxs.append(dx_l)
+                leaves.append(dw_l.float())
+            dw = _merge(pairs_sum(leaves), group, n, w.dtype, check)
+        if tp > 1 and rank:  # Megatron's TP sum (finalize_model_grads) then returns rank 0's bits exactly
+            dw = torch.full_like(dw, -0.0)
+        return torch.cat(dxs, dim=-2), dw, None, None, None, None, None, None
