@@ -1,8 +1,11 @@
 """TP-invariant mode in the real megatron-core on gloo (CPU): with ``RL_KERNEL_TP_INVARIANT=8`` the provider's
 row-parallel linears run ``rlk.gemm.tp.v1`` (``linear_tp_partials`` + ``rlk_collectives.all_reduce_partials``), and
 a whole Qwen3-shaped GPTModel gives the same per-token log-probs at TP 1, 2 and 4 — equal to the local trainer with
-its row-parallel GEMMs under the same contract; without the mode TP 2 differs from TP 1 (negative control). The
-readback of every rank names the op and the partials' merge with G (docs/ops/linear_tp.md)."""
+its row-parallel GEMMs under the same contract; every gradient (every rank's, gathered to the full shapes, after
+megatron-core's own TP finalize of the q/k-norm grads) is the same at TP 1, 2 and 4 (the column-parallel input
+gradient and the q/k-norm weight gradient of ``rlk_megatron_provider.tp_grads``); without the mode TP 2 differs from
+TP 1, log-probs and gradients (negative control). The readback of every rank names the op and the partials' merge
+with G (docs/ops/linear_tp.md)."""
 
 from __future__ import annotations
 
@@ -26,7 +29,24 @@ INVARIANT = {**R_ALL, "RL_KERNEL_TP_INVARIANT": str(G)}
 
 
 def invariant_run(tp: int) -> dict:
-    return run(f"tpinv-tp{tp}", tp, 1, TIED, "thd", INVARIANT, lengths=LENGTHS, model=MODEL, all_readbacks=True)
+    return run(f"tpinv-tp{tp}", tp, 1, TIED, "thd", INVARIANT, backward=True, lengths=LENGTHS, model=MODEL,
+               all_readbacks=True)
+
+
+def off_run(tp: int) -> dict:
+    return run(f"tpinv-off-tp{tp}", tp, 1, TIED, "thd", R_ALL, backward=True, lengths=LENGTHS, model=MODEL)
+
+
+def full_grads(res: dict) -> dict:
+    """Every TP rank's gradients gathered to the local trainer's full shapes (exact: slices and concatenations)."""
+    from rlk_megatron_provider.weights import from_megatron
+
+    return from_megatron(_model.config(TIED, **MODEL), res["tp_grads"])
+
+
+def differing(a: dict, b: dict) -> list[str]:
+    assert sorted(a) == sorted(b)
+    return [k for k in a if not torch.equal(a[k], b[k])]
 
 
 def invariant_reference() -> torch.Tensor:
@@ -65,10 +85,32 @@ def test_tp_1_2_4_give_the_same_log_probs_in_invariant_mode(tp):
     assert not torch.equal(ref, local(TIED, LENGTHS, **MODEL)[0])  # rlk.gemm.tp.v1 is its own arithmetic
 
 
+@pytest.mark.parametrize("tp", [2, pytest.param(4, marks=pytest.mark.slow)])
+def test_every_gradient_at_tp_2_4_equals_tp_1_in_invariant_mode(tp):
+    want = full_grads(invariant_run(1))
+    got = full_grads(invariant_run(tp))
+    assert len(want) == 2 + 8 * _model.config(TIED, **MODEL).num_hidden_layers + (not TIED)
+    assert differing(got, want) == []
+    assert all(bool(g.abs().sum() > 0) for g in want.values())  # no gradient is trivially zero
+
+
+def test_invariant_mode_gradients_are_their_own_arithmetic():
+    """At TP 1 the column-parallel input gradients (a leaf tree over N, not rlk.gemm.bi.v1's order) and the q/k-norm
+    weight gradients (a tree over head leaves, not one sum over the rows) are other bits than without the mode, and
+    so is everything below them."""
+    mine = full_grads(invariant_run(1))
+    plain = full_grads(off_run(1))
+    assert {"layers.0.qkv", "layers.0.q_norm", "layers.0.k_norm", "embed"} <= set(differing(mine, plain))
+
+
 def test_negative_control_without_invariant_mode_tp_2_differs_from_tp_1():
-    off = run("tpinv-off-tp2", 2, 1, TIED, "thd", R_ALL, lengths=LENGTHS, model=MODEL)
+    off = off_run(2)
     assert not torch.equal(off["logp"], local(TIED, LENGTHS, **MODEL)[0])
     assert not torch.equal(off["logp"], invariant_run(2)["logp"])
+    assert not torch.equal(off["logp"], off_run(1)["logp"])
+    # every gradient below the last MLP's down projection sees TP 2's different sums
+    assert {"layers.0.qkv", "layers.0.q_norm", "layers.1.q_norm", "layers.0.gate_up", "embed"} <= set(
+        differing(full_grads(off), full_grads(off_run(1))))
 
 
 def test_every_rank_s_readback_names_the_contract_and_g():
