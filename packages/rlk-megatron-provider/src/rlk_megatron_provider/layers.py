@@ -37,6 +37,7 @@ import rlk_collectives
 from rlk_core import envs
 from rlk_core.errors import RlkPolicyError
 from rlk_core.ops import linear_tp_finish
+from rlk_core.ops.linear_tp import head_leaves
 from rlk_megatron_provider import _compat, _state, tp_grads
 
 Tensor = torch.Tensor
@@ -82,6 +83,41 @@ class _GatherLastDim(torch.autograd.Function):
         return grad[..., start:start + ctx.width].contiguous(), None, None, None
 
 
+class _GatherSeq(torch.autograd.Function):
+    """Sequence parallelism's all-gather over the tokens (dim 0, exact); backward: the rlk reduce-scatter of the
+    gradient (Megatron's ``gather_from_sequence_parallel_region``, the output of a vocab-parallel layer)."""
+
+    @staticmethod
+    def forward(ctx, x, group, module, check=True):
+        ctx.group, ctx.module, ctx.check = group, module, check
+        with _state.get().routes.scope(module):
+            return rlk_collectives.all_gather(x.detach(), group, dim=0, check=check)
+
+    @staticmethod
+    def backward(ctx, grad):
+        with _state.get().routes.scope(ctx.module):
+            return rlk_collectives.reduce_scatter(grad.detach(), ctx.group, 0, check=ctx.check), None, None, None
+
+
+class _ReduceScatterPartialsFromTP(torch.autograd.Function):
+    """The row-parallel merge of ``rlk.gemm.tp.v1`` under sequence parallelism: the ranks' fp32 partials
+    reduce-scattered over the tokens (dim 0) by the same rank tree, rounded once; backward the all-gather of the
+    rows' gradients (exact) into the fp32 partial."""
+
+    @staticmethod
+    def forward(ctx, s, group, module, check, leaves, dtype):
+        ctx.group, ctx.module, ctx.check = group, module, check
+        with _state.get().routes.scope(module):
+            return rlk_collectives.reduce_scatter_partials(s.detach(), group, 0, leaves_total=leaves, dtype=dtype,
+                                                           check=check)
+
+    @staticmethod
+    def backward(ctx, grad):
+        with _state.get().routes.scope(ctx.module):
+            full = rlk_collectives.all_gather(grad.detach().contiguous(), ctx.group, dim=0, check=ctx.check)
+        return full.float(), None, None, None, None, None
+
+
 class _ReducePartialsFromTP(torch.autograd.Function):
     """The row-parallel merge of ``rlk.gemm.tp.v1``: the ranks' fp32 partials by the rank tree, rounded once to
     ``dtype``; backward the identity (Megatron's convention for the row-parallel reduce), into the fp32 partial."""
@@ -114,8 +150,8 @@ def linear_problems(layer, config) -> list[str]:
     out = []
     if getattr(layer, "bias", None) is not None:
         out.append("the layer has a bias (add_bias_linear): rlk linears cover bias-free (Qwen3-style) layers")
-    if getattr(config, "sequence_parallel", False):
-        out.append("sequence_parallel=True is not covered by this version")
+    if getattr(config, "sequence_parallel", False) and not envs.current("RL_KERNEL_TP_INVARIANT"):
+        out.append("sequence_parallel=True is covered in TP-invariant mode only (set RL_KERNEL_TP_INVARIANT)")
     if getattr(layer, "gradient_accumulation_fusion", False):
         out.append("gradient_accumulation_fusion (a fused CUDA wgrad kernel) is requested")
     if getattr(layer, "is_expert", False) or getattr(layer, "explicit_expert_comm", False):
@@ -189,6 +225,8 @@ class RlkColumnParallelLinear(_RlkLayer, _compat.ColumnParallelLinear):
         """Megatron's copy-to-TP region (identity forward, rlk all-reduce of the input gradient) — in TP-invariant
         mode part of the GEMM's own backward (:class:`~rlk_megatron_provider.tp_grads.ColumnTPInvariant`)."""
         if tp > 1 and not self.rlk_tp_leaves:
+            if getattr(self, "sequence_parallel", False):  # the LM head's logits path (others are refused)
+                return _GatherSeq.apply(input_, group, self.rlk_module, self.rlk_check_collectives)
             return _CopyToTP.apply(input_, group, self.rlk_module, self.rlk_check_collectives)
         return input_
 
@@ -375,8 +413,9 @@ class RlkRowParallelLinear(_RlkLayer, _compat.RowParallelLinear):
         if self.rlk_tp_leaves:
             s = routes.call(self.rlk_module, "linear_tp_partials", input_, self.weight, self.rlk_tp_leaves // tp)
             if tp > 1:
-                return _ReducePartialsFromTP.apply(s, group, self.rlk_module, self.rlk_check_collectives,
-                                                   self.rlk_tp_leaves, input_.dtype), None
+                merge = _ReduceScatterPartialsFromTP if self.sequence_parallel else _ReducePartialsFromTP
+                return merge.apply(s, group, self.rlk_module, self.rlk_check_collectives, self.rlk_tp_leaves,
+                                   input_.dtype), None
             return linear_tp_finish(s, None, input_.dtype), None
         y = routes.call(self.rlk_module, "linear", input_, self.weight)
         return (_ReduceFromTP.apply(y, group, self.rlk_module, self.rlk_check_collectives) if tp > 1 else y), None
@@ -393,17 +432,25 @@ class RlkRMSNorm(_RlkLayer, torch.nn.Module):
         self.weight = torch.nn.Parameter(torch.ones(hidden_size, dtype=torch.float32))
         self.weight.sequence_parallel = bool(getattr(config, "sequence_parallel", False))
         self.rlk_module, self.rlk_active = rlk_module, _state.get().rlk(rlk_module)
+        self.rlk_tp_leaves = envs.current("RL_KERNEL_TP_INVARIANT")
         if not self.rlk_active:  # the spec keeps the stock norm for such modules; reaching here is a bug
             raise RlkPolicyError(f"RlkRMSNorm built for module {rlk_module!r}, which does not run rlk")
 
     rlk_head_tree = None  # (TP group, heads, G): a q/k norm in TP-invariant mode (set by RlkSelfAttention)
 
     def forward(self, x: Tensor) -> Tensor:
-        if self.rlk_head_tree is not None:
+        st = _state.get()
+        if self.rlk_head_tree is not None:  # the weight gradient over head leaves, merged over the TP ranks
             group, heads, leaves = self.rlk_head_tree
-            return tp_grads.HeadLeavesNorm.apply(x, self.weight, self.eps, self.rlk_module, group, heads, leaves,
-                                                 self.rlk_check_collectives)
-        return _state.get().routes.call(self.rlk_module, "rms_norm", x, self.weight, self.eps)
+            return tp_grads.leaf_norm(x, self.weight, self.eps, self.rlk_module, dim=-2,
+                                      leaves_total=head_leaves(heads, leaves), group=group,
+                                      check=self.rlk_check_collectives)
+        if self.rlk_tp_leaves and torch.is_grad_enabled() and self.weight.requires_grad:
+            # the weight gradient over G token leaves (sequence parallelism: the rank's, merged over the TP ranks)
+            group = _compat.tp_group_of(self) if self.weight.sequence_parallel else None
+            return tp_grads.leaf_norm(x, self.weight, self.eps, self.rlk_module, dim=0,
+                                      leaves_total=self.rlk_tp_leaves, group=group, check=self.rlk_check_collectives)
+        return st.routes.call(self.rlk_module, "rms_norm", x, self.weight, self.eps)
 
 
 class RlkMLP(_RlkLayer, _compat.MLP):

@@ -9,14 +9,16 @@ size, a head's dimension), so it has the same bits at every TP once its inputs d
   (:func:`rlk_core.ops.linear_tp.column_leaf_rows`: leaf ``j`` = every component's ``j``-th of G slices, in
   component order), ``linear_tp_partials`` over the rank's G / TP leaves, ``rlk_collectives.all_reduce_partials``
   across the ranks, one rounding (:class:`ColumnTPInvariant`). The weight gradient ``dW = dY^T X`` (over the
-  tokens) and the forward are ``rlk_core.ops.linear``'s, unchanged.
+  tokens) and the forward are ``rlk_core.ops.linear``'s, unchanged. Under sequence parallelism the input is
+  all-gathered over the tokens first (exact) and the input gradient reduce-scattered by the same rank tree
+  (``reduce_scatter_partials``: the rows of ``all_reduce_partials``), so SP on and off give the same bits.
 - **the q/k-norm weight gradient**: the norm's weight is shared by every head, and a rank sees its own heads;
   Megatron sums the ranks' partial gradients in ``finalize_model_grads`` (``_allreduce_non_tensor_model_parallel
   _grads``, a TP all-reduce of the grads of ``q_layernorm`` / ``k_layernorm``). Under invariant mode each head's
   heads are cut into ``n = gcd(H, G)`` leaves of consecutive heads (:func:`rlk_core.ops.linear_tp.head_leaves`),
   a leaf's weight gradient is ``rms_norm_backward`` on that leaf's rows (tokens x the leaf's heads: the same rows at
   every TP), the leaves merged by the adjacent-pairs tree, across ranks by ``all_reduce_partials``
-  (:class:`HeadLeavesNorm`). The merged gradient is then left on TP rank 0 and ``-0.0`` on every other rank:
+  (:class:`LeafNorm`). The merged gradient is then left on TP rank 0 and ``-0.0`` on every other rank:
   ``x + (-0.0) == x`` for every ``x`` (signed zeros and NaN included), so Megatron's TP sum that follows, in any
   order and algorithm, returns rank 0's bits exactly. (A step that skips ``finalize_model_grads`` sees the
   gradient on TP rank 0 only.)
@@ -30,6 +32,7 @@ from __future__ import annotations
 import torch
 
 import rlk_collectives
+from rlk_core.errors import RlkPolicyError
 from rlk_core.ops import linear_tp_finish
 from rlk_core.ops.linear_tp import column_leaf_rows, head_leaves, pairs_sum
 from rlk_core.ops._dispatch import op as op_named
@@ -72,6 +75,11 @@ class ColumnTPInvariant(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w, layer):
         ctx.layer = layer
+        group, tp = layer._tp_group()
+        ctx.sp = bool(getattr(layer, "sequence_parallel", False)) and tp > 1
+        if ctx.sp:  # sequence parallelism: the rank's tokens all-gathered (exact), dim 0
+            with _state.get().routes.scope(layer.rlk_module):
+                x = rlk_collectives.all_gather(x, group, dim=0, check=layer.rlk_check_collectives)
         ctx.save_for_backward(x, w)
         return _state.get().routes.call(layer.rlk_module, "linear", x, w)
 
@@ -89,7 +97,12 @@ class ColumnTPInvariant(torch.autograd.Function):
             s = routes.call(layer.rlk_module, "linear_tp_partials", g2.index_select(1, rows),
                             w.index_select(0, rows).t().contiguous(), leaves)
             with routes.scope(layer.rlk_module):
-                dx = _merge(s, group, layer.rlk_tp_leaves, x.dtype, layer.rlk_check_collectives).reshape(x.shape)
+                if ctx.sp:  # the same rank tree, reduce-scattered over the tokens: the rank's rows of the merge
+                    dx = rlk_collectives.reduce_scatter_partials(
+                        s.reshape(*x.shape[:-1], s.shape[-1]), group, 0, leaves_total=layer.rlk_tp_leaves,
+                        dtype=x.dtype, check=layer.rlk_check_collectives)
+                else:
+                    dx = _merge(s, group, layer.rlk_tp_leaves, x.dtype, layer.rlk_check_collectives).reshape(x.shape)
         if ctx.needs_input_grad[1]:  # dW = dY^T X over the tokens: rlk_core.ops.linear's backward GEMM
             x2 = x.reshape(-1, x.shape[-1])
             dw = routes.call(layer.rlk_module, "linear", g2.t(), x2.t()).to(w.dtype)
@@ -100,33 +113,50 @@ def leaf_rows(components: list[int], leaves: int, device) -> Tensor:
     return torch.tensor(column_leaf_rows(components, leaves), dtype=torch.long, device=device)
 
 
-class HeadLeavesNorm(torch.autograd.Function):
-    """The q/k RMSNorm (``rms_norm`` over the last dim of ``x [..., H_local, d]``, weight ``[d]``) with the weight
-    gradient merged over head leaves and TP ranks (module docstring); the input gradient is ``rms_norm``'s."""
+class LeafNorm(torch.autograd.Function):
+    """RMSNorm (``rms_norm`` over the last dim, weight ``[d]``) whose weight gradient is a leaf tree: ``x``'s dim
+    ``dim`` cut into ``leaves`` equal leaves (this rank's; ``leaves_total`` in all), one ``rms_norm_backward`` per
+    leaf (its rows: the same at every TP), the leaves merged by the adjacent-pairs tree in fp32 and, where ``group``
+    is given, across its ranks by ``all_reduce_partials`` — then left on rank 0 and ``-0.0`` elsewhere (module
+    docstring). The input gradient is ``rms_norm``'s, per row. q/k norms: ``dim=-2`` (heads), ``leaves_total =
+    gcd(H, G)``; a norm over tokens: ``dim=0``, ``leaves_total = G`` (sequence parallelism: the rank's G / TP token
+    leaves, merged over the TP group; without it, all G on every rank)."""
 
     @staticmethod
-    def forward(ctx, x, w, eps, module, group, heads_total, leaves_total, check):
-        ctx.args = (eps, module, group, heads_total, leaves_total, check)
+    def forward(ctx, x, w, eps, module, dim, leaves, leaves_total, group, check):
+        if x.shape[dim] % leaves:
+            raise RlkPolicyError(
+                f"rlk-megatron-provider, module {module!r}, TP-invariant mode: the norm's weight gradient cuts "
+                f"dim {dim} of its input (shape {tuple(x.shape)}) into {leaves} leaves here ({leaves_total} in all), "
+                f"and {x.shape[dim]} is not divisible by {leaves}: pad the batch's tokens to a multiple of "
+                f"G={leaves_total}" if dim == 0 else f"{x.shape[dim]} heads do not divide into {leaves} leaves")
+        ctx.args = (eps, module, dim, leaves, leaves_total, group, check)
         ctx.save_for_backward(x, w)
         return _state.get().routes.call(module, "rms_norm", x, w, eps)
 
     @staticmethod
     def backward(ctx, dy):
         x, w = ctx.saved_tensors
-        eps, module, group, heads_total, leaves_total, check = ctx.args
+        eps, module, dim, leaves, leaves_total, group, check = ctx.args
         routes = _state.get().routes
         tp, rank = _tp(group)
-        n = head_leaves(heads_total, leaves_total)
-        local, per_leaf = x.shape[-2], heads_total // n
         backward = op_named("rms_norm_backward")  # the registry op rms_norm's autograd runs
-        dxs, leaves = [], []
+        size = x.shape[dim] // leaves
+        dxs, parts = [], []
         with routes.scope(module):
-            for first in range(0, local, per_leaf):  # one call per leaf: its rows are (token, head in the leaf)
-                dx_l, dw_l = backward(dy[..., first:first + per_leaf, :].contiguous(),
-                                      x[..., first:first + per_leaf, :].contiguous(), w, eps)
+            for j in range(leaves):
+                dx_l, dw_l = backward(dy.narrow(dim, j * size, size).contiguous(),
+                                      x.narrow(dim, j * size, size).contiguous(), w, eps)
                 dxs.append(dx_l)
-                leaves.append(dw_l.float())
-            dw = _merge(pairs_sum(leaves), group, n, w.dtype, check)
+                parts.append(dw_l.float())
+            dw = _merge(pairs_sum(parts), group, leaves_total, w.dtype, check)
         if tp > 1 and rank:  # Megatron's TP sum (finalize_model_grads) then returns rank 0's bits exactly
             dw = torch.full_like(dw, -0.0)
-        return torch.cat(dxs, dim=-2), dw, None, None, None, None, None, None
+        return torch.cat(dxs, dim=dim), dw, None, None, None, None, None, None, None
+
+
+def leaf_norm(x: Tensor, w: Tensor, eps: float, module: str, *, dim: int, leaves_total: int, group,
+              check: bool) -> Tensor:
+    """:class:`LeafNorm` with this rank's share of ``leaves_total`` leaves (all of them where ``group`` is None)."""
+    tp, _ = _tp(group)
+    return LeafNorm.apply(x, w, eps, module, dim, leaves_total // tp, leaves_total, group, check)
