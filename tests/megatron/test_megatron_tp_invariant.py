@@ -1,16 +1,19 @@
 """TP-invariant mode in the real megatron-core on gloo (CPU): with ``RL_KERNEL_TP_INVARIANT=8`` the provider's
 row-parallel linears run ``rlk.gemm.tp.v1`` (``linear_tp_partials`` + ``rlk_collectives.all_reduce_partials``), and
-a whole Qwen3-shaped GPTModel gives the same per-token log-probs at TP 1, 2 and 4 — equal to the local trainer with
-its row-parallel GEMMs under the same contract; every gradient (every rank's, gathered to the full shapes, after
-megatron-core's own TP finalize of the q/k-norm grads) is the same at TP 1, 2 and 4 (the column-parallel input
+a whole Qwen3-shaped GPTModel gives the same per-token log-probs at TP 1, 2, 4 (and 8, with 8 KV heads) — equal to
+the local trainer with its row-parallel GEMMs under the same contract; every gradient (every rank's, gathered to the
+full shapes, after megatron-core's own TP finalize of the q/k-norm grads) is the same at TP 1, 2, 4, 8 (the
+column-parallel input
 gradient and the q/k-norm weight gradient of ``rlk_megatron_provider.tp_grads``); without the mode TP 2 differs from
 TP 1, log-probs and gradients (negative control). The readback of every rank names the op and the partials' merge
-with G (docs/ops/linear_tp.md)."""
+with G (docs/ops/linear_tp.md). Sequence parallelism in invariant mode gives the same log-probs and gradients as
+TP 1 without it; without invariant mode it is refused."""
 
 from __future__ import annotations
 
 import os
 import sys
+import types
 
 import pytest
 import torch
@@ -94,6 +97,21 @@ def test_every_gradient_at_tp_2_4_equals_tp_1_in_invariant_mode(tp):
     assert all(bool(g.abs().sum() > 0) for g in want.values())  # no gradient is trivially zero
 
 
+MODEL8 = dict(num_attention_heads=8, num_key_value_heads=8, head_dim=8)  # 8 KV heads: TP 8 (one head per rank)
+
+
+@pytest.mark.slow
+def test_tp_8_log_probs_and_every_gradient_equal_tp_1_in_invariant_mode():
+    """TP 8 = G: every rank holds one leaf of every row-parallel K, one leaf of every column component, one head."""
+    from rlk_megatron_provider.weights import from_megatron
+
+    cfg = _model.config(TIED, **MODEL8)
+    tp1, tp8 = (run(f"tpinv8-tp{tp}", tp, 1, TIED, "thd", INVARIANT, backward=True, lengths=LENGTHS, model=MODEL8)
+                for tp in (1, 8))
+    assert torch.equal(tp8["logp"], tp1["logp"])
+    assert differing(from_megatron(cfg, tp8["tp_grads"]), from_megatron(cfg, tp1["tp_grads"])) == []
+
+
 def test_invariant_mode_gradients_are_their_own_arithmetic():
     """At TP 1 the column-parallel input gradients (a leaf tree over N, not rlk.gemm.bi.v1's order) and the q/k-norm
     weight gradients (a tree over head leaves, not one sum over the rows) are other bits than without the mode, and
@@ -111,6 +129,42 @@ def test_negative_control_without_invariant_mode_tp_2_differs_from_tp_1():
     # every gradient below the last MLP's down projection sees TP 2's different sums
     assert {"layers.0.qkv", "layers.0.q_norm", "layers.1.q_norm", "layers.0.gate_up", "embed"} <= set(
         differing(full_grads(off), full_grads(off_run(1))))
+
+
+def sp_run(tp: int) -> dict:
+    return run(f"tpinv-sp-tp{tp}", tp, 1, TIED, "thd", INVARIANT, backward=True, lengths=LENGTHS, model=MODEL,
+               all_readbacks=True, sequence_parallel=True)
+
+
+@pytest.mark.parametrize("tp", [2, pytest.param(4, marks=pytest.mark.slow)])
+def test_sequence_parallel_gives_the_bits_of_tp_1_without_it(tp):
+    """Megatron's --sequence-parallel in invariant mode: the row-parallel merge reduce-scattered over the tokens by
+    the same tree, the column-parallel input all-gathered and its gradient reduce-scattered, the norms' weight
+    gradients over token leaves merged over the ranks: log-probs (every path) and every gradient == TP 1 without SP."""
+    res, want = sp_run(tp), invariant_run(1)
+    for key in ("logp", "logp_nograd", "logp_logits", "logp_vime", "logp_gathered_vocab"):
+        assert torch.equal(res[key], want["logp"]), key
+    assert differing(full_grads(res), full_grads(want)) == []
+    for r in res["readbacks"]:  # SP really ran: the partials were reduce-scattered, the tokens gathered
+        for m in ("attention", "ffn"):
+            ops = r["readback"]["modules"][m]["ops"]
+            want_rs = {"world_size": tp, "leaves_total": G, "partials": "rlk.gemm.tp.v1"}
+            assert want_rs.items() <= ops["reduce_scatter"]["provenance"].items(), ops["reduce_scatter"]
+            assert ops["all_gather"]["call_count"] > 0
+
+
+def test_sequence_parallel_without_invariant_mode_is_refused(monkeypatch):
+    from rlk_megatron_provider import layers, spec
+
+    cfg = types.SimpleNamespace(sequence_parallel=True, normalization="RMSNorm", gated_linear_unit=True,
+                                activation_func=torch.nn.functional.silu)
+    monkeypatch.delenv("RL_KERNEL_TP_INVARIANT", raising=False)
+    msg = "sequence_parallel=True is covered in TP-invariant mode only (set RL_KERNEL_TP_INVARIANT)"
+    assert msg in layers.linear_problems(types.SimpleNamespace(), cfg)
+    assert all(msg in p for p in spec.model_problems(cfg).values())
+    monkeypatch.setenv("RL_KERNEL_TP_INVARIANT", str(G))
+    assert layers.linear_problems(types.SimpleNamespace(), cfg) == []
+    assert not any(msg in p for p in spec.model_problems(cfg).values())
 
 
 def test_every_rank_s_readback_names_the_contract_and_g():

@@ -34,8 +34,8 @@ import torch
 import rlk_collectives
 from rlk_core.errors import RlkPolicyError
 from rlk_core.ops import linear_tp_finish
-from rlk_core.ops.linear_tp import column_leaf_rows, head_leaves, pairs_sum
 from rlk_core.ops._dispatch import op as op_named
+from rlk_core.ops.linear_tp import column_leaf_rows, pairs_sum
 from rlk_megatron_provider import _state
 
 Tensor = torch.Tensor

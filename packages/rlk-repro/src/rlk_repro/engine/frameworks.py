@@ -47,9 +47,19 @@ class FrameworksRunConfig(LocalRunConfig):
     train_micro_tokens: int = 8192
     vllm_max_num_seqs: int = 256
     vllm_max_num_batched_tokens: int = 8192
+    # the parallel layout (rlk_repro.tp_options): what `plan` checks and prints; run takes train_tp == rollout_tp
+    train_tp: int = 1
+    rollout_tp: int = 1
+    sequence_parallel: bool = False
+    context_parallel: int = 1
+    tp_invariant: int = 0  # G of RL_KERNEL_TP_INVARIANT (0: off)
+    tp_invariant_source: str = "default (off)"
 
     def validate(self) -> None:
         super().validate()
+        from rlk_repro import tp_options
+
+        tp_options.check(self)
         if not 0 < self.gpu_memory_utilization < 1:
             raise RlkConfigError(f"gpu-memory-utilization must be in (0, 1), got {self.gpu_memory_utilization}")
         for name in ("tp", "train_micro_tokens", "vllm_max_num_seqs", "vllm_max_num_batched_tokens"):
@@ -151,10 +161,13 @@ def _set_env(cfg: FrameworksRunConfig, run_id: str, run_dir: Path) -> None:
 # -- the run ---------------------------------------------------------------------------------------------
 def run_frameworks(cfg: FrameworksRunConfig, output: str | os.PathLike[str],
                    run_name: str | None = None, progress: Progress | None = None) -> LocalRunResult:
+    from rlk_repro import tp_options
+
     cfg.validate()
-    problem = requirements(cfg.tp)
+    problem = requirements(cfg.tp) or tp_options.engine_problem(cfg)
     if problem:
         raise RlkConfigError(problem)
+    tp_options.apply_environment(cfg)
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast off (the device machines' rule)
     rank, world, device = _init_world(cfg)
     run = _shared_run(output, run_name, rank, cfg.command)
