@@ -34,7 +34,6 @@ import torch
 import rlk_collectives
 from rlk_core.errors import RlkPolicyError
 from rlk_core.ops import linear_tp_finish
-from rlk_core.ops._dispatch import op as op_named
 from rlk_core.ops.linear_tp import column_leaf_rows, pairs_sum
 from rlk_megatron_provider import _state
 
@@ -140,12 +139,11 @@ class LeafNorm(torch.autograd.Function):
         eps, module, dim, leaves, leaves_total, group, check = ctx.args
         routes = _state.get().routes
         tp, rank = _tp(group)
-        backward = op_named("rms_norm_backward")  # the registry op rms_norm's autograd runs
         size = x.shape[dim] // leaves
         dxs, parts = [], []
         with routes.scope(module):
             for j in range(leaves):
-                dx_l, dw_l = backward(dy.narrow(dim, j * size, size).contiguous(),
+                dx_l, dw_l = rms_norm_backward(dy.narrow(dim, j * size, size).contiguous(),
                                       x.narrow(dim, j * size, size).contiguous(), w, eps)
                 dxs.append(dx_l)
                 parts.append(dw_l.float())
