@@ -175,3 +175,28 @@ def test_every_rank_s_readback_names_the_contract_and_g():
             assert ops["linear_tp_partials"]["call_count"] > 0
             want = {"world_size": 2, "leaves_total": G, "partials": "rlk.gemm.tp.v1"}
             assert want.items() <= ops["all_reduce"]["provenance"].items(), ops["all_reduce"]
+
+
+def test_install_refuses_train_tp_other_than_rollout_tp_without_invariant_mode(provider, monkeypatch):
+    """slime's / VIME's args name both TPs: strict mode refuses TP 4 training with TP 1 rollout engines unless
+    RL_KERNEL_TP_INVARIANT is set, saying what to set; audit mode records the problem in the readback."""
+    import rlk_megatron_provider
+    from rlk_core.errors import RlkPolicyError
+
+    args = types.SimpleNamespace(tensor_model_parallel_size=4, rollout_num_gpus_per_engine=1, sequence_parallel=False)
+    monkeypatch.delenv("RL_KERNEL_TP_INVARIANT", raising=False)
+    provider("strict", logp="P/P")
+    with pytest.raises(RlkPolicyError, match="train TP 4 != rollout TP 1.*Set RL_KERNEL_TP_INVARIANT=8 on both sides"):
+        rlk_megatron_provider.install(args)
+    monkeypatch.setenv("RL_KERNEL_TP_INVARIANT", str(G))
+    st = rlk_megatron_provider.install(args)
+    assert not [h for h in st.recorder.hooks if h["name"] == "tp_layout"]
+    monkeypatch.delenv("RL_KERNEL_TP_INVARIANT")
+    provider("audit", logp="P/P")
+    st = rlk_megatron_provider.install(args)
+    (hook,) = [h for h in st.recorder.hooks if h["name"] == "tp_layout"]
+    assert "train TP 4 != rollout TP 1" in hook["target"] and hook["installed"] is False
+    provider("strict", logp="P/P")  # one TP on both sides: nothing to say
+    st = rlk_megatron_provider.install(types.SimpleNamespace(tensor_model_parallel_size=2,
+                                                            rollout_num_gpus_per_engine=2))
+    assert not [h for h in st.recorder.hooks if h["name"] == "tp_layout"]
