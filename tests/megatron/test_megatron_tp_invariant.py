@@ -4,9 +4,10 @@ a whole Qwen3-shaped GPTModel gives the same per-token log-probs at TP 1, 2, 4 (
 the local trainer with its row-parallel GEMMs under the same contract; every gradient (every rank's, gathered to the
 full shapes, after megatron-core's own TP finalize of the q/k-norm grads) is the same at TP 1, 2, 4, 8 (the
 column-parallel input gradient and the norms' weight gradients of ``rlk_megatron_provider.tp_grads``); without the
-mode TP 2 differs from TP 1, log-probs and gradients (negative control). The readback of every rank names the op and the partials' merge
-with G (docs/ops/linear_tp.md). Sequence parallelism in invariant mode gives the same log-probs and gradients as
-TP 1 without it; without invariant mode it is refused."""
+mode TP 2 differs from TP 1, log-probs and gradients (negative control). The readback of every rank names the op
+and the partials' merge with G (docs/ops/linear_tp.md). Sequence parallelism in invariant mode gives the same
+log-probs and gradients as TP 1 without it; without invariant mode it is refused (and so is train TP != rollout TP
+in the provider's install)."""
 
 from __future__ import annotations
 

@@ -35,6 +35,7 @@ import rlk_collectives
 from rlk_core.errors import RlkPolicyError
 from rlk_core.ops import linear_tp_finish
 from rlk_core.ops.linear_tp import column_leaf_rows, pairs_sum
+from rlk_core.ops.rms_norm import rms_norm_backward
 from rlk_megatron_provider import _state
 
 Tensor = torch.Tensor
