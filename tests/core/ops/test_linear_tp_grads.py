@@ -1,7 +1,7 @@
 """The TP-invariant gradients of rlk.gemm.tp.v1 (docs/ops/linear_tp.md, "Gradients"), emulated in one process: a
 column-parallel linear's input gradient over component leaves (``column_leaf_rows``) at TP 1/2/4/8 == TP 1
 bitwise, with negative controls (the shards' natural row order, the per-rank GEMM + rank sum); the head leaves of
-the q/k-norm weight gradient (``head_leaves``); ``-0.0`` as the exact identity of the TP sum that follows."""
+the q/k-norm weight gradient (``group_leaves``); ``-0.0`` as the exact identity of the TP sum that follows."""
 
 import math
 
@@ -11,7 +11,7 @@ import torch
 import rlk_core.ops as ops
 from rlk_collectives import reduce_reference, tree_sum_fp32
 from rlk_core.errors import RlkInputError
-from rlk_core.ops.linear_tp import DEFAULT_LEAVES, column_leaf_rows, head_leaves
+from rlk_core.ops.linear_tp import DEFAULT_LEAVES, column_leaf_rows, group_leaves
 
 G = DEFAULT_LEAVES
 QKV = (64, 32, 32)  # q, k, v rows (TP 1): 8 query heads and 4 KV heads of 8
@@ -91,8 +91,8 @@ def test_column_leaf_rows_is_a_permutation_in_leaf_major_order():
 
 
 @pytest.mark.parametrize("heads,n", [(16, 8), (32, 8), (40, 8), (8, 8), (4, 4), (2, 2), (1, 1)])
-def test_head_leaves_are_whole_on_every_allowed_tp(heads, n):
-    assert head_leaves(heads, G) == n
+def test_group_leaves_are_whole_on_every_allowed_tp(heads, n):
+    assert group_leaves(heads, G) == n
     for tp in (1, 2, 4, 8):
         if heads % tp == 0:  # Megatron's rule (and tp divides G): the rank holds n / tp whole leaves
             assert n % tp == 0 and (heads // tp) % (heads // n) == 0

@@ -37,7 +37,7 @@ import rlk_collectives
 from rlk_core import envs
 from rlk_core.errors import RlkPolicyError
 from rlk_core.ops import linear_tp_finish
-from rlk_core.ops.linear_tp import head_leaves
+from rlk_core.ops.linear_tp import group_leaves
 from rlk_megatron_provider import _compat, _state, tp_grads
 
 Tensor = torch.Tensor
@@ -443,13 +443,15 @@ class RlkRMSNorm(_RlkLayer, torch.nn.Module):
         if self.rlk_head_tree is not None:  # the weight gradient over head leaves, merged over the TP ranks
             group, heads, leaves = self.rlk_head_tree
             return tp_grads.leaf_norm(x, self.weight, self.eps, self.rlk_module, dim=-2,
-                                      leaves_total=head_leaves(heads, leaves), group=group,
+                                      leaves_total=group_leaves(heads, leaves), group=group,
                                       check=self.rlk_check_collectives)
         if self.rlk_tp_leaves and torch.is_grad_enabled() and self.weight.requires_grad:
-            # the weight gradient over G token leaves (sequence parallelism: the rank's, merged over the TP ranks)
+            # the weight gradient over gcd(T, G) token leaves (sequence parallelism: the rank's, merged over the ranks)
             group = _compat.tp_group_of(self) if self.weight.sequence_parallel else None
+            tokens = x.shape[0] * (1 if group is None else group.size())
             return tp_grads.leaf_norm(x, self.weight, self.eps, self.rlk_module, dim=0,
-                                      leaves_total=self.rlk_tp_leaves, group=group, check=self.rlk_check_collectives)
+                                      leaves_total=group_leaves(tokens, self.rlk_tp_leaves), group=group,
+                                      check=self.rlk_check_collectives)
         return st.routes.call(self.rlk_module, "rms_norm", x, self.weight, self.eps)
 
 

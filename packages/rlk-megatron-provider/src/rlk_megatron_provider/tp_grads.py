@@ -15,7 +15,7 @@ size, a head's dimension), so it has the same bits at every TP once its inputs d
 - **the q/k-norm weight gradient**: the norm's weight is shared by every head, and a rank sees its own heads;
   Megatron sums the ranks' partial gradients in ``finalize_model_grads`` (``_allreduce_non_tensor_model_parallel
   _grads``, a TP all-reduce of the grads of ``q_layernorm`` / ``k_layernorm``). Under invariant mode each head's
-  heads are cut into ``n = gcd(H, G)`` leaves of consecutive heads (:func:`rlk_core.ops.linear_tp.head_leaves`),
+  heads are cut into ``n = gcd(H, G)`` leaves of consecutive heads (:func:`rlk_core.ops.linear_tp.group_leaves`),
   a leaf's weight gradient is ``rms_norm_backward`` on that leaf's rows (tokens x the leaf's heads: the same rows at
   every TP), the leaves merged by the adjacent-pairs tree, across ranks by ``all_reduce_partials``
   (:class:`LeafNorm`). The merged gradient is then left on TP rank 0 and ``-0.0`` on every other rank:
@@ -119,17 +119,14 @@ class LeafNorm(torch.autograd.Function):
     leaf (its rows: the same at every TP), the leaves merged by the adjacent-pairs tree in fp32 and, where ``group``
     is given, across its ranks by ``all_reduce_partials`` — then left on rank 0 and ``-0.0`` elsewhere (module
     docstring). The input gradient is ``rms_norm``'s, per row. q/k norms: ``dim=-2`` (heads), ``leaves_total =
-    gcd(H, G)``; a norm over tokens: ``dim=0``, ``leaves_total = G`` (sequence parallelism: the rank's G / TP token
-    leaves, merged over the TP group; without it, all G on every rank)."""
+    gcd(H, G)``; a norm over tokens: ``dim=0``, ``leaves_total = gcd(T, G)`` (sequence parallelism: the rank's share,
+    merged over the TP group; without it, all of them on every rank)."""
 
     @staticmethod
     def forward(ctx, x, w, eps, module, dim, leaves, leaves_total, group, check):
-        if x.shape[dim] % leaves:
-            raise RlkPolicyError(
-                f"rlk-megatron-provider, module {module!r}, TP-invariant mode: the norm's weight gradient cuts "
-                f"dim {dim} of its input (shape {tuple(x.shape)}) into {leaves} leaves here ({leaves_total} in all), "
-                f"and {x.shape[dim]} is not divisible by {leaves}: pad the batch's tokens to a multiple of "
-                f"G={leaves_total}" if dim == 0 else f"{x.shape[dim]} heads do not divide into {leaves} leaves")
+        if x.shape[dim] % leaves:  # group_leaves makes the count divide; a caller that does not is a bug
+            raise RlkPolicyError(f"rlk-megatron-provider, module {module!r}, TP-invariant mode: dim {dim} of the "
+                                 f"norm's input (shape {tuple(x.shape)}) does not divide into {leaves} leaves")
         ctx.args = (eps, module, dim, leaves, leaves_total, group, check)
         ctx.save_for_backward(x, w)
         return _state.get().routes.call(module, "rms_norm", x, w, eps)

@@ -29,7 +29,7 @@ from rlk_core.tp import DEFAULT_LEAVES
 
 MAX_LEAVES = 8  # the most leaves one call merges (the kernel's unrolled tree; 16 spills registers on sm_90)
 
-__all__ = ["DEFAULT_LEAVES", "MAX_LEAVES", "check_layout", "column_leaf_rows", "head_leaves", "linear_tp",
+__all__ = ["DEFAULT_LEAVES", "MAX_LEAVES", "check_layout", "column_leaf_rows", "group_leaves", "linear_tp",
            "linear_tp_finish", "linear_tp_partials", "pairs_sum"]
 
 
@@ -74,12 +74,13 @@ def column_leaf_rows(components: Sequence[int], leaves: int) -> list[int]:
     return out
 
 
-def head_leaves(heads: int, leaves_total: int) -> int:
-    """How many leaves a reduction over ``heads`` attention heads is cut into under ``rlk.gemm.tp.v1`` with G =
-    ``leaves_total``: ``gcd(heads, G)`` (a power of two), each leaf ``heads / n`` consecutive heads. Every TP that
-    Megatron allows (dividing the head count) and invariant mode allows (dividing G) divides it, so a rank holds
-    whole leaves. Used for the q/k-norm weight gradient (a sum over the rank's heads)."""
-    return math.gcd(heads, leaves_total)
+def group_leaves(count: int, leaves_total: int) -> int:
+    """How many leaves a reduction over ``count`` items that TP (or sequence parallelism) splits into contiguous rank
+    slices is cut into under ``rlk.gemm.tp.v1`` with G = ``leaves_total``: ``gcd(count, G)`` (a power of two), each
+    leaf ``count / n`` consecutive items. Every TP that divides both ``count`` (the split's own rule: heads per rank,
+    tokens per rank) and G divides it, so a rank holds whole leaves. Used for the norms' weight gradients: over the
+    attention heads (q/k norms) and over the tokens (sequence parallelism)."""
+    return math.gcd(count, leaves_total)
 
 
 @define("linear_tp_partials")
