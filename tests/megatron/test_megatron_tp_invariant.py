@@ -112,6 +112,15 @@ def test_tp_8_log_probs_and_every_gradient_equal_tp_1_in_invariant_mode():
     assert differing(from_megatron(cfg, tp8["tp_grads"]), from_megatron(cfg, tp1["tp_grads"])) == []
 
 
+@pytest.mark.slow
+def test_tp_2_cp_2_log_probs_equal_tp_1_in_invariant_mode():
+    """CP 2 x TP 2 (zigzag THD shards, K/V gathered by rlk's CP transport): the log-probs of TP 1. (Not the gradients:
+    CP splits the tokens of every weight gradient and megatron-core sums the CP ranks' like data parallelism.)"""
+    res = run("tpinv-tp2-cp2", 2, 2, TIED, "thd", INVARIANT, lengths=LENGTHS, model=MODEL)
+    assert torch.equal(res["logp"], invariant_run(1)["logp"])
+    assert "cp_all_gather" in res["readback"]["modules"]["attention"]["ops"]
+
+
 def test_invariant_mode_gradients_are_their_own_arithmetic():
     """At TP 1 the column-parallel input gradients (a leaf tree over N, not rlk.gemm.bi.v1's order) and the q/k-norm
     weight gradients (a tree over head leaves, not one sum over the rows) are other bits than without the mode, and
