@@ -196,8 +196,9 @@ def _experiment_options(r: argparse.ArgumentParser) -> None:
     f.add_argument("--vllm-max-num-batched-tokens", type=positive_int, default=8192,
                    help="vLLM max_num_batched_tokens (8192)")
     f.add_argument("--run-name", default=None, help=argparse.SUPPRESS)  # a matrix cell's directory name
-    from rlk_repro import model_options, trace  # issue 37: real model, data, chat template, reward; --trace
+    from rlk_repro import model_options, tp_options, trace  # issue 37: model, data, reward; --trace; issue 35
 
+    tp_options.add_options(f)  # issue 35 / 39: train TP != rollout TP, SP, CP, TP-invariant mode
     model_options.add_options(r)
     trace.add_options(r)
 
@@ -257,6 +258,9 @@ def _config(a: argparse.Namespace, argv: Sequence[str], resolved):
         if given:
             raise RlkConfigError(f"--{given[0].replace('_', '-')} is an option of --engine frameworks")
     model_kw = _model_options(a, argv, frameworks)  # issue 37 (before the fields: --phase sets rounds and seed)
+    from rlk_repro import tp_options  # issue 35 / 39
+
+    model_kw.update(tp_options.config_kwargs(a, frameworks))
     cfg = (FrameworksRunConfig if frameworks else LocalRunConfig)(
         plan=resolved.plan, plan_sources=dict(resolved.sources), readback_mode_source=mode_source,
         rounds=a.rounds, seed=a.seed, device=device, dtype=dtype, model=a.model, checkpoint=a.checkpoint,
@@ -413,9 +417,15 @@ def _cmd_plan(a: argparse.Namespace, argv: Sequence[str]) -> int:
     # one name, as in the manifest and the bitwise file: require_exact, resolved (the config's own field is
     # None where the plan decides; printing both said two different things)
     config = {k: v for k, v in asdict(cfg).items() if k not in ("plan", "command", "plan_sources", "require_exact")}
-    print(json.dumps({"engine": a.engine, "mode": cfg.mode, "plan": plan.as_dict(), "routes": resolved.as_dict(),
-                      "readback_mode": {"mode": cfg.readback_mode, "source": cfg.readback_mode_source},
-                      "env": plan.env(), "require_exact": cfg.exact_required, "config": config}, indent=2))
+    doc = {"engine": a.engine, "mode": cfg.mode, "plan": plan.as_dict(), "routes": resolved.as_dict(),
+           "readback_mode": {"mode": cfg.readback_mode, "source": cfg.readback_mode_source},
+           "env": plan.env(), "require_exact": cfg.exact_required, "config": config}
+    if _frameworks(a):  # issue 35 / 39: the parallel layout and RL_KERNEL_TP_INVARIANT
+        from rlk_repro import tp_options
+
+        doc["parallel"] = tp_options.section(cfg, tp_options.check(cfg))
+        doc["env"].update(tp_options.env(cfg))
+    print(json.dumps(doc, indent=2))
     return EXIT_OK
 
 
@@ -426,7 +436,7 @@ _CELL_OPTIONS = ("rounds", "seed", "device", "dtype", "model", "checkpoint", "pr
                  "max_new_tokens", "temperature", "top_p", "top_k", "min_p", "logprobs", "train_logprobs",
                  "optimizer", "lr",
                  "static_weights", "audit",
-                 *FRAMEWORKS_ONLY)
+                 *FRAMEWORKS_ONLY, "train_tp", "rollout_tp", "sequence_parallel", "context_parallel", "tp_invariant")
 
 
 def _cell_argv(a: argparse.Namespace, plan: dict[str, str], root, cell: str) -> list[str]:

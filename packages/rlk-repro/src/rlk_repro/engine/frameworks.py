@@ -49,6 +49,13 @@ class FrameworksRunConfig(LocalRunConfig):
     vllm_max_num_seqs: int = 256
     vllm_max_num_batched_tokens: int = 8192
     cuda_graph_decode: bool = False  # issue 37: FULL_DECODE_ONLY graphs of sizes 1..prompts x samples
+    # the parallel layout (rlk_repro.tp_options): what `plan` checks and prints; run takes train_tp == rollout_tp
+    train_tp: int = 1
+    rollout_tp: int = 1
+    sequence_parallel: bool = False
+    context_parallel: int = 1
+    tp_invariant: int = 0  # G of RL_KERNEL_TP_INVARIANT (0: off)
+    tp_invariant_source: str = "default (off)"
 
     @property
     def cuda_graphs(self) -> dict[str, Any] | None:
@@ -61,6 +68,9 @@ class FrameworksRunConfig(LocalRunConfig):
 
     def validate(self) -> None:
         super().validate()
+        from rlk_repro import tp_options
+
+        tp_options.check(self)
         if self.cuda_graph_decode and self.enforce_eager:
             raise RlkConfigError("--cuda-graph-decode asks for CUDA graphs, --enforce-eager for none")
         if not 0 < self.gpu_memory_utilization < 1:
@@ -164,10 +174,13 @@ def _set_env(cfg: FrameworksRunConfig, run_id: str, run_dir: Path) -> None:
 # -- the run ---------------------------------------------------------------------------------------------
 def run_frameworks(cfg: FrameworksRunConfig, output: str | os.PathLike[str],
                    run_name: str | None = None, progress: Progress | None = None) -> LocalRunResult:
+    from rlk_repro import tp_options
+
     cfg.validate()
-    problem = requirements(cfg.tp)
+    problem = requirements(cfg.tp) or tp_options.engine_problem(cfg)
     if problem:
         raise RlkConfigError(problem)
+    tp_options.apply_environment(cfg)
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast off (the device machines' rule)
     rank, world, device = _init_world(cfg)
     run = _shared_run(output, run_name, rank, cfg.command)
