@@ -6,7 +6,8 @@
    target <= 1.05x time, and its peak extra memory (O(T x 256) logits chunks, never [T, V]).
 2. Sampler: one decode step's filtering at batch B — rlk's ``kept_set`` + ``apply_kept`` + the processed
    ``token_logprobs`` vs the torch path vLLM runs without FlashInfer (``apply_top_k_top_p``: sort, softmax,
-   cumsum, scatter; then ``log_softmax`` + gather), same logits, top_k 40 / top_p 0.95.
+   cumsum, scatter; then ``log_softmax`` + gather), same logits, top_k 40 / top_p 0.95; and the step's parts
+   (the kept set on its backend and as the reference's torch ops, ``apply_kept``, the processed log-prob).
 The kept-set statistics of the benchmark's random logits are reported with each case.
 """
 
@@ -22,7 +23,9 @@ from _common import MODELS, randn
 from bench_logprobs import fwd_bwd, peak_extra
 from harness import copy_bandwidth, default_out_dir, environment, require_cuda, time_fns, write_results
 
+from rlk_core.backends import REGISTRY
 from rlk_core.ops import apply_kept, kept_set
+from rlk_core.ops.kept_set.reference import PATH_TOP_K, kept_set_reference
 from rlk_core.ops.linear_logprobs import linear_logprobs
 from rlk_core.ops.token_logprobs import token_logprobs
 
@@ -95,9 +98,19 @@ def sampler_case(b: int, v: int, repeats: int) -> dict:
         y = z.argmax(-1)
         return torch.log_softmax(z, -1).gather(1, y[:, None])[:, 0]
 
-    r = {"case": f"sampler step B={b}", **stats(kept_set(x, t, TOP_K, TOP_P).size)}
+    ks = kept_set(x, t, k, p.float(), m.float(), host=host)
+    y = apply_kept(x, t, ks).argmax(-1)
+    r = {"case": f"sampler step B={b}", **stats(ks.size)}
     r["processed_ms"] = time_fns([rlk_step], repeats=repeats)["median_ms"]
     r["native_ms"] = time_fns([native_step], repeats=repeats)["median_ms"]
+    # the step's parts: the kept set on its backend (rlk.triton's candidates kernel on the top-k path) and as the
+    # reference's torch ops (the path before the kernel), apply_kept, the processed log-prob
+    r["kept_set_backend"] = REGISTRY.select("kept_set", "cuda", (x, t, k, p, m, PATH_TOP_K, TOP_K), True).backend.id
+    r["kept_set_ms"] = time_fns([lambda: kept_set(x, t, k, p, m, host=host)], repeats=repeats)["median_ms"]
+    r["kept_set_torch_ms"] = time_fns([lambda: kept_set_reference(x, t, k, p, m, PATH_TOP_K, TOP_K)],
+                                      repeats=repeats)["median_ms"]
+    r["apply_kept_ms"] = time_fns([lambda: apply_kept(x, t, ks)], repeats=repeats)["median_ms"]
+    r["logprob_ms"] = time_fns([lambda: token_logprobs(x, y, t, kept=ks)], repeats=repeats)["median_ms"]
     r["speed_ratio"] = r["native_ms"] / r["processed_ms"]
     print(r, flush=True)
     return r
@@ -114,7 +127,7 @@ def main() -> None:
         rows += trainer_case(tt, hh, v, args.repeats)
         gc.collect()
         torch.cuda.empty_cache()
-    for b in (1, 64, 256):
+    for b in (1, 64, 256, 336):
         rows.append(sampler_case(b, v, args.repeats))
     meta = {"env": environment(), "copy": copy_bandwidth(), "repeats": args.repeats,
             "filters": {"top_k": TOP_K, "top_p": TOP_P},
@@ -124,6 +137,8 @@ def main() -> None:
                   [("case", "case"), ("processed_ms", "rlk processed ms"), ("unfiltered_ms", "rlk unfiltered ms"),
                    ("time_ratio", "time ratio"), ("native_ms", "native ms"), ("speed_ratio", "speed ratio"),
                    ("processed_extra_gib", "processed extra GiB"), ("unfiltered_extra_gib", "unfiltered extra GiB"),
+                   ("kept_set_ms", "kept_set ms"), ("kept_set_torch_ms", "kept_set torch-ops ms"),
+                   ("apply_kept_ms", "apply_kept ms"), ("logprob_ms", "processed logprob ms"),
                    ("kept_mean", "kept mean"), ("kept_singletons", "singletons")])
 
 

@@ -18,15 +18,15 @@
 # $OUT/<stage>.tar.gz (the device returns a limited number of files, only shallow ones); a stage is killed at its
 # time cap (defaults below), so a sitting cannot overrun its call; the device budget is 30 min a session.
 #
-# Stages: exact-megatron / exact-vllm / exact-loop (tests/frameworks/test_<name>_exact.py under RLK_REQUIRE_GPU=1: the
+# Stages: vllm-filtered (vllm_gpu.py with top-p 0.95 / top-k 40: R/R vs native, profiles), exact-megatron / exact-vllm / exact-loop (tests/frameworks/test_<name>_exact.py under RLK_REQUIRE_GPU=1: the
 # bitwise tests of the adapters in the real frameworks and of the frameworks loop; $EXACT_MARK, default
 # "gpu and not multi_gpu"; the loop's R/R run directory is kept as rr-run/), exact (every one of them; $EXACT_MARK
 # "multi_gpu" on an x2 machine), vllm (vllm_gpu.py: throughput), vllm-capture (R/R and P/P with --capture-max 4096),
 # loop (loop_gpu.py: R/R 10 rounds + P/P, throughput), filtered (filtered_gpu.py: top-k / top-p / min-p runs),
 # processed (bench_processed_logprobs.py), matrix-a / matrix-b (loop_gpu.py --matrix, 4 cells each, 2
 # rounds), hybrid (megatron_gpu.py --hybrid), megatron (megatron_gpu.py: step time), cuda (build rlk_core._C + cubins, the rlk.cuda and
-# log-prob GPU tests — or the files in $CUDA_TESTS, selected by $CUDA_TESTS_K —, host_overhead.py $HOST_SECTIONS
-# within $HOST_CAP s, default 90), tests ($GPU_TESTS, default tests/gpu, no
+# log-prob GPU tests — or the files in $CUDA_TESTS, selected by $CUDA_TESTS_K and marker $CUDA_MARK (default "gpu and
+# not multi_gpu") —, host_overhead.py $HOST_SECTIONS within $HOST_CAP s, default 90, 0: none), tests ($GPU_TESTS, default tests/gpu, no
 # build), local (bench_local_engine.py: the local
 # engine R/R and P/P, 8 rounds, per-round throughput), profile (profile_rollout.py: a rollout step's host time by
 # callee, R/R or $PROFILE_MODE, 2 rounds).
@@ -34,7 +34,7 @@ set -u
 HERE=$(cd "$(dirname "$0")" && pwd)
 ROOT=$(cd "$HERE/../.." && pwd)
 SHIP=/tmp/ship
-declare -A CAP=([vllm]=420 [vllm-capture]=300 [loop]=420 [matrix-a]=400 [matrix-b]=400 [hybrid]=180
+declare -A CAP=([vllm]=420 [vllm-filtered]=420 [vllm-capture]=300 [loop]=420 [matrix-a]=400 [matrix-b]=400 [hybrid]=180
                 [megatron]=240 [cuda]=330 [local]=420 [tests]=300 [profile]=200 [exact]=560 [exact-megatron]=240
                 [exact-vllm]=480 [exact-loop]=420 [filtered]=560 [processed]=240)
 
@@ -116,6 +116,9 @@ stage() {  # stage NAME SECONDS
     nvidia-smi --query-gpu=clocks.sm,temperature.gpu,power.draw --format=csv,noheader > "$out/gpu-before.txt" 2>&1
     case $name in
         vllm) timeout "$cap" $py "$G/benchmarks/frameworks/vllm_gpu.py" --budget-s $((cap - 15)) --out "$out" ;;
+        vllm-filtered)  # vllm_gpu.py R/R vs native with the seeds' filters (top-p 0.95, top-k 40), profiles of both
+            timeout "$cap" $py "$G/benchmarks/frameworks/vllm_gpu.py" --top-p 0.95 --top-k 40 --skip bi --profile \
+                --gen-budget-s 40 --gen-repeats 3 --budget-s $((cap - 15)) --out "$out" ;;
         vllm-capture) timeout "$cap" $py "$G/benchmarks/frameworks/vllm_gpu.py" --capture-max 4096 \
                           --skip eager,recompute,bi --budget-s $((cap - 15)) --out "$out" ;;
         loop) timeout "$cap" $py "$G/benchmarks/frameworks/loop_gpu.py" --out "$out" --native-rounds 3 ;;
@@ -125,9 +128,11 @@ stage() {  # stage NAME SECONDS
         matrix-b) timeout "$cap" $py "$G/benchmarks/frameworks/loop_gpu.py" --out "$out" --rounds 2 --prompts 32 \
                       --max-new-tokens 64 --matrix ffn-RP,ffn-PR,logp-RP,logp-PR --matrix-cap-s $((cap - 20)) ;;
         hybrid) timeout "$cap" $py "$G/benchmarks/frameworks/megatron_gpu.py" --hybrid --out "$out" ;;
-        filtered)  # filtered_gpu.py: R/R and P/P runs with top-k / top-p / min-p ($FILTERED_ONLY, $FILTERED_ROUNDS)
+        filtered)  # filtered_gpu.py: R/R and P/P runs with top-k / top-p / min-p ($FILTERED_ONLY, $FILTERED_ROUNDS,
+            # $FILTERED_PP_ROUNDS)
             timeout "$cap" $py "$G/benchmarks/frameworks/filtered_gpu.py" --out "$out" --budget-s $(( cap - 20 )) \
-                ${FILTERED_ONLY:+--only "$FILTERED_ONLY"} ${FILTERED_ROUNDS:+--rounds "$FILTERED_ROUNDS"} ;;
+                ${FILTERED_ONLY:+--only "$FILTERED_ONLY"} ${FILTERED_ROUNDS:+--rounds "$FILTERED_ROUNDS"} \
+                ${FILTERED_PP_ROUNDS:+--pp-rounds "$FILTERED_PP_ROUNDS"} ;;
         processed)  # bench_processed_logprobs.py (kernels as built: run after cuda)
             (cd "$G/benchmarks" && RLK_BENCH_OUT="$out" timeout "$cap" $py bench_processed_logprobs.py \
                 > "$out/processed.log" 2>&1); tail -20 "$out/processed.log" ;;
@@ -143,12 +148,14 @@ stage() {  # stage NAME SECONDS
             echo "build rc $? in $((SECONDS - t0)) s"; tail -2 "$out/build.log"
             # shellcheck disable=SC2086
             (cd "$G" && RLK_REQUIRE_GPU=1 timeout $((cap - (SECONDS - t0) - ${HOST_CAP:-90} - 10)) $py -m pytest -q -p no:cacheprovider \
-                --durations=10 ${CUDA_TESTS_K:+-k "$CUDA_TESTS_K"} \
+                --durations=10 -m "${CUDA_MARK:-gpu and not multi_gpu}" ${CUDA_TESTS_K:+-k "$CUDA_TESTS_K"} \
                 ${CUDA_TESTS:-tests/gpu/test_cuda_backend_gpu.py tests/gpu/test_logprobs_gpu.py} > "$out/gpu-tests.log" 2>&1)
             tail -25 "$out/gpu-tests.log"
-            (cd "$G/benchmarks" && RLK_BENCH_OUT="$out" timeout "${HOST_CAP:-90}" $py host_overhead.py \
-                --sections "${HOST_SECTIONS:-rowwise,linear_eager}" > "$out/host.log" 2>&1)
-            tail -30 "$out/host.log" ;;
+            if [ "${HOST_CAP:-90}" != 0 ]; then  # HOST_CAP=0: no host_overhead.py
+                (cd "$G/benchmarks" && RLK_BENCH_OUT="$out" timeout "${HOST_CAP:-90}" $py host_overhead.py \
+                    --sections "${HOST_SECTIONS:-rowwise,linear_eager}" > "$out/host.log" 2>&1)
+                tail -30 "$out/host.log"
+            fi ;;
         exact|exact-*)  # the framework tests (real vLLM / megatron-core), zero tolerance; pytest's tmp under $out
             local files=tests/frameworks
             [ "$name" = exact ] || files=tests/frameworks/test_${name#exact-}_exact.py

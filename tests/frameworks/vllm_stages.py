@@ -120,6 +120,8 @@ class _VllmEngine:
                   gpu_memory_utilization=a.gpu_mem, enable_chunked_prefill=True,
                   max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_batched_tokens,
                   disable_log_stats=True)
+        if a.top_k or a.top_p < 1.0 or a.min_p or a.temperature != 1.0:
+            kw["logprobs_mode"] = "processed_logprobs"  # after temperature / filters, as VIME runs filtered sampling
         if spec["backend"]:
             kw["attention_backend"] = spec["backend"]
         compilation: dict = {}
@@ -139,7 +141,7 @@ class _VllmEngine:
     @staticmethod
     def _sp(a, n: int, max_tokens: int, seed: int):
         from vllm import SamplingParams
-        return SamplingParams(n=n, temperature=1.0, top_p=1.0, top_k=0, min_p=0.0, logprobs=0,
+        return SamplingParams(n=n, temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, min_p=a.min_p, logprobs=0,
                               max_tokens=max_tokens, ignore_eos=True, seed=seed, detokenize=False)
 
     def generate(self, a, prompts: list[list[int]], idx: list[int], n: int, max_tokens: int) -> list[dict]:
@@ -205,7 +207,8 @@ class _LocalEngine:
         from rlk_repro.engine.sampling import SamplingParams
 
         reqs = [Request(rid=i * 64 + s, prompt=list(p),
-                        params=SamplingParams(temperature=1.0, max_new_tokens=max_tokens, seed=a.seed))
+                        params=SamplingParams(temperature=a.temperature, top_p=a.top_p, top_k=a.top_k,
+                                              min_p=a.min_p, max_new_tokens=max_tokens, seed=a.seed))
                 for i, p in zip(idx, prompts, strict=True) for s in range(n)]
         self.engine.generate(reqs)
         return [{"p": r.rid // 64, "s": r.rid % 64, "tokens": list(r.output), "logprobs": list(r.logprobs)}
@@ -516,7 +519,7 @@ def prompts_of(work: Path) -> list[list[int]]:
 # ------------------------------------------------------------------------------------------------
 COMMON = ("tiny", "device", "engine", "seed", "prompts", "samples", "max_tokens", "prompt_min", "prompt_max",
           "gpu_mem", "max_num_seqs", "max_batched_tokens", "multiprocessing", "tp", "capture_max", "ttft_runs",
-          "decode_batch")
+          "decode_batch", "temperature", "top_k", "top_p", "min_p")
 
 
 def parser(description: str, stages: tuple[str, ...]) -> argparse.ArgumentParser:
@@ -546,6 +549,10 @@ def parser(description: str, stages: tuple[str, ...]) -> argparse.ArgumentParser
     p.add_argument("--tp", type=int, default=1, help="tensor_parallel_size of every engine (2 on nvidia-h200-x2)")
     p.add_argument("--multiprocessing", action="store_true", help="VLLM_ENABLE_V1_MULTIPROCESSING=1 (engine core "
                    "in its own process; the plugin must load there through the dist-info on PYTHONPATH)")
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0, help="every request's top-k (0: off)")
+    p.add_argument("--top-p", type=float, default=1.0, help="every request's top-p (1: off)")
+    p.add_argument("--min-p", type=float, default=0.0, help="every request's min-p (0: off)")
     p.add_argument("--skip", default="", help="comma-separated stages to skip")
     p.add_argument("--capture-max", type=int, default=0, help="vLLM's max_cudagraph_capture_size for every engine "
                    "(default: vLLM's, min(2 x max_num_seqs, 512)); up to --max-batched-tokens, prefill chunks replay "

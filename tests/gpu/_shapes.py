@@ -52,3 +52,21 @@ def linear_inputs(m: int, n: int, k: int, dtype=torch.bfloat16, seed: int = 0):
     x = randn((m, k), dtype, 1.0, seed)
     w = randn((n, k), dtype, k ** -0.5, seed + 1)  # outputs of order 1, as in a trained layer
     return x, w
+
+
+def assert_close_dot(out, ref, absdot, dtype, name):
+    """``|out - ref| <= atol + rtol * max(|ref|, sum_k |x_k w_k|)`` with (rtol, atol) from ``dtype_tols``.
+
+    Two fp32 accumulation orders of one dot product (the kernel's sequential K loop, the reference's
+    pairwise tree) differ by up to about ``sqrt(K) * eps * sum_k |x_k w_k|`` (Higham's bound), which
+    for results near zero is far above ``rtol * |ref|``; scaling by the sum of absolute products is the
+    condition-aware form of the same tolerance.
+    """
+    from rlk_core.testing import dtype_tols
+
+    tols = dtype_tols(dtype)
+    allowed = tols["atol"] + tols["rtol"] * torch.maximum(ref.double().abs(), absdot.double())
+    err = (out.double() - ref.double()).abs()
+    bad = err > allowed
+    assert not bool(bad.any()), (f"{name}: {int(bad.sum())} of {err.numel()} elements outside tolerance; "
+                                 f"worst error / allowed {float((err / allowed).max()):.3g}")

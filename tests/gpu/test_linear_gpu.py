@@ -15,29 +15,13 @@ from rlk_core.ops.linear.reference import linear_reference
 from rlk_core.ops.linear.tiles import _LARGE_TMA, shipped_tiles
 from rlk_core.testing import assert_bitwise_equal, check_batch_invariance, check_run_to_run, dtype_tols
 
-from ._shapes import M_LIST, RLK_GPU, linear_inputs, randn
+from ._shapes import M_LIST, RLK_GPU, assert_close_dot, linear_inputs, randn
 
 pytestmark = pytest.mark.gpu
 
 # (N, K): down projection (the large-K shape where cuBLAS is not batch-invariant), qkv, awkward, and qkv at
 # TP 4 (at M = 4096 a row split: 128x256 tiles, then 128x128 tiles in a second launch)
 SHAPES = [(4096, 12288), (6144, 4096), (333, 1000), (1536, 4096)]
-
-
-def assert_close_dot(out, ref, absdot, dtype, name):
-    """``|out - ref| <= atol + rtol * max(|ref|, sum_k |x_k w_k|)`` with (rtol, atol) from ``dtype_tols``.
-
-    Two fp32 accumulation orders of one dot product (the kernel's sequential K loop, the reference's
-    pairwise tree) differ by up to about ``sqrt(K) * eps * sum_k |x_k w_k|`` (Higham's bound), which
-    for results near zero is far above ``rtol * |ref|``; scaling by the sum of absolute products is the
-    condition-aware form of the same tolerance.
-    """
-    tols = dtype_tols(dtype)
-    allowed = tols["atol"] + tols["rtol"] * torch.maximum(ref.double().abs(), absdot.double())
-    err = (out.double() - ref.double()).abs()
-    bad = err > allowed
-    assert not bool(bad.any()), (f"{name}: {int(bad.sum())} of {err.numel()} elements outside tolerance; "
-                                 f"worst error / allowed {float((err / allowed).max()):.3g}")
 
 
 def test_triton_backend_is_selected():
@@ -95,8 +79,8 @@ def test_every_shipped_tile_gives_the_same_bits(n, k):
 def _straggling_split(reader: torch.cuda.Stream | None = None):
     """A row split whose first launch has one straggler (133 tiles of 128x256, K = 16384, on 132 programs:
     one program computes two tiles) and whose second launch is small (128 rows); the output starts as NaN
-    and is copied right after the second launch, on the same stream or on ``reader`` (not ordered after
-    it). Returns (the copy, the output once the device is idle, the first part's rows, x, w)."""
+    and is copied right after the second launch, on the same stream or on ``reader`` (ordered after the fill,
+    not after the split). Returns (the copy, the output once the device is idle, the first part's rows, x, w)."""
     from rlk_core.ops.linear import triton as lt
 
     rows = 133 * 128
@@ -104,8 +88,11 @@ def _straggling_split(reader: torch.cuda.Stream | None = None):
     cfg = dict(lt.tile_config(_LARGE_TMA[0][0], 16384, tma=True), SPLIT_ROWS=rows,
                REST=lt.tile_config(_LARGE_TMA[2][0], 16384, tma=True))
     out = torch.full((rows + 128, 256), float("nan"), dtype=x.dtype, device=x.device)
+    filled = torch.cuda.Event()
+    filled.record()  # a reader on another stream waits for the NaN fill (else it may read the memory's old bits)
     lt._launch(jit_plan(x.device), x, w, None, out, cfg)
     with torch.cuda.stream(reader or torch.cuda.current_stream()):
+        torch.cuda.current_stream().wait_event(filled)
         seen = out.clone()
     torch.cuda.synchronize()
     return seen, out, rows, x, w

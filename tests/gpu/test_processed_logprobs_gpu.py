@@ -65,6 +65,27 @@ def test_kept_set_is_batch_invariant_and_equals_the_cpu(t):
     assert torch.equal(cpu.size[torch.tensor(p["top_p"]) == 1.0], ks.size.cpu()[torch.tensor(p["top_p"]) == 1.0])
 
 
+@pytest.mark.parametrize("t", (1, 9, 336))
+def test_kept_set_top_k_kernel_equals_the_reference(t):
+    """The top-k path on rlk.triton / rlk.cuda (the candidates kernel) == the reference's torch ops on the same GPU,
+    bit for bit, at the seeds' settings and with ties at the k-th value; rows alone == in the batch."""
+    from rlk_core.ops.kept_set.reference import PATH_TOP_K, kept_set_reference
+
+    x, temp = _rows(t, seed=11)
+    x[0, :64] = 2.0  # a tie group across the k-th value
+    k = torch.tensor(([40, 40, 20, 1, 64] * t)[:t], device="cuda")
+    p = torch.tensor(([0.95, 0.8, 1.0, 1.0, 0.99] * t)[:t], device="cuda")
+    m = torch.tensor(([0.0, 0.05, 0.0, 0.0, 0.1] * t)[:t], device="cuda")
+    sel = REGISTRY.select("kept_set", "cuda", (x, temp, k, p, m, PATH_TOP_K, 64), True)
+    assert sel.backend.id in ("rlk.triton", "rlk.cuda") and sel.fallback_reason is None
+    ks = kept_set(x, temp, k, p, m, host=(k.tolist(), p.tolist(), m.tolist()))
+    ref = kept_set_reference(x, temp, k, p, m, PATH_TOP_K, 64)
+    assert torch.equal(ks.value, ref[0]) and torch.equal(ks.token_id, ref[1]) and torch.equal(ks.size, ref[2])
+    for i in range(min(t, 5)):
+        one = kept_set(x[i:i + 1], temp[i:i + 1], int(k[i]), float(p[i]), float(m[i]))
+        assert torch.equal(one.value, ks.value[i:i + 1]) and torch.equal(one.token_id, ks.token_id[i:i + 1])
+
+
 @pytest.mark.parametrize("t", (1, 16, 300))
 def test_processed_token_logprobs_threshold_equals_mask_and_shards(t):
     x, temp = _rows(t, seed=3)

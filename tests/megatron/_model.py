@@ -200,7 +200,9 @@ def run_megatron(spec: dict) -> dict:
     tp_group = parallel_state.get_tensor_model_parallel_group()
     cp_group = parallel_state.get_context_parallel_group()
     tp_rank, cp_rank = tp_group.rank(), cp_group.rank()
-    model, counts = build_megatron(cfg, tp, cp, via=spec.get("via", "block_spec"))
+    sp = bool(spec.get("sequence_parallel")) and tp > 1
+    model, counts = build_megatron(cfg, tp, cp, via=spec.get("via", "block_spec"),
+                                   **({"sequence_parallel": True} if sp else {}))
     load(model, cfg, w, tp, tp_rank)
     captured = {}
 
@@ -235,7 +237,10 @@ def run_megatron(spec: dict) -> dict:
             forward()
         first = captured["hidden"].transpose(0, 1).reshape(-1, cfg.hidden_size).clone()
     logits = forward()
-    hidden = captured["hidden"].transpose(0, 1).reshape(-1, cfg.hidden_size)  # [b*s, H] row-major like ids
+    hidden = captured["hidden"]
+    if sp:  # the final norm's rows are the rank's tokens: all-gathered (exact) for the replicated log-probs
+        hidden = _GatherTokens.apply(hidden, tp_group)
+    hidden = hidden.transpose(0, 1).reshape(-1, cfg.hidden_size)  # [b*s, H] row-major like ids
     out = {"counts": counts}
     if _state.get().rlk("logp"):
         lp = logp.vocab_parallel_logprobs(hidden, captured["weight"], tgt_l, TEMPERATURE, tp_group)
@@ -295,7 +300,15 @@ def run_megatron(spec: dict) -> dict:
     out["logp"] = _gather_cp(lp.detach(), cu, cp, cp_group)
     if spec.get("backward"):
         lp.sum().backward()
+        if spec.get("finalize") and tp > 1:  # Megatron's TP sum of the q/k-norm (and SP norm) grads, as training does
+            _finalize_tp_grads(model, tp_group)
         out["grads"] = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        if spec.get("all_grads"):  # every TP rank's grads (CP rank 0's), in TP rank order
+            import torch.distributed as dist
+
+            every = [None] * dist.get_world_size()
+            dist.all_gather_object(every, (cp_rank, tp_rank, out["grads"]))
+            out["tp_grads"] = [g for _, _, g in sorted(e for e in every if e[0] == 0)]
     out["readback"] = _state.get().recorder.to_dict()
     if spec.get("all_readbacks"):  # every rank's readback, by global rank, with its (TP, CP) coordinates
         import torch.distributed as dist
@@ -305,6 +318,34 @@ def run_megatron(spec: dict) -> dict:
         out["readbacks"] = [None] * dist.get_world_size()
         dist.all_gather_object(out["readbacks"], mine)
     return out
+
+
+class _GatherTokens(torch.autograd.Function):
+    """Sequence parallelism's rows all-gathered over the TP ranks (dim 0, exact); backward: this rank's rows (every
+    rank computes the same log-probs from the gathered rows)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        import rlk_collectives
+
+        ctx.rank, ctx.rows = group.rank(), x.shape[0]
+        return rlk_collectives.all_gather(x.detach(), group, dim=0)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.narrow(0, ctx.rank * ctx.rows, ctx.rows).contiguous(), None
+
+
+def _finalize_tp_grads(model, tp_group) -> None:
+    """megatron-core's own TP all-reduce of the gradients of parameters that are not TP-split but see only the
+    rank's part of the data (q/k layernorms over the rank's heads; norms under sequence parallelism):
+    ``finalize_model_grads``' ``_allreduce_non_tensor_model_parallel_grads`` (it reads ``param.grad`` where no
+    ``main_grad`` exists, and the chunk's ``ddp_config``)."""
+    from megatron.core.distributed import DistributedDataParallelConfig
+    from megatron.core.distributed.finalize_model_grads import _allreduce_non_tensor_model_parallel_grads
+
+    model.ddp_config = DistributedDataParallelConfig()
+    _allreduce_non_tensor_model_parallel_grads([model], model.config, tp_group)
 
 
 def _all_gather_list(x, group):

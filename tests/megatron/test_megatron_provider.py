@@ -60,16 +60,18 @@ def _free_port() -> int:
 
 def run(name: str, tp: int, cp: int, tied: bool, layout: str, env: dict, backward: bool = False,
         via: str = "block_spec", lengths: list[int] | None = None, model: dict | None = None,
-        repeat: bool = False, all_readbacks: bool = False) -> dict:
+        repeat: bool = False, all_readbacks: bool = False, sequence_parallel: bool = False) -> dict:
     """One worker run per scenario per session (cached). ``model``: config overrides (``_model.config``);
     ``repeat``: a first forward before the measured one (``logp_repeat``); ``all_readbacks``: every rank's
-    readback (``readbacks``, by global rank)."""
+    readback (``readbacks``, by global rank); ``backward``: one backward, every TP rank's gradients (``tp_grads``)
+    after megatron-core's TP finalize; ``sequence_parallel``: Megatron's ``--sequence-parallel`` (TP > 1)."""
     if name not in _RUNS:
         out = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"rlk-megatron-{os.getpid()}-{name}.pt")
         if lengths is None:
             lengths = THD if layout == "thd" else SBHD
         spec = dict(tp=tp, cp=cp, tied=tied, lengths=lengths, layout=layout, backward=backward, env=env,
-                    port=_free_port(), via=via, model=model or {}, repeat=repeat, all_readbacks=all_readbacks)
+                    port=_free_port(), via=via, model=model or {}, repeat=repeat, all_readbacks=all_readbacks,
+                    all_grads=backward, finalize=backward, sequence_parallel=sequence_parallel)
         proc = subprocess.run([sys.executable, os.path.join(HERE, "_worker.py"), json.dumps(spec), out],
                               capture_output=True, text=True, timeout=120 + 40 * tp * cp)
         assert proc.returncode == 0, proc.stderr[-4000:]

@@ -165,3 +165,18 @@ def test_repo_state_of_a_git_archive_reads_the_commit_git_wrote(tmp_path):
         mp.setattr(runs, "REVISION_FILE", extracted)
         state = runs.repo_state(outside)
     assert state["sha"] == sha.stdout.strip() and state["dirty"] is False and state["source"] == "git archive"
+
+
+def test_run_mean_abs_diff_is_over_the_finite_pairs_of_every_round():
+    """A round with a token outside one side's kept set (log-prob -inf) leaves that pair out of its mean; the run's
+    mean weights each round by its finite pairs, as rlk-validate recomputes it (the H200 pp-processed run's
+    bitwise-validation.json said 0.015050 where the validator found 0.015003: weighted by all pairs)."""
+    import torch
+
+    from rlk_repro import runs
+
+    r0 = runs.compare(torch.tensor([-1.0, -2.0, -3.0, -4.0]), torch.tensor([-1.5, float("-inf"), float("-inf"), -4.0]))
+    r1 = runs.compare(torch.tensor([-1.0, -1.0]), torch.tensor([-1.25, -1.0]))
+    assert r0["nonfinite_diff_count"] == 2 and r0["mean_abs_diff"] == 0.25
+    doc = runs.bitwise_document([{"round": 0, **r0}, {"round": 1, **r1}], require_exact=False, fallback_failures=0)
+    assert doc["mean_abs_diff"] == (0.5 + 0.0 + 0.25 + 0.0) / 4

@@ -284,3 +284,24 @@ def test_copying_into_readbacks_hostname_nests_and_loses_the_node_negative_contr
     hosts, files, _, _ = _what_validation_reads(_gather(tmp_path, monkeypatch, old))
     assert hosts == ["host-head", "host-nb/host-nb", "host-nc/host-nc"]
     assert files == 1
+
+
+def test_train_tp_other_than_rollout_tp_needs_tp_invariant_mode(capsys, paths, plan_json, monkeypatch) -> None:
+    """Issue 35: TP 4 training with TP 1 / TP 2 rollout engines — strict mode refuses it without
+    RL_KERNEL_TP_INVARIANT (saying what to set); with --tp-invariant (or the variable) every Ray worker gets it."""
+    monkeypatch.delenv("RL_KERNEL_TP_INVARIANT", raising=False)
+    layout = ["--tensor-parallel", "4", "--context-parallel", "2", "--rollout-tensor-parallel", "1"]
+    assert main(["plan", "--engine", "vime", "--json", *paths, *layout]) == 2
+    err = capsys.readouterr().err
+    assert "strict mode: train TP 4 != rollout TP 1" in err and "Set RL_KERNEL_TP_INVARIANT=8 on both sides" in err
+    for rollout_tp in ("1", "2"):
+        doc = plan_json(*layout[:-1], rollout_tp, "--tp-invariant", "8")
+        assert doc["env"]["RL_KERNEL_TP_INVARIANT"] == "8"
+        assert doc["runtime_env"]["env_vars"]["RL_KERNEL_TP_INVARIANT"] == "8"
+        assert doc["topology"]["rollout_tensor_parallel"] == int(rollout_tp)
+    monkeypatch.setenv("RL_KERNEL_TP_INVARIANT", "on")
+    assert plan_json(*layout)["env"]["RL_KERNEL_TP_INVARIANT"] == "8"
+    assert "RL_KERNEL_TP_INVARIANT" not in plan_json("--tp-invariant", "off")["env"]  # one TP: the mode is optional
+    monkeypatch.delenv("RL_KERNEL_TP_INVARIANT")
+    doc = plan_json(*layout, "--audit")  # audit mode plans it (the problem is the run's to record)
+    assert "RL_KERNEL_TP_INVARIANT" not in doc["env"]

@@ -325,3 +325,50 @@ def test_triton_processed_kernels_under_interpreter(run_interpreted):
         assert torch.equal(lp, un[0]) and torch.equal(lse, un[1]), "fused != unfused"
         print("ok")
     ''')
+
+
+def test_triton_kept_set_under_interpreter(run_interpreted):
+    """rlk.triton's kept_set (the candidates kernel + the reference's top-p) gives the reference's bits on the top-k
+    path — ties at the k-th value, -inf and -0.0 logits, min-p, rows of different parameters, bf16 and fp32 — and the
+    reference's own code on the other paths; a negative control: candidates cut one short change the result."""
+    run_interpreted('''
+        from rlk_core.ops.kept_set import reference as R
+        from rlk_core.ops.kept_set import triton as KT
+
+        def same(a, b):
+            return all(torch.equal(u, w) for u, w in zip(a, b, strict=True))
+
+        g = torch.Generator().manual_seed(7)
+        for t, v, dt in ((6, 5000, torch.float32), (4, 2051, torch.bfloat16)):
+            x = (torch.randn(t, v, generator=g) * 3).to(dt)
+            x[0, :40] = 2.5            # ties at and around the k-th value
+            x[1, 100:] = float("-inf")  # vocab padding
+            x[2, 7] = -0.0
+            x[2, :30] = 0.0            # zeros (one of them -0.0) tied
+            temp = (torch.rand(t, generator=g) + 0.5)
+            p = torch.tensor([0.95, 1.0, 0.5, 0.8, 0.01, 0.99][:t])
+            m = torch.tensor([0.0, 0.05, 0.0, 0.1, 0.0, 0.3][:t])
+            # kmax 300: the torch finish; <= 256: the finish kernel (one block of the top-p scan)
+            for ks in ([40, 7, 30, 300, 40, 1], [40, 7, 30, 256, 40, 1], [64, 64, 64, 64, 64, 64], [2, 1, 3, 1, 2, 5]):
+                k = torch.tensor(ks[:t])
+                kmax = int(k.max())
+                ref = R.kept_set_reference(x, temp, k, p, m, R.PATH_TOP_K, kmax)
+                got = KT.kept_set(CPU, x, temp, k, p, m, R.PATH_TOP_K, kmax)
+                assert same(got, ref), (ks, got, ref)
+            sort = KT.kept_set(CPU, x, temp, torch.zeros(t, dtype=torch.int64), p, m, R.PATH_SORT, 0)
+            assert same(sort, R.kept_set_reference(x, temp, torch.zeros(t, dtype=torch.int64), p, m, R.PATH_SORT, 0))
+        # negative control: the finish given one candidate fewer (the k-th token's tie dropped) differs
+        x = torch.zeros(1, 64)
+        x[0, :8] = 1.0
+        temp, k, p, m = torch.ones(1), torch.tensor([4]), torch.ones(1), torch.zeros(1)
+        zmax, tau, minz = KT._bounds(x, temp, m, 4)
+        gv, gi, ei = torch.empty(1, 4), torch.empty(1, 4, dtype=torch.int64), torch.empty(1, 4, dtype=torch.int64)
+        count = torch.empty(1, 3, dtype=torch.int32)
+        KT._candidates_kernel[(1,)](x, temp, tau, minz, gv, gi, ei, count, 64, 4, 64, BLOCK=KT.BLOCK)
+        good = KT._finish(gv, gi, ei, count, tau, zmax, k, p, 4, 64)
+        assert int(good[1][0]) == 3, good
+        count[0, 1] = 3
+        ei[0, :3] = ei[0, 1:].clone()
+        assert int(KT._finish(gv, gi, ei, count, tau, zmax, k, p, 4, 64)[1][0]) != 3
+        print("ok")
+    ''')

@@ -158,3 +158,17 @@ def test_partition_is_a_function_of_the_shape():
 
 def test_the_contract_suite_refuses_broken_backwards():
     check_suite_refuses_broken_backwards("rms_norm")
+
+
+@pytest.mark.parametrize("shape", [(1, 8), (5, 3, 32), (19, 64)])
+def test_the_public_call_is_what_autograd_runs(shape):
+    """``rlk_core.ops.rms_norm.rms_norm_backward`` (the TP-invariant norms call it per row group) gives the bits of
+    rms_norm's autograd backward, and its weight gradient is the sum over the rows it is given."""
+    from rlk_core.ops.rms_norm import rms_norm_backward
+
+    x, w, grad = _inputs(shape)
+    dx, dw = rms_norm_backward(grad, x, w, EPS)
+    want_dx, want_dw = _fwd_bwd(x, w, grad)
+    assert torch.equal(dx, want_dx) and torch.equal(dw, want_dw)
+    if shape[0] > 1:  # another row group is another weight gradient (the rows it reduces are the caller's)
+        assert not torch.equal(rms_norm_backward(grad[:1], x[:1], w, EPS)[1], dw)

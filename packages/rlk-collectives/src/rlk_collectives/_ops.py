@@ -10,6 +10,8 @@ reduced are bfloat16, float16 and float32.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 
@@ -23,6 +25,17 @@ CONTRACT_ID = COLLECTIVE_CONTRACT
 BACKEND_ID = "rlk.collectives.torch_distributed"
 
 Tensor = torch.Tensor
+
+
+_NO_RANGE = contextlib.nullcontext()
+
+
+def _traced(op: str) -> contextlib.AbstractContextManager[object]:
+    """``rlk.collective.<op>``, a profiler range, while a profiler runs (``rlk-repro run --trace``: the kernels inside
+    are the collective's, rlk_validate.kernel_trace); nothing otherwise."""
+    if not torch.compiler.is_compiling() and torch.autograd._profiler_enabled():
+        return torch.profiler.record_function(f"rlk.collective.{op}")
+    return _NO_RANGE
 
 
 def _capturing(x: Tensor) -> bool:
@@ -126,10 +139,11 @@ def all_reduce(x: Tensor, group: dist.ProcessGroup | None = None, *, check: bool
     A contiguous tensor of ``x``'s shape and dtype. Autograd: the gradient of ``x`` is this all-reduce
     of the output gradients (each rank's output is a function of every rank's input).
     """
-    g = prepare("all_reduce", x, group, check)
-    if _wants_grad(x):
-        return _AllReduce.apply(x, g, _path)
-    return _all_reduce(x, g, _path)
+    with _traced("all_reduce"):
+        g = prepare("all_reduce", x, group, check)
+        if _wants_grad(x):
+            return _AllReduce.apply(x, g, _path)
+        return _all_reduce(x, g, _path)
 
 
 def reduce_scatter(x: Tensor, group: dist.ProcessGroup | None = None, dim: int = 0, *, check: bool = True) -> Tensor:
@@ -150,11 +164,12 @@ def reduce_scatter(x: Tensor, group: dist.ProcessGroup | None = None, dim: int =
     A contiguous tensor, ``x.shape`` with ``shape[dim] / W``. Autograd: the gradient of ``x`` is the
     :func:`all_gather` of the output gradients along ``dim``.
     """
-    g = prepare("reduce_scatter", x, group, check, dim=dim, dim_rule="divisible")
-    dim = dim % x.dim()
-    if _wants_grad(x):
-        return _ReduceScatter.apply(x, g, dim)
-    return _reduce_scatter(x, g, dim)
+    with _traced("reduce_scatter"):
+        g = prepare("reduce_scatter", x, group, check, dim=dim, dim_rule="divisible")
+        dim = dim % x.dim()
+        if _wants_grad(x):
+            return _ReduceScatter.apply(x, g, dim)
+        return _reduce_scatter(x, g, dim)
 
 
 def all_gather(x: Tensor, group: dist.ProcessGroup | None = None, dim: int = 0, *, check: bool = True) -> Tensor:
@@ -168,10 +183,11 @@ def all_gather(x: Tensor, group: dist.ProcessGroup | None = None, dim: int = 0, 
     A contiguous tensor, ``x.shape`` with ``shape[dim] * W``. Autograd: the gradient of ``x`` is the
     deterministic :func:`reduce_scatter` of the output gradients along ``dim``.
     """
-    g = prepare("all_gather", x, group, check, dim=dim, reduces=False, dim_rule="range")
-    if x.dim() == 0:
-        x = x.reshape(1)
-    dim = dim % x.dim()
-    if _wants_grad(x):
-        return _AllGather.apply(x, g, dim)
-    return _all_gather(x, g, dim)
+    with _traced("all_gather"):
+        g = prepare("all_gather", x, group, check, dim=dim, reduces=False, dim_rule="range")
+        if x.dim() == 0:
+            x = x.reshape(1)
+        dim = dim % x.dim()
+        if _wants_grad(x):
+            return _AllGather.apply(x, g, dim)
+        return _all_gather(x, g, dim)

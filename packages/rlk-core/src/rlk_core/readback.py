@@ -303,6 +303,7 @@ class ReadbackRecorder:
             "plan": self.plan.as_dict(),
             "hooks": list(self.hooks),
             "modules": modules,
+            **{name: fn() for name, fn in _SECTIONS.get(self.framework, {}).items()},  # add_section
         }
 
     @property
@@ -319,6 +320,20 @@ class ReadbackRecorder:
         path = target_dir / self.filename
         evidence.write_json_atomic(path, self.to_dict(), sort_keys=True)
         return path
+
+
+#: framework -> {top-level readback field: a function giving its value at each write} (:func:`add_section`)
+_SECTIONS: dict[str, dict[str, Callable[[], Any]]] = {}
+#: the optional top-level fields a section may fill (``rlk.readback.v1``'s JSON Schema lists them)
+SECTION_FIELDS = ("cuda_graphs",)
+
+
+def add_section(framework: str, name: str, fn: Callable[[], Any]) -> None:
+    """Every readback of ``framework`` written in this process carries ``name: fn()`` (e.g. the vLLM plugin's
+    ``cuda_graphs``: rlk_vllm_plugin.cudagraphs). Idempotent per (framework, name)."""
+    if name not in SECTION_FIELDS:
+        raise RlkConfigError(f"readback section {name!r} is not one of {', '.join(SECTION_FIELDS)}")
+    _SECTIONS.setdefault(framework, {})[name] = fn
 
 
 def note_op_call(op: str, backend_id: str, contract_id: str, fallback_reason: str | None,

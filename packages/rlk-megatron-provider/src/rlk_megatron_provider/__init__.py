@@ -78,6 +78,8 @@ def install(args: Any = None):
     from rlk_megatron_provider import _state, patches
 
     st = initialize_from_environment()
+    if args is not None:
+        _check_tp_layout(args, st)
     if args is not None and st.rlk("logp"):
         if getattr(args, "sequence_parallel", False):
             st.refuse("logp", "sequence_parallel=True is not covered by this version")
@@ -85,6 +87,22 @@ def install(args: Any = None):
         patches.bind_slime_logprobs()
     _state.get().recorder.add_hook("install", "--custom-megatron-init-path", "init")
     return st
+
+
+def _check_tp_layout(args: Any, st) -> None:
+    """slime's / VIME's arguments name both TPs (``--tensor-model-parallel-size``, ``--rollout-num-gpus-per-engine``):
+    train TP != rollout TP without TP-invariant mode is refused in strict mode, saying what to set
+    (:func:`rlk_core.tp.check_tp_layout`); audit mode records the problem as a hook of the readback."""
+    from rlk_core.plan import MODULES
+    from rlk_core.tp import check_tp_layout
+
+    train_tp = getattr(args, "tensor_model_parallel_size", None)
+    rollout_tp = getattr(args, "rollout_num_gpus_per_engine", None)
+    if not (isinstance(train_tp, int) and isinstance(rollout_tp, int)) or not any(map(st.rlk, MODULES)):
+        return
+    problem = check_tp_layout(train_tp, rollout_tp, mode=st.mode)
+    if problem is not None:
+        st.recorder.add_hook("tp_layout", problem, "audit", installed=False)
 
 
 def layer_spec(config, *, rope_theta: float, base=None):

@@ -28,10 +28,11 @@ from dataclasses import dataclass
 import torch
 
 import rlk_collectives
+from rlk_core import envs
 from rlk_core.errors import RlkPolicyError
 from rlk_core.ops.rope import reserve_tables
 from rlk_megatron_provider import _compat, _state
-from rlk_megatron_provider.layers import RlkQKVLinear
+from rlk_megatron_provider.layers import RlkQKVLinear, RlkRMSNorm
 
 Tensor = torch.Tensor
 
@@ -59,7 +60,19 @@ def config_problems(config) -> list[str]:
 
 
 class RlkSelfAttention(_compat.SelfAttention):
-    """``SelfAttention`` that leaves RoPE to :class:`RlkCoreAttention` (rlk's RoPE, not Megatron's)."""
+    """``SelfAttention`` that leaves RoPE to :class:`RlkCoreAttention` (rlk's RoPE, not Megatron's). In
+    TP-invariant mode its rlk q/k norms merge their weight gradient over head leaves and ranks
+    (:class:`~rlk_megatron_provider.tp_grads.HeadLeavesNorm`)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        leaves = envs.current("RL_KERNEL_TP_INVARIANT")
+        if leaves:
+            group = _compat.tp_group_of(self.linear_qkv)
+            for norm, heads in ((self.q_layernorm, self.config.num_attention_heads),
+                                (self.k_layernorm, self.config.num_query_groups)):
+                if isinstance(norm, RlkRMSNorm):
+                    norm.rlk_head_tree = (group, heads, leaves)
 
     def forward(self, hidden_states, attention_mask=None, *args, **kwargs):
         if args:

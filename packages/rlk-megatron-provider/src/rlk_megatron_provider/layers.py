@@ -15,11 +15,14 @@ column-parallel input         identity                            rlk all-reduce
 column-parallel gathered out  rlk all-gather (last dim, exact)    own slice of the gradient
 row-parallel output           rlk all-reduce of the partial sums  identity
 row-parallel, TP-invariant    rlk all_reduce_partials (fp32)      identity (into the fp32 partial)
+column-parallel, TP-invariant identity                            dX by rlk.gemm.tp.v1 over N, merged
 ============================  ==================================  =====================================
 
 TP-invariant mode (``RL_KERNEL_TP_INVARIANT=G``, read when a layer is built): a row-parallel linear runs
 ``linear_tp_partials`` over its G / TP K-leaves and ``rlk_collectives.all_reduce_partials`` (contract
-``rlk.gemm.tp.v1``, docs/ops/linear_tp.md), so its output has the same bits at every TP dividing G.
+``rlk.gemm.tp.v1``, docs/ops/linear_tp.md), so its output has the same bits at every TP dividing G; a
+column-parallel linear's input gradient is the same GEMM over N (:mod:`rlk_megatron_provider.tp_grads`), so the
+gradients are too.
 
 Nothing here computes: every floating-point operation is an rlk op or an rlk collective.
 """
@@ -34,7 +37,8 @@ import rlk_collectives
 from rlk_core import envs
 from rlk_core.errors import RlkPolicyError
 from rlk_core.ops import linear_tp_finish
-from rlk_megatron_provider import _compat, _state
+from rlk_core.ops.linear_tp import group_leaves
+from rlk_megatron_provider import _compat, _state, tp_grads
 
 Tensor = torch.Tensor
 
@@ -79,6 +83,41 @@ class _GatherLastDim(torch.autograd.Function):
         return grad[..., start:start + ctx.width].contiguous(), None, None, None
 
 
+class _GatherSeq(torch.autograd.Function):
+    """Sequence parallelism's all-gather over the tokens (dim 0, exact); backward: the rlk reduce-scatter of the
+    gradient (Megatron's ``gather_from_sequence_parallel_region``, the output of a vocab-parallel layer)."""
+
+    @staticmethod
+    def forward(ctx, x, group, module, check=True):
+        ctx.group, ctx.module, ctx.check = group, module, check
+        with _state.get().routes.scope(module):
+            return rlk_collectives.all_gather(x.detach(), group, dim=0, check=check)
+
+    @staticmethod
+    def backward(ctx, grad):
+        with _state.get().routes.scope(ctx.module):
+            return rlk_collectives.reduce_scatter(grad.detach(), ctx.group, 0, check=ctx.check), None, None, None
+
+
+class _ReduceScatterPartialsFromTP(torch.autograd.Function):
+    """The row-parallel merge of ``rlk.gemm.tp.v1`` under sequence parallelism: the ranks' fp32 partials
+    reduce-scattered over the tokens (dim 0) by the same rank tree, rounded once; backward the all-gather of the
+    rows' gradients (exact) into the fp32 partial."""
+
+    @staticmethod
+    def forward(ctx, s, group, module, check, leaves, dtype):
+        ctx.group, ctx.module, ctx.check = group, module, check
+        with _state.get().routes.scope(module):
+            return rlk_collectives.reduce_scatter_partials(s.detach(), group, 0, leaves_total=leaves, dtype=dtype,
+                                                           check=check)
+
+    @staticmethod
+    def backward(ctx, grad):
+        with _state.get().routes.scope(ctx.module):
+            full = rlk_collectives.all_gather(grad.detach().contiguous(), ctx.group, dim=0, check=ctx.check)
+        return full.float(), None, None, None, None, None
+
+
 class _ReducePartialsFromTP(torch.autograd.Function):
     """The row-parallel merge of ``rlk.gemm.tp.v1``: the ranks' fp32 partials by the rank tree, rounded once to
     ``dtype``; backward the identity (Megatron's convention for the row-parallel reduce), into the fp32 partial."""
@@ -111,8 +150,8 @@ def linear_problems(layer, config) -> list[str]:
     out = []
     if getattr(layer, "bias", None) is not None:
         out.append("the layer has a bias (add_bias_linear): rlk linears cover bias-free (Qwen3-style) layers")
-    if getattr(config, "sequence_parallel", False):
-        out.append("sequence_parallel=True is not covered by this version")
+    if getattr(config, "sequence_parallel", False) and not envs.current("RL_KERNEL_TP_INVARIANT"):
+        out.append("sequence_parallel=True is covered in TP-invariant mode only (set RL_KERNEL_TP_INVARIANT)")
     if getattr(layer, "gradient_accumulation_fusion", False):
         out.append("gradient_accumulation_fusion (a fused CUDA wgrad kernel) is requested")
     if getattr(layer, "is_expert", False) or getattr(layer, "explicit_expert_comm", False):
@@ -133,6 +172,7 @@ class _RlkLayer:
     :func:`rlk_megatron_provider.spec.check_collectives_once`)."""
 
     rlk_check_collectives = True
+    rlk_tp_leaves = 0  # G of RL_KERNEL_TP_INVARIANT when the layer was built (0: off)
 
     def _rlk_setup(self, module: str, problems: list[str]) -> None:
         st = _state.get()
@@ -159,7 +199,36 @@ class RlkColumnParallelLinear(_RlkLayer, _compat.ColumnParallelLinear):
 
     def __init__(self, *args, rlk_module: str, **kwargs):
         super().__init__(*args, **kwargs)
-        self._rlk_setup(rlk_module, linear_problems(self, self.config))
+        problems = linear_problems(self, self.config)
+        self.rlk_module = rlk_module
+        self.rlk_tp_leaves = envs.current("RL_KERNEL_TP_INVARIANT")
+        if self.rlk_tp_leaves:
+            problems += tp_grads.column_problems(self._rlk_components(), self.rlk_tp_leaves,
+                                                 _tp(_compat.tp_group_of(self)))
+        self._rlk_setup(rlk_module, problems)
+
+    def _rlk_components(self) -> list[int]:
+        """The local sizes of the weight's components, back to back in its rows (a gated fc1: ``[gate_r; up_r]``)."""
+        n = self.output_size_per_partition
+        if self.rlk_module == "ffn" and getattr(self.config, "gated_linear_unit", False):
+            return [n // 2, n // 2]
+        return [n]
+
+    def _rlk_leaf_rows(self, leaves: int, device) -> Tensor:
+        """The local rows in leaf-major order (TP-invariant input gradient), built once per device."""
+        cached = self.__dict__.get("_rlk_rows")
+        if cached is None or cached.device != device:
+            cached = self.__dict__["_rlk_rows"] = tp_grads.leaf_rows(self._rlk_components(), leaves, device)
+        return cached
+
+    def _rlk_input(self, input_: Tensor, group, tp: int) -> Tensor:
+        """Megatron's copy-to-TP region (identity forward, rlk all-reduce of the input gradient) — in TP-invariant
+        mode part of the GEMM's own backward (:class:`~rlk_megatron_provider.tp_grads.ColumnTPInvariant`)."""
+        if tp > 1 and not self.rlk_tp_leaves:
+            if getattr(self, "sequence_parallel", False):  # the LM head's logits path (others are refused)
+                return _GatherSeq.apply(input_, group, self.rlk_module, self.rlk_check_collectives)
+            return _CopyToTP.apply(input_, group, self.rlk_module, self.rlk_check_collectives)
+        return input_
 
     def forward(self, input_: Tensor, weight: Tensor | None = None, runtime_gather_output: bool | None = None):
         if not self.rlk_active:
@@ -167,7 +236,7 @@ class RlkColumnParallelLinear(_RlkLayer, _compat.ColumnParallelLinear):
             return super().forward(input_, weight=weight, runtime_gather_output=runtime_gather_output)
         w = self.weight if weight is None else weight
         group, tp = self._tp_group()
-        x = _CopyToTP.apply(input_, group, self.rlk_module, self.rlk_check_collectives) if tp > 1 else input_
+        x = self._rlk_input(input_, group, tp)
         y = self._gemm(x, w)
         gather = self.gather_output if runtime_gather_output is None else runtime_gather_output
         if gather and tp > 1:
@@ -176,6 +245,8 @@ class RlkColumnParallelLinear(_RlkLayer, _compat.ColumnParallelLinear):
 
 
     def _gemm(self, x: Tensor, w: Tensor) -> Tensor:
+        if self.rlk_tp_leaves:
+            return tp_grads.ColumnTPInvariant.apply(x, w, self)
         return _state.get().routes.call(self.rlk_module, "linear", x, w)
 
 
@@ -299,8 +370,14 @@ class RlkQKVLinear(RlkColumnParallelLinear):
                                  "route and no gathered output")
         w = self.weight if weight is None else weight
         group, tp = self._tp_group()
-        x = _CopyToTP.apply(input_, group, self.rlk_module, self.rlk_check_collectives) if tp > 1 else input_
+        x = self._rlk_input(input_, group, tp)
         return RlkColumnParallelLinear._gemm(self, x, _CachedRows.apply(w, self)), None
+
+    def _rlk_components(self) -> list[int]:
+        """``[q_r, k_r, v_r]``: the rows of the ``[q; k; v]`` copy the GEMM runs on."""
+        c, tp = self.config, _tp(_compat.tp_group_of(self))
+        kv = c.num_query_groups // tp * c.kv_channels
+        return [c.num_attention_heads // tp * c.kv_channels, kv, kv]
 
     def _gemm(self, x: Tensor, w: Tensor) -> Tensor:
         y = super()._gemm(x, _CachedRows.apply(w, self))
@@ -336,8 +413,9 @@ class RlkRowParallelLinear(_RlkLayer, _compat.RowParallelLinear):
         if self.rlk_tp_leaves:
             s = routes.call(self.rlk_module, "linear_tp_partials", input_, self.weight, self.rlk_tp_leaves // tp)
             if tp > 1:
-                return _ReducePartialsFromTP.apply(s, group, self.rlk_module, self.rlk_check_collectives,
-                                                   self.rlk_tp_leaves, input_.dtype), None
+                merge = _ReduceScatterPartialsFromTP if self.sequence_parallel else _ReducePartialsFromTP
+                return merge.apply(s, group, self.rlk_module, self.rlk_check_collectives, self.rlk_tp_leaves,
+                                   input_.dtype), None
             return linear_tp_finish(s, None, input_.dtype), None
         y = routes.call(self.rlk_module, "linear", input_, self.weight)
         return (_ReduceFromTP.apply(y, group, self.rlk_module, self.rlk_check_collectives) if tp > 1 else y), None
@@ -354,11 +432,27 @@ class RlkRMSNorm(_RlkLayer, torch.nn.Module):
         self.weight = torch.nn.Parameter(torch.ones(hidden_size, dtype=torch.float32))
         self.weight.sequence_parallel = bool(getattr(config, "sequence_parallel", False))
         self.rlk_module, self.rlk_active = rlk_module, _state.get().rlk(rlk_module)
+        self.rlk_tp_leaves = envs.current("RL_KERNEL_TP_INVARIANT")
         if not self.rlk_active:  # the spec keeps the stock norm for such modules; reaching here is a bug
             raise RlkPolicyError(f"RlkRMSNorm built for module {rlk_module!r}, which does not run rlk")
 
+    rlk_head_tree = None  # (TP group, heads, G): a q/k norm in TP-invariant mode (set by RlkSelfAttention)
+
     def forward(self, x: Tensor) -> Tensor:
-        return _state.get().routes.call(self.rlk_module, "rms_norm", x, self.weight, self.eps)
+        st = _state.get()
+        if self.rlk_head_tree is not None:  # the weight gradient over head leaves, merged over the TP ranks
+            group, heads, leaves = self.rlk_head_tree
+            return tp_grads.leaf_norm(x, self.weight, self.eps, self.rlk_module, dim=-2,
+                                      leaves_total=group_leaves(heads, leaves), group=group,
+                                      check=self.rlk_check_collectives)
+        if self.rlk_tp_leaves and torch.is_grad_enabled() and self.weight.requires_grad:
+            # the weight gradient over gcd(T, G) token leaves (sequence parallelism: the rank's, merged over the ranks)
+            group = _compat.tp_group_of(self) if self.weight.sequence_parallel else None
+            tokens = x.shape[0] * (1 if group is None else group.size())
+            return tp_grads.leaf_norm(x, self.weight, self.eps, self.rlk_module, dim=0,
+                                      leaves_total=group_leaves(tokens, self.rlk_tp_leaves), group=group,
+                                      check=self.rlk_check_collectives)
+        return st.routes.call(self.rlk_module, "rms_norm", x, self.weight, self.eps)
 
 
 class RlkMLP(_RlkLayer, _compat.MLP):

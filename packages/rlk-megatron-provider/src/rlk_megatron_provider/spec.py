@@ -18,6 +18,7 @@ import dataclasses
 
 import torch.nn.functional as F
 
+from rlk_core import envs
 from rlk_megatron_provider import _compat, _state, patches
 from rlk_megatron_provider.attention import RlkCoreAttention, RlkSelfAttention, config_problems
 from rlk_megatron_provider.layers import (
@@ -42,8 +43,8 @@ def model_problems(config, hybrid: bool = False) -> dict[str, list[str]]:
         common.append("layernorm_zero_centered_gamma is not covered")
     if getattr(config, "add_bias_linear", False):
         common.append("add_bias_linear=True (rlk linears cover bias-free layers)")
-    if getattr(config, "sequence_parallel", False):
-        common.append("sequence_parallel=True is not covered by this version")
+    if getattr(config, "sequence_parallel", False) and not envs.current("RL_KERNEL_TP_INVARIANT"):
+        common.append("sequence_parallel=True is covered in TP-invariant mode only (set RL_KERNEL_TP_INVARIANT)")
     if getattr(config, "fp8", None):
         common.append(f"fp8={config.fp8!r} is requested (a TE feature)")
     if getattr(config, "tp_comm_overlap", False):

@@ -112,6 +112,12 @@ def build_parser() -> argparse.ArgumentParser:
     from rlk_repro import prepare_cli
 
     prepare_cli.add_parser(sub)
+    from rlk_repro import attribute_cli  # issue 38: attribute, abtest (each sets its own `main`)
+
+    attribute_cli.add_parser(sub)
+    from rlk_repro import ladder_cli  # issue 38: the mismatch-knob ladder
+
+    ladder_cli.add_parser(sub)
     return p
 
 
@@ -184,18 +190,24 @@ def _experiment_options(r: argparse.ArgumentParser) -> None:
     f.add_argument("--gpu-memory-utilization", type=float, default=0.3,
                    help="vLLM's share of the GPU memory; Megatron uses the rest (0.3)")
     f.add_argument("--enforce-eager", action="store_true", help="vLLM without CUDA graphs / torch.compile")
+    f.add_argument("--cuda-graph-decode", action="store_true",
+                   help="vLLM CUDA graphs FULL_DECODE_ONLY with exact capture sizes 1..prompts x samples (the seeds' "
+                   "profile); rlk-validate then fails the run if decode ran eager or outside those sizes")
     f.add_argument("--train-micro-tokens", type=positive_int, default=8192,
                    help="tokens per Megatron forward/backward (padded tokens for a P attention) (8192)")
     f.add_argument("--vllm-max-num-seqs", type=positive_int, default=256, help="vLLM max_num_seqs (256)")
     f.add_argument("--vllm-max-num-batched-tokens", type=positive_int, default=8192,
                    help="vLLM max_num_batched_tokens (8192)")
     f.add_argument("--run-name", default=None, help=argparse.SUPPRESS)  # a matrix cell's directory name
-    from rlk_repro import model_options  # issue 37: real model, data, chat template, reward
+    from rlk_repro import model_options, tp_options, trace  # issue 37: model, data, reward; --trace; issue 35
 
+    tp_options.add_options(f)  # issue 35 / 39: train TP != rollout TP, SP, CP, TP-invariant mode
     model_options.add_options(r)
+    trace.add_options(r)
 
 
-FRAMEWORKS_ONLY = ("tp", "gpu_memory_utilization", "enforce_eager", "train_micro_tokens", "vllm_max_num_seqs",
+FRAMEWORKS_ONLY = ("tp", "gpu_memory_utilization", "enforce_eager", "cuda_graph_decode", "train_micro_tokens",
+                   "vllm_max_num_seqs",
                    "vllm_max_num_batched_tokens")
 
 
@@ -249,6 +261,9 @@ def _config(a: argparse.Namespace, argv: Sequence[str], resolved):
         if given:
             raise RlkConfigError(f"--{given[0].replace('_', '-')} is an option of --engine frameworks")
     model_kw = _model_options(a, argv, frameworks)  # issue 37 (before the fields: --phase sets rounds and seed)
+    from rlk_repro import tp_options  # issue 35 / 39
+
+    model_kw.update(tp_options.config_kwargs(a, frameworks))
     cfg = (FrameworksRunConfig if frameworks else LocalRunConfig)(
         plan=resolved.plan, plan_sources=dict(resolved.sources), readback_mode_source=mode_source,
         rounds=a.rounds, seed=a.seed, device=device, dtype=dtype, model=a.model, checkpoint=a.checkpoint,
@@ -257,7 +272,7 @@ def _config(a: argparse.Namespace, argv: Sequence[str], resolved):
         logprobs=a.logprobs, train_logprobs=a.train_logprobs,
         chunk_size=a.chunk_size, page_size=a.page_size, max_num_seqs=a.max_num_seqs, optimizer=a.optimizer,
         lr=a.lr, static_weights=a.static_weights, readback_mode=mode, command=["rlk-repro", *argv],
-        threads=a.threads or (1 if device == "cpu" else None), state_every=state_every, **extra,
+        threads=a.threads or (1 if device == "cpu" else None), state_every=state_every, trace=a.trace, **extra,
         **model_kw,
     )
     SamplingParams(a.temperature, top_p, a.top_k, a.max_new_tokens, min_p=a.min_p)  # argument errors first
@@ -405,20 +420,26 @@ def _cmd_plan(a: argparse.Namespace, argv: Sequence[str]) -> int:
     # one name, as in the manifest and the bitwise file: require_exact, resolved (the config's own field is
     # None where the plan decides; printing both said two different things)
     config = {k: v for k, v in asdict(cfg).items() if k not in ("plan", "command", "plan_sources", "require_exact")}
-    print(json.dumps({"engine": a.engine, "mode": cfg.mode, "plan": plan.as_dict(), "routes": resolved.as_dict(),
-                      "readback_mode": {"mode": cfg.readback_mode, "source": cfg.readback_mode_source},
-                      "env": plan.env(), "require_exact": cfg.exact_required, "config": config}, indent=2))
+    doc = {"engine": a.engine, "mode": cfg.mode, "plan": plan.as_dict(), "routes": resolved.as_dict(),
+           "readback_mode": {"mode": cfg.readback_mode, "source": cfg.readback_mode_source},
+           "env": plan.env(), "require_exact": cfg.exact_required, "config": config}
+    if _frameworks(a):  # issue 35 / 39: the parallel layout and RL_KERNEL_TP_INVARIANT
+        from rlk_repro import tp_options
+
+        doc["parallel"] = tp_options.section(cfg, tp_options.check(cfg))
+        doc["env"].update(tp_options.env(cfg))
+    print(json.dumps(doc, indent=2))
     return EXIT_OK
 
 
-_DEFAULTS = {"tp": 1, "gpu_memory_utilization": 0.3, "enforce_eager": False, "train_micro_tokens": 8192,
-             "vllm_max_num_seqs": 256, "vllm_max_num_batched_tokens": 8192}
+_DEFAULTS = {"tp": 1, "gpu_memory_utilization": 0.3, "enforce_eager": False, "cuda_graph_decode": False,
+             "train_micro_tokens": 8192, "vllm_max_num_seqs": 256, "vllm_max_num_batched_tokens": 8192}
 # run/matrix options a frameworks matrix cell passes on to its `rlk-repro run` process
 _CELL_OPTIONS = ("rounds", "seed", "device", "dtype", "model", "checkpoint", "prompts_per_round", "samples_per_prompt",
                  "max_new_tokens", "temperature", "top_p", "top_k", "min_p", "logprobs", "train_logprobs",
                  "optimizer", "lr",
                  "static_weights", "audit",
-                 *FRAMEWORKS_ONLY)
+                 *FRAMEWORKS_ONLY, "train_tp", "rollout_tp", "sequence_parallel", "context_parallel", "tp_invariant")
 
 
 def _cell_argv(a: argparse.Namespace, plan: dict[str, str], root, cell: str) -> list[str]:
@@ -548,7 +569,7 @@ def _vime(argv: list[str]) -> int:
 
 def _main(argv: list[str]) -> int:
     debug = "--debug" in argv
-    commands = ("run", "plan", "matrix", "doctor", "report", "prepare")
+    commands = ("run", "plan", "matrix", "doctor", "report", "prepare", "attribute", "abtest", "ladder")
     name = "rlk-repro" + next((f" {c}" for c in argv if c in commands), "")
     try:
         if argv[:1] in (["plan"], ["run"]) and _engine(argv) == "vime":
@@ -557,6 +578,8 @@ def _main(argv: list[str]) -> int:
         if a.command is None:
             build_parser().print_help()
             return EXIT_USAGE
+        if getattr(a, "main", None) is not None:  # a subcommand module's own command (attribute_cli)
+            return a.main(a)
         if a.command == "report":
             return _cmd_report(a)
         if a.command == "doctor":
@@ -565,6 +588,10 @@ def _main(argv: list[str]) -> int:
             from rlk_repro import prepare_cli
 
             return prepare_cli.main(a)
+        if a.command == "ladder":  # issue 38
+            from rlk_repro import ladder_cli
+
+            return ladder_cli.main(a, argv)
         if a.command == "plan":
             return _cmd_plan(a, argv)
         return _cmd_matrix(a, argv) if a.command == "matrix" else _cmd_run(a, argv)

@@ -89,17 +89,24 @@ def _recorded(root: Path, build_parser) -> dict[str, Any]:
 def _resume_options(a: argparse.Namespace, root: Path, build_parser) -> argparse.Namespace:
     """The recorded options of ``root``, after refusing a flag given now that differs from them."""
     recorded = _recorded(root, build_parser)
+    return merge_recorded(a, root, recorded, vars(build_parser().parse_args(["matrix"])), evidence.MATRIX_OPTIONS,
+                          "every cell of a matrix shares one configuration. Drop the flag, or start a new matrix")
+
+
+def merge_recorded(a: argparse.Namespace, root: Path, recorded: dict[str, Any], defaults: dict[str, Any],
+                   name: str, why: str, what: str = "matrix") -> argparse.Namespace:
+    """``--resume ROOT``: the options ``recorded`` in ``ROOT/name`` (over the command's ``defaults``), after refusing
+    a flag of ``a`` that differs from them (``why`` says what would break); the recorded configuration is kept as
+    ``_recorded_config`` for :func:`check_config`. Shared by the matrix and the ladder (:mod:`rlk_repro.ladder`)."""
     options = recorded.get("options")
     if not isinstance(options, dict):
-        raise RlkConfigError(f"--resume {root}: {evidence.MATRIX_OPTIONS} records no options")
-    defaults = vars(build_parser().parse_args(["matrix"]))
+        raise RlkConfigError(f"--resume {root}: {name} records no options")
     given = {k: v for k, v in vars(a).items() if k not in NOT_RECORDED and v != defaults.get(k)}
     differ = [k for k, v in given.items() if options.get(k, defaults.get(k)) != v]
     if differ:
-        shown = "; ".join(f"--{k.replace('_', '-')} {given[k]!r} (the matrix ran {options.get(k, defaults.get(k))!r})"
+        shown = "; ".join(f"--{k.replace('_', '-')} {given[k]!r} (the {what} ran {options.get(k, defaults.get(k))!r})"
                           for k in differ)
-        raise RlkConfigError(f"--resume {root} runs the matrix's recorded options, and {shown} differs: every cell "
-                             "of a matrix shares one configuration. Drop the flag, or start a new matrix")
+        raise RlkConfigError(f"--resume {root} runs the {what}'s recorded options, and {shown} differs: {why}")
     merged = argparse.Namespace(**{**defaults, **options})
     for k in NOT_RECORDED:
         setattr(merged, k, getattr(a, k))
@@ -107,7 +114,7 @@ def _resume_options(a: argparse.Namespace, root: Path, build_parser) -> argparse
     return merged
 
 
-def _check_config(root: Path, recorded: dict[str, Any] | None, now: dict[str, Any]) -> None:
+def check_config(root: Path, recorded: dict[str, Any] | None, now: dict[str, Any]) -> None:
     """The configuration this process would run the cells with must be the one the matrix recorded (an
     environment variable such as ``RL_KERNEL_MODE`` or ``RLK_BACKENDS`` may have changed it)."""
     if recorded is None:
@@ -131,18 +138,7 @@ def run_matrix(a: argparse.Namespace, argv: Sequence[str], config_of, frameworks
     from rlk_validate.matrix import expected_plan, validate_matrix
     from rlk_validate.validate import Options
 
-    root = None
-    if a.resume:
-        root = Path(a.resume)
-        if not root.is_dir():
-            raise RlkConfigError(f"--resume {root}: not a directory")
-        lifecycle.refuse_inside_run_dir(root, "--resume")
-        a = _resume_options(a, root, build_parser)
-    else:
-        out = Path(a.output)
-        if out.exists() and not out.is_dir():
-            raise RlkConfigError(f"--output {out} exists and is not a directory")
-        lifecycle.refuse_inside_run_dir(out, "--output")
+    root, a = root_and_options(a, lambda a, root: _resume_options(a, root, build_parser))
     frameworks = a.engine == "frameworks"
     cells = cells_of(a.cells)
     if frameworks:
@@ -163,7 +159,7 @@ def run_matrix(a: argparse.Namespace, argv: Sequence[str], config_of, frameworks
     if a.samples_per_prompt == 1 and not a.static_weights:
         lifecycle.warn(static_weights_warning())
     if root is not None:
-        _check_config(root, a._recorded_config, shared)
+        check_config(root, a._recorded_config, shared)
         lock = lifecycle.lock_matrix_root(root, ["rlk-repro", *argv])
     else:
         root = Path(a.output) / f"matrix-{new_run_id()}"
@@ -179,15 +175,57 @@ def run_matrix(a: argparse.Namespace, argv: Sequence[str], config_of, frameworks
         lock.release()
 
 
+def root_and_options(a: argparse.Namespace, resume_options) -> tuple[Path | None, argparse.Namespace]:
+    """``--resume ROOT``: the existing root and its recorded options (``resume_options(a, root)``); else None (a new
+    root goes under ``--output``) and ``a``. An unusable path exits 2 before anything is created."""
+    if a.resume:
+        root = Path(a.resume)
+        if not root.is_dir():
+            raise RlkConfigError(f"--resume {root}: not a directory")
+        lifecycle.refuse_inside_run_dir(root, "--resume")
+        return root, resume_options(a, root)
+    out = Path(a.output)
+    if out.exists() and not out.is_dir():
+        raise RlkConfigError(f"--output {out} exists and is not a directory")
+    lifecycle.refuse_inside_run_dir(out, "--output")
+    return None, a
+
+
 def resume_command(root: Path) -> str:
     return f"rlk-repro matrix --resume {shlex.quote(str(root))}"
 
 
 def _run_cells(a, root: Path, cells: list[str], configs: dict, frameworks: bool, frameworks_cell, run_local,
                validate_matrix, Options) -> int:
+    print(f"rlk-repro: matrix root {root}, {len(cells)} cells, {a.rounds} rounds each", file=sys.stderr)
+
+    def run_one(cell: str):
+        return (frameworks_cell(a, configs[cell], root, cell) if frameworks
+                else run_local(configs[cell], root, run_name=cell, progress=Progress()))
+
+    def done(cell: str, result) -> str:
+        b = result.bitwise
+        return f"{configs[cell].plan.as_dict()}: {b['mismatch_count']} of {b['element_count']} tokens differ"
+
+    failed = run_cells(root, cells, run_one, done, "matrix", resume_command(root))
+    rep = validate_matrix(str(root), Options(), allow_partial=a.cells is not None, write=True)
+    print(rep.summary())
+    print(f"matrix root: {root}")
+    if failed:
+        print(f"rlk-repro matrix: {len(failed)} cell(s) failed ({', '.join(failed)}); after fixing the cause, run "
+              f"them again with:\n  {resume_command(root)}", file=sys.stderr)
+        return EXIT_FAILED
+    return EXIT_OK if rep.exit_code == 0 else EXIT_MISMATCH
+
+
+def run_cells(root: Path, cells: list[str], run_one, done, what: str, resume: str) -> list[str]:
+    """Run each cell (``run_one(cell)``, a run directory ``root/cell``) that has not finished; one line each on
+    stderr (``done(cell, result)`` for a cell that ran). A cell that was interrupted or failed is run afresh, its
+    files moved to ``<cell>.interrupted-<id>/`` first, never deleted; one that fails to run does not stop the others.
+    Returns the cells that failed. Shared by the matrix and the ladder (``what`` names it, ``resume`` is the command
+    that finishes it)."""
     from rlk_repro.runs import new_run_id
 
-    print(f"rlk-repro: matrix root {root}, {len(cells)} cells, {a.rounds} rounds each", file=sys.stderr)
     failed = []
     for cell in cells:
         path = root / cell
@@ -199,27 +237,17 @@ def _run_cells(a, root: Path, cells: list[str], configs: dict, frameworks: bool,
             path.rename(kept)
             print(f"  {cell:16s} was interrupted or failed; its files moved to {kept.name}", file=sys.stderr)
         try:
-            result = (frameworks_cell(a, configs[cell], root, cell) if frameworks
-                      else run_local(configs[cell], root, run_name=cell, progress=Progress()))
+            result = run_one(cell)
         except KeyboardInterrupt as exc:
-            print(f"rlk-repro matrix: {lifecycle.signal_name(exc)} in cell {cell}; finish the matrix with:\n"
-                  f"  {resume_command(root)}", file=sys.stderr)
+            print(f"rlk-repro {what}: {lifecycle.signal_name(exc)} in cell {cell}; finish the {what} with:\n  {resume}",
+                  file=sys.stderr)
             raise
         except Exception as exc:  # one cell failing does not lose the others; validation reports it
             failed.append(cell)
             print(f"  {cell:16s} FAILED to run: {type(exc).__name__}: {exc}", file=sys.stderr)
             continue
-        b = result.bitwise
-        print(f"  {cell:16s} {configs[cell].plan.as_dict()}: {b['mismatch_count']} of {b['element_count']} "
-              "tokens differ", file=sys.stderr)
-    rep = validate_matrix(str(root), Options(), allow_partial=a.cells is not None, write=True)
-    print(rep.summary())
-    print(f"matrix root: {root}")
-    if failed:
-        print(f"rlk-repro matrix: {len(failed)} cell(s) failed ({', '.join(failed)}); after fixing the cause, run "
-              f"them again with:\n  {resume_command(root)}", file=sys.stderr)
-        return EXIT_FAILED
-    return EXIT_OK if rep.exit_code == 0 else EXIT_MISMATCH
+        print(f"  {cell:16s} {done(cell, result)}", file=sys.stderr)
+    return failed
 
 
 def static_weights_warning() -> str:

@@ -345,8 +345,14 @@ def kept_metrics(rollout_sizes: list[int], train_sizes: torch.Tensor | None) -> 
     return out
 
 
+def _finite(r: dict[str, Any]) -> int:
+    """A round's compared pairs with a finite difference (those its ``mean_abs_diff`` is over)."""
+    return r["element_count"] - r.get("nonfinite_diff_count", 0)
+
+
 def bitwise_document(rounds: list[dict[str, Any]], require_exact: bool, fallback_failures: int) -> dict[str, Any]:
     elements = sum(r["element_count"] for r in rounds)
+    finite = sum(_finite(r) for r in rounds)
     mismatches = sum(r["mismatch_count"] for r in rounds)
     return {
         "schema": BITWISE_SCHEMA,
@@ -357,7 +363,8 @@ def bitwise_document(rounds: list[dict[str, Any]], require_exact: bool, fallback
         "informative_count": sum(r["informative_count"] for r in rounds),
         "informative_mismatch_count": sum(r["informative_mismatch_count"] for r in rounds),
         "max_abs_diff": max((r["max_abs_diff"] for r in rounds), default=0.0),
-        "mean_abs_diff": (sum(r["mean_abs_diff"] * r["element_count"] for r in rounds) / elements) if elements else 0.0,
+        # each round's mean is over its finite pairs (compare leaves the non-finite out): weighted by those
+        "mean_abs_diff": (sum(r["mean_abs_diff"] * _finite(r) for r in rounds) / finite) if finite else 0.0,
         "rounds": [{k: r[k] for k in _ROUND_KEYS} for r in rounds],
         "fallback_failures": fallback_failures,
     }

@@ -44,7 +44,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from rlk_core.errors import RlkConfigError
+from rlk_core.errors import RlkConfigError, RlkPolicyError
+from rlk_core.tp import check_tp_layout
 from rlk_repro import vime_args
 from rlk_validate.evidence import VIME_LAUNCH_SCHEMA
 
@@ -113,6 +114,7 @@ class VimeConfig:
     tensor_parallel: int = 1
     context_parallel: int = 1
     rollout_tensor_parallel: int = 1
+    tp_invariant: int = 0  # G of RL_KERNEL_TP_INVARIANT for both sides (0: off; rlk_repro.tp_options)
     nodes: int = 1
     gpus_per_node: int = 8
     rollout_gpus: int | None = None
@@ -204,6 +206,11 @@ def check(cfg: VimeConfig) -> None:
     rollout_gpus = cfg.rollout_gpus if cfg.rollout_gpus is not None else cfg.train_gpus
     if rollout_gpus % cfg.rollout_tensor_parallel:
         raise RlkConfigError(f"rollout TP {cfg.rollout_tensor_parallel} does not divide {rollout_gpus} rollout GPU(s)")
+    try:  # train TP != rollout TP needs TP-invariant mode (strict: refused, saying what to set)
+        check_tp_layout(tp, cfg.rollout_tensor_parallel, env={"RL_KERNEL_TP_INVARIANT": str(cfg.tp_invariant)},
+                        mode=cfg.readback_mode)
+    except RlkPolicyError as exc:
+        raise RlkConfigError(f"{exc} (--tp-invariant G sets it for the launch)") from None
     if cfg.colocate and rollout_gpus != cfg.train_gpus:
         raise RlkConfigError(f"--colocate shares the {cfg.train_gpus} training GPUs; --rollout-gpus {rollout_gpus} "
                              "differs (use --no-colocate)")
@@ -224,6 +231,8 @@ def environment(cfg: VimeConfig) -> dict[str, str]:
     env["RL_KERNEL_MODE"] = cfg.readback_mode
     env["RL_KERNEL_READBACK_DIR"] = f"{cfg.run_dir}/readbacks"
     env["RL_KERNEL_RUN_ID"] = cfg.run_id
+    if cfg.tp_invariant:
+        env["RL_KERNEL_TP_INVARIANT"] = str(cfg.tp_invariant)
     env[ENTRY_POINTS["logprob_records_var"]] = f"{cfg.run_dir}/{RECORDS_DIR}"
     if cfg.unfiltered_logprobs:
         env[ENTRY_POINTS["vllm_unfiltered_logprobs_var"]] = "1"
@@ -331,7 +340,8 @@ def launch(cfg: VimeConfig, command: Sequence[str] = ()) -> dict[str, Any]:
                      "context_parallel": cfg.context_parallel,
                      "data_parallel": cfg.train_gpus // (cfg.tensor_parallel * cfg.context_parallel),
                      "rollout_gpus": cfg.rollout_gpus if cfg.rollout_gpus is not None else cfg.train_gpus,
-                     "rollout_tensor_parallel": cfg.rollout_tensor_parallel, "colocate": cfg.colocate},
+                     "rollout_tensor_parallel": cfg.rollout_tensor_parallel, "colocate": cfg.colocate,
+                     "tp_invariant": cfg.tp_invariant},
         "sampling": {"temperature": cfg.temperature, "top_p": cfg.top_p, "top_k": cfg.top_k,
                      "unfiltered_logprobs": cfg.unfiltered_logprobs},
         "checkpoints": {"dir": cfg.checkpoint_dir, "interval": cfg.checkpoint_interval},

@@ -18,6 +18,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from rlk_core import envs
 from rlk_core.errors import RlkConfigError
 from rlk_repro import vime, vime_args
 from rlk_repro._args import positive_int
@@ -69,6 +70,12 @@ def add_options(p: argparse.ArgumentParser) -> None:
                    help="training CP (--context-parallel-size) (1)")
     p.add_argument("--rollout-tensor-parallel", type=positive_int, default=d.rollout_tensor_parallel,
                    help="vLLM TP per engine (--rollout-num-gpus-per-engine) (1)")
+    from rlk_repro.tp_options import VAR, _leaves
+
+    p.add_argument("--tp-invariant", type=_leaves, default=None, metavar="G",
+                   help=f"TP-invariant mode for both sides: on (G = 8), off, or G; exported as {VAR} (default: "
+                   f"{VAR} from the environment, else off); needed where --tensor-parallel != "
+                   "--rollout-tensor-parallel")
     p.add_argument("--nodes", type=positive_int, default=d.nodes, help="training nodes (--actor-num-nodes) (1)")
     p.add_argument("--gpus-per-node", type=positive_int, default=d.gpus_per_node,
                    help=f"--actor-num-gpus-per-node ({d.gpus_per_node})")
@@ -162,7 +169,9 @@ def config_from_args(a: argparse.Namespace, resolved: Any, readback_mode: str) -
         max_new_tokens=a.max_new_tokens, max_prompt_tokens=a.max_prompt_tokens, temperature=a.temperature,
         top_p=a.top_p, top_k=a.top_k, unfiltered_logprobs=a.unfiltered_logprobs, seed=a.seed,
         rollout_seed=a.rollout_seed, tensor_parallel=a.tensor_parallel, context_parallel=a.context_parallel,
-        rollout_tensor_parallel=a.rollout_tensor_parallel, nodes=a.nodes, gpus_per_node=a.gpus_per_node,
+        rollout_tensor_parallel=a.rollout_tensor_parallel,
+        tp_invariant=a.tp_invariant if a.tp_invariant is not None else envs.get("RL_KERNEL_TP_INVARIANT"),
+        nodes=a.nodes, gpus_per_node=a.gpus_per_node,
         rollout_gpus=a.rollout_gpus, colocate=a.colocate, keep_actor_resident=a.keep_actor_resident,
         recompute=a.recompute, cuda_graph_decode=a.cuda_graph_decode, lr=a.lr, weight_decay=a.weight_decay,
         adam_beta1=a.adam_beta1, adam_beta2=a.adam_beta2, clip_grad=a.clip_grad,

@@ -27,9 +27,11 @@ class UsageError(Exception):
 SUBCOMMANDS = """subcommands:
   rlk-validate [run] RUN_DIR [options]      check one run directory (`run` for a directory named like a subcommand)
   rlk-validate matrix MATRIX_ROOT [options] check every cell of an ablation matrix root
+  rlk-validate ladder LADDER_ROOT [options] check every rung of a mismatch-knob ladder root (docs/ladder.md)
   rlk-validate codes                        list the finding codes
   rlk-validate keygen DIR                   write an Ed25519 key pair for signed seals (--sign-key, --verify-key)
-  rlk-validate import-vime SRC DST          turn a VIME run's artifact directory into an rlk run directory"""
+  rlk-validate import-vime SRC DST          turn a VIME run's artifact directory into an rlk run directory
+  rlk-validate vime-dumps DIR               compare the log-probs of VIME's --save-debug-train-data dumps"""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -244,6 +246,11 @@ def _main_matrix(argv: Sequence[str]) -> int:
     if a.write and a.no_write:
         raise UsageError("--write and --no-write contradict each other")
     rep = validate_matrix(a.matrix_root, _options(a), allow_partial=a.allow_partial, write=a.write)
+    return _emit(a, rep)
+
+
+def _emit(a: argparse.Namespace, rep: Any) -> int:
+    """A root's report (matrix, ladder): its summary (the verdict line alone with ``-q``), ``--json``; its exit code."""
     _print(rep.summary().splitlines()[-1] if a.quiet else rep.summary())
     if a.json:
         try:
@@ -252,6 +259,20 @@ def _main_matrix(argv: Sequence[str]) -> int:
             print(f"rlk-validate: cannot write {clean(a.json)}: {e.strerror or e}", file=sys.stderr)
             return EXIT_USAGE
     return rep.exit_code
+
+
+def _main_ladder(argv: Sequence[str]) -> int:
+    from .ladder import validate_ladder
+
+    p = _Parser(prog="rlk-validate ladder", description="Check every rung of a ladder root (`rlk-repro ladder`): each "
+                "rung as a run, its knobs, the skip records, the shared provenance, and ladder-report.json against the "
+                "rungs' data. Writes nothing unless --write is given.")
+    p.add_argument("ladder_root", metavar="LADDER_ROOT")
+    p.add_argument("--write", action="store_true", help="write ladder-report.json and .md into LADDER_ROOT")
+    _common(p)
+    a = p.parse_args(argv)
+    _check_outputs(a, a.ladder_root, "LADDER_ROOT")
+    return _emit(a, validate_ladder(a.ladder_root, _options(a), write=a.write))
 
 
 def _main_codes() -> int:
@@ -285,15 +306,18 @@ def _main_import_vime(argv: Sequence[str]) -> int:
                 "SRC is only read, DST must not exist. Then check DST with `rlk-validate DST`.")
     p.add_argument("src", metavar="SRC")
     p.add_argument("dst", metavar="DST")
+    p.add_argument("--from", dest="source", choices=("records", "dumps"), default=None,
+                   help="where train-data comes from when SRC holds both: the record hook's logprob-records/ or VIME's "
+                   "--save-debug-train-data dumps in debug-train-data/ (default: the one SRC holds)")
     p.add_argument("--debug", action="store_true", help="show tracebacks")
     a = p.parse_args(argv)
     try:
-        s = import_vime(a.src, a.dst)
+        s = import_vime(a.src, a.dst, a.source)
     except ImportProblem as e:
         print(f"rlk-validate import-vime: {clean(e)}", file=sys.stderr)
         return EXIT_USAGE
-    print(f"wrote {s['dst']}: {s['rounds']} round(s), {s['record_files']} record file(s) from writer rank(s) "
-          f"{s['writer_ranks']}, {s['vime_steps']} VIME step metric(s); now: rlk-validate {s['dst']}")
+    print(f"wrote {s['dst']}: {s['rounds']} round(s), {s['record_files']} file(s) of {s['source']}/ from writer "
+          f"rank(s) {s['writer_ranks']}, {s['vime_steps']} VIME step metric(s); now: rlk-validate {s['dst']}")
     return 0
 
 
@@ -303,10 +327,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args and args[0] == "matrix":
             return _main_matrix(args[1:])
+        if args and args[0] == "ladder":
+            return _main_ladder(args[1:])
         if args and args[0] == "codes":
             return _main_codes()
         if args and args[0] == "import-vime":
             return _main_import_vime(args[1:])
+        if args and args[0] == "vime-dumps":  # issue 37: VIME's --save-debug-train-data dumps (rlk_validate.vime_dump)
+            from .vime_dump import main as vime_dumps
+
+            return vime_dumps(args[1:])
         if args and args[0] == "keygen":
             return _main_keygen(args[1:])
         if args and args[0] == "run":

@@ -31,10 +31,16 @@ RUN_VALIDATION_SCHEMA = "rlk.run-validation.v1"
 MATRIX_REPORT_SCHEMA = "rlk.matrix-report.v1"
 COMPLETE_SCHEMA = "rlk.complete.v1"
 MATRIX_OPTIONS_SCHEMA = "rlk.matrix-options.v1"
+# a ladder root of `rlk-repro ladder` (docs/ladder.md)
+LADDER_OPTIONS_SCHEMA = "rlk.ladder-options.v1"
+LADDER_REPORT_SCHEMA = "rlk.ladder-report.v1"
+LADDER_SKIP_SCHEMA = "rlk.ladder-skip.v1"
 # a VIME run's artifact directory, before `rlk-validate import-vime` (docs/vime.md)
 VIME_LAUNCH_SCHEMA = "rlk.vime-launch.v1"
 VIME_ENVIRONMENT_SCHEMA = "rlk.vime-environment.v1"
 VIME_LOGPROBS_SCHEMA = "rlk.vime-logprobs.v1"
+KERNEL_TRACE_SCHEMA = "rlk.kernel-trace.v1"  # `rlk-repro run --trace` (rlk_validate.kernel_trace)
+VIME_DUMPS_COMPARISON_SCHEMA = "rlk.vime-dumps-comparison.v1"  # `rlk-validate vime-dumps --json`
 
 #: document kind -> schema id
 SCHEMAS: dict[str, str] = {
@@ -47,9 +53,14 @@ SCHEMAS: dict[str, str] = {
     "matrix-report": MATRIX_REPORT_SCHEMA,
     "complete": COMPLETE_SCHEMA,
     "matrix-options": MATRIX_OPTIONS_SCHEMA,
+    "ladder-options": LADDER_OPTIONS_SCHEMA,
+    "ladder-report": LADDER_REPORT_SCHEMA,
+    "ladder-skip": LADDER_SKIP_SCHEMA,
     "vime-launch": VIME_LAUNCH_SCHEMA,
     "vime-environment": VIME_ENVIRONMENT_SCHEMA,
     "vime-logprobs": VIME_LOGPROBS_SCHEMA,
+    "kernel-trace": KERNEL_TRACE_SCHEMA,
+    "vime-dumps-comparison": VIME_DUMPS_COMPARISON_SCHEMA,
 }
 
 # -- closed vocabularies ------------------------------------------------------------------------
@@ -137,6 +148,11 @@ RUN_MARKERS = (MANIFEST, READBACKS_DIR, TRAIN_DATA_DIR, EXIT_CODE, BITWISE, METR
 MATRIX_OPTIONS = "matrix-options.json"
 #: the lock file of a matrix root (held by the one ``rlk-repro matrix`` process writing it; names the holder)
 MATRIX_LOCK = ".rlk-matrix.lock"
+#: a ladder root's files (``rlk-repro ladder``): its options and rungs, its report, a skipped rung's record
+LADDER_OPTIONS = "ladder-options.json"
+LADDER_REPORT_JSON = "ladder-report.json"
+LADDER_REPORT_MD = "ladder-report.md"
+LADDER_SKIP_SUFFIX = ".skipped.json"
 
 
 def is_run_dir(path: str | os.PathLike[str]) -> bool:
@@ -231,6 +247,8 @@ READBACK_FIELDS = (
     _f("plan", "object", "module -> case (`X/Y`, X and Y in P, R) the process saw"),
     _f("hooks", "array", "installed hooks: `name`, `target`, `kind`, `installed` (bool)"),
     _f("modules", "object", "module -> module record (below)"),
+    _f("cuda_graphs", "object", "vLLM only: its CUDA-graph settings, captured graphs and per-step graph decisions "
+       "(rlk_vllm_plugin.cudagraphs; checked by rlk_validate.cuda_graphs, docs/validate.md)", required=False),
 )
 MODULE_RECORD_FIELDS = (
     _f("case", "string", "this side's letter of `plan[module]`: `P` or `R`"),
@@ -340,6 +358,17 @@ MATRIX_OPTIONS_FIELDS = (
     _f("config", "object", "a cell's run configuration less its routes (`--resume` refuses another one)"),
 )
 
+KERNEL_TRACE_FIELDS = (
+    _f("schema", "string", f"`{KERNEL_TRACE_SCHEMA}`"),
+    _f("source", "string", "the profiler (`torch.profiler (torch <version>)`)"),
+    _f("device", "string", "`cpu` or `cuda[:N]`"),
+    _f("units", "string", "`kernels` (CUDA) or `cpu operators`"),
+    _f("round", "integer", "the traced round (the attempt's first)"),
+    _f("tp", "integer", ">= 1: tensor-parallel size (the `collective` family is required only above 1)"),
+    _f("sides", "object", "`rollout` and `train`, each `{families: {family: count}, units: [[name, context or null, "
+       "count], ...]}`; families are recomputed from the units (docs/validate.md)"),
+)
+
 #: document -> (title, fields)
 DOCUMENTS: dict[str, tuple[str, tuple[Field, ...]]] = {
     "readback": (f"`readbacks/*.json` — `{READBACK_SCHEMA}`", READBACK_FIELDS),
@@ -351,6 +380,7 @@ DOCUMENTS: dict[str, tuple[str, tuple[Field, ...]]] = {
     "bitwise-validation.round": ("`bitwise-validation.json` round (`rounds[i]`)", BITWISE_ROUND_FIELDS),
     "complete": (f"`{COMPLETE}` — `{COMPLETE_SCHEMA}`", COMPLETE_FIELDS),
     "matrix-options": (f"`{MATRIX_OPTIONS}` (matrix root) — `{MATRIX_OPTIONS_SCHEMA}`", MATRIX_OPTIONS_FIELDS),
+    "kernel-trace": (f"`kernel-trace.json` — `{KERNEL_TRACE_SCHEMA}`", KERNEL_TRACE_FIELDS),
 }
 
 

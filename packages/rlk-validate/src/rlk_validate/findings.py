@@ -179,6 +179,28 @@ CODES: dict[str, tuple[str, str]] = {
         INFO,
         "train/rollout mismatch of a case that is not required to be bitwise equal",
     ),
+    # kernel trace (rlk_validate.kernel_trace: `rlk-repro run --trace`)
+    "KERNEL_TRACE_MISSING": (INCOMPLETE, "the run asked for a kernel trace (--trace) but kernel-trace.json is absent"),
+    "KERNEL_TRACE_INVALID": (ERROR, "kernel-trace.json lacks fields or has wrong types"),
+    "KERNEL_TRACE_DISAGREES": (ERROR, "kernel-trace.json's per-family counts differ from those recomputed from its "
+                               "kernels"),
+    "KERNEL_FAMILY_MISSING": (ERROR, "an all-R run's traced round ran no kernel of a required rlk family (GEMM, "
+                              "attention forward / backward, SwiGLU, RMSNorm, log-prob; collective at TP > 1)"),
+    "VENDOR_KERNEL_IN_R": (ERROR, "an all-R run's traced round ran a vendor GEMM, vendor / flash attention or "
+                           "NCCL / custom all-reduce payload kernel"),
+    "KERNEL_TRACE_SUMMARY": (INFO, "the per-family kernel counts of the traced round, per side"),
+    # CUDA graphs (rlk_validate.cuda_graphs: the vLLM plugin's cuda_graphs evidence against the manifest)
+    "CUDA_GRAPH_EVIDENCE_MISSING": (INCOMPLETE, "the run asked for FULL_DECODE_ONLY CUDA graphs but no vLLM readback "
+                                    "records CUDA-graph evidence with decode steps"),
+    "CUDA_GRAPH_EVIDENCE_INVALID": (ERROR, "a readback's cuda_graphs field lacks fields or has wrong types"),
+    "CUDA_GRAPH_SETTINGS_MISMATCH": (ERROR, "vLLM resolved another cudagraph_mode or other capture sizes than the "
+                                     "run asked for"),
+    "CUDA_GRAPH_NOT_CAPTURED": (ERROR, "no FULL graph was captured for some requested capture size"),
+    "CUDA_GRAPH_DECODE_EAGER": (ERROR, "a decode step of a FULL_DECODE_ONLY run ran without a FULL CUDA graph "
+                                "(eager, piecewise, or a batch outside the captured sizes)"),
+    "CUDA_GRAPH_DECODE_PADDED": (ERROR, "a decode step replayed a graph of another size than its batch, or one never "
+                                 "captured (the exact-size profile)"),
+    "CUDA_GRAPH_SUMMARY": (INFO, "CUDA-graph replays per size and steps without a graph, over the vLLM processes"),
     # matrix
     "MATRIX_CELL_MISSING": (INCOMPLETE, "an expected matrix cell directory is absent"),
     "MATRIX_CELL_PLAN_MISMATCH": (ERROR, "a cell's plan is not the plan its name stands for"),
@@ -190,6 +212,20 @@ CODES: dict[str, tuple[str, str]] = {
         ERROR,
         "a cell's commit, seeds, inputs or configuration (routes aside) differ from the other cells of the root",
     ),
+    # ladder root (rlk-validate ladder, docs/ladder.md)
+    "LADDER_OPTIONS_INVALID": (ERROR, "ladder-options.json is not an rlk.ladder-options.v1 list of distinct rungs"),
+    "LADDER_RUNG_MISSING": (INCOMPLETE, "a rung of the ladder has neither a run directory nor a skip record"),
+    "LADDER_RUNG_FAILED": (ERROR, "a rung's run directory failed validation"),
+    "LADDER_RUNG_INCOMPLETE": (INCOMPLETE, "a rung's evidence is incomplete"),
+    "LADDER_RUNG_KNOBS_MISMATCH": (ERROR, "a rung's manifest does not show the rung's routes, filters, temperature or "
+                                   "quantization"),
+    "LADDER_RUNG_SKIPPED": (INFO, "a rung was skipped: the machine or engine lacks what it needs (the reason)"),
+    "LADDER_SKIP_INVALID": (ERROR, "a skip record is malformed, names no need of its rung, or sits beside a run of it"),
+    "LADDER_UNKNOWN_ENTRY": (WARNING, "an entry of the ladder root is not a rung; it was skipped"),
+    "LADDER_PROVENANCE_MISMATCH": (ERROR, "a rung's commit, seeds, inputs or configuration (knobs and routes aside) "
+                                   "differ from the other rungs'"),
+    "LADDER_REPORT_STALE": (ERROR, "ladder-report.json does not hold what the rungs' data give now"),
+    "LADDER_WRITE_FAILED": (ERROR, "ladder-report.json / ladder-report.md could not be written"),
 }
 
 

@@ -10,9 +10,11 @@ from .bitwise import check_train_data
 from .chain import check_chain
 from .claims import all_rr, check_bitwise_file, check_metrics, is_int
 from .coverage import digest_tree
+from .cuda_graphs import check_cuda_graphs
 from .drift import DEFAULT_CLIP_EPS
 from .evidence import EXIT_CODE, INFORMATIVE_LOGP, MIN_INFORMATIVE_FRACTION, RUN_MARKERS, expected_plan
 from .findings import finding
+from .kernel_trace import check_kernel_trace
 from .readbacks import check_readbacks
 from .report import Report
 from .run import check_exit_and_log, check_manifest
@@ -148,6 +150,8 @@ def _validate(run_dir: str, opts: Options, report: Report) -> None:
     f.extend(_informative(bitwise, report.require_exact, opts.min_informative_fraction))
     f.extend(_static_weights(rows, bitwise, info, report.require_exact))
     f.extend(_sampling(_manifest_doc(root), rows, report.require_exact))
+    f.extend(check_kernel_trace(root, info["plan"], _manifest_doc(root)))  # issue 37: run --trace
+    f.extend(check_cuda_graphs(root, _manifest_doc(root)))  # issue 37: CUDA-graph evidence vs the manifest
     f.extend(digest_tree(root))
     report.inputs = dict(sorted(root.digests.items()))
     check_complete(root, report, opts.verify_key)

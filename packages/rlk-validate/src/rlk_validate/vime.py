@@ -192,8 +192,31 @@ def _copy_tree(src: str, dst: str) -> None:
                     shutil.copyfile(q, os.path.join(dst, name, inner))
 
 
-def import_vime(src: str, dst: str) -> dict[str, Any]:
-    """Write the rlk run directory ``dst`` from the VIME artifact directory ``src``; returns a summary."""
+def _packs(src: str, source: str | None) -> tuple[dict[tuple[int, int], Any], str, int]:
+    """``{(round, writer rank): loader of its rlk.train-data.v1 tensors}`` and what they come from: the record hook's
+    files (``logprob-records/``) or VIME's own debug dumps (``debug-train-data/``, :mod:`rlk_validate.vime_dump`), and
+    how many files that is."""
+    from .vime_dump import DUMPS, DumpProblem, dump_train_data, read_dump
+    from .vime_dump import dump_files as _dump_files
+
+    records, dumps = _record_files(src), _dump_files(os.path.join(src, DUMPS))
+    if source is None and records and dumps:
+        raise ImportProblem(f"{src} holds both {RECORDS}/ and {DUMPS}/: choose one with --from records|dumps")
+    if source == "dumps" or (source is None and dumps and not records):
+        def dump(path: str) -> Any:
+            try:
+                return dump_train_data(read_dump(path))
+            except DumpProblem as e:
+                raise ImportProblem(str(e)) from None
+        return {key: (lambda p=path: dump(p)) for key, path in dumps.items()}, DUMPS, len(dumps)
+    return ({key: (lambda c=calls, k=key: _pack(c, *k)) for key, calls in records.items()}, RECORDS,
+            sum(map(len, records.values())))
+
+
+def import_vime(src: str, dst: str, source: str | None = None) -> dict[str, Any]:
+    """Write the rlk run directory ``dst`` from the VIME artifact directory ``src``; returns a summary. ``source``:
+    ``records`` (the record hook's ``logprob-records/``), ``dumps`` (VIME's ``debug-train-data/``) or None (the one
+    ``src`` holds)."""
     src, dst = os.path.abspath(src), os.path.abspath(dst)
     if not os.path.isdir(src):
         raise ImportProblem(f"{src} is not a directory")
@@ -204,7 +227,7 @@ def import_vime(src: str, dst: str) -> dict[str, Any]:
         raise ImportProblem(f"{os.path.join(src, LAUNCH)}: schema is not {LAUNCH_SCHEMA!r}")
     env_path = os.path.join(src, ENVIRONMENT)
     environment = _read_json(env_path) if os.path.exists(env_path) else {}
-    records = _record_files(src)
+    records, origin, files = _packs(src, source)
     writers = sorted({rank for _, rank in records})
     rank_index = {rank: i for i, rank in enumerate(writers)}
     rounds = int(launch.get("rounds") or 0)
@@ -221,8 +244,8 @@ def import_vime(src: str, dst: str) -> dict[str, Any]:
 
     os.makedirs(os.path.join(dst, TRAIN_DATA_DIR))
     per_round: dict[int, list[tuple[int, int, float, float]]] = {}
-    for (rnd, rank), calls in sorted(records.items()):
-        t = _pack(calls, rnd, rank_index[rank])
+    for (rnd, rank), pack in sorted(records.items()):
+        t = pack()
         meta = {"schema": TRAIN_DATA_SCHEMA, "round": str(rnd), "rank": str(rank_index[rank]),
                 "vime_global_rank": str(rank)}
         path = os.path.join(dst, TRAIN_DATA_DIR, train_data_name(rnd, rank_index[rank]))
@@ -249,7 +272,7 @@ def import_vime(src: str, dst: str) -> dict[str, Any]:
         "schema": BITWISE_SCHEMA, "require_exact": bool(launch.get("require_exact", launch.get("exact_required"))),
         "torch_equal": mism == 0, "element_count": total, "mismatch_count": mism,
         "max_abs_diff": max([r["max_abs_diff"] for r in rows] + [0.0]), "rounds": rows, "fallback_failures": 0,
-        "source": f"rlk-validate import-vime: recomputed from {RECORDS}/ (VIME writes no bitwise report)"})
+        "source": f"rlk-validate import-vime: recomputed from {origin}/ (VIME writes no bitwise report)"})
 
     topo = launch.get("topology") or {}
     write_json_atomic(os.path.join(dst, "manifest.json"), {
@@ -264,9 +287,10 @@ def import_vime(src: str, dst: str) -> dict[str, Any]:
         "seeds": launch.get("seeds") or {},
         "config": {"vime": launch.get("config") or {}, "topology": topo, "sampling": launch.get("sampling") or {},
                    "env": launch.get("env") or {}, "record_writer_ranks": writers,
-                   "imported_from": src, "token_ids": "as recorded; zeros where the hook recorded none"},
+                   "imported_from": src, "train_data_from": origin,
+                   "token_ids": "as recorded; zeros where the hook recorded none"},
     })
-    return {"dst": dst, "rounds": rounds, "writer_ranks": writers, "record_files": sum(map(len, records.values())),
+    return {"dst": dst, "rounds": rounds, "writer_ranks": writers, "source": origin, "record_files": files,
             "vime_steps": len(steps), "mismatch_count": mism, "element_count": total}
 
 

@@ -108,10 +108,13 @@ def _probe_problem(rt):
 
 
 def _install(rt, probe) -> None:
-    from rlk_vllm_plugin import _runtime, attention, collectives, layers, logprobs
+    from rlk_vllm_plugin import _runtime, attention, collectives, cudagraphs, layers, logprobs
 
     _runtime.install(rt)
     _runtime.flush_at_exit()
+    graphs = cudagraphs.install()  # issue 37: the CUDA-graph evidence (counting only, every plan)
+    if graphs is not None:
+        rt.add_hook("cuda_graphs", graphs, "patch")
     names = ["RMSNorm", "SiluAndMul", "UnquantizedFusedMoEMethod"]  # R: the rlk op; P: vLLM's own, counted
     if rt.r("attention"):
         names.append("RotaryEmbedding")
@@ -146,7 +149,8 @@ def uninstall() -> None:
     from rlk_vllm_plugin import _runtime
 
     if _REGISTERED is not None and _runtime.current() is not None:
-        from rlk_vllm_plugin import attention, collectives, layers, logprobs
+        from rlk_vllm_plugin import attention, collectives, cudagraphs, layers, logprobs
+        cudagraphs.uninstall()
         layers.uninstall()
         logprobs.uninstall()
         collectives.uninstall()

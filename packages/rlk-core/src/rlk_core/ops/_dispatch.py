@@ -48,6 +48,7 @@ _FAST: list[Any] = [None]  # rlk_core._C.fast where the fast path is on
 _SCALARS = frozenset({type(None), bool, int, float, str, torch.dtype, torch.device, torch.memory_format, torch.layout})
 _is_compiling = torch.compiler.is_dynamo_compiling  # Dynamo folds it to True while it traces; one frame at run time
 _grad_enabled = torch._C.is_grad_enabled
+_profiling = torch.autograd._profiler_enabled  # rlk-repro run --trace: DIRECT calls go through the dispatcher
 DIRECT, AUTOGRAD, DISPATCHER = range(3)
 
 
@@ -124,6 +125,8 @@ class Op:
                 return out
         how = _how(args)
         if how == DIRECT:
+            if _profiling():  # a profiler is on (run --trace): through the dispatcher, which records rlk::<op>
+                return self.overload(*args)
             self.check(*args)
             return self.run(args)
         if how == AUTOGRAD and self.function is not None:

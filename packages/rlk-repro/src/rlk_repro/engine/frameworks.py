@@ -35,6 +35,7 @@ from rlk_repro.jitwatch import JitWatch
 from rlk_repro.jitwatch import counts as jit_counts
 from rlk_repro.model.config import preset
 from rlk_repro.progress import Progress
+from rlk_repro.trace import Tracer
 from rlk_validate import evidence
 
 log = logging.getLogger("rlk_repro")
@@ -48,9 +49,31 @@ class FrameworksRunConfig(LocalRunConfig):
     train_micro_tokens: int = 8192
     vllm_max_num_seqs: int = 256
     vllm_max_num_batched_tokens: int = 8192
+    cuda_graph_decode: bool = False  # issue 37: FULL_DECODE_ONLY graphs of sizes 1..prompts x samples
+    # the parallel layout (rlk_repro.tp_options): what `plan` checks and prints; run takes train_tp == rollout_tp
+    train_tp: int = 1
+    rollout_tp: int = 1
+    sequence_parallel: bool = False
+    context_parallel: int = 1
+    tp_invariant: int = 0  # G of RL_KERNEL_TP_INVARIANT (0: off)
+    tp_invariant_source: str = "default (off)"
+
+    @property
+    def cuda_graphs(self) -> dict[str, Any] | None:
+        """The CUDA-graph profile vLLM is asked for (the manifest's ``config.cuda_graphs``; rlk_validate.cuda_graphs
+        checks the readbacks against it), or None: vLLM's default."""
+        if not self.cuda_graph_decode:
+            return None
+        return {"cudagraph_mode": "FULL_DECODE_ONLY",
+                "capture_sizes": list(range(1, self.prompts_per_round * self.samples_per_prompt + 1))}
 
     def validate(self) -> None:
         super().validate()
+        from rlk_repro import tp_options
+
+        tp_options.check(self)
+        if self.cuda_graph_decode and self.enforce_eager:
+            raise RlkConfigError("--cuda-graph-decode asks for CUDA graphs, --enforce-eager for none")
         if not 0 < self.gpu_memory_utilization < 1:
             raise RlkConfigError(f"gpu-memory-utilization must be in (0, 1), got {self.gpu_memory_utilization}")
         for name in ("tp", "train_micro_tokens", "vllm_max_num_seqs", "vllm_max_num_batched_tokens"):
@@ -155,10 +178,13 @@ def _set_env(cfg: FrameworksRunConfig, run_id: str, run_dir: Path) -> None:
 # -- the run ---------------------------------------------------------------------------------------------
 def run_frameworks(cfg: FrameworksRunConfig, output: str | os.PathLike[str],
                    run_name: str | None = None, progress: Progress | None = None) -> LocalRunResult:
+    from rlk_repro import tp_options
+
     cfg.validate()
-    problem = requirements(cfg.tp)
+    problem = requirements(cfg.tp) or tp_options.engine_problem(cfg)
     if problem:
         raise RlkConfigError(problem)
+    tp_options.apply_environment(cfg)
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast off (the device machines' rule)
     rank, world, device = _init_world(cfg)
     run = _shared_run(output, run_name, rank, cfg.command)
@@ -236,6 +262,7 @@ class _Run:
         self.vllm = VllmRollout(write_model_dir(self.scratch / "model", self.model_cfg), dtype=cfg.dtype,
                                 seed=cfg.seed, tp=cfg.tp, max_model_len=self.max_len + 16,
                                 gpu_memory_utilization=cfg.gpu_memory_utilization, enforce_eager=cfg.enforce_eager,
+                                cuda_graphs=cfg.cuda_graphs,
                                 attention_r=cfg.plan.uses_rlk("attention", "rollout"),
                                 max_num_seqs=cfg.vllm_max_num_seqs,
                                 max_num_batched_tokens=cfg.vllm_max_num_batched_tokens)
@@ -252,6 +279,7 @@ class _Run:
         if self.lead:
             runs.write_json_atomic(self.run_dir / "manifest.json", self._manifest())
         rounds: list[dict[str, Any]] = []
+        self.tracer = Tracer(cfg.trace and self.lead, str(self.device), cfg.tp)  # issue 37: run --trace (rank 0)
         self.clock = self.progress.rounds(cfg.rounds)
         for rnd in range(cfg.rounds):
             rounds.append(self._round(rnd))
@@ -291,7 +319,8 @@ class _Run:
             "config": {**{k: v for k, v in asdict(cfg).items() if k not in ("plan", "command", "plan_sources")},
                        "env": plan.env(), "model_config": self.model_cfg.as_dict(),
                        "require_exact": cfg.exact_required, "max_model_len": self.max_len + 16,
-                       "world_size": self.world, "tensor_parallel": cfg.tp, "reward": "vocab_reward"},
+                       "world_size": self.world, "tensor_parallel": cfg.tp, "reward": "vocab_reward",
+                       "cuda_graphs": cfg.cuda_graphs},  # issue 37: what rlk-validate holds the readbacks to
             # what the engines reported at start-up: follows from the routes (attention backend, rlk layers,
             # THD vs padded) or is a measurement (start time), so a matrix does not compare it across cells
             "runtime": {"vllm": self.vllm.info(), "megatron_rlk_layers": self.trainer.layer_counts,
@@ -312,7 +341,7 @@ class _Run:
     def _round(self, rnd: int) -> dict[str, Any]:
         cfg, n = self.cfg, self.cfg.samples_per_prompt
         chosen, seeds, limits = self._requests(rnd)
-        with self.watch.phase("rollout"):
+        with self.watch.phase("rollout"), self.tracer.side("rollout", rnd):
             roll = self.vllm.generate([self.encoded[i] for i in chosen], seeds, limits, n, cfg.temperature,
                                       cfg.top_p, cfg.top_k, cfg.min_p)
         comps = roll.completions
@@ -321,8 +350,9 @@ class _Run:
         adv = group_advantages(rewards, n)
         samples = [Sample(list(self.encoded[chosen[c.prompt_index]]), c.tokens, c.logprobs, a)
                    for c, a in zip(comps, adv, strict=True)]
-        with self.watch.phase("train"):
+        with self.watch.phase("train"), self.tracer.side("train", rnd):
             res = self.trainer.step(samples)
+        self.tracer.write(self.run_dir)
         roll_lp = [torch.tensor(c.logprobs, dtype=torch.float32) for c in comps]
         cmp = runs.compare(torch.cat(roll_lp), torch.cat(res.train_logprobs))
         if self.lead:

@@ -53,7 +53,7 @@ def write_model_dir(path: Path, cfg) -> Path:
 class VllmRollout:
     def __init__(self, model_dir: Path, *, dtype: str, seed: int, tp: int, max_model_len: int,
                  gpu_memory_utilization: float, enforce_eager: bool, attention_r: bool, max_num_seqs: int,
-                 max_num_batched_tokens: int) -> None:
+                 max_num_batched_tokens: int, cuda_graphs: dict[str, Any] | None = None) -> None:
         for k, v in VLLM_ENV.items():
             os.environ.setdefault(k, v)
         if os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] != "0":
@@ -71,6 +71,9 @@ class VllmRollout:
             kw["distributed_executor_backend"] = "external_launcher"
             # vLLM 0.22's fused all-reduce + RMSNorm pass bypasses the plugin's all-reduce and norm
             kw["compilation_config"] = {"pass_config": {"fuse_allreduce_rms": False}}
+        if cuda_graphs is not None:  # issue 37: e.g. FULL_DECODE_ONLY with exact sizes (the plugin records replays)
+            kw.setdefault("compilation_config", {}).update(cudagraph_mode=cuda_graphs["cudagraph_mode"],
+                                                           cudagraph_capture_sizes=cuda_graphs["capture_sizes"])
         if attention_r:
             kw["attention_backend"] = "CUSTOM"
         self.kwargs = {k: v for k, v in kw.items() if k != "model"}

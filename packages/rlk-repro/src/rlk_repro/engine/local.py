@@ -35,6 +35,7 @@ from rlk_repro.model.ops import Ops
 from rlk_repro.model.weights import load_checkpoint, random_weights, weights_sha256
 from rlk_repro.progress import Progress
 from rlk_repro.resume import STATE_DIR, STATE_DOC, Parent, inherit, save_state
+from rlk_repro.trace import Tracer
 from rlk_validate import evidence
 
 log = logging.getLogger("rlk_repro")
@@ -81,6 +82,7 @@ class LocalRunConfig:
     chat_template_kwargs: dict[str, Any] | None = None
     rm_type: str | None = None  # deepscaler / stand-in; None: deepscaler with --model-path, else stand-in
     stop_token_ids: list[int] | None = None  # besides the config's, generation config's and tokenizer's EOS
+    trace: bool = False  # issue 37: profile the first round of both sides into kernel-trace.json (rlk_repro.trace)
     command: list[str] = field(default_factory=lambda: list(sys.argv))
 
     def validate(self) -> None:
@@ -212,6 +214,7 @@ class _Session:
     checkpoint_hash: str
     max_len: int
     prompt_set: PromptSet
+    tracer: Tracer = field(default_factory=lambda: Tracer(False, "cpu"))  # issue 37: run --trace
 
 
 def _run(cfg: LocalRunConfig, run_id: str, run_dir: Path, device: torch.device, dtype: torch.dtype,
@@ -284,7 +287,8 @@ def _start(cfg: LocalRunConfig, run_id: str, run_dir: Path, device: torch.device
     if state is not None:
         trainer.opt.load_state_dict(state["optimizer"])
         engine.cache.free = list(state["kv_free"])
-    return _Session(model_cfg, engine, trainer, (rec_train, rec_roll), prompts, encoded, ckpt_hash, max_len, ps)
+    return _Session(model_cfg, engine, trainer, (rec_train, rec_roll), prompts, encoded, ckpt_hash, max_len, ps,
+                    Tracer(cfg.trace, str(device)))
 
 
 def _manifest(cfg: LocalRunConfig, run_id: str, ses: _Session, device: torch.device) -> dict[str, Any]:
@@ -363,7 +367,7 @@ def _round(cfg: LocalRunConfig, ses: _Session, run_dir: Path, rnd: int, watch: J
     n = cfg.samples_per_prompt
     chosen, requests = _requests(cfg, ses, rnd)
     with progress.counter(sum(r.params.max_new_tokens for r in requests), f"round {rnd + 1} rollout") as bar, \
-            watch.phase("rollout"):
+            watch.phase("rollout"), ses.tracer.side("rollout", rnd):
         stats = ses.engine.generate(requests, on_token=bar.update)
 
     # vocab_reward, as the frameworks engine: with a large vocabulary (a random-weight Qwen3-0.6B) the byte-token
@@ -373,12 +377,13 @@ def _round(cfg: LocalRunConfig, ses: _Session, run_dir: Path, rnd: int, watch: J
     adv = group_advantages(rewards, n)
     samples = [Sample(r.prompt, r.output, r.logprobs, a) for r, a in zip(requests, adv, strict=True)]
     with progress.counter(sum(len(r.prompt) + len(r.output) - 1 for r in requests), f"round {rnd + 1} train") as bar, \
-            watch.phase("train"):
+            watch.phase("train"), ses.tracer.side("train", rnd):
         bar.update(0)  # shown while the step runs
         res = ses.trainer.step(samples)
 
     roll = [torch.tensor(r.logprobs, dtype=torch.float32) for r in requests]
     cmp = runs.compare(torch.cat(roll), torch.cat([t.cpu() for t in res.train_logprobs]))
+    ses.tracer.write(run_dir)  # issue 37: kernel-trace.json once the traced round's two sides are in
     runs.write_train_data(run_dir, rnd, 0, [r.prompt for r in requests], [r.output for r in requests], roll,
                           res.train_logprobs, rewards, adv)
     with watch.phase("sync"):

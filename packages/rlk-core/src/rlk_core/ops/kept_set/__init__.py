@@ -14,6 +14,7 @@ from rlk_core.backends import REGISTRY, Backend
 from rlk_core.ops import _checks as C
 from rlk_core.ops import _logp_tree as L
 from rlk_core.ops._dispatch import define
+from rlk_core.ops._plan import triton_backend
 from rlk_core.ops.kept_set.reference import PATH_ALL, choose_path, in_kept, kept_set_reference, mask_outside, tempered
 
 OP = "kept_set"
@@ -157,5 +158,7 @@ def kept_mask(logits: torch.Tensor, temperature: float | torch.Tensor, kept, col
 
 
 REGISTRY.register(Backend("rlk.reference", OP, kept_set_reference, devices=("cpu", "cuda"), builtin=True))
+# rlk.triton only (Triton's JIT): no AOT family yet, so rlk.cuda has no kept_set and the JIT backend is the GPU's
+REGISTRY.register(triton_backend(OP, "rlk_core.ops.kept_set.triton:kept_set"))
 
 __all__ = ["PATH_ALL", "KeptSet", "apply_kept", "as_kept", "kept_mask", "kept_set"]

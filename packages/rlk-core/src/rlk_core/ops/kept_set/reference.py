@@ -23,12 +23,14 @@ def tempered(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
     return logits.float() / temperature[:, None] + 0.0
 
 
-def order_keys(z: torch.Tensor) -> torch.Tensor:
+def order_keys(z: torch.Tensor, ids: torch.Tensor | None = None) -> torch.Tensor:
     """Unique int64 keys whose descending order is the contract's order: the fp32 bits made monotone (a negative
-    value's magnitude bits flipped) in the high 32 bits, ``2^32 - 1 - id`` in the low 32 bits."""
+    value's magnitude bits flipped) in the high 32 bits, ``2^32 - 1 - id`` in the low 32 bits (``ids``: the
+    token ids of ``z``'s columns, default ``0 .. V-1``)."""
     bits = z.contiguous().view(torch.int32)
     mono = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(torch.int64)
-    ids = torch.arange(z.shape[-1], device=z.device, dtype=torch.int64)
+    if ids is None:
+        ids = torch.arange(z.shape[-1], device=z.device, dtype=torch.int64)
     return mono * (1 << 32) + (_LOW - ids)
 
 
@@ -96,27 +98,47 @@ def kept_set_reference(logits: torch.Tensor, temperature: torch.Tensor, top_k: t
     full = torch.full((t,), vocab, dtype=torch.int64, device=dev)
     if t == 0 or path == PATH_ALL:
         return torch.full((t,), NEG_INF, device=dev), torch.full_like(full, vocab - 1), full
-    min_z = (zmax + torch.log(min_p))[:, None]  # min_p = 0: log 0 = -inf keeps every token
-    n_minp = (z >= min_z).sum(-1)
-    k = top_k.to(torch.int64)
-    n_k = torch.where((k >= 1) & (k < vocab), k, full)
-    n1 = torch.minimum(n_minp, n_k)
+    min_z = min_p_bound(zmax, min_p)[:, None]
+    n1 = prefix_bound((z >= min_z).sum(-1), top_k, vocab)
     if path == PATH_MIN_P:  # min-p alone keeps whole values: its last element is the smallest kept value, largest id
-        n = n1
         kept = z >= min_z
         value = torch.where(kept, z, torch.full_like(z, float("inf"))).amin(-1)
         ids = torch.arange(vocab, device=dev, dtype=torch.int64)
         token_id = torch.where(kept & (z == value[:, None]), ids[None, :], torch.full_like(ids, -1)[None, :]).amax(-1)
+        return threshold(value, token_id, n1, vocab)
+    if path == PATH_TOP_K:  # every row has a top-k <= kmax: the first kmax of the order suffice
+        keys = torch.topk(order_keys(z), kmax, dim=-1).values
+        ids = _LOW - (keys & _LOW)
+        zs = z.gather(1, ids)
     else:
-        if path == PATH_TOP_K:  # every row has a top-k <= kmax: the first kmax of the order suffice
-            keys = torch.topk(order_keys(z), kmax, dim=-1).values
-            ids = _LOW - (keys & _LOW)
-            zs = z.gather(1, ids)
-        else:
-            zs, ids = torch.sort(z, dim=-1, descending=True, stable=True)
-        n = torch.where(top_p < 1.0, top_p_count(zs, zmax, n1, top_p), n1)
-        last = (n - 1)[:, None]
-        value, token_id = zs.gather(1, last)[:, 0], ids.gather(1, last)[:, 0]
+        zs, ids = torch.sort(z, dim=-1, descending=True, stable=True)
+    return prefix_threshold(zs, ids, zmax, n1, top_p, vocab)
+
+
+def min_p_bound(zmax: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """``z_max + log(f32(min_p))`` per row (``min_p = 0``: ``log 0 = -inf`` keeps every token)."""
+    return zmax + torch.log(min_p)
+
+
+def prefix_bound(n_minp: torch.Tensor, top_k: torch.Tensor, vocab: int) -> torch.Tensor:
+    """``n1 = min(n_minp, n_k)``: how many tokens of the order min-p and top-k keep (``n_k = V`` for no top-k)."""
+    k = top_k.to(torch.int64)
+    return torch.minimum(n_minp, torch.where((k >= 1) & (k < vocab), k, torch.full_like(k, vocab)))
+
+
+def prefix_threshold(zs: torch.Tensor, ids: torch.Tensor, zmax: torch.Tensor, n1: torch.Tensor, top_p: torch.Tensor,
+                     vocab: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The kept set from a row's first ``L`` tokens in the order (``zs`` values, ``ids`` ``[T, L]``, ``L >= n1``):
+    top-p over the first ``n1``, then its last element."""
+    n = torch.where(top_p < 1.0, top_p_count(zs, zmax, n1, top_p), n1)
+    last = (n - 1)[:, None]
+    return threshold(zs.gather(1, last)[:, 0], ids.gather(1, last)[:, 0], n, vocab)
+
+
+def threshold(value: torch.Tensor, token_id: torch.Tensor, n: torch.Tensor, vocab: int
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(value, token_id, size)``, the whole vocabulary written ``(-inf, V - 1, V)``."""
+    full = torch.full_like(n, vocab)
     whole = n >= vocab
     value = torch.where(whole, torch.full_like(value, NEG_INF), value)
     token_id = torch.where(whole, torch.full_like(token_id, vocab - 1), token_id)

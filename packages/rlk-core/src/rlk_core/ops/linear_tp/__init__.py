@@ -9,9 +9,13 @@ See ``docs/ops/linear_tp.md``.
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
+
 import torch
 
 from rlk_core.backends import REGISTRY, Backend
+from rlk_core.errors import RlkInputError
 from rlk_core.ops import _checks as C
 from rlk_core.ops._backends import register_kernel_backends
 from rlk_core.ops._dispatch import define
@@ -25,8 +29,8 @@ from rlk_core.tp import DEFAULT_LEAVES
 
 MAX_LEAVES = 8  # the most leaves one call merges (the kernel's unrolled tree; 16 spills registers on sm_90)
 
-__all__ = ["DEFAULT_LEAVES", "MAX_LEAVES", "check_layout", "linear_tp", "linear_tp_finish", "linear_tp_partials",
-           "pairs_sum"]
+__all__ = ["DEFAULT_LEAVES", "MAX_LEAVES", "check_layout", "column_leaf_rows", "group_leaves", "linear_tp",
+           "linear_tp_finish", "linear_tp_partials", "pairs_sum"]
 
 
 def _power_of_two(v: int) -> bool:
@@ -42,6 +46,41 @@ def check_layout(op: str, k_local: int, leaves: int) -> None:
     C.require(k_local % leaves == 0, op,
               f"the local K={k_local} is not divisible by leaves={leaves}: every leaf has K / G columns, so the "
               f"global K must be divisible by G (Qwen3's row-parallel K are multiples of 1024)")
+
+
+def column_leaf_rows(components: Sequence[int], leaves: int) -> list[int]:
+    """The local output rows of a column-parallel linear in *leaf-major* order, for its TP-invariant input gradient.
+
+    A column-parallel weight's local rows are its components' shards back to back (QKV: ``[q_r; k_r; v_r]``; a
+    gated fc1: ``[gate_r; up_r]``; one component otherwise), ``components`` their local sizes. The input gradient
+    ``dX = dY W`` reduces over those rows, which TP splits: under ``rlk.gemm.tp.v1`` it is a row-parallel GEMM over
+    N whose leaf ``j`` is the concatenation, in component order, of every component's ``j``-th of ``leaves`` equal
+    slices — so rank ``r`` of TP t holds leaves ``r G/t .. (r + 1) G/t - 1`` whole, each of the length it has at
+    TP 1. The returned index puts the rows in that order: ``linear_tp_partials(dy[..., rows], W[rows].T, leaves)``
+    is the rank's fp32 partial (``docs/ops/linear_tp.md``, "Gradients")."""
+    for c in components:
+        if not isinstance(c, int) or c < 1 or c % leaves:
+            raise RlkInputError(f"column_leaf_rows: every component's local size must be a positive multiple of "
+                                f"leaves={leaves} (each component is cut into G leaves), got {list(components)}")
+    out, start = [], []
+    base = 0
+    for c in components:
+        start.append(base)
+        base += c
+    for j in range(leaves):
+        for c, s in zip(components, start, strict=True):
+            size = c // leaves
+            out.extend(range(s + j * size, s + (j + 1) * size))
+    return out
+
+
+def group_leaves(count: int, leaves_total: int) -> int:
+    """How many leaves a reduction over ``count`` items that TP (or sequence parallelism) splits into contiguous rank
+    slices is cut into under ``rlk.gemm.tp.v1`` with G = ``leaves_total``: ``gcd(count, G)`` (a power of two), each
+    leaf ``count / n`` consecutive items. Every TP that divides both ``count`` (the split's own rule: heads per rank,
+    tokens per rank) and G divides it, so a rank holds whole leaves. Used for the norms' weight gradients: over the
+    attention heads (q/k norms) and over the tokens (sequence parallelism)."""
+    return math.gcd(count, leaves_total)
 
 
 @define("linear_tp_partials")

@@ -95,6 +95,14 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.
 
 REGISTRY.register(Backend("rlk.reference", "rms_norm", rms_norm_reference, devices=("cpu", "cuda"),
                           builtin=True))
+def rms_norm_backward(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(dx, dweight)`` of :func:`rms_norm` — the registry op its autograd runs (same contract id; ``dweight`` the
+    sum over ``x``'s rows), for callers that reduce the weight gradient over row groups of their own (the
+    TP-invariant norms of ``rlk_megatron_provider.tp_grads``, docs/ops/linear_tp.md "Gradients")."""
+    return _rms_norm_backward(grad, x, weight, eps)
+
+
 REGISTRY.register(Backend("rlk.reference", "rms_norm_backward", rms_norm_backward_reference,
                           devices=("cpu", "cuda"), builtin=True))
 
