@@ -341,6 +341,10 @@ def _cmd_run(a: argparse.Namespace, argv: Sequence[str]) -> int:
               f"{parent.next_round + 1} of {cfg.rounds}, mode {cfg.mode}, plan {cfg.plan.as_dict()}", file=sys.stderr)
         result = run_local(cfg, output, progress=Progress(), resume=parent)
         return _report_run(cfg, result)
+    if a.pair:  # issue 37: a phase's native / consistency pairs (rlk_repro.phase_pairs)
+        from rlk_repro import phase_pairs
+
+        return phase_pairs.run_pairs(a, argv, build_parser, _resolve, _config, _preflight, _needs)
     resolved = _resolve(a)
     cfg = _config(a, argv, resolved)
     plan = resolved.plan

@@ -80,6 +80,7 @@ class LocalRunConfig:
     chat_template_kwargs: dict[str, Any] | None = None
     rm_type: str | None = None  # deepscaler / stand-in; None: deepscaler with --model-path, else stand-in
     stop_token_ids: list[int] | None = None  # besides the config's, generation config's and tokenizer's EOS
+    phase: str | None = None  # the seeds' phase this run belongs to (rlk_repro.phases), recorded for report
     command: list[str] = field(default_factory=lambda: list(sys.argv))
 
     def validate(self) -> None:
