@@ -35,6 +35,7 @@ MATRIX_OPTIONS_SCHEMA = "rlk.matrix-options.v1"
 VIME_LAUNCH_SCHEMA = "rlk.vime-launch.v1"
 VIME_ENVIRONMENT_SCHEMA = "rlk.vime-environment.v1"
 VIME_LOGPROBS_SCHEMA = "rlk.vime-logprobs.v1"
+CONTRACT_DIGEST_SCHEMA = "rlk.contract-digest.v1"  # the handshake's document (rlk_validate.digest, issue 37)
 
 #: document kind -> schema id
 SCHEMAS: dict[str, str] = {
@@ -50,6 +51,7 @@ SCHEMAS: dict[str, str] = {
     "vime-launch": VIME_LAUNCH_SCHEMA,
     "vime-environment": VIME_ENVIRONMENT_SCHEMA,
     "vime-logprobs": VIME_LOGPROBS_SCHEMA,
+    "contract-digest": CONTRACT_DIGEST_SCHEMA,
 }
 
 # -- closed vocabularies ------------------------------------------------------------------------
@@ -231,6 +233,11 @@ READBACK_FIELDS = (
     _f("plan", "object", "module -> case (`X/Y`, X and Y in P, R) the process saw"),
     _f("hooks", "array", "installed hooks: `name`, `target`, `kind`, `installed` (bool)"),
     _f("modules", "object", "module -> module record (below)"),
+    _f("contract_digest", "object", "the contract digest handshake (`rlk.contract-digest.v1`, issue 37): `digest` "
+       "(`sha256:<hex>` of the canonical JSON of `document`), `document` (plan, device type, TP-invariant leaves, "
+       "sampling parameters, per R/R module its contract ids, backend families and source hashes), `detail` (this "
+       "side's op -> backend and log-prob semantics) and `checks` (`at`: `start` / `sync <n>`, `digest`)",
+       required=False),
 )
 MODULE_RECORD_FIELDS = (
     _f("case", "string", "this side's letter of `plan[module]`: `P` or `R`"),
@@ -268,6 +275,8 @@ MANIFEST_FIELDS = (
     _f("inputs", "object", "non-empty; input name -> `sha256:<64 hex>`"),
     _f("seeds", "object", "seed name -> integer"),
     _f("config", "object", "the run configuration (free-form)", required=False),
+    _f("contract_digest", "string", "`sha256:<hex>`: the contract digest both sides agreed on before the first "
+       "round; every readback then carries it", required=False),
 )
 METRICS_FIELDS = (
     _f("schema", "string", f"`{METRICS_SCHEMA}`"),
@@ -293,6 +302,8 @@ METRICS_FIELDS = (
        "the engine computes it (local)", required=False),
     _f("max_entropy", "number", "`log V`, the entropy of a uniform next-token distribution", required=False),
     _f("distinct_responses", "integer", "distinct responses of the round's samples", required=False),
+    _f("contract_digest", "string", "the contract digest both sides agreed on after the round's weight sync",
+       required=False),
 )
 BITWISE_FIELDS = (
     _f("schema", "string", f"`{BITWISE_SCHEMA}`"),

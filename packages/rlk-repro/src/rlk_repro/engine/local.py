@@ -212,6 +212,7 @@ class _Session:
     checkpoint_hash: str
     max_len: int
     prompt_set: PromptSet
+    digest: str | None = None  # the contract digest both sides agreed on at the start (rlk_core.digest)
 
 
 def _run(cfg: LocalRunConfig, run_id: str, run_dir: Path, device: torch.device, dtype: torch.dtype,
@@ -222,6 +223,7 @@ def _run(cfg: LocalRunConfig, run_id: str, run_dir: Path, device: torch.device, 
     watch = JitWatch()
     try:
         ses = _start(cfg, run_id, run_dir, device, dtype, resume)
+        ses.digest = _handshake(cfg, ses, "start")  # issue 37: before anything is compared
         manifest = _manifest(cfg, run_id, ses, device)
         first, rounds = 0, []
         if resume is not None:  # the parent's rounds before its state, then this attempt's from there
@@ -308,11 +310,29 @@ def _manifest(cfg: LocalRunConfig, run_id: str, ses: _Session, device: torch.dev
         "reward": {"rm_type": ses.prompt_set.rm_type, "stop_token_ids": ses.prompt_set.stop_token_ids,
                    "apply_chat_template": cfg.apply_chat_template},
         "seeds": {"train": cfg.seed, "rollout": cfg.seed},
+        "contract_digest": ses.digest,
         "config": {**{k: v for k, v in asdict(cfg).items() if k not in ("plan", "command", "plan_sources")},
                    "env": plan.env(), "model_config": ses.model_cfg.as_dict(), "require_exact": cfg.exact_required,
                    "max_model_len": ses.max_len, "max_batched_tokens": ses.engine.max_batched_tokens,
                    "torch_threads": torch.get_num_threads()},
     }
+
+
+def _handshake(cfg: LocalRunConfig, ses: _Session, at: str) -> str:
+    """The contract digest handshake of the two sides (:func:`rlk_core.digest.handshake`), each described from what
+    it holds: its ops' plan and side, the sampling its requests / training step apply, its log-prob semantics."""
+    from rlk_core.digest import handshake, side_document
+
+    roll, train = ses.engine, ses.trainer
+    sides = {}
+    for side, holder, recorder, s, temperature, semantics in (
+            ("train", train, ses.recorders[0], train.sampling, train.temperature, cfg.train_semantics),
+            ("rollout", roll, ses.recorders[1], sampling_params(cfg), sampling_params(cfg).temperature,
+             cfg.logprobs)):
+        doc, detail = side_document(holder.ops.plan, holder.ops.side, holder.device.type, temperature=temperature,
+                                    top_k=s.top_k, top_p=s.top_p, min_p=s.min_p, logprobs=semantics)
+        sides[side] = (recorder, doc, detail)
+    return handshake(sides, at, expected=ses.digest)
 
 
 def sampling_params(cfg: LocalRunConfig, max_new_tokens: int = 16) -> SamplingParams:
@@ -383,6 +403,7 @@ def _round(cfg: LocalRunConfig, ses: _Session, run_dir: Path, rnd: int, watch: J
                           res.train_logprobs, rewards, adv)
     with watch.phase("sync"):
         changed = ses.engine.load_weights(ses.trainer.export_weights())
+    digest = _handshake(cfg, ses, f"sync {rnd + 1}")  # issue 37: both sides again, after the weight sync
     device = ses.trainer.device
     row = {
         **runs.round_metrics(rnd, cmp, rewards, res, stats.tokens, stats.generated, stats.seconds, device, changed,
@@ -395,6 +416,7 @@ def _round(cfg: LocalRunConfig, ses: _Session, run_dir: Path, rnd: int, watch: J
         "eos_finished": sum(r.finish_reason == "eos" for r in requests),
         "triton_jit": watch.take(),  # the round's JIT compiles per phase (round 0's "setup": model and engine)
         "python_gc": watch.take_gc(),  # the round's garbage collections per phase (their pauses)
+        "contract_digest": digest,
         "rollout_step_ms": step_summary(stats.step_seconds, stats.step_tokens, launch=stats.step_launch_seconds),
         **runs.kept_metrics([n for r in requests for n in r.kept_sizes], ses.trainer.kept_sizes
                        if ses.trainer.processed else None),
