@@ -72,7 +72,8 @@ def test_a_backend_the_other_side_does_not_prefer_stops_it(monkeypatch):
     from rlk_core import digest
 
     real = digest._preferred
-    monkeypatch.setattr(digest, "_preferred", lambda op, dev: "rlk.other" if op == "attention_decode" else real(op, dev))
+    monkeypatch.setattr(digest, "_preferred",
+                        lambda op, dev: "rlk.other" if op == "attention_decode" else real(op, dev))
     _, sides = _sides(PLANS[0])
     with pytest.raises(ContractDigestError, match="modules.attention.backends"):
         handshake(sides, "start")

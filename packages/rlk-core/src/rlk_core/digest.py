@@ -50,21 +50,19 @@ def _module_ops(module: str, side: str, tp_leaves: int) -> tuple[str, ...]:
 
 
 def _preferred(op: str, device_type: str) -> str:
-    from rlk_core.backends import REGISTRY
-
     import rlk_core.ops  # noqa: F401  (registers every op's backends)
+    from rlk_core.backends import REGISTRY
 
     candidates = REGISTRY.candidates(op, device_type)
     return candidates[0].id if candidates else "none"
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _build_hash(contract: str, families: tuple[str, ...], device_type: str) -> str:
     """SHA-256 over (module, source SHA-256) of every backend of ``families`` registered for an op of ``contract``."""
+    import rlk_core.ops  # noqa: F401
     from rlk_core.backends import REGISTRY
     from rlk_core.contracts import OP_CONTRACTS
-
-    import rlk_core.ops  # noqa: F401
 
     parts = set()
     for op, cid in OP_CONTRACTS.items():
@@ -130,7 +128,7 @@ def handshake(sides: dict[str, tuple[Any, dict[str, Any], dict[str, Any]]], at: 
         raise ContractDigestError(f"contract digest handshake at {at}: both sides now run {first}, not the run's "
                                   f"{expected} (the contracts changed during the run); stopped before anything "
                                   "more was compared")
-    for side, (recorders, doc, detail) in sides.items():
+    for recorders, doc, detail in sides.values():
         for rec in recorders if isinstance(recorders, (list, tuple)) else [recorders]:
             rec.record_digest(first, doc, detail, at)
     return first

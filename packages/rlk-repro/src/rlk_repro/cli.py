@@ -419,7 +419,10 @@ _CELL_OPTIONS = ("rounds", "seed", "device", "dtype", "model", "checkpoint", "pr
                  "max_new_tokens", "temperature", "top_p", "top_k", "min_p", "logprobs", "train_logprobs",
                  "optimizer", "lr",
                  "static_weights", "audit",
-                 *FRAMEWORKS_ONLY)
+                 *FRAMEWORKS_ONLY,
+                 # issue 37: the real model and data (--workspace is resolved into the first two by then)
+                 "model_path", "prompt_data", "input_key", "label_key", "apply_chat_template",
+                 "apply_chat_template_kwargs", "rm_type", "rollout_stop_token_ids", "phase")
 
 
 def _cell_argv(a: argparse.Namespace, plan: dict[str, str], root, cell: str) -> list[str]:
@@ -430,7 +433,12 @@ def _cell_argv(a: argparse.Namespace, plan: dict[str, str], root, cell: str) -> 
         v = getattr(a, k, None)
         if v is None or v is False:
             continue
-        out += [f"--{k.replace('_', '-')}"] + ([] if v is True else [str(v)])
+        if isinstance(v, dict):  # --apply-chat-template-kwargs JSON
+            import json
+
+            v = json.dumps(v)
+        out += [f"--{k.replace('_', '-')}"] + ([] if v is True else [str(x) for x in v] if isinstance(v, list)
+                                               else [str(v)])
     return out
 
 

@@ -22,7 +22,7 @@ def _json_object(value: str) -> dict[str, Any]:
 
 
 def add_options(r: argparse.ArgumentParser) -> None:
-    g = r.add_argument_group("real model and data (local engine)")
+    g = r.add_argument_group("real model and data (local and frameworks engines)")
     g.add_argument("--workspace", metavar="W", default=None,
                    help="a workspace made by `rlk-repro prepare`: its prompt data (and converted checkpoint, unless "
                    "--model-path is given); run directories go to W/runs unless --output is given")
@@ -58,7 +58,7 @@ _NAMES = ("model_path", "prompt_data", "input_key", "label_key", "apply_chat_tem
 
 def config_kwargs(a: argparse.Namespace, argv: Sequence[str], frameworks: bool) -> dict[str, Any]:
     """The run configuration's fields from these options (``--workspace`` resolved, and ``--output`` defaulting to
-    W/runs); a frameworks run refuses them, one line."""
+    W/runs); the local and the frameworks engine take them alike (``frameworks`` is kept for the callers)."""
     if getattr(a, "workspace", None) is not None:
         from rlk_repro import workspace as ws
 
@@ -79,12 +79,6 @@ def config_kwargs(a: argparse.Namespace, argv: Sequence[str], frameworks: bool) 
         if any(x == "--rounds" or x.startswith("--rounds=") for x in argv) and a.rounds != rounds:
             raise RlkConfigError(f"--phase {a.phase} runs {rounds} rounds; --rounds {a.rounds} contradicts it")
         a.rounds, a.seed = rounds, seed
-    given = [n for n in _NAMES if getattr(a, n, None) not in (None, False, "prompt", "label")]
-    if frameworks and given:
-        raise RlkConfigError(f"--{given[0].replace('_', '-')} is an option of the local engine (the frameworks engine "
-                             "does not take a tokenizer, prompt data or the deepscaler reward yet)")
-    if frameworks:
-        return {"phase": a.phase}
     return {"phase": a.phase, "model_path": a.model_path, "prompt_data": a.prompt_data, "input_key": a.input_key,
             "label_key": a.label_key, "apply_chat_template": a.apply_chat_template,
             "chat_template_kwargs": a.apply_chat_template_kwargs, "rm_type": a.rm_type,

@@ -112,7 +112,7 @@ def _run_cells(root: Path, plan: list[tuple[int, str, str]], configs: dict[str, 
     from rlk_repro.progress import Progress
 
     failed, mismatched = [], []
-    for seed, mode, name in plan:
+    for _, _, name in plan:
         args, cfg = configs[name]
         try:
             bitwise = _frameworks_cell(args, name, root) if frameworks else run_local(
