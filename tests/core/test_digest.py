@@ -85,3 +85,22 @@ def test_a_digest_that_changes_during_the_run_stops_it():
     _, other = _sides(PLANS[1])
     with pytest.raises(ContractDigestError, match="at sync 3: both sides now run .* not the run's"):
         handshake(other, "sync 3", expected=start)
+
+
+def test_a_backend_without_python_source_is_hashed_by_its_name(monkeypatch):
+    """A compiled op's handle (rlk.cuda launches torch.ops) has no source file: the build hash names it instead."""
+    import functools
+
+    import rlk_core.ops  # noqa: F401
+    from rlk_core import digest
+    from rlk_core.backends import REGISTRY, Backend
+
+    b = Backend(id="rlk.nosource", op="swiglu", fn=functools.partial(max), devices=("cpu",), priority=-100)
+    REGISTRY.register(b)
+    try:
+        digest._build_hash.cache_clear()
+        one = digest._build_hash("rlk.swiglu.v1", ("rlk.nosource", "rlk.reference"), "cpu")
+        assert one != digest._build_hash("rlk.swiglu.v1", ("rlk.reference",), "cpu")
+    finally:
+        REGISTRY.unregister("swiglu", "rlk.nosource")
+        digest._build_hash.cache_clear()

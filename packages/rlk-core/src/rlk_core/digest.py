@@ -72,9 +72,12 @@ def _build_hash(contract: str, families: tuple[str, ...], device_type: str) -> s
             if device_type not in b.devices or family(b.id) not in families:
                 continue
             fn = inspect.unwrap(b.fn)
-            source = inspect.getsourcefile(fn)
-            text = Path(source).read_bytes() if source else repr(fn).encode()
-            parts.add((fn.__module__, hashlib.sha256(text).hexdigest()))
+            try:
+                source = inspect.getsourcefile(fn)
+            except TypeError:  # a compiled op's handle (rlk.cuda: torch.ops.rlk_cuda.*), a partial: no Python source
+                source = None
+            text = Path(source).read_bytes() if source else f"{b.id} {b.op} {fn!r}".encode()
+            parts.add((str(getattr(fn, "__module__", type(fn).__module__)), hashlib.sha256(text).hexdigest()))
     return "sha256:" + hashlib.sha256(repr(sorted(parts)).encode()).hexdigest()
 
 
