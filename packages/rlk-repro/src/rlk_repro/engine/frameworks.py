@@ -29,7 +29,7 @@ import torch
 from rlk_core.errors import RlkConfigError
 from rlk_repro import lifecycle, runs
 from rlk_repro.engine.local import DTYPES, LocalRunConfig, LocalRunResult, load_model, sampling_params
-from rlk_repro.engine.prompts import claims, load_prompt_set
+from rlk_repro.engine.prompts import load_prompt_set, manifest_facts
 from rlk_repro.engine.trainer import Sample, group_advantages
 from rlk_repro.jitwatch import JitWatch
 from rlk_repro.jitwatch import counts as jit_counts
@@ -312,14 +312,7 @@ class _Run:
                        "env": plan.env(), "model_config": self.model_cfg.as_dict(),
                        "require_exact": cfg.exact_required, "max_model_len": self.max_len + 16,
                        "world_size": self.world, "tensor_parallel": cfg.tp, "reward": self.ps.rm_type},
-            # issue 37: what the run may claim, its model, data and reward (as the local engine's manifest)
-            "claims": claims(cfg, self.ps),
-            "model": {"kind": "checkpoint" if (cfg.model_path or cfg.checkpoint) else "random-weight preset",
-                      "path": cfg.model_path or cfg.checkpoint, "preset": None if (cfg.model_path or cfg.checkpoint)
-                      else cfg.model, "tokenizer": self.ps.tokenizer},
-            "data": self.ps.data,
-            "reward": {"rm_type": self.ps.rm_type, "stop_token_ids": self.ps.stop_token_ids,
-                       "apply_chat_template": cfg.apply_chat_template},
+            **manifest_facts(cfg, self.ps),  # issue 37: what the run may claim, its model, data and reward
             # what the engines reported at start-up: follows from the routes (attention backend, rlk layers,
             # THD vs padded) or is a measurement (start time), so a matrix does not compare it across cells
             "runtime": {"vllm": self.vllm.info(), "megatron_rlk_layers": self.trainer.layer_counts,

@@ -23,7 +23,7 @@ from rlk_core.ops.rope import reserve_tables
 from rlk_core.plan import RoutePlan
 from rlk_core.readback import ReadbackRecorder
 from rlk_repro import lifecycle, runs
-from rlk_repro.engine.prompts import PromptSet, claims, load_prompt_set
+from rlk_repro.engine.prompts import PromptSet, load_prompt_set, manifest_facts
 from rlk_repro.engine.rollout import LOGPROBS, Request, RolloutEngine
 from rlk_repro.engine.sampling import SamplingParams
 from rlk_repro.engine.trainer import Sample, Trainer, group_advantages
@@ -301,14 +301,7 @@ def _manifest(cfg: LocalRunConfig, run_id: str, ses: _Session, device: torch.dev
         "inputs": {"prompts": ses.prompt_set.sha256, "checkpoint": ses.checkpoint_hash},
         "sampling": runs.sampling_semantics(cfg.temperature, cfg.top_k, cfg.top_p, cfg.min_p, cfg.logprobs,
                                             cfg.train_semantics),
-        # issue 37: what the run may claim (rlk_repro.engine.prompts.claims), its model, data and reward
-        "claims": claims(cfg, ses.prompt_set),
-        "model": {"kind": "checkpoint" if (cfg.model_path or cfg.checkpoint) else "random-weight preset",
-                  "path": cfg.model_path or cfg.checkpoint, "preset": None if (cfg.model_path or cfg.checkpoint)
-                  else cfg.model, "tokenizer": ses.prompt_set.tokenizer},
-        "data": ses.prompt_set.data,
-        "reward": {"rm_type": ses.prompt_set.rm_type, "stop_token_ids": ses.prompt_set.stop_token_ids,
-                   "apply_chat_template": cfg.apply_chat_template},
+        **manifest_facts(cfg, ses.prompt_set),  # issue 37: what the run may claim, its model, data and reward
         "seeds": {"train": cfg.seed, "rollout": cfg.seed},
         "contract_digest": ses.digest,
         "config": {**{k: v for k, v in asdict(cfg).items() if k not in ("plan", "command", "plan_sources")},
