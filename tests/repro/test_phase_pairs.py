@@ -92,7 +92,12 @@ def test_run_dirs_that_record_a_phase_are_paired_too(pair_root, tmp_path, capsys
     code, doc, _ = _report(cells, tmp_path / "rep", capsys)
     assert code == 0 and doc["paired"]["seeds"] == [1234, 2345]
     code, doc, _ = _report([pair_root / "seed1234-native", pair_root / "seed2345-consistency"], tmp_path / "r2", capsys)
-    assert code == 2 and doc is None  # no seed with both runs: nothing is written
+    assert code == 0 and doc["paired"] is None  # no seed with both runs: a plain report
+    (tmp_path / "half").mkdir()
+    shutil.copytree(pair_root / "seed1234-native", tmp_path / "half" / "seed1234-native")
+    (tmp_path / "half" / PAIR_FILE).write_text((pair_root / PAIR_FILE).read_text())
+    code, doc, err = _report([tmp_path / "half"], tmp_path / "r3", capsys)
+    assert code == 2 and doc is None and "no seed has both" in err  # a phase root must pair
 
 
 def _tampered(pair_root: Path, tmp_path: Path, edit) -> Path:

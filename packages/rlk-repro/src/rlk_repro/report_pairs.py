@@ -1,7 +1,7 @@
 """The paired section of ``rlk-repro report`` (issue 37): a phase's native / consistency runs paired by seed.
 
 Reported for phase roots (``rlk-repro run --phase P --pair``) and for run directories that all record a phase
-(``run --phase P``). Over the seeds that have both runs: the mean and 95% confidence interval (Student's t,
+(``run --phase P``) where some seed has both a native and a consistency run. Over the seeds that have both runs: the mean and 95% confidence interval (Student's t,
 :func:`rlk_repro.phases.mean_ci`; none with one seed) of each side's reward, throughput and round time, of their
 per-seed difference (consistency - native), and of the overhead (consistency's round time over native's, minus 1;
 native's tokens/s over consistency's, minus 1); and the seeds' summary table (active-token exposure, cumulative
@@ -44,8 +44,17 @@ def seed_of(manifest: dict[str, Any]) -> int | None:
 
 
 def wanted(runs: list[Any], phase_roots: list[Any]) -> bool:
-    """Whether the report pairs these runs: a phase root was given, or every run records a phase."""
-    return bool(phase_roots) or (len(runs) > 1 and all(phase_of(r.manifest) for r in runs))
+    """Whether the report pairs these runs: a phase root was given (what cannot be paired is then refused), or every
+    run directory records a phase, is native or consistency, and some seed has both runs."""
+    if phase_roots:
+        return True
+    if len(runs) < 2 or not all(phase_of(r.manifest) and r.manifest.get("mode") in ("native", "consistency")
+                                for r in runs):
+        return False
+    modes: dict[Any, set[str]] = {}
+    for r in runs:
+        modes.setdefault(seed_of(r.manifest), set()).add(r.manifest["mode"])
+    return any(len(m) == 2 for m in modes.values())
 
 
 def _merge_manifest(manifest: dict[str, Any]) -> dict[str, Any]:
