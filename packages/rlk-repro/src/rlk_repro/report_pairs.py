@@ -1,8 +1,9 @@
 """The paired section of ``rlk-repro report`` (issue 37): a phase's native / consistency runs paired by seed.
 
 Reported for phase roots (``rlk-repro run --phase P --pair``) and for run directories that all record a phase
-(``run --phase P``) where some seed has both a native and a consistency run. Over the seeds that have both runs: the mean and 95% confidence interval (Student's t,
-:func:`rlk_repro.phases.mean_ci`; none with one seed) of each side's reward, throughput and round time, of their
+(``run --phase P``) where some seed has both a native and a consistency run. Over the seeds that have both runs:
+the mean and 95% confidence interval (Student's t, :func:`rlk_repro.phases.mean_ci`; none with one seed) of each
+side's reward, throughput and round time, of their
 per-seed difference (consistency - native), and of the overhead (consistency's round time over native's, minus 1;
 native's tokens/s over consistency's, minus 1); and the seeds' summary table (active-token exposure, cumulative
 bitwise mismatches, token-weighted mean |diff|, max |diff|, reward, truncation, round time, throughput).
