@@ -258,3 +258,24 @@ def test_megatron_train_side_matches_local_trainer(tmp_path, case, expect):
 
 def test_presets_used_by_the_gpu_driver_exist():
     assert PRESETS["qwen3-0.6b"].tie_word_embeddings
+
+
+def test_frameworks_takes_the_real_model_options(hf_model, tmp_path, capsys):
+    """issue 37: --model-path, prompt data, chat template, reward and stop tokens reach a frameworks run's configuration
+    and a frameworks matrix cell's command line (the run itself needs a GPU: tests/gpu)."""
+    data = tmp_path / "p.jsonl"
+    data.write_text(json.dumps({"prompt": "What is 1+1?", "label": "2"}) + "\n")
+    opts = ["--engine", "frameworks", "--model-path", str(hf_model), "--prompt-data", str(data),
+            "--apply-chat-template", "--apply-chat-template-kwargs", '{"enable_thinking": false}', "--rm-type",
+            "deepscaler", "--rollout-stop-token-ids", "3", "4", "--phase", "short"]
+    assert cli.main(["plan", *opts]) == 0
+    c = json.loads(capsys.readouterr().out)["config"]
+    assert (c["model_path"], c["prompt_data"], c["apply_chat_template"], c["rm_type"], c["stop_token_ids"],
+            c["chat_template_kwargs"], c["phase"]) == (str(hf_model), str(data), True, "deepscaler", [3, 4],
+                                                       {"enable_thinking": False}, "short")
+    a = cli.build_parser().parse_args(["matrix", *opts])
+    b = cli.build_parser().parse_args(cli._cell_argv(a, {"attention": "R/R", "ffn": "R/R", "logp": "R/R"}, "/r",
+                                                     "control-RR"))
+    for k in ("model_path", "prompt_data", "apply_chat_template", "apply_chat_template_kwargs", "rm_type",
+              "rollout_stop_token_ids", "phase", "input_key", "label_key"):
+        assert getattr(b, k) == getattr(a, k), k

@@ -142,6 +142,7 @@ class ReadbackRecorder:
         self._checked: dict[tuple[str, str, str, str | None, str], _OpRecord] = {}
         self._lock = threading.Lock()
         self._scopes = {m: _Scope(self, m) for m in MODULES}
+        self._digest: dict[str, Any] | None = None  # the contract digest handshake's record (rlk_core.digest)
 
     # -- scopes and counting ----------------------------------------------------------------------
     def scope(self, module: str) -> _ScopeContext:
@@ -254,6 +255,14 @@ class ReadbackRecorder:
             raise RlkPolicyError(message)
         log.warning("rlk audit: %s", message)
 
+    def record_digest(self, digest: str, document: dict[str, Any], detail: dict[str, Any], at: str) -> None:
+        """One check of the contract digest handshake (:func:`rlk_core.digest.handshake`): the first keeps the
+        digest, its document and this side's detail; every check is listed with the digest it found."""
+        with self._lock:
+            if self._digest is None:
+                self._digest = {"digest": digest, "document": document, "detail": detail, "checks": []}
+            self._digest["checks"].append({"at": at, "digest": digest})
+
     # -- the document -----------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
         modules: dict[str, Any] = {}
@@ -287,7 +296,7 @@ class ReadbackRecorder:
                         for op, r in sorted(ops.items())
                     },
                 }
-        return {
+        out = {
             "schema": SCHEMA,
             "framework": self.framework,
             "target": self.target,
@@ -305,6 +314,10 @@ class ReadbackRecorder:
             "modules": modules,
             **{name: fn() for name, fn in _SECTIONS.get(self.framework, {}).items()},  # add_section
         }
+        if self._digest is not None:
+            with self._lock:
+                out["contract_digest"] = {**self._digest, "checks": list(self._digest["checks"])}
+        return out
 
     @property
     def filename(self) -> str:

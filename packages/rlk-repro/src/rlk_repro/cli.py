@@ -359,6 +359,10 @@ def _cmd_run(a: argparse.Namespace, argv: Sequence[str]) -> int:
               f"{parent.next_round + 1} of {cfg.rounds}, mode {cfg.mode}, plan {cfg.plan.as_dict()}", file=sys.stderr)
         result = run_local(cfg, output, progress=Progress(), resume=parent)
         return _report_run(cfg, result)
+    if a.pair:  # issue 37: a phase's native / consistency pairs (rlk_repro.phase_pairs)
+        from rlk_repro import phase_pairs
+
+        return phase_pairs.run_pairs(a, argv, build_parser, _resolve, _config, _preflight, _needs)
     resolved = _resolve(a)
     cfg = _config(a, argv, resolved)
     plan = resolved.plan
@@ -439,7 +443,10 @@ _CELL_OPTIONS = ("rounds", "seed", "device", "dtype", "model", "checkpoint", "pr
                  "max_new_tokens", "temperature", "top_p", "top_k", "min_p", "logprobs", "train_logprobs",
                  "optimizer", "lr",
                  "static_weights", "audit",
-                 *FRAMEWORKS_ONLY, "train_tp", "rollout_tp", "sequence_parallel", "context_parallel", "tp_invariant")
+                 *FRAMEWORKS_ONLY, "train_tp", "rollout_tp", "sequence_parallel", "context_parallel", "tp_invariant",
+                 # issue 37: the real model and data (--workspace is resolved into the first two by then)
+                 "model_path", "prompt_data", "input_key", "label_key", "apply_chat_template",
+                 "apply_chat_template_kwargs", "rm_type", "rollout_stop_token_ids", "phase")
 
 
 def _cell_argv(a: argparse.Namespace, plan: dict[str, str], root, cell: str) -> list[str]:
@@ -450,7 +457,12 @@ def _cell_argv(a: argparse.Namespace, plan: dict[str, str], root, cell: str) -> 
         v = getattr(a, k, None)
         if v is None or v is False:
             continue
-        out += [f"--{k.replace('_', '-')}"] + ([] if v is True else [str(v)])
+        if isinstance(v, dict):  # --apply-chat-template-kwargs JSON
+            import json
+
+            v = json.dumps(v)
+        out += [f"--{k.replace('_', '-')}"] + ([] if v is True else [str(x) for x in v] if isinstance(v, list)
+                                               else [str(v)])
     return out
 
 

@@ -22,7 +22,7 @@ def _json_object(value: str) -> dict[str, Any]:
 
 
 def add_options(r: argparse.ArgumentParser) -> None:
-    g = r.add_argument_group("real model and data (local engine)")
+    g = r.add_argument_group("real model and data (local and frameworks engines)")
     g.add_argument("--workspace", metavar="W", default=None,
                    help="a workspace made by `rlk-repro prepare`: its prompt data (and converted checkpoint, unless "
                    "--model-path is given); run directories go to W/runs unless --output is given")
@@ -44,6 +44,10 @@ def add_options(r: argparse.ArgumentParser) -> None:
     g.add_argument("--phase", choices=("short", "precision", "convergence"), default=None,
                    help="the seeds' phase: its rounds (8 / 30 / 200) and seed (--seed one of 1234 / 1234, 2345, 3456 "
                    "/ 1234; default its first)")
+    g.add_argument("--pair", action="store_true",
+                   help="with --phase (run only): every seed of the phase as a native (P/P) and a consistency (R/R) "
+                   "run, seed by seed in the phase's order, into one phase root; `rlk-repro report ROOT` gives the "
+                   "paired estimates (rlk_repro.phase_pairs)")
     g.add_argument("--rollout-stop-token-ids", type=int, nargs="+", default=None, metavar="ID",
                    help="stop tokens besides the config's, generation config's and tokenizer's EOS")
 
@@ -54,7 +58,7 @@ _NAMES = ("model_path", "prompt_data", "input_key", "label_key", "apply_chat_tem
 
 def config_kwargs(a: argparse.Namespace, argv: Sequence[str], frameworks: bool) -> dict[str, Any]:
     """The run configuration's fields from these options (``--workspace`` resolved, and ``--output`` defaulting to
-    W/runs); a frameworks run refuses them, one line."""
+    W/runs); the local and the frameworks engine take them alike (``frameworks`` is kept for the callers)."""
     if getattr(a, "workspace", None) is not None:
         from rlk_repro import workspace as ws
 
@@ -65,6 +69,8 @@ def config_kwargs(a: argparse.Namespace, argv: Sequence[str], frameworks: bool) 
             a.model_path = str(model) if model is not None else None
         if hasattr(a, "output") and not any(x == "--output" or x.startswith("--output=") for x in argv):
             a.output = str(ws.paths(a.workspace)["runs"])
+    if getattr(a, "pair", False):  # run takes it before here (rlk_repro.phase_pairs)
+        raise RlkConfigError("--pair is an option of `rlk-repro run --phase P`")
     if getattr(a, "phase", None) is not None:
         from rlk_repro.phases import phase_settings
 
@@ -73,13 +79,7 @@ def config_kwargs(a: argparse.Namespace, argv: Sequence[str], frameworks: bool) 
         if any(x == "--rounds" or x.startswith("--rounds=") for x in argv) and a.rounds != rounds:
             raise RlkConfigError(f"--phase {a.phase} runs {rounds} rounds; --rounds {a.rounds} contradicts it")
         a.rounds, a.seed = rounds, seed
-    given = [n for n in _NAMES if getattr(a, n, None) not in (None, False, "prompt", "label")]
-    if frameworks and given:
-        raise RlkConfigError(f"--{given[0].replace('_', '-')} is an option of the local engine (the frameworks engine "
-                             "does not take a tokenizer, prompt data or the deepscaler reward yet)")
-    if frameworks:
-        return {}
-    return {"model_path": a.model_path, "prompt_data": a.prompt_data, "input_key": a.input_key,
+    return {"phase": a.phase, "model_path": a.model_path, "prompt_data": a.prompt_data, "input_key": a.input_key,
             "label_key": a.label_key, "apply_chat_template": a.apply_chat_template,
             "chat_template_kwargs": a.apply_chat_template_kwargs, "rm_type": a.rm_type,
             "stop_token_ids": a.rollout_stop_token_ids}

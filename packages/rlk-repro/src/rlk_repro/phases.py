@@ -1,5 +1,6 @@
-"""The seeds' experiment phases and the paired-seed estimate (issue 37; a first part: the table, ``run --phase``,
-the statistics and the merge rule — ``report`` does not call them yet).
+"""The seeds' experiment phases and the paired-seed estimate (issue 37): the table, ``run --phase`` (and
+``--pair``: :mod:`rlk_repro.phase_pairs`), the statistics and the merge rule, which ``report`` applies to a phase's
+pairs (:mod:`rlk_repro.report_pairs`).
 
 =============  =====  ==================  ==================================================================
 phase          steps  seeds               decision
@@ -45,18 +46,24 @@ def phase_settings(phase: str, seed: int | None) -> tuple[int, int]:
     return spec["steps"], seed
 
 
+def mean_ci(values: list[float]) -> dict[str, Any]:
+    """Mean of ``values`` (one per seed) and its 95% confidence interval, Student's t (None with one value)."""
+    if not values:
+        raise RlkConfigError("an estimate over seeds needs at least one value")
+    mean = statistics.fmean(values)
+    if len(values) < 2:
+        return {"n": 1, "mean": mean, "ci95": None}
+    sd = statistics.stdev(values)
+    t = _T95[len(values) - 2] if len(values) - 1 <= len(_T95) else 1.96
+    half = t * sd / math.sqrt(len(values))
+    return {"n": len(values), "mean": mean, "ci95": [mean - half, mean + half]}
+
+
 def paired_estimate(pairs: list[tuple[float, float]]) -> dict[str, Any]:
     """Mean of ``b - a`` over paired seeds and its 95% confidence interval (None with one pair)."""
     if not pairs:
         raise RlkConfigError("a paired estimate needs at least one native / consistency pair")
-    diffs = [b - a for a, b in pairs]
-    mean = statistics.fmean(diffs)
-    if len(diffs) < 2:
-        return {"n": 1, "mean": mean, "ci95": None}
-    sd = statistics.stdev(diffs)
-    t = _T95[len(diffs) - 2] if len(diffs) - 1 <= len(_T95) else 1.96
-    half = t * sd / math.sqrt(len(diffs))
-    return {"n": len(diffs), "mean": mean, "ci95": [mean - half, mean + half]}
+    return mean_ci([b - a for a, b in pairs])
 
 
 def _merge_view(manifest: dict[str, Any]) -> dict[str, Any]:
@@ -65,7 +72,7 @@ def _merge_view(manifest: dict[str, Any]) -> dict[str, Any]:
     inputs = manifest.get("inputs") or {}
     return {"code revision": (repos[0].get("sha"), repos[0].get("dirty")), "checkpoint": inputs.get("checkpoint"),
             "prompt hash": inputs.get("prompts"),
-            "CUDA-graph settings": (config.get("enforce_eager"), config.get("cuda_graph"))}
+            "CUDA-graph settings": (config.get("enforce_eager"), config.get("cuda_graphs"))}
 
 
 def merge_problem(manifests: list[dict[str, Any]]) -> str | None:

@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from rlk_core.errors import RlkConfigError
-from rlk_repro import report_meta
+from rlk_repro import report_meta, report_pairs
 from rlk_validate import evidence
 from rlk_validate.evidence import METRICS_SCHEMA, MODULES
 
@@ -151,11 +151,22 @@ def matrix_cells(root: str | Path) -> list[Path] | None:
     return sorted(cells, key=lambda p: (order.get(p.name, len(order)), p.name)) or None
 
 
+def phase_cells(root: str | Path) -> list[Path] | None:
+    """The run directories of a phase root (``phase-pair.json``), in the order they ran; None: not a phase root."""
+    from rlk_repro.phase_pairs import read_pair_root
+
+    doc = read_pair_root(root) if Path(root).is_dir() else None
+    if doc is None:
+        return None
+    return [Path(root) / str(c.get("dir")) for c in doc["cells"] if isinstance(c, dict)] or None
+
+
 @dataclass
 class Loaded:
     runs: list[RunMetrics]
     skipped: list[str] = field(default_factory=list)  # "<cell dir>: why" for matrix cells that could not be read
     matrix_roots: list[Path] = field(default_factory=list)
+    phase_roots: list[Path] = field(default_factory=list)  # issue 37: rlk-repro run --phase P --pair
 
 
 def load_runs(paths: list[str | Path]) -> Loaded:
@@ -165,10 +176,14 @@ def load_runs(paths: list[str | Path]) -> Loaded:
     loaded = Loaded([])
     for p in paths:
         cells = matrix_cells(p)
+        if cells is None and phase_cells(p) is not None:  # issue 37: a phase root stands for its runs
+            cells = phase_cells(p)
+            loaded.phase_roots.append(Path(p))
+        elif cells is not None:
+            loaded.matrix_roots.append(Path(p))
         if cells is None:
             loaded.runs.append(load_run(p))
             continue
-        loaded.matrix_roots.append(Path(p))
         skipped = []
         for cell in cells:
             try:
@@ -593,14 +608,19 @@ def write_report(run_dirs: list[str], output: str | None
         out = Path(output)
     if out.exists() and not out.is_dir():
         raise RlkConfigError(f"--output {out} exists and is not a directory")
-    out.mkdir(parents=True, exist_ok=True)
     summaries = [summarize(r) for r in runs]
+    paired = None
+    if report_pairs.wanted(runs, loaded.phase_roots):  # issue 37: refused (exit 2) before anything is written
+        paired = report_pairs.paired_section(runs, summaries)
+    out.mkdir(parents=True, exist_ok=True)
     diffs = report_meta.config_differences([r.manifest for r in runs], [r.label for r in runs])
     warnings = ["the compared runs differ in more than their routes: " + "; ".join(diffs)] if diffs else []
     doc = {"schema": "rlk.repro-report.v1", "runs": summaries, "matrix_roots": [str(p) for p in loaded.matrix_roots],
-           "skipped": loaded.skipped, "warnings": warnings}
+           "skipped": loaded.skipped, "warnings": warnings, "phase_roots": [str(p) for p in loaded.phase_roots],
+           "paired": paired}
     evidence.write_json_atomic(out / "metrics-summary.json", doc, indent=1)
-    (out / "metrics-summary.md").write_text(summary_markdown(summaries, loaded.skipped, warnings), encoding="utf-8")
+    text = summary_markdown(summaries, loaded.skipped, warnings) + (report_pairs.markdown(paired) if paired else "")
+    (out / "metrics-summary.md").write_text(text, encoding="utf-8")
     written = [out / "metrics-summary.json", out / "metrics-summary.md"]
     import importlib.util
 

@@ -41,6 +41,7 @@ VIME_ENVIRONMENT_SCHEMA = "rlk.vime-environment.v1"
 VIME_LOGPROBS_SCHEMA = "rlk.vime-logprobs.v1"
 KERNEL_TRACE_SCHEMA = "rlk.kernel-trace.v1"  # `rlk-repro run --trace` (rlk_validate.kernel_trace)
 VIME_DUMPS_COMPARISON_SCHEMA = "rlk.vime-dumps-comparison.v1"  # `rlk-validate vime-dumps --json`
+CONTRACT_DIGEST_SCHEMA = "rlk.contract-digest.v1"  # the handshake's document (rlk_validate.digest, issue 37)
 
 #: document kind -> schema id
 SCHEMAS: dict[str, str] = {
@@ -61,6 +62,7 @@ SCHEMAS: dict[str, str] = {
     "vime-logprobs": VIME_LOGPROBS_SCHEMA,
     "kernel-trace": KERNEL_TRACE_SCHEMA,
     "vime-dumps-comparison": VIME_DUMPS_COMPARISON_SCHEMA,
+    "contract-digest": CONTRACT_DIGEST_SCHEMA,
 }
 
 # -- closed vocabularies ------------------------------------------------------------------------
@@ -249,6 +251,11 @@ READBACK_FIELDS = (
     _f("modules", "object", "module -> module record (below)"),
     _f("cuda_graphs", "object", "vLLM only: its CUDA-graph settings, captured graphs and per-step graph decisions "
        "(rlk_vllm_plugin.cudagraphs; checked by rlk_validate.cuda_graphs, docs/validate.md)", required=False),
+    _f("contract_digest", "object", "the contract digest handshake (`rlk.contract-digest.v1`, issue 37): `digest` "
+       "(`sha256:<hex>` of the canonical JSON of `document`), `document` (plan, device type, TP-invariant leaves, "
+       "sampling parameters, per R/R module its contract ids, backend families and source hashes), `detail` (this "
+       "side's op -> backend and log-prob semantics) and `checks` (`at`: `start` / `sync <n>`, `digest`)",
+       required=False),
 )
 MODULE_RECORD_FIELDS = (
     _f("case", "string", "this side's letter of `plan[module]`: `P` or `R`"),
@@ -286,6 +293,8 @@ MANIFEST_FIELDS = (
     _f("inputs", "object", "non-empty; input name -> `sha256:<64 hex>`"),
     _f("seeds", "object", "seed name -> integer"),
     _f("config", "object", "the run configuration (free-form)", required=False),
+    _f("contract_digest", "string", "`sha256:<hex>`: the contract digest both sides agreed on before the first "
+       "round; every readback then carries it", required=False),
 )
 METRICS_FIELDS = (
     _f("schema", "string", f"`{METRICS_SCHEMA}`"),
@@ -317,6 +326,8 @@ METRICS_FIELDS = (
        "than by the trainer", required=False),
     _f("routing_mismatch_fraction", "number", "`routing_mismatch_tokens / routing_compared_tokens`", required=False),
     _f("routing_mismatch_layer_tokens", "integer", "the (token, layer) pairs whose expert sets differ",
+       required=False),
+    _f("contract_digest", "string", "the contract digest both sides agreed on after the round's weight sync",
        required=False),
 )
 BITWISE_FIELDS = (

@@ -148,6 +148,18 @@ CODES: dict[str, tuple[str, str]] = {
     "READBACK_PLAN_MISMATCH": (ERROR, "a readback's plan differs from the requested plan"),
     "READBACK_PLAN_CONFLICT": (ERROR, "readbacks disagree with each other on the plan"),
     "READBACK_RUN_ID_MISMATCH": (ERROR, "a readback names a different run id than the manifest"),
+    # contract digest (rlk_validate.digest, issue 37)
+    "CONTRACT_DIGEST_INVALID": (ERROR, "a recorded contract digest is malformed (not sha256:<hex>, no "
+                                "rlk.contract-digest.v1 document, no checks)"),
+    "CONTRACT_DIGEST_MISMATCH": (ERROR, "a readback's contract digest is not the digest of the document it records: "
+                                 "one of them was altered"),
+    "CONTRACT_DIGEST_CHANGED": (ERROR, "a check of the contract digest during the run (after a weight sync) found "
+                                "another digest than the run's"),
+    "CONTRACT_DIGEST_SIDES_DIFFER": (ERROR, "the readbacks (train and rollout sides) carry different contract "
+                                     "digests"),
+    "CONTRACT_DIGEST_DISAGREES": (ERROR, "a contract digest disagrees with the readback's plan or executed contracts "
+                                  "and backends, or the manifest's / metrics lines' digest is not the readbacks'"),
+    "CONTRACT_DIGEST_MISSING": (ERROR, "the manifest records a contract digest but a readback carries none"),
     "MODULE_RECORD_MISSING": (ERROR, "a planned module has no record in a side's readbacks"),
     "MODULE_NOT_EXECUTED": (ERROR, "a planned module has call_count 0 on every process of a side"),
     "CASE_MISMATCH": (ERROR, "a module record's case is not this side's letter of the plan"),

@@ -11,6 +11,7 @@ from .chain import check_chain
 from .claims import all_rr, check_bitwise_file, check_metrics, is_int
 from .coverage import digest_tree
 from .cuda_graphs import check_cuda_graphs
+from .digest import check_digests
 from .drift import DEFAULT_CLIP_EPS
 from .evidence import EXIT_CODE, INFORMATIVE_LOGP, MIN_INFORMATIVE_FRACTION, RUN_MARKERS, expected_plan
 from .findings import finding
@@ -146,6 +147,7 @@ def _validate(run_dir: str, opts: Options, report: Report) -> None:
     report.bitwise, report.drift = bitwise, drift
     mfind, rows = check_metrics(root, info["rounds"], bitwise)
     f.extend(mfind)
+    f.extend(check_digests(root, _manifest_doc(root), rows))  # issue 37: the contract digest handshake
     f.extend(check_bitwise_file(root, info["plan"], bitwise, info["rounds"]))
     f.extend(_informative(bitwise, report.require_exact, opts.min_informative_fraction))
     f.extend(_static_weights(rows, bitwise, info, report.require_exact))

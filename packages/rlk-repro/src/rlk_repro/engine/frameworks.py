@@ -28,8 +28,8 @@ import torch
 
 from rlk_core.errors import RlkConfigError
 from rlk_repro import lifecycle, runs
-from rlk_repro.engine.data import encode, load_prompts, prompts_sha256, vocab_reward
 from rlk_repro.engine.local import DTYPES, LocalRunConfig, LocalRunResult, load_model, sampling_params
+from rlk_repro.engine.prompts import load_prompt_set, manifest_facts
 from rlk_repro.engine.trainer import Sample, group_advantages
 from rlk_repro.jitwatch import JitWatch
 from rlk_repro.jitwatch import counts as jit_counts
@@ -92,6 +92,25 @@ class FrameworksRunConfig(LocalRunConfig):
         if self.checkpoint is None and self.model_path is None and preset(self.model).is_moe:
             raise RlkConfigError(f"--model {self.model}: the frameworks engine does not run MoE models yet (issue 36; "
                                  "the local engine does)")
+
+
+def contract_handshake(cfg: FrameworksRunConfig, device_type: str, train: tuple[Any, Any, int | None],
+                       rollout: tuple[Any, Any, int | None], train_temperature: float, train_sampling: Any, at: str,
+                       expected: str | None = None) -> str:
+    """The frameworks run's contract digest handshake (:func:`rlk_core.digest.handshake`): ``train`` and ``rollout``
+    are each side's ``(plan, recorder, TP-invariant leaves or None: RL_KERNEL_TP_INVARIANT)`` as the Megatron
+    provider and the vLLM plugin hold them; the trainer's temperature and sampling filters, and the ones this run
+    asks vLLM for (``cfg``). Returns the digest both sides agreed on; raises ContractDigestError otherwise."""
+    from rlk_core.digest import handshake, side_document
+
+    sides = {}
+    for side, (plan, recorder, leaves), temperature, s, semantics in (
+            ("train", train, train_temperature, train_sampling, cfg.train_semantics),
+            ("rollout", rollout, cfg.temperature, sampling_params(cfg), cfg.logprobs)):
+        doc, detail = side_document(plan, side, device_type, temperature=temperature, top_k=s.top_k, top_p=s.top_p,
+                                    min_p=s.min_p, logprobs=semantics, tp_leaves=leaves)
+        sides[side] = (recorder, doc, detail)
+    return handshake(sides, at, expected=expected)
 
 
 def requirements(tp: int = 1) -> str | None:
@@ -252,8 +271,10 @@ class _Run:
         cfg = self.cfg
         torch.manual_seed(cfg.seed)
         self.model_cfg, weights, self.ckpt_hash = load_model(cfg)
-        self.prompts = load_prompts()
-        self.encoded = [encode(p.text, self.model_cfg.bos_token_id) for p in self.prompts]
+        # issue 37: the model's tokenizer, prompt data, chat template, stop tokens and reward (--model-path ...), or
+        # the bundled prompts as byte tokens and the stand-in reward (vocab_reward), as the local engine
+        self.ps = load_prompt_set(cfg, self.model_cfg)
+        self.prompts, self.encoded = self.ps.prompts, self.ps.encoded
         self.max_len = max(len(e) for e in self.encoded) + cfg.max_new_tokens
         if cfg.logprobs == "unfiltered":  # the plugin returns log softmax(z) over the whole vocabulary (logp R)
             os.environ["RL_KERNEL_VLLM_UNFILTERED_LOGPROBS"] = "1"
@@ -274,6 +295,8 @@ class _Run:
                                        sampling=sampling_params(cfg), processed=cfg.train_semantics == "processed")
         del weights
         self.initial_sync = self.vllm.load_weights(self.trainer.hf_weights())
+        self.digest = None
+        self.digest = self._handshake("start")  # issue 37: before anything is compared
         self.progress.line(f"Megatron ready (rlk layers {self.trainer.layer_counts}); initial weights loaded into vLLM "
                   f"({self.initial_sync['loaded']} of {self.initial_sync['parameters']} parameters)")
         if self.lead:
@@ -312,15 +335,17 @@ class _Run:
             "readback_mode": {"mode": cfg.readback_mode, "source": cfg.readback_mode_source},
             "rounds": cfg.rounds, "ranks": 1, "repos": [runs.repo_state(Path(__file__).resolve().parent)],
             "packages": packages, "hardware": runs.hardware(self.device),
-            "inputs": {"prompts": prompts_sha256(), "checkpoint": self.ckpt_hash},
+            "inputs": {"prompts": self.ps.sha256, "checkpoint": self.ckpt_hash},
             "sampling": runs.sampling_semantics(cfg.temperature, cfg.top_k, cfg.top_p, cfg.min_p, cfg.logprobs,
                                                 cfg.train_semantics),
             "seeds": {"train": cfg.seed, "rollout": cfg.seed},
+            "contract_digest": self.digest,
             "config": {**{k: v for k, v in asdict(cfg).items() if k not in ("plan", "command", "plan_sources")},
                        "env": plan.env(), "model_config": self.model_cfg.as_dict(),
                        "require_exact": cfg.exact_required, "max_model_len": self.max_len + 16,
-                       "world_size": self.world, "tensor_parallel": cfg.tp, "reward": "vocab_reward",
+                       "world_size": self.world, "tensor_parallel": cfg.tp, "reward": self.ps.rm_type,
                        "cuda_graphs": cfg.cuda_graphs},  # issue 37: what rlk-validate holds the readbacks to
+            **manifest_facts(cfg, self.ps),  # issue 37: what the run may claim, its model, data and reward
             # what the engines reported at start-up: follows from the routes (attention backend, rlk layers,
             # THD vs padded) or is a measurement (start time), so a matrix does not compare it across cells
             "runtime": {"vllm": self.vllm.info(), "megatron_rlk_layers": self.trainer.layer_counts,
@@ -343,10 +368,9 @@ class _Run:
         chosen, seeds, limits = self._requests(rnd)
         with self.watch.phase("rollout"), self.tracer.side("rollout", rnd):
             roll = self.vllm.generate([self.encoded[i] for i in chosen], seeds, limits, n, cfg.temperature,
-                                      cfg.top_p, cfg.top_k, cfg.min_p)
+                                      cfg.top_p, cfg.top_k, cfg.min_p, stop_token_ids=self.ps.stop_token_ids)
         comps = roll.completions
-        vocab = self.model_cfg.vocab_size
-        rewards = [vocab_reward(c.tokens, self.prompts[chosen[c.prompt_index]].answer, vocab) for c in comps]
+        rewards = [self.ps.reward(c.tokens, self.prompts[chosen[c.prompt_index]].answer) for c in comps]
         adv = group_advantages(rewards, n)
         samples = [Sample(list(self.encoded[chosen[c.prompt_index]]), c.tokens, c.logprobs, a)
                    for c, a in zip(comps, adv, strict=True)]
@@ -361,12 +385,14 @@ class _Run:
         with self.watch.phase("sync"):
             sync = self.vllm.load_weights(self.trainer.hf_weights())
         changed = sync["changed"] > 0
+        digest = self._handshake(f"sync {rnd + 1}")  # issue 37: both sides again, after the weight sync
         row = {
             **runs.round_metrics(rnd, cmp, rewards, res, roll.prompt_tokens + roll.generated, roll.generated,
                                  roll.seconds, self.device, changed, len(comps), [c.tokens for c in comps],
                                  torch.cat(roll_lp), vocab_size=self.model_cfg.vocab_size),
             "weight_sync_seconds": sync["seconds"], "vllm_parameters_changed": sync["changed"],
             "eos_finished": sum(c.finish_reason == "stop" for c in comps),
+            "contract_digest": digest,
             "triton_jit": self.watch.take(),  # this rank's JIT compiles per phase (round 0's "setup": start-up)
             "python_gc": self.watch.take_gc(),  # this process's garbage collections per phase (their pauses)
             # the trainer's kept sets (it finds them from its own logits; vLLM does not report its own)
@@ -383,6 +409,20 @@ class _Run:
             f"{'{} / {}'.format(*jit_counts(row['triton_jit'], 'rollout'))}, train "
             f"{'{} / {}'.format(*jit_counts(row['triton_jit'], 'train'))}")
         return {"round": rnd, **cmp, **{k: row[k] for k in row if k not in cmp and k != "schema"}}
+
+    def _handshake(self, at: str) -> str:
+        """The contract digest handshake of the Megatron provider's and the vLLM plugin's sides in this process."""
+        from rlk_core.digest import ContractDigestError
+        from rlk_megatron_provider import _state
+        from rlk_vllm_plugin import _runtime
+
+        st, rt = _state.get(), _runtime.current()
+        if rt is None:
+            raise ContractDigestError(f"contract digest handshake at {at}: the vLLM plugin has no runtime in this "
+                                      "process, so the rollout side cannot say what it runs; stopped")
+        return contract_handshake(self.cfg, self.device.type, (st.plan, st.recorder, None),
+                                  (rt.plan, rt.recorder, rt.tp_leaves), self.trainer.temperature,
+                                  self.trainer.sampling, at, self.digest)
 
     def _fallbacks(self) -> int:
         from rlk_megatron_provider import _state

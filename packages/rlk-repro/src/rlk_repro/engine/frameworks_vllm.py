@@ -82,11 +82,14 @@ class VllmRollout:
         self.start_seconds = time.perf_counter() - t0
 
     def generate(self, prompts: list[list[int]], seeds: list[int], limits: list[int], n: int,
-                 temperature: float, top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0) -> RolloutResult:
+                 temperature: float, top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0,
+                 stop_token_ids: list[int] | None = None) -> RolloutResult:
+        """``stop_token_ids``: the run's stop tokens (its EOS and the tokenizer's, issue 37), given to vLLM
+        explicitly: its tokenizer is not loaded (``skip_tokenizer_init``), so it knows no EOS of its own."""
         from vllm import SamplingParams
 
         sps = [SamplingParams(n=n, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, logprobs=0,
-                              max_tokens=lim, seed=seed, detokenize=False)
+                              max_tokens=lim, seed=seed, detokenize=False, stop_token_ids=list(stop_token_ids or ()))
                for seed, lim in zip(seeds, limits, strict=True)]
         t0 = time.perf_counter()
         outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], sps, use_tqdm=False)

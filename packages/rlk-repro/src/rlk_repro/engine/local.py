@@ -23,7 +23,7 @@ from rlk_core.ops.rope import reserve_tables
 from rlk_core.plan import RoutePlan
 from rlk_core.readback import ReadbackRecorder
 from rlk_repro import lifecycle, runs
-from rlk_repro.engine.prompts import PromptSet, claims, load_prompt_set
+from rlk_repro.engine.prompts import PromptSet, load_prompt_set, manifest_facts
 from rlk_repro.engine.rollout import LOGPROBS, Request, RolloutEngine
 from rlk_repro.engine.routing import rollout_routing, routing_metrics
 from rlk_repro.engine.sampling import SamplingParams
@@ -83,6 +83,7 @@ class LocalRunConfig:
     rm_type: str | None = None  # deepscaler / stand-in; None: deepscaler with --model-path, else stand-in
     stop_token_ids: list[int] | None = None  # besides the config's, generation config's and tokenizer's EOS
     trace: bool = False  # issue 37: profile the first round of both sides into kernel-trace.json (rlk_repro.trace)
+    phase: str | None = None  # the seeds' phase this run belongs to (rlk_repro.phases), recorded for report
     command: list[str] = field(default_factory=lambda: list(sys.argv))
 
     def validate(self) -> None:
@@ -215,6 +216,7 @@ class _Session:
     max_len: int
     prompt_set: PromptSet
     tracer: Tracer = field(default_factory=lambda: Tracer(False, "cpu"))  # issue 37: run --trace
+    digest: str | None = None  # the contract digest both sides agreed on at the start (rlk_core.digest)
 
 
 def _run(cfg: LocalRunConfig, run_id: str, run_dir: Path, device: torch.device, dtype: torch.dtype,
@@ -225,6 +227,7 @@ def _run(cfg: LocalRunConfig, run_id: str, run_dir: Path, device: torch.device, 
     watch = JitWatch()
     try:
         ses = _start(cfg, run_id, run_dir, device, dtype, resume)
+        ses.digest = _handshake(cfg, ses, "start")  # issue 37: before anything is compared
         manifest = _manifest(cfg, run_id, ses, device)
         first, rounds = 0, []
         if resume is not None:  # the parent's rounds before its state, then this attempt's from there
@@ -303,20 +306,31 @@ def _manifest(cfg: LocalRunConfig, run_id: str, ses: _Session, device: torch.dev
         "inputs": {"prompts": ses.prompt_set.sha256, "checkpoint": ses.checkpoint_hash},
         "sampling": runs.sampling_semantics(cfg.temperature, cfg.top_k, cfg.top_p, cfg.min_p, cfg.logprobs,
                                             cfg.train_semantics),
-        # issue 37: what the run may claim (rlk_repro.engine.prompts.claims), its model, data and reward
-        "claims": claims(cfg, ses.prompt_set),
-        "model": {"kind": "checkpoint" if (cfg.model_path or cfg.checkpoint) else "random-weight preset",
-                  "path": cfg.model_path or cfg.checkpoint, "preset": None if (cfg.model_path or cfg.checkpoint)
-                  else cfg.model, "tokenizer": ses.prompt_set.tokenizer},
-        "data": ses.prompt_set.data,
-        "reward": {"rm_type": ses.prompt_set.rm_type, "stop_token_ids": ses.prompt_set.stop_token_ids,
-                   "apply_chat_template": cfg.apply_chat_template},
+        **manifest_facts(cfg, ses.prompt_set),  # issue 37: what the run may claim, its model, data and reward
         "seeds": {"train": cfg.seed, "rollout": cfg.seed},
+        "contract_digest": ses.digest,
         "config": {**{k: v for k, v in asdict(cfg).items() if k not in ("plan", "command", "plan_sources")},
                    "env": plan.env(), "model_config": ses.model_cfg.as_dict(), "require_exact": cfg.exact_required,
                    "max_model_len": ses.max_len, "max_batched_tokens": ses.engine.max_batched_tokens,
                    "torch_threads": torch.get_num_threads()},
     }
+
+
+def _handshake(cfg: LocalRunConfig, ses: _Session, at: str) -> str:
+    """The contract digest handshake of the two sides (:func:`rlk_core.digest.handshake`), each described from what
+    it holds: its ops' plan and side, the sampling its requests / training step apply, its log-prob semantics."""
+    from rlk_core.digest import handshake, side_document
+
+    roll, train = ses.engine, ses.trainer
+    sides = {}
+    for side, holder, recorder, s, temperature, semantics in (
+            ("train", train, ses.recorders[0], train.sampling, train.temperature, cfg.train_semantics),
+            ("rollout", roll, ses.recorders[1], sampling_params(cfg), sampling_params(cfg).temperature,
+             cfg.logprobs)):
+        doc, detail = side_document(holder.ops.plan, holder.ops.side, holder.device.type, temperature=temperature,
+                                    top_k=s.top_k, top_p=s.top_p, min_p=s.min_p, logprobs=semantics)
+        sides[side] = (recorder, doc, detail)
+    return handshake(sides, at, expected=ses.digest)
 
 
 def sampling_params(cfg: LocalRunConfig, max_new_tokens: int = 16) -> SamplingParams:
@@ -388,6 +402,7 @@ def _round(cfg: LocalRunConfig, ses: _Session, run_dir: Path, rnd: int, watch: J
                           res.train_logprobs, rewards, adv)
     with watch.phase("sync"):
         changed = ses.engine.load_weights(ses.trainer.export_weights())
+    digest = _handshake(cfg, ses, f"sync {rnd + 1}")  # issue 37: both sides again, after the weight sync
     device = ses.trainer.device
     row = {
         **runs.round_metrics(rnd, cmp, rewards, res, stats.tokens, stats.generated, stats.seconds, device, changed,
@@ -400,6 +415,7 @@ def _round(cfg: LocalRunConfig, ses: _Session, run_dir: Path, rnd: int, watch: J
         "eos_finished": sum(r.finish_reason == "eos" for r in requests),
         "triton_jit": watch.take(),  # the round's JIT compiles per phase (round 0's "setup": model and engine)
         "python_gc": watch.take_gc(),  # the round's garbage collections per phase (their pauses)
+        "contract_digest": digest,
         "rollout_step_ms": step_summary(stats.step_seconds, stats.step_tokens, launch=stats.step_launch_seconds),
         **runs.kept_metrics([n for r in requests for n in r.kept_sizes], ses.trainer.kept_sizes
                        if ses.trainer.processed else None),

@@ -145,3 +145,14 @@ def claims(cfg, ps: PromptSet) -> dict[str, Any]:
         reasons.append(f"prompt data is not an experiment set: {ps.data['purpose'] or 'unprepared'} "
                        f"({ps.data['purpose_reason']})")
     return {"experiment": not reasons, "reasons": reasons}
+
+
+def manifest_facts(cfg, ps: PromptSet) -> dict[str, Any]:
+    """The manifest's ``claims``, ``model``, ``data`` and ``reward`` blocks of a run (local or frameworks engine)."""
+    real = cfg.model_path or cfg.checkpoint
+    return {"claims": claims(cfg, ps),
+            "model": {"kind": "checkpoint" if real else "random-weight preset", "path": real,
+                      "preset": None if real else cfg.model, "tokenizer": ps.tokenizer},
+            "data": ps.data,
+            "reward": {"rm_type": ps.rm_type, "stop_token_ids": ps.stop_token_ids,
+                       "apply_chat_template": cfg.apply_chat_template}}
