@@ -96,16 +96,17 @@ def test_the_rope_table_is_reserved_where_rlk_runs_attention(cases, reserved, tm
     can see, once, before any step (else each rope call sizes it from positions.max(): a host sync per call on a
     GPU); where neither does, nothing is reserved."""
     from rlk_repro.engine import local
+    from rlk_repro.model import config
 
     calls = []
     monkeypatch.setattr(local, "reserve_tables", lambda *a: calls.append(a))
     run_local(small_config(RoutePlan(**cases), rounds=1), tmp_path)
-    cfg = local.PRESETS["tiny"]
+    cfg = config.PRESETS["tiny"]
     expected = [(torch.device("cpu"), cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings)]
     assert calls == (expected if reserved else [])
     if reserved:  # a run longer than the model's positions reserves its own length (no position past the table)
         calls.clear()
         longer = dataclasses.replace(cfg, max_position_embeddings=8)
-        monkeypatch.setitem(local.PRESETS, "tiny", longer)
+        monkeypatch.setitem(config.PRESETS, "tiny", longer)
         run_local(small_config(RoutePlan(**cases), rounds=1), tmp_path / "longer")
         assert len(calls) == 1 and calls[0][3] > 8

@@ -16,7 +16,8 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning"),
 ]
 
-COUNTING_HOOKS = {"oot.RMSNorm", "oot.SiluAndMul", "model_loader", "linear", "lm_head", "cuda_graphs"}  # counting only
+COUNTING_HOOKS = {"oot.RMSNorm", "oot.SiluAndMul", "oot.UnquantizedFusedMoEMethod", "model_loader", "linear",
+                  "lm_head", "cuda_graphs"}  # counting only
 
 
 def _bf16(*shape, seed=0):
@@ -84,7 +85,7 @@ def test_all_p_installs_counting_only_and_vllm_computes_the_same_bits(plugin, vl
     (path,) = (tmp_path / "rb" / socket.gethostname()).glob("vllm-rollout-*.json")  # written at registration
     assert {h["name"] for h in json.loads(path.read_text())["hooks"]} == COUNTING_HOOKS
     # nothing that changes arithmetic: no RoPE, attention backend, log-prob hook or TP all-reduce
-    assert sorted(op_registry_oot) == ["RMSNorm", "SiluAndMul"]
+    assert sorted(op_registry_oot) == ["RMSNorm", "SiluAndMul", "UnquantizedFusedMoEMethod"]
     assert not hasattr(logprob.compute_token_logprobs, "_rlk_original")
     assert not hasattr(GroupCoordinator._all_reduce_out_place, "_rlk_original")
     with pytest.raises(ValueError, match="must be registered"):

@@ -39,7 +39,8 @@ def test_vllm_loads_the_plugin_unless_vllm_plugins_excludes_it(run_script, allow
         env["VLLM_PLUGINS"] = allow
     out = run_script(LOAD, env=env)
     if loaded:
-        assert "installed 7" in out and "oot ['RMSNorm', 'SiluAndMul']" in out, out  # 7: cuda_graphs too
+        # 8: cuda_graphs and the MoE method besides the six
+        assert "installed 8" in out and "oot ['RMSNorm', 'SiluAndMul', 'UnquantizedFusedMoEMethod']" in out, out
     else:
         assert "installed False" in out and "oot []" in out, out
 

@@ -9,9 +9,10 @@ import tempfile
 import threading
 
 
-def tiny_model():
-    """``(VllmConfig, model)``: a 2-layer Qwen3 with random bf16 weights, loaded by vLLM's model loader in this process
-    (gloo, world size 1), as an engine core with the uni-process executor loads its model."""
+def tiny_model(cfg=None, weights=None):
+    """``(VllmConfig, model)``: a 2-layer Qwen3 with random bf16 weights (or the model of ``cfg``, a
+    ``rlk_repro.model.config.Qwen3Config``, with ``weights``: e.g. a Qwen3-MoE), loaded by vLLM's model loader in this
+    process (gloo, world size 1), as an engine core with the uni-process executor loads its model."""
     import torch
     from vllm.config import CompilationConfig, ModelConfig, VllmConfig, set_current_vllm_config
     from vllm.distributed import init_distributed_environment, initialize_model_parallel
@@ -20,10 +21,11 @@ def tiny_model():
     from rlk_repro.model import weights as W
     from rlk_repro.model.config import Qwen3Config
 
-    cfg = Qwen3Config(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, rope_theta=10000.0)
+    if cfg is None:
+        cfg = Qwen3Config(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=16, rope_theta=10000.0)
     d = tempfile.mkdtemp()
-    W.save_checkpoint(d, cfg, W.random_weights(cfg, seed=3, dtype=torch.bfloat16))
+    W.save_checkpoint(d, cfg, weights if weights is not None else W.random_weights(cfg, seed=3, dtype=torch.bfloat16))
     mc = ModelConfig(model=d, skip_tokenizer_init=True, dtype=torch.bfloat16, enforce_eager=True)
     vc = VllmConfig(model_config=mc, compilation_config=CompilationConfig(mode=0))
     with set_current_vllm_config(vc):

@@ -30,7 +30,7 @@ from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubm
 from megatron.core.transformer.enums import AttnMaskType  # noqa: F401
 from megatron.core.transformer.identity_op import IdentityOp  # noqa: F401
 from megatron.core.transformer.mlp import MLP, MLPSubmodules  # noqa: F401
-from megatron.core.transformer.module import MegatronModule  # noqa: F401
+from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: F401
@@ -120,3 +120,18 @@ def tp_group_of(module) -> object:
     """The TP group a Megatron layer was built with."""
     g = getattr(module, "tp_group", None)
     return g if g is not None else parallel_state.get_tensor_model_parallel_group()
+
+
+@functools.cache
+def moe():
+    """megatron-core's MoE names (``MoELayer``, ``MoESubmodules``, ``TopKRouter``, ``MegatronModule``,
+    ``compute_routing_scores_for_aux_loss``) as a namespace (issue 36)."""
+    import types
+
+    from megatron.core.transformer.moe import moe_utils
+    from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    return types.SimpleNamespace(MoELayer=MoELayer, MoESubmodules=MoESubmodules, TopKRouter=TopKRouter,
+                                 MegatronModule=MegatronModule,
+                                 compute_routing_scores_for_aux_loss=moe_utils.compute_routing_scores_for_aux_loss)

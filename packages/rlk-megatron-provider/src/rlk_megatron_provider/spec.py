@@ -33,8 +33,9 @@ from rlk_megatron_provider.layers import (
 ModuleSpec = _compat.ModuleSpec
 
 
-def model_problems(config) -> dict[str, list[str]]:
-    """Config-level reasons each module's R route cannot be installed (TE-only or uncovered features)."""
+def model_problems(config, hybrid: bool = False) -> dict[str, list[str]]:
+    """Config-level reasons each module's R route cannot be installed (TE-only or uncovered features); ``hybrid``:
+    for a HybridModel stack (whose MoE layers the MoE layer spec does not cover)."""
     common = []
     if getattr(config, "normalization", "RMSNorm") != "RMSNorm":
         common.append(f"normalization={config.normalization!r} (rlk covers RMSNorm)")
@@ -49,8 +50,12 @@ def model_problems(config) -> dict[str, list[str]]:
     if getattr(config, "tp_comm_overlap", False):
         common.append("tp_comm_overlap (TE userbuffers) is requested")
     ffn = list(common)
-    if getattr(config, "num_moe_experts", None):
-        ffn.append("MoE layers are not covered")
+    if getattr(config, "num_moe_experts", None) and hybrid:
+        ffn.append("MoE layers are not covered in a HybridModel (the MoE layer spec covers GPTModel's)")
+    elif getattr(config, "num_moe_experts", None):  # issue 36: the MoE layer spec (rlk_megatron_provider.moe)
+        from rlk_megatron_provider.moe import moe_problems
+
+        ffn += moe_problems(config)
     if not (getattr(config, "gated_linear_unit", False) and getattr(config, "activation_func", None) is F.silu):
         ffn.append("the MLP activation is not SwiGLU (gated_linear_unit with F.silu)")
     return {"attention": common + config_problems(config), "ffn": ffn, "logp": list(common)}
@@ -64,10 +69,10 @@ def _linear(cls: type, module: str) -> ModuleSpec:
     return ModuleSpec(module=cls, params={"rlk_module": module})
 
 
-def _active(config) -> dict[str, bool]:
+def _active(config, hybrid: bool = False) -> dict[str, bool]:
     """Which modules get rlk slots: R in the plan and installable (a refusal raises in strict mode)."""
     st = _state.get()
-    problems = model_problems(config)
+    problems = model_problems(config, hybrid)
     out = {}
     for m in ("attention", "ffn", "logp"):
         ok = st.rlk(m)
@@ -130,7 +135,12 @@ def _layer_spec(config, rope_theta: float, base, slots: tuple[str, ...], active:
                 ))
     if active["ffn"]:
         cls, _ = _compat.mlp_parts(sub.mlp)
-        if not (isinstance(cls, type) and issubclass(cls, _compat.MLP)):
+        if isinstance(cls, type) and issubclass(cls, _compat.moe().MoELayer):
+            from rlk_megatron_provider.moe import moe_spec
+
+            changes["pre_mlp_layernorm"] = _norm("ffn")
+            changes["mlp"] = moe_spec(sub.mlp)
+        elif not (isinstance(cls, type) and issubclass(cls, _compat.MLP)):
             st.refuse("ffn", f"the {where}MLP slot {sub.mlp!r} is not a dense Megatron MLP")
         else:
             changes["pre_mlp_layernorm"] = _norm("ffn")
@@ -201,7 +211,7 @@ def rlk_hybrid_stack_spec(config, *, rope_theta: float, base: ModuleSpec | None 
     st = _state.get()
     if base is None:
         base = local_hybrid_stack_spec()
-    active = _active(config)
+    active = _active(config, hybrid=True)
     if not (isinstance(base, ModuleSpec) and isinstance(base.module, type) and issubclass(base.module, h.HybridStack)
             and isinstance(base.submodules, h.HybridStackSubmodules)):
         for m in ("attention", "ffn", "logp"):

@@ -140,8 +140,11 @@ def _experiment_options(r: argparse.ArgumentParser) -> None:
     r.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cpu; cuda for --engine frameworks)")
     r.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
                    help="compute dtype (default: float32 on cpu, bfloat16 on cuda)")
-    r.add_argument("--model", choices=("tiny", "small", "qwen3-0.6b"), default="tiny",
-                   help="model shape preset with random weights (tiny)")
+    from rlk_repro.model.config import MOE_30B_A3B_PREFIX, PRESETS, preset_name
+
+    r.add_argument("--model", type=preset_name, default="tiny", metavar="PRESET",
+                   help=f"model shape preset with random weights: {', '.join(PRESETS)} or "
+                   f"{MOE_30B_A3B_PREFIX}<layers> (Qwen3-30B-A3B's layer shape; local engine) (tiny)")
     r.add_argument("--checkpoint", metavar="DIR",
                    help="Hugging Face Qwen3 directory (config.json + safetensors); overrides --model")
     r.add_argument("--prompts-per-round", type=positive_int, default=4, help="prompts (GRPO groups) per round (4)")

@@ -239,11 +239,25 @@ def summarize(run: RunMetrics) -> dict[str, Any]:
         "validated": run.status.get("validated"), **report_meta.provenance(run.manifest),
         "reference_note": report_meta.reference_note(run.path, run.plan),
         "claims": report_meta.claims_text(run.manifest),  # issue 37: random weights / fixtures claim nothing
+        **routing_summary(rows),
     }
+
+
+def routing_summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Issue 36: an MoE run's tokens routed to another expert set by the rollout than by the trainer, all rounds
+    (``rlk_repro.engine.routing``); a dense run's ``routing`` says so."""
+    routed = [r for r in rows if "routing_compared_tokens" in r]
+    if not routed:
+        return {"routing_compared_tokens": None, "routing_mismatch_tokens": None, "routing": "dense"}
+    n = sum(int(r["routing_compared_tokens"]) for r in routed)
+    m = sum(int(r["routing_mismatch_tokens"]) for r in routed)
+    return {"routing_compared_tokens": n, "routing_mismatch_tokens": m,
+            "routing": f"{m} of {n} ({100 * m / n:.2g}%)" if n else "0 of 0"}
 
 
 SUMMARY_COLUMNS = [("label", "run"), ("name", "directory"), ("rounds", "rounds"),
                    ("compared_tokens", "compared tokens"), ("mismatch_count", "mismatches"),
+                   ("routing", "tokens routed differently (MoE)"),
                    ("mean_abs_diff", "mean abs diff (token-weighted)"), ("max_abs_diff", "max abs diff"),
                    ("reward_mean", "reward"), ("truncation", "truncated"), ("round_seconds", "s / round"),
                    ("rollout_tokens_per_s", "rollout tok/s"), ("train_tokens_per_s", "train tok/s"),

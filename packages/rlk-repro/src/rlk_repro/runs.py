@@ -446,20 +446,25 @@ def _fmt(x: float) -> str:
 def summary_table(rounds: list[dict[str, Any]], bitwise: dict[str, Any]) -> str:
     """The per-round table the CLI prints and ``report/summary.md`` holds: ``informative`` is the share of compared
     tokens with a rollout log-prob below -1e-3 (and the mismatches among them), ``entropy`` the mean entropy of the
-    sampling distribution in nats (``~`` where only estimated from the sampled tokens' log-probs)."""
-    head = ("round", "compared", "mismatch", "informative", "entropy", "max|diff|", "mean|diff|", "reward", "loss",
-            "roll tok/s", "train tok/s", "changed")
+    sampling distribution in nats (``~`` where only estimated from the sampled tokens' log-probs); an MoE run adds
+    ``routing``: the tokens the two sides routed to different expert sets, of those both routed (issue 36)."""
+    moe = any("routing_compared_tokens" in r for r in rounds)
+    head = ("round", "compared", "mismatch", *(("routing",) if moe else ()), "informative", "entropy", "max|diff|",
+            "mean|diff|", "reward", "loss", "roll tok/s", "train tok/s", "changed")
     rows = [head]
     for r in rounds:
         ent = (f"{r['entropy_mean']:.3g}" if r.get("entropy_mean") is not None
                else f"~{r['sampled_nll_mean']:.3g}" if "sampled_nll_mean" in r else "")
-        rows.append((str(r["round"]), str(r["element_count"]), str(r["mismatch_count"]),
+        routing = (f"{r['routing_mismatch_tokens']}/{r['routing_compared_tokens']}",) if moe else ()
+        rows.append((str(r["round"]), str(r["element_count"]), str(r["mismatch_count"]), *routing,
                      _informative(r.get("informative_count"), r.get("informative_mismatch_count"), r["element_count"]),
                      ent, _fmt(r["max_abs_diff"]), _fmt(r["mean_abs_diff"]), f"{r['reward_mean']:.3f}",
                      f"{r['loss']:.4g}", f"{r['rollout_tokens_per_s']:.0f}", f"{r['train_tokens_per_s']:.0f}",
                      "yes" if r["weights_changed"] else "NO"))
     b = bitwise
-    rows.append(("total", str(b["element_count"]), str(b["mismatch_count"]),
+    routing = ((f"{sum(r['routing_mismatch_tokens'] for r in rounds)}/"
+                f"{sum(r['routing_compared_tokens'] for r in rounds)}",) if moe else ())
+    rows.append(("total", str(b["element_count"]), str(b["mismatch_count"]), *routing,
                  _informative(b.get("informative_count"), b.get("informative_mismatch_count"), b["element_count"]),
                  "", _fmt(b["max_abs_diff"]), _fmt(b["mean_abs_diff"]), "", "", "", "", ""))
     widths = [max(len(row[i]) for row in rows) for i in range(len(head))]

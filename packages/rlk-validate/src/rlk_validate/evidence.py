@@ -320,6 +320,13 @@ METRICS_FIELDS = (
        "the engine computes it (local)", required=False),
     _f("max_entropy", "number", "`log V`, the entropy of a uniform next-token distribution", required=False),
     _f("distinct_responses", "integer", "distinct responses of the round's samples", required=False),
+    _f("routing_compared_tokens", "integer", "an MoE model's tokens whose expert choice both sides recorded (every "
+       "token run through the model)", required=False),
+    _f("routing_mismatch_tokens", "integer", "those routed to a different expert set (at any layer) by the rollout "
+       "than by the trainer", required=False),
+    _f("routing_mismatch_fraction", "number", "`routing_mismatch_tokens / routing_compared_tokens`", required=False),
+    _f("routing_mismatch_layer_tokens", "integer", "the (token, layer) pairs whose expert sets differ",
+       required=False),
     _f("contract_digest", "string", "the contract digest both sides agreed on after the round's weight sync",
        required=False),
 )

@@ -115,7 +115,7 @@ def _install(rt, probe) -> None:
     graphs = cudagraphs.install()  # issue 37: the CUDA-graph evidence (counting only, every plan)
     if graphs is not None:
         rt.add_hook("cuda_graphs", graphs, "patch")
-    names = ["RMSNorm", "SiluAndMul"]  # R: the rlk op; P: vLLM's own method, counted
+    names = ["RMSNorm", "SiluAndMul", "UnquantizedFusedMoEMethod"]  # R: the rlk op; P: vLLM's own, counted
     if rt.r("attention"):
         names.append("RotaryEmbedding")
     layers.oot_classes(probe)

@@ -49,6 +49,9 @@ TARGETS: dict[str, tuple[str, ...]] = {
     "count": (  # the production layers counted for P modules (every plan, all P included)
         "vllm.model_executor.layers.activation:SiluAndMul.forward_native",
         "vllm.model_executor.layers.vocab_parallel_embedding:UnquantizedEmbeddingMethod.apply",
+        # issue 36: FusedMoE's method (rlk_vllm_plugin.moe), replaced out of tree for every plan
+        "vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method:UnquantizedFusedMoEMethod.apply_monolithic",
+        "vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method:UnquantizedFusedMoEMethod.is_monolithic",
     ),
     "ffn": (
         "vllm.model_executor.layers.activation:SiluAndMul.forward_native",

@@ -24,7 +24,7 @@ import torch
 from rlk_vllm_plugin import _compat, _runtime
 from rlk_vllm_plugin._runtime import module_of, patch, unpatch
 
-OOT_NAMES = ("RMSNorm", "SiluAndMul", "RotaryEmbedding")
+OOT_NAMES = ("RMSNorm", "SiluAndMul", "RotaryEmbedding", "UnquantizedFusedMoEMethod")
 _FORWARDS = ("forward_native", "forward_cuda", "forward_cpu", "forward_hip", "forward_xpu")
 _CLASSES: dict[str, type] = {}
 
@@ -87,6 +87,9 @@ def oot_classes(probe: _compat.Probe) -> dict[str, type]:
         if name == "RotaryEmbedding":
             ns["_rlk_module"] = "attention"
         _CLASSES[name] = type(f"Rlk{name}", (base,), ns)
+    from rlk_vllm_plugin import moe  # issue 36: FusedMoE's method (the ffn module's MoE form)
+
+    _CLASSES["UnquantizedFusedMoEMethod"] = moe.method_class()
     return _CLASSES
 
 

@@ -33,6 +33,7 @@ from rlk_repro.engine.prompts import load_prompt_set, manifest_facts
 from rlk_repro.engine.trainer import Sample, group_advantages
 from rlk_repro.jitwatch import JitWatch
 from rlk_repro.jitwatch import counts as jit_counts
+from rlk_repro.model.config import preset
 from rlk_repro.progress import Progress
 from rlk_repro.trace import Tracer
 from rlk_validate import evidence
@@ -88,6 +89,9 @@ class FrameworksRunConfig(LocalRunConfig):
             raise RlkConfigError("--static-weights is an option of the local engine")
         if self.dtype != "bfloat16":
             raise RlkConfigError(f"--engine frameworks runs bfloat16 (vLLM and Megatron), not {self.dtype}")
+        if self.checkpoint is None and self.model_path is None and preset(self.model).is_moe:
+            raise RlkConfigError(f"--model {self.model}: the frameworks engine does not run MoE models yet (issue 36; "
+                                 "the local engine does)")
 
 
 def contract_handshake(cfg: FrameworksRunConfig, device_type: str, train: tuple[Any, Any, int | None],

@@ -25,11 +25,12 @@ from rlk_core.readback import ReadbackRecorder
 from rlk_repro import lifecycle, runs
 from rlk_repro.engine.prompts import PromptSet, load_prompt_set, manifest_facts
 from rlk_repro.engine.rollout import LOGPROBS, Request, RolloutEngine
+from rlk_repro.engine.routing import rollout_routing, routing_metrics
 from rlk_repro.engine.sampling import SamplingParams
 from rlk_repro.engine.trainer import Sample, Trainer, group_advantages
 from rlk_repro.jitwatch import JitWatch
 from rlk_repro.jitwatch import counts as jit_counts
-from rlk_repro.model.config import PRESETS, Qwen3Config
+from rlk_repro.model.config import Qwen3Config, preset
 from rlk_repro.model.ops import Ops
 from rlk_repro.model.weights import load_checkpoint, random_weights, weights_sha256
 from rlk_repro.progress import Progress
@@ -92,8 +93,8 @@ class LocalRunConfig:
                 raise RlkConfigError(f"{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if self.dtype not in DTYPES:
             raise RlkConfigError(f"dtype {self.dtype!r} is not one of {', '.join(DTYPES)}")
-        if self.checkpoint is None and self.model not in PRESETS:
-            raise RlkConfigError(f"model {self.model!r} is not one of {', '.join(PRESETS)}")
+        if self.checkpoint is None:
+            preset(self.model)  # a preset's name, else an RlkConfigError naming them
         if self.checkpoint is not None:
             Qwen3Config.from_dir(self.checkpoint)  # a readable config.json, before any run directory exists
         if self.model_path is not None:  # issue 37
@@ -165,7 +166,7 @@ def load_model(cfg: LocalRunConfig) -> tuple[Qwen3Config, dict[str, torch.Tensor
         model_cfg, weights = load_checkpoint(cfg.checkpoint or cfg.model_path)
         weights = {k: v.float() for k, v in weights.items()}
     else:
-        model_cfg = PRESETS[cfg.model]
+        model_cfg = preset(cfg.model)
         weights = random_weights(model_cfg, cfg.seed)
     return model_cfg, weights, weights_sha256(weights)
 
@@ -261,7 +262,7 @@ def _start(cfg: LocalRunConfig, run_id: str, run_dir: Path, device: torch.device
     else:
         state = resume.load_state()
         model_dir = cfg.checkpoint or cfg.model_path
-        model_cfg = Qwen3Config.from_dir(model_dir) if model_dir else PRESETS[cfg.model]
+        model_cfg = Qwen3Config.from_dir(model_dir) if model_dir else preset(cfg.model)
         weights, ckpt_hash = state["master"], resume.manifest["inputs"]["checkpoint"]
     ps = load_prompt_set(cfg, model_cfg)  # issue 37: the model's tokenizer and template, or the bundled bytes
     prompts, encoded = ps.prompts, ps.encoded
@@ -418,6 +419,8 @@ def _round(cfg: LocalRunConfig, ses: _Session, run_dir: Path, rnd: int, watch: J
         "rollout_step_ms": step_summary(stats.step_seconds, stats.step_tokens, launch=stats.step_launch_seconds),
         **runs.kept_metrics([n for r in requests for n in r.kept_sizes], ses.trainer.kept_sizes
                        if ses.trainer.processed else None),
+        # issue 36: an MoE model's tokens routed to other experts by the two sides (rlk_repro.engine.routing)
+        **(routing_metrics(rollout_routing(requests), res.routing) if res.routing is not None else {}),
     }
     runs.append_jsonl(run_dir / "metrics.jsonl", row)
     log.info("round %d: %d tokens compared, %d mismatches (max |diff| %.3g), reward %.3f, loss %.4g, "

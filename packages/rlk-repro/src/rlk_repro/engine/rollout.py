@@ -38,6 +38,7 @@ class Request:
     logprobs: list[float] = field(default_factory=list)
     entropies: list[float] = field(default_factory=list)  # of softmax(logits / T) where each token was sampled
     kept_sizes: list[int] = field(default_factory=list)  # the kept set's size where each token was sampled
+    routing: list[torch.Tensor] = field(default_factory=list)  # MoE: each step's [n, layers, k] expert ids
     num_computed: int = 0  # tokens whose K/V are in the cache
     blocks: list[int] = field(default_factory=list)
     finish_reason: str | None = None
@@ -239,6 +240,7 @@ class RolloutEngine:
                             dtype=torch.int32)
 
         w = self.weights
+        routing: list[torch.Tensor] | None = [] if cfg.is_moe else None
         h = qwen3.embed(w, ids_t)
         for layer in range(cfg.num_hidden_layers):
             q, k, v = qwen3.attention_qkv(ops, cfg, w, layer, h, pos_t)
@@ -253,7 +255,12 @@ class RolloutEngine:
                                                          seq_lens_host[nd:], self.scale))
             o = torch.cat(parts) if len(parts) > 1 else parts[0]
             h = h + qwen3.attention_out(ops, w, layer, o)
-            h = h + qwen3.ffn(ops, cfg, w, layer, h)
+            h = h + qwen3.ffn(ops, cfg, w, layer, h, routing)
+        if routing is not None:  # each token's experts at every layer, kept on the device (no sync here)
+            chosen, start = torch.stack(routing, dim=1), 0
+            for r, n in batch:
+                r.routing.append(chosen[start:start + n])
+                start += n
         stats.step_launch_seconds.append(time.perf_counter() - t0)
         stats.decode_calls += bool(dec)
         stats.prefill_calls += bool(pre)

@@ -38,6 +38,8 @@ class TrainResult:
     grad_norm: float
     tokens: int
     seconds: float
+    # MoE: per sample, the [len(prompt) + len(response) - 1, layers, k] expert ids of the forward before the update
+    routing: list[torch.Tensor] | None = None
 
 
 def make_optimizer(params: list[torch.Tensor], optimizer: str, lr: float, foreach: bool = False
@@ -73,11 +75,13 @@ class Trainer:
         """The weights the rollout engine receives: the master weights cast to the compute dtype."""
         return {k: v.detach().to(self.dtype) for k, v in self.master.items()}
 
-    def forward_logprobs(self, seqs: list[list[int]], rows: torch.Tensor | None = None) -> torch.Tensor:
+    def forward_logprobs(self, seqs: list[list[int]], rows: torch.Tensor | None = None,
+                         routing: list[torch.Tensor] | None = None) -> torch.Tensor:
         """Log-prob of ``seq[t+1]`` at positions ``t`` of the packed sequences, fp32.
 
         ``rows`` selects packed positions (default: all ``sum(len - 1)``); the LM head and log-softmax run
-        only on those rows (the response positions), as RL trainers do.
+        only on those rows (the response positions), as RL trainers do. ``routing`` (an MoE model): each layer's
+        ``[sum(len - 1), k]`` expert ids are appended to it.
         """
         cfg, ops, dev = self.cfg, self.ops, self.device
         lens = [len(s) - 1 for s in seqs]
@@ -92,7 +96,7 @@ class Trainer:
             q, k, v = qwen3.attention_qkv(ops, cfg, w, layer, h, pos)
             o = ops.attention_varlen(q, k, v, cu, lens, scale)
             h = h + qwen3.attention_out(ops, w, layer, o)
-            h = h + qwen3.ffn(ops, cfg, w, layer, h)
+            h = h + qwen3.ffn(ops, cfg, w, layer, h, routing)
         hn = qwen3.final_norm(ops, cfg, w, h)
         if rows is not None:
             hn, target = hn[rows], target[rows]
@@ -129,7 +133,8 @@ class Trainer:
             rows.append(torch.arange(start + len(s.prompt) - 1, start + n, device=self.device))
             adv += [s.advantage] * len(s.response)
             start += n
-        logp = self.forward_logprobs(seqs, torch.cat(rows))
+        routing: list[torch.Tensor] | None = [] if self.cfg.is_moe else None
+        logp = self.forward_logprobs(seqs, torch.cat(rows), routing)
         old = logp.detach()
         a = torch.tensor(adv, device=self.device, dtype=torch.float32)
         loss = -grpo_surrogate(logp, a, self.clip_eps).mean()
@@ -142,8 +147,12 @@ class Trainer:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         per_sample = list(old.split([len(s.response) for s in samples]))
+        chosen = None
+        if routing is not None:
+            lens = [len(s.prompt) + len(s.response) - 1 for s in samples]
+            chosen = list(torch.stack(routing, dim=1).split(lens))
         return TrainResult(per_sample, float(loss.detach()), grad_norm, start,
-                           time.perf_counter() - t0)
+                           time.perf_counter() - t0, chosen)
 
 
 def grpo_surrogate(lp: torch.Tensor, adv: torch.Tensor, clip_eps: float) -> torch.Tensor:

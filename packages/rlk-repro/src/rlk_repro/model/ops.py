@@ -63,6 +63,21 @@ class Ops:
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up
 
+    def moe(self, x: torch.Tensor, router: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int,
+            normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """The routed experts of one MoE block (the ``ffn`` module's MoE form, ``docs/ops/moe.md``) for ``x [T, H]``
+        after the post-attention RMSNorm: ``(y [T, H], ids [T, k])``, ``router [E, H]``, ``w13 [E, 2I, H]``, ``w2
+        [E, H, I]``. R: rlk's block (:func:`rlk_core.ops.moe.layer.moe_ffn`, contract ``rlk.moe.v1``); P: what a
+        stock framework computes (:func:`native_moe`)."""
+        if self.r["ffn"]:
+            from rlk_core.ops.moe.layer import moe_ffn
+
+            with self.routes.scope("ffn"):
+                return moe_ffn(x, router, w13, w2, top_k, normalize)
+        for op in ("linear", "moe_topk", "moe_grouped_linear", "moe_combine"):
+            self._p("ffn", op)
+        return native_moe(x, router, w13, w2, top_k, normalize)
+
     def rope(self, x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
         """x ``[T, H, D]`` rotated (rotate-half layout) at absolute ``positions`` ``[T]``."""
         if self.r["attention"]:
@@ -159,6 +174,31 @@ class Ops:
         logits = F.linear(hidden, weight)
         self._p("logp", "token_logprobs")
         return _native_logprobs(logits, target, temperature, kept)
+
+
+def native_moe(x: torch.Tensor, router: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int,
+               normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The production MoE block: the arithmetic of transformers' ``Qwen3MoeSparseMoeBlock`` (its eager experts)
+    written out — the router ``F.linear``, an fp32 softmax, ``torch.topk`` (no tie order), the top-k weights
+    renormalised and rounded to x's dtype, then per expert that received tokens ``F.linear`` over exactly those tokens
+    (the BLAS kernel chosen by their count), SwiGLU, ``F.linear``, scaled by the weight and ``index_add_``-ed into the
+    output in x's dtype (a rounding per slot, in expert order). Differentiable. Returns ``(y, ids)``."""
+    num_experts = router.shape[0]
+    probs = torch.softmax(F.linear(x, router), dim=-1, dtype=torch.float32)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if normalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    weights = weights.to(x.dtype)
+    out = torch.zeros_like(x)
+    with torch.no_grad():
+        mask = F.one_hot(ids, num_classes=num_experts).permute(2, 1, 0)  # [E, k, T]
+        hit = (mask.sum(dim=(1, 2)) > 0).nonzero().flatten().tolist()
+    for e in hit:
+        slot, tok = torch.where(mask[e])
+        gate, up = F.linear(x[tok], w13[e]).chunk(2, dim=-1)
+        o = F.linear(F.silu(gate) * up, w2[e]) * weights[tok, slot, None]
+        out = out.index_add(0, tok, o.to(out.dtype))
+    return out, ids
 
 
 def _native_logprobs(logits: torch.Tensor, target: torch.Tensor, temperature, kept) -> torch.Tensor:

@@ -1,4 +1,5 @@
-"""The Qwen3 dense decoder's blocks, written once against an :class:`~rlk_repro.model.ops.Ops` table.
+"""The Qwen3 decoder's blocks (dense, or Qwen3-MoE: :func:`ffn`), written once against an
+:class:`~rlk_repro.model.ops.Ops` table.
 
 Both engines call these blocks on their own token layouts (the rollout engine on a step's scheduled
 tokens, the trainer on packed sequences) and supply their own attention core between
@@ -41,10 +42,17 @@ def attention_out(ops: Ops, w: Weights, layer: int, o: torch.Tensor) -> torch.Te
     return ops.linear("attention", o.reshape(o.shape[0], -1), w[f"layers.{layer}.o"])
 
 
-def ffn(ops: Ops, cfg: Qwen3Config, w: Weights, layer: int, h: torch.Tensor) -> torch.Tensor:
-    """Post-attention RMSNorm, fused gate/up projection, SwiGLU, down projection."""
+def ffn(ops: Ops, cfg: Qwen3Config, w: Weights, layer: int, h: torch.Tensor,
+        routing: list[torch.Tensor] | None = None) -> torch.Tensor:
+    """Post-attention RMSNorm, fused gate/up projection, SwiGLU, down projection; in a Qwen3-MoE model the routed
+    experts instead (:meth:`Ops.moe`), each token's selected expert ids ``[T, k]`` appended to ``routing`` if given."""
     p = f"layers.{layer}."
     x = ops.rms_norm("ffn", h, w[p + "post_norm"], cfg.rms_norm_eps)
+    if cfg.is_moe:
+        y, ids = ops.moe(x, w[p + "router"], w[p + "w13"], w[p + "w2"], cfg.num_experts_per_tok, cfg.norm_topk_prob)
+        if routing is not None:
+            routing.append(ids)
+        return y
     return ops.linear("ffn", ops.swiglu(ops.linear("ffn", x, w[p + "gate_up"])), w[p + "down"])
 
 

@@ -18,6 +18,19 @@ name                       shape                       Hugging Face source
 ``norm``                   ``[H]``                     ``model.norm.weight``
 ``lm_head``                ``[V, H]``                  ``lm_head.weight`` (absent when tied)
 =========================  ==========================  ===========================================
+
+A Qwen3-MoE layer (``cfg.is_moe``) has, instead of ``gate_up`` / ``down``, the router and the experts stacked in the
+layout of vLLM's ``FusedMoE`` (``w13_weight`` / ``w2_weight``), transformers 5's ``Qwen3MoeExperts``
+(``gate_up_proj`` / ``down_proj``) and rlk's ``moe_ffn``:
+
+=========================  ==========================  ===========================================
+``layers.i.router``        ``[E, H]``                  ``mlp.gate.weight``
+``layers.i.w13``           ``[E, 2 I, H]``             ``mlp.experts.e.{gate,up}_proj.weight`` per expert
+``layers.i.w2``            ``[E, H, I]``               ``mlp.experts.e.down_proj.weight`` per expert
+=========================  ==========================  ===========================================
+
+(``I`` = ``moe_intermediate_size``.) Checkpoints are written per expert, as the Hub's Qwen3-MoE checkpoints are;
+reading also takes the stacked form (``mlp.experts.gate_up_proj`` / ``down_proj``).
 """
 
 from __future__ import annotations
@@ -43,9 +56,13 @@ def expected_shapes(cfg: Qwen3Config) -> dict[str, tuple[int, ...]]:
         p = f"layers.{n}."
         shapes.update({
             p + "input_norm": (h,), p + "qkv": (cfg.q_size + 2 * cfg.kv_size, h), p + "q_norm": (d,),
-            p + "k_norm": (d,), p + "o": (h, cfg.q_size), p + "post_norm": (h,), p + "gate_up": (2 * i, h),
-            p + "down": (h, i),
+            p + "k_norm": (d,), p + "o": (h, cfg.q_size), p + "post_norm": (h,),
         })
+        if cfg.is_moe:
+            e, mi = cfg.num_experts, cfg.moe_intermediate_size
+            shapes.update({p + "router": (e, h), p + "w13": (e, 2 * mi, h), p + "w2": (e, h, mi)})
+        else:
+            shapes.update({p + "gate_up": (2 * i, h), p + "down": (h, i)})
     if not cfg.tie_word_embeddings:
         shapes["lm_head"] = (cfg.vocab_size, h)
     return shapes
@@ -101,11 +118,27 @@ def from_hf(cfg: Qwen3Config, hf: Weights) -> Weights:
         out[p + "k_norm"] = take(s + "self_attn.k_norm.weight")
         out[p + "o"] = take(s + "self_attn.o_proj.weight")
         out[p + "post_norm"] = take(s + "post_attention_layernorm.weight")
-        out[p + "gate_up"] = torch.cat([take(s + "mlp.gate_proj.weight"), take(s + "mlp.up_proj.weight")])
-        out[p + "down"] = take(s + "mlp.down_proj.weight")
+        if cfg.is_moe:
+            out.update(_moe_from_hf(cfg, hf, take, s, p))
+        else:
+            out[p + "gate_up"] = torch.cat([take(s + "mlp.gate_proj.weight"), take(s + "mlp.up_proj.weight")])
+            out[p + "down"] = take(s + "mlp.down_proj.weight")
     if not cfg.tie_word_embeddings:
         out["lm_head"] = take("lm_head.weight")
     check_weights(cfg, out)
+    return out
+
+
+def _moe_from_hf(cfg: Qwen3Config, hf: Weights, take, s: str, p: str) -> Weights:
+    """One MoE layer's router and stacked experts from the per-expert (Hub) or the stacked (transformers 5) form."""
+    out = {p + "router": take(s + "mlp.gate.weight")}
+    if s + "mlp.experts.gate_up_proj" in hf:
+        out[p + "w13"], out[p + "w2"] = take(s + "mlp.experts.gate_up_proj"), take(s + "mlp.experts.down_proj")
+        return out
+    x = s + "mlp.experts."
+    out[p + "w13"] = torch.stack([torch.cat([take(f"{x}{e}.gate_proj.weight"), take(f"{x}{e}.up_proj.weight")])
+                                  for e in range(cfg.num_experts)])
+    out[p + "w2"] = torch.stack([take(f"{x}{e}.down_proj.weight") for e in range(cfg.num_experts)])
     return out
 
 
@@ -123,6 +156,15 @@ def to_hf(cfg: Qwen3Config, weights: Weights) -> Weights:
         out[s + "self_attn.k_norm.weight"] = weights[p + "k_norm"]
         out[s + "self_attn.o_proj.weight"] = weights[p + "o"]
         out[s + "post_attention_layernorm.weight"] = weights[p + "post_norm"]
+        if cfg.is_moe:  # per expert, as the Hub's Qwen3-MoE checkpoints
+            mi = cfg.moe_intermediate_size
+            out[s + "mlp.gate.weight"] = weights[p + "router"]
+            for e in range(cfg.num_experts):
+                x = f"{s}mlp.experts.{e}."
+                out[x + "gate_proj.weight"] = weights[p + "w13"][e, :mi]
+                out[x + "up_proj.weight"] = weights[p + "w13"][e, mi:]
+                out[x + "down_proj.weight"] = weights[p + "w2"][e]
+            continue
         out[s + "mlp.gate_proj.weight"] = weights[p + "gate_up"][:i]
         out[s + "mlp.up_proj.weight"] = weights[p + "gate_up"][i:]
         out[s + "mlp.down_proj.weight"] = weights[p + "down"]
