@@ -126,7 +126,11 @@ def test_cli_abtest_writes_one_table(tmp_path, capsys):
 @pytest.mark.vllm
 @pytest.mark.slow
 @pytest.mark.filterwarnings("ignore")
-def test_vllm_native_path_runs_on_the_same_tensors():
+def test_vllm_native_path_runs_on_the_same_tensors(monkeypatch):
+    # the vLLM suite's CPU platform (tests/vllm/conftest.py): vLLM resolves its platform once per process, at first
+    # use; resolved here without it, every later vLLM test of the session failed "Failed to infer device type"
+    monkeypatch.setenv("RLK_TEST_VLLM_CPU_PLATFORM", "1")
+    monkeypatch.delenv("VLLM_TARGET_DEVICE", raising=False)
     report = abtest.run_ab(abtest.generate_inputs(tokens=11, hidden=32, vocab=200, top_p=0.9), ("vllm",), repeats=1)
     rows = _rows(report)
     assert rows["vllm.compute_logprobs"]["forward_deterministic"]

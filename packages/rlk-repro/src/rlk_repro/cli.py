@@ -117,7 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
     attribute_cli.add_parser(sub)
     from rlk_repro import ladder_cli  # issue 38: the mismatch-knob ladder
 
-    ladder_cli.add_parser(sub)
+    ladder_cli.add_parser(sub, _experiment_options)
     return p
 
 
@@ -603,7 +603,7 @@ def _main(argv: list[str]) -> int:
         if a.command == "ladder":  # issue 38
             from rlk_repro import ladder_cli
 
-            return ladder_cli.main(a, argv)
+            return ladder_cli.main(a, argv, _config, _frameworks_cell, _needs, build_parser)
         if a.command == "plan":
             return _cmd_plan(a, argv)
         return _cmd_matrix(a, argv) if a.command == "matrix" else _cmd_run(a, argv)

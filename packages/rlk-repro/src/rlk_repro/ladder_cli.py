@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import argparse
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 
 def _unit(value: str) -> float:
@@ -20,8 +20,9 @@ def _top_k(value: str) -> int:
     return v
 
 
-def add_parser(sub) -> None:
-    from rlk_repro.cli import _experiment_options
+def add_parser(sub, experiment_options: Callable[[argparse.ArgumentParser], None]) -> None:
+    """The ``ladder`` subcommand; ``experiment_options`` adds ``run``'s experiment options (rlk_repro.cli's, passed in:
+    this module does not import the command line that imports it)."""
     from rlk_repro.ladder import default_rungs
 
     names = ", ".join(r.name for r in default_rungs(0.9, 20, 1.0))
@@ -44,11 +45,11 @@ def add_parser(sub) -> None:
     lp.add_argument("--dry-run", action="store_true",
                     help="print the rungs, their routes and knobs and which would be skipped (and why) as JSON; "
                     "runs and writes nothing")
-    _experiment_options(lp)
+    experiment_options(lp)
 
 
-def main(a: argparse.Namespace, argv: Sequence[str]) -> int:
-    from rlk_repro import cli
+def main(a: argparse.Namespace, argv: Sequence[str], config, frameworks_cell, needs, build_parser) -> int:
+    """``rlk-repro ladder``: the command line's own config, frameworks-cell, needs and parser functions passed in."""
     from rlk_repro.ladder import run_ladder
 
-    return run_ladder(a, argv, cli._config, cli._frameworks_cell, cli._needs, cli.build_parser)
+    return run_ladder(a, argv, config, frameworks_cell, needs, build_parser)
