@@ -31,7 +31,7 @@ from .evidence import (
     ROUTE_CONFIG_KEYS,
     write_bytes_atomic,
 )
-from .findings import ERROR, INCOMPLETE, Finding, finding, verdict_of
+from .findings import ERROR, INCOMPLETE, Finding, finding
 from .ladder_metrics import (
     JUMP_FACTOR,
     MODULES,
@@ -43,7 +43,7 @@ from .ladder_metrics import (
     drift_class,
     rung_metrics,
 )
-from .report import EXIT_CODES, Report, clean, dumps, finite, now_iso, summarised
+from .report import Report, Verdict, clean, dumps, finite, now_iso, summarised
 from .safeio import InputError, Root
 from .validate import Options, unusable_reason, validate_run
 
@@ -54,7 +54,7 @@ KNOB_CONFIG_KEYS = (*SAMPLING_KNOBS, "rollout_quantization")
 
 # -- the ladder root --------------------------------------------------------------------------------------------------
 @dataclass
-class LadderReport:
+class LadderReport(Verdict):
     ladder_root: str
     rungs: list[dict[str, Any]] = field(default_factory=list)  # one entry per rung of ladder-options.json, in order
     findings: list[Finding] = field(default_factory=list)
@@ -62,14 +62,6 @@ class LadderReport:
     checked_at: str = field(default_factory=now_iso)
     written: list[str] = field(default_factory=list)
     engine: str | None = None
-
-    @property
-    def verdict(self) -> str:
-        return "unusable" if self.unusable else verdict_of(self.findings)
-
-    @property
-    def exit_code(self) -> int:
-        return EXIT_CODES[self.verdict]
 
     def to_json(self) -> dict[str, Any]:
         return {

@@ -27,8 +27,8 @@ from .evidence import (
     expected_plan,
     write_bytes_atomic,
 )
-from .findings import ERROR, INCOMPLETE, Finding, finding, verdict_of
-from .report import EXIT_CODES, Report, clean, dumps, now_iso, summarised
+from .findings import ERROR, INCOMPLETE, Finding, finding
+from .report import Report, Verdict, clean, dumps, now_iso, summarised
 from .safeio import InputError, Root
 from .validate import Options, unusable_reason, validate_run
 
@@ -39,21 +39,13 @@ MD_NAME = MATRIX_REPORT_MD
 
 
 @dataclass
-class MatrixReport:
+class MatrixReport(Verdict):
     matrix_root: str
     cells: list[tuple[str, str, dict[str, str], Report]] = field(default_factory=list)
     findings: list[Finding] = field(default_factory=list)
     unusable: bool = False
     checked_at: str = field(default_factory=now_iso)
     written: list[str] = field(default_factory=list)
-
-    @property
-    def verdict(self) -> str:
-        return "unusable" if self.unusable else verdict_of(self.findings)
-
-    @property
-    def exit_code(self) -> int:
-        return EXIT_CODES[self.verdict]
 
     def cell_json(self, name: str, role: str, plan: dict[str, str], r: Report) -> dict[str, Any]:
         b = r.bitwise or {}

@@ -61,8 +61,23 @@ def dumps(doc: Any) -> str:
     return json_text(finite(doc))
 
 
+class Verdict:
+    """The verdict and exit code of a report with ``findings`` and ``unusable`` (a run's, a matrix's, a ladder's)."""
+
+    findings: list[Finding]
+    unusable: bool
+
+    @property
+    def verdict(self) -> str:
+        return "unusable" if self.unusable else verdict_of(self.findings)
+
+    @property
+    def exit_code(self) -> int:
+        return EXIT_CODES[self.verdict]
+
+
 @dataclass
-class Report:
+class Report(Verdict):
     """The outcome of checking one run directory."""
 
     run_dir: str
@@ -79,14 +94,6 @@ class Report:
     #: rel path -> sha256 of every file the checks read in full (a seal records it; a sealed run re-checks it)
     inputs: dict[str, str] = field(default_factory=dict)
     checked_at: str = field(default_factory=now_iso)
-
-    @property
-    def verdict(self) -> str:
-        return "unusable" if self.unusable else verdict_of(self.findings)
-
-    @property
-    def exit_code(self) -> int:
-        return EXIT_CODES[self.verdict]
 
     def counts(self) -> dict[str, int]:
         return {s: sum(1 for f in self.findings if f.severity == s) for s in SEVERITIES}
