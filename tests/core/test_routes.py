@@ -87,8 +87,9 @@ def test_rlk_ops_of_a_plan():
                                                            "rms_norm_backward", "rope_backward",
                                                            "attention_varlen_backward", "linear_logprobs",
                                                            "linear_logprobs_backward", "token_logprobs",
-                                                           "token_logprobs_backward", "kept_set"}
-    assert routes.rlk_ops(plan, "rollout") == {"linear", "rms_norm", "swiglu", "token_logprobs", "kept_set"}
+                                                           "token_logprobs_backward", "kept_set", "apply_kept"}
+    assert routes.rlk_ops(plan, "rollout") == {"linear", "rms_norm", "swiglu", "token_logprobs", "kept_set",
+                                                "apply_kept"}
 
 
 @pytest.mark.parametrize("flags,env,mode,expected,source", [

@@ -86,6 +86,35 @@ def test_kept_set_top_k_kernel_equals_the_reference(t):
         assert torch.equal(one.value, ks.value[i:i + 1]) and torch.equal(one.token_id, ks.token_id[i:i + 1])
 
 
+@pytest.mark.parametrize("t", (1, 9, 336))
+@pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float32))
+def test_apply_kept_kernel_equals_the_reference(t, dtype):
+    """``apply_kept`` on rlk.triton (one pass) == the reference's torch ops on the same GPU, bit for bit, with -0.0,
+    -inf and tied logits, a whole-vocabulary row; rows alone == in the batch. Negative control: the same kernel with
+    the threshold's id one lower drops a kept token."""
+    from rlk_core.ops.kept_set import apply_kept
+    from rlk_core.ops.kept_set.reference import mask_outside, tempered
+
+    x, temp = _rows(t, seed=13)
+    x = x.to(dtype)
+    x[0, :64] = 2.0
+    x[0, 100] = -0.0
+    x[-1, VOCAB - 300:] = float("-inf")
+    ks = kept_set(x, temp, **_params(t))
+    value, token_id = ks.value.clone(), ks.token_id.clone()
+    value[-1], token_id[-1] = float("-inf"), VOCAB - 1  # the whole vocabulary
+    sel = REGISTRY.select("apply_kept", "cuda", (x, temp, value, token_id), True)
+    assert sel.backend.id in ("rlk.triton", "rlk.cuda") and sel.fallback_reason is None
+    got = apply_kept(x, temp, (value, token_id))
+    want = mask_outside(tempered(x, temp), value, token_id)
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+    for i in range(min(t, 4)):
+        one = apply_kept(x[i:i + 1], temp[i:i + 1], (value[i:i + 1], token_id[i:i + 1]))
+        assert torch.equal(one.view(torch.int32), got[i:i + 1].view(torch.int32))
+    cut = apply_kept(x, temp, (ks.value, ks.token_id - 1))
+    assert not torch.equal(cut, apply_kept(x, temp, ks))
+
+
 @pytest.mark.parametrize("t", (1, 16, 300))
 def test_processed_token_logprobs_threshold_equals_mask_and_shards(t):
     x, temp = _rows(t, seed=3)

@@ -330,7 +330,8 @@ def test_triton_processed_kernels_under_interpreter(run_interpreted):
 def test_triton_kept_set_under_interpreter(run_interpreted):
     """rlk.triton's kept_set (the candidates kernel + the reference's top-p) gives the reference's bits on the top-k
     path — ties at the k-th value, -inf and -0.0 logits, min-p, rows of different parameters, bf16 and fp32 — and the
-    reference's own code on the other paths; a negative control: candidates cut one short change the result."""
+    reference's own code on the other paths; the apply kernel gives the reference's processed logits; negative controls:
+    candidates cut one short, a threshold one id lower change the result."""
     run_interpreted('''
         from rlk_core.ops.kept_set import reference as R
         from rlk_core.ops.kept_set import triton as KT
@@ -357,6 +358,14 @@ def test_triton_kept_set_under_interpreter(run_interpreted):
                 assert same(got, ref), (ks, got, ref)
             sort = KT.kept_set(CPU, x, temp, torch.zeros(t, dtype=torch.int64), p, m, R.PATH_SORT, 0)
             assert same(sort, R.kept_set_reference(x, temp, torch.zeros(t, dtype=torch.int64), p, m, R.PATH_SORT, 0))
+            # the apply kernel (two programs per row at V = 5000): the reference's processed logits, bit for bit
+            for kept in (ref, (torch.full((t,), float("-inf")), torch.full((t,), v - 1, dtype=torch.int64))):
+                want = R.mask_outside(R.tempered(x, temp), kept[0], kept[1])
+                got = KT.apply_kept(CPU, x, temp, kept[0].contiguous(), kept[1].contiguous())
+                assert torch.equal(got, want) and torch.equal(got.view(torch.int32), want.view(torch.int32))
+            # negative control: the last kept id one lower drops exactly that token
+            cut = KT.apply_kept(CPU, x, temp, ref[0].contiguous(), (ref[1] - 1).contiguous())
+            assert not torch.equal(cut, KT.apply_kept(CPU, x, temp, ref[0].contiguous(), ref[1].contiguous()))
         # negative control: the finish given one candidate fewer (the k-th token's tie dropped) differs
         x = torch.zeros(1, 64)
         x[0, :8] = 1.0

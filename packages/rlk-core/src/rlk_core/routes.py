@@ -42,8 +42,8 @@ MODULE_OPS: dict[tuple[str, str], tuple[str, ...]] = {
                                "attention_decode"),
     ("ffn", "train"): ("linear", "rms_norm", "swiglu"),
     ("ffn", "rollout"): ("linear", "rms_norm", "swiglu"),
-    ("logp", "train"): ("rms_norm", "linear_logprobs", "linear", "token_logprobs", "kept_set"),  # fused; or logits
-    ("logp", "rollout"): ("rms_norm", "linear", "token_logprobs", "kept_set"),
+    ("logp", "train"): ("rms_norm", "linear_logprobs", "linear", "token_logprobs", "kept_set", "apply_kept"),
+    ("logp", "rollout"): ("rms_norm", "linear", "token_logprobs", "kept_set", "apply_kept"),
 }
 # The tensor-parallel variants a sharded side runs in place of (or beside) the ops above.
 TP_OPS: dict[str, tuple[str, ...]] = {

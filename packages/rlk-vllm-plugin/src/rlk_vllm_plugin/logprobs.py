@@ -152,7 +152,7 @@ def processed_logits(sampler: Any, logits: torch.Tensor, expanded_idx_mapping: t
     """The processed logits of a sampling step under logp R (contract ``rlk.logp.processed.v1``): an fp32 copy,
     vLLM's logit processors, then ``z = x / T``, each row's kept set and ``-inf`` outside it. The step's kept sets
     go to :func:`token_logprobs_hook` through ``_STEP``."""
-    from rlk_core.ops.kept_set import PATH_ALL, apply_kept
+    from rlk_core.ops.kept_set import PATH_ALL
     from rlk_core.ops.kept_set.reference import choose_path, tempered
 
     states = sampler.sampling_states
@@ -192,7 +192,7 @@ def processed_logits(sampler: Any, logits: torch.Tensor, expanded_idx_mapping: t
     step = _STEP.get()
     if step is not None:
         step.update(logits=x, temperature=temp, kept=kept)
-    return tempered(x, temp) if kept is None else apply_kept(x, temp, kept)
+    return tempered(x, temp) if kept is None else _runtime.rlk("logp", "apply_kept", x, temp, kept)
 
 
 def _apply_sampling_params(original):

@@ -20,7 +20,6 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from rlk_core.ops.kept_set import apply_kept
 from rlk_core.plan import RoutePlan
 from rlk_core.readback import ReadbackRecorder
 from rlk_core.routes import SideRoutes
@@ -150,7 +149,7 @@ class Ops:
         if self.r["logp"]:
             kept = self.routes.call("logp", "kept_set", logits, temp, [p.top_k for p in params],
                                     [p.top_p for p in params], [p.min_p for p in params])
-            return apply_kept(logits, temp, kept), kept
+            return self.routes.call("logp", "apply_kept", logits, temp, kept), kept
         self._p("logp", "kept_set")
         z = native_processed(logits, params)
         return z, z != float("-inf")

@@ -1,7 +1,7 @@
 """``kept_set``: the kept set of top-k / top-p / min-p sampling as one threshold per row, contract
-``rlk.logp.processed.v1`` (``docs/ops/kept_set.md``), and :func:`apply_kept`, the processed logits a
-sampler draws from. The processed log-probs themselves are ``token_logprobs`` / ``linear_logprobs`` with
-``kept=``.
+``rlk.logp.processed.v1`` (``docs/ops/kept_set.md``), and :func:`apply_kept` (op ``apply_kept``, the kept set's
+companion), the processed logits a sampler draws from. The processed log-probs themselves are ``token_logprobs`` /
+``linear_logprobs`` with ``kept=``.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from rlk_core.ops._plan import triton_backend
 from rlk_core.ops.kept_set.reference import PATH_ALL, choose_path, in_kept, kept_set_reference, mask_outside, tempered
 
 OP = "kept_set"
+APPLY = "apply_kept"  # the processed logits of a kept set: its companion op (same contract)
 
 
 class KeptSet(NamedTuple):
@@ -139,14 +140,46 @@ def as_kept(op: str, kept, t: int, device: torch.device) -> tuple[torch.Tensor, 
     return value.contiguous(), token_id.to(torch.int64).contiguous()
 
 
+def _check_apply(logits: torch.Tensor, temperature: torch.Tensor, value: torch.Tensor, token_id: torch.Tensor) -> None:
+    C.float_tensor(logits, APPLY, "logits")
+    C.ndim(logits, APPLY, "logits", (2,))
+    t = logits.shape[0]
+    L.check_temperature(APPLY, t, temperature)
+    C.require(value.dtype == torch.float32 and tuple(value.shape) == (t,), APPLY,
+              f"value must be float32 of shape ({t},), got {value.dtype} {tuple(value.shape)}")
+    C.require(token_id.dtype == torch.int64 and tuple(token_id.shape) == (t,), APPLY,
+              f"token_id must be int64 of shape ({t},), got {token_id.dtype} {tuple(token_id.shape)}")
+    C.same_device(APPLY, logits=logits, temperature=temperature, value=value, token_id=token_id)
+
+
+@define(APPLY)
+def _apply_kept(logits: torch.Tensor, temperature: torch.Tensor, value: torch.Tensor,
+                token_id: torch.Tensor) -> torch.Tensor:
+    _check_apply(logits, temperature, value, token_id)
+
+
+@_apply_kept.register_fake
+def _(logits, temperature, value, token_id):
+    _check_apply(logits, temperature, value, token_id)
+    return logits.new_empty(tuple(logits.shape), dtype=torch.float32)
+
+
 def apply_kept(logits: torch.Tensor, temperature: float | torch.Tensor, kept) -> torch.Tensor:
     """``z = f32(logits) / f32(T)`` where the token is in the kept set, ``-inf`` elsewhere (fp32 ``[T, V]``): the
-    processed logits to sample from. Elementwise; not a registry op (it reports nothing: the log-probs come from
-    ``token_logprobs(..., kept=)``)."""
+    processed logits to sample from (op ``apply_kept``, contract ``rlk.logp.processed.v1``: one IEEE division and
+    two compares per element, so every backend gives the reference's bits). ``kept``: a :class:`KeptSet` or
+    ``(value, token_id)``."""
+    C.require(isinstance(logits, torch.Tensor) and logits.dim() == 2, APPLY,
+              f"logits must be a tensor [T, V], got {getattr(logits, 'shape', type(logits).__name__)}")
     t = logits.shape[0]
-    temp = L.as_temperature("apply_kept", temperature, t, logits.device)
-    value, token_id = as_kept("apply_kept", kept, t, logits.device)
-    return mask_outside(tempered(logits, temp), value, token_id)
+    temp = L.as_temperature(APPLY, temperature, t, logits.device)
+    value, token_id = as_kept(APPLY, kept, t, logits.device)
+    return _apply_kept(logits, temp, value, token_id)
+
+
+def apply_kept_reference(logits: torch.Tensor, temperature: torch.Tensor, value: torch.Tensor,
+                         token_id: torch.Tensor) -> torch.Tensor:
+    return mask_outside(tempered(logits, temperature), value, token_id)
 
 
 def kept_mask(logits: torch.Tensor, temperature: float | torch.Tensor, kept, col_start: int = 0) -> torch.Tensor:
@@ -160,5 +193,7 @@ def kept_mask(logits: torch.Tensor, temperature: float | torch.Tensor, kept, col
 REGISTRY.register(Backend("rlk.reference", OP, kept_set_reference, devices=("cpu", "cuda"), builtin=True))
 # rlk.triton only (Triton's JIT): no AOT family yet, so rlk.cuda has no kept_set and the JIT backend is the GPU's
 REGISTRY.register(triton_backend(OP, "rlk_core.ops.kept_set.triton:kept_set"))
+REGISTRY.register(Backend("rlk.reference", APPLY, apply_kept_reference, devices=("cpu", "cuda"), builtin=True))
+REGISTRY.register(triton_backend(APPLY, "rlk_core.ops.kept_set.triton:apply_kept"))
 
 __all__ = ["PATH_ALL", "KeptSet", "apply_kept", "as_kept", "kept_mask", "kept_set"]

@@ -193,3 +193,36 @@ def _exps(gv: torch.Tensor, tau: torch.Tensor, zmax: torch.Tensor) -> tuple[torc
     """``exp(z - base(z_max))`` of each candidate (torch's ``exp``, as the reference's top-p mass takes it)."""
     base = torch.where(zmax == R.NEG_INF, torch.zeros_like(zmax), zmax)
     return torch.exp(gv - base[:, None]), torch.exp(tau - base)
+
+
+APPLY_BLOCK = 4096  # columns per program of the apply kernel
+
+
+@triton.jit(do_not_specialize=["V", "stride_x", "stride_o"])
+def _apply_kernel(x_ptr, temp_ptr, value_ptr, id_ptr, out_ptr, V, stride_x, stride_o, BLOCK: tl.constexpr):
+    """Columns ``[program_id(1) * BLOCK, ...)`` of row ``program_id(0)``: ``z = f32(x) / T`` (``div_rn``, ``-0.0``
+    as ``+0.0``) where ``z > value or (z == value and id <= token_id)``, ``-inf`` elsewhere."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < V
+    t = tl.load(temp_ptr + row)
+    value = tl.load(value_ptr + row)
+    last = tl.load(id_ptr + row)
+    x = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0)
+    z = tl.math.div_rn(x.to(tl.float32), t)
+    z = tl.where(z == 0.0, 0.0, z)
+    keep = (z > value) | ((z == value) & (cols <= last))
+    tl.store(out_ptr + row * stride_o + cols, tl.where(keep, z, float("-inf")), mask=ok)
+
+
+def apply_kept(p, logits: torch.Tensor, temperature: torch.Tensor, value: torch.Tensor,
+               token_id: torch.Tensor) -> torch.Tensor:
+    """The processed logits in one pass over ``logits`` (a read and a write per element)."""
+    t, vocab = logits.shape
+    out = p.new((t, vocab), torch.float32)
+    if t == 0 or vocab == 0:
+        return out
+    x = p.contiguous(logits)
+    p.launch(_apply_kernel, (t, triton.cdiv(vocab, APPLY_BLOCK)), x, p.contiguous(temperature), p.contiguous(value),
+             p.contiguous(token_id), out, vocab, x.stride(0), out.stride(0), BLOCK=APPLY_BLOCK, num_warps=8)
+    return out
