@@ -89,6 +89,20 @@ def test_a_consistently_rewritten_digest_disagrees_with_the_other_side(rr_run, t
                             for m in disagree)
 
 
+def test_a_readback_of_a_process_that_ran_nothing_needs_no_digest(rr_run, tmp_path):
+    """Seen on the H200: one of vLLM's Inductor compile workers loaded the plugin, executed no op and wrote a readback
+    with no modules and no digest; that is not a missing digest. The same readback with modules is."""
+    run_dir = _copy(rr_run, tmp_path)
+    rollout = _rollout(run_dir)
+    idle = json.loads(rollout.read_text())
+    idle.pop("contract_digest")
+    idle.update(pid=idle["pid"] + 1, modules={})
+    (rollout.parent / f"vllm-rollout-{idle['pid']}.json").write_text(json.dumps(idle))
+    assert "CONTRACT_DIGEST_MISSING" not in [f["code"] for f in _digest_findings(run_dir)]
+    _edit(rollout, lambda d: d.pop("contract_digest"))
+    assert "CONTRACT_DIGEST_MISSING" in [f["code"] for f in _digest_findings(run_dir)]
+
+
 @pytest.mark.parametrize("edit, code", [
     (lambda d: d.pop("contract_digest"), "CONTRACT_DIGEST_MISSING"),
     (lambda d: d["contract_digest"]["checks"][2].update(digest="sha256:" + "0" * 64), "CONTRACT_DIGEST_CHANGED"),
