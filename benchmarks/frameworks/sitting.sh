@@ -23,7 +23,9 @@
 # "gpu and not multi_gpu"; the loop's R/R run directory is kept as rr-run/), exact (every one of them; $EXACT_MARK
 # "multi_gpu" on an x2 machine), vllm (vllm_gpu.py: throughput), vllm-capture (R/R and P/P with --capture-max 4096),
 # loop (loop_gpu.py: R/R 10 rounds + P/P, throughput), filtered (filtered_gpu.py: top-k / top-p / min-p runs),
-# processed (bench_processed_logprobs.py), matrix-a / matrix-b (loop_gpu.py --matrix, 4 cells each, 2
+# processed (bench_processed_logprobs.py), linear-tp (bench_linear_tp.py: the cost of rlk.gemm.tp.v1 per rank;
+# $LINEAR_TP_ARGS, e.g. --quick), vllm-mp (vllm_gpu.py R/R with VLLM_ENABLE_V1_MULTIPROCESSING=1: the engine core's
+# readbacks), matrix-a / matrix-b (loop_gpu.py --matrix, 4 cells each, 2
 # rounds), hybrid (megatron_gpu.py --hybrid), megatron (megatron_gpu.py: step time), cuda (build rlk_core._C + cubins, the rlk.cuda and
 # log-prob GPU tests — or the files in $CUDA_TESTS, selected by $CUDA_TESTS_K and marker $CUDA_MARK (default "gpu and
 # not multi_gpu") —, host_overhead.py $HOST_SECTIONS within $HOST_CAP s, default 90, 0: none), tests ($GPU_TESTS, default tests/gpu, no
@@ -36,7 +38,7 @@ ROOT=$(cd "$HERE/../.." && pwd)
 SHIP=/tmp/ship
 declare -A CAP=([vllm]=420 [vllm-filtered]=420 [vllm-capture]=300 [loop]=420 [matrix-a]=400 [matrix-b]=400 [hybrid]=180
                 [megatron]=240 [cuda]=330 [local]=420 [tests]=300 [profile]=200 [exact]=560 [exact-megatron]=240
-                [exact-vllm]=480 [exact-loop]=420 [filtered]=560 [processed]=240)
+                [exact-vllm]=480 [exact-loop]=420 [filtered]=560 [processed]=240 [linear-tp]=150 [vllm-mp]=200)
 
 prepare() {
     cd "$ROOT" || exit 2
@@ -136,6 +138,13 @@ stage() {  # stage NAME SECONDS
         processed)  # bench_processed_logprobs.py (kernels as built: run after cuda)
             (cd "$G/benchmarks" && RLK_BENCH_OUT="$out" timeout "$cap" $py bench_processed_logprobs.py \
                 > "$out/processed.log" 2>&1); tail -20 "$out/processed.log" ;;
+        linear-tp)  # bench_linear_tp.py (kernels as built: run after cuda, or rlk.triton's JIT serves)
+            # shellcheck disable=SC2086
+            (cd "$G/benchmarks" && RLK_BENCH_OUT="$out" timeout "$cap" $py bench_linear_tp.py ${LINEAR_TP_ARGS:-} \
+                > "$out/linear_tp.log" 2>&1); tail -30 "$out/linear_tp.log" ;;
+        vllm-mp)  # R/R only, the engine core in its own process (vLLM's default): its readbacks must carry what ran
+            timeout "$cap" $py "$G/benchmarks/frameworks/vllm_gpu.py" --multiprocessing --skip pp,bi --prompts 64 \
+                --gen-budget-s 15 --gen-repeats 1 --budget-s $((cap - 15)) --out "$out" ;;
         megatron) timeout "$cap" $py "$G/benchmarks/frameworks/megatron_gpu.py" --budget-s $((cap - 40)) --out "$out" ;;
         cuda)
             # $RLK_BUILD_OPS / $RLK_BUILD_DTYPES (setup.py) limit the AOT families and dtypes built (the GPU suite skips,

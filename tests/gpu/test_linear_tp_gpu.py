@@ -2,7 +2,7 @@
 K slice run with that rank's own launch (its shapes, G / TP leaves), the partials merged by rlk.collective.v1's rank
 tree in process (``tree_sum_fp32``) and rounded once — TP 1, 2, 4, 8 bitwise equal on the Qwen3-8B row-parallel
 shapes at decode and training M; batch-invariant; close to the reference; the native per-rank GEMM + sum differs.
-(Written with the op; not run yet: no GPU session has run it.)"""
+(Part of the GPU suite since it was written: passed in the clean run of `tests/gpu` at `c9d2ad4`.)"""
 
 from __future__ import annotations
 

@@ -13,8 +13,8 @@ side's detail and every check), the manifest and every metrics line carry it too
 all readbacks must carry one digest (``CONTRACT_DIGEST_SIDES_DIFFER``), its document must agree with the readback's
 plan and with what the readback says executed (contract ids and backends of the R/R modules), the manifest's and the
 metrics lines' digests must be that digest (``CONTRACT_DIGEST_DISAGREES``), and where the manifest records a digest
-every readback of a process that executed an op must carry it (``CONTRACT_DIGEST_MISSING``). A run that records no digest anywhere (an older run,
-a VIME run) is not checked here.
+every readback of a process that executed an op must carry it (``CONTRACT_DIGEST_MISSING``). A run that records no
+digest anywhere (an older run, a VIME run) is not checked here.
 """
 
 from __future__ import annotations
