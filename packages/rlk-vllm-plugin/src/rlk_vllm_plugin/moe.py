@@ -10,6 +10,10 @@ layout rlk takes as it is), and the slot-order ``moe_combine``. The weights are 
 CPU path packs them for its sgl kernel) and no fused-MoE kernel set up. For a ``P`` ffn every method is vLLM's own,
 unchanged, and counted as a production call.
 
+vLLM's routed-experts record (``enable_return_routed_experts``: each sample's ``[tokens, layers, k]`` expert ids) is
+filled by a capture hook its router calls from ``select_experts``; a monolithic method selects the experts itself, so
+the R method hands rlk's ids to that hook (``layer.router.capture_fn``) as the router would.
+
 What an ``R`` ffn refuses (a violation: strict raises): expert parallelism (``expert_map``), grouped top-k, a score
 function other than softmax, a score-correction bias, a routed scaling factor other than 1, router weights applied
 on the input, a custom routing function, an activation other than SiLU, expert biases.
@@ -55,6 +59,9 @@ def rlk_experts(layer: Any, x: torch.Tensor, router_logits: torch.Tensor) -> tor
     for p in problems(layer):
         rt.violation(p)
     weights, ids = _runtime.rlk("ffn", "moe_topk", router_logits, int(layer.top_k), bool(layer.renormalize))
+    capture = getattr(getattr(layer, "router", None), "capture_fn", None)
+    if capture is not None:  # vLLM's routed-experts record (enable_return_routed_experts): rlk's ids, as its router's
+        capture(ids)
     w13, w2 = layer.w13_weight, layer.w2_weight
     r = route(ids, weights, w13.shape[0])
     k = ids.shape[1]

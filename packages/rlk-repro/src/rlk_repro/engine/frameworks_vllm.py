@@ -8,6 +8,13 @@ the same tokens). The model starts from dummy weights and receives the trainer's
 (:mod:`rlk_vllm_plugin.weight_sync`), exactly as after every update. Sampling: ``n`` samples per prompt,
 ``logprobs=0`` (the sampled token's log-prob, ``logprobs_mode=processed_logprobs`` as VIME runs it: after
 temperature and the filters), temperature, top-p, top-k and min-p as configured, one seed per prompt.
+
+A Qwen3-MoE model (issue 36): ``config.json`` says ``Qwen3MoeForCausalLM`` and vLLM's ``FusedMoE`` layers receive the
+trainer's experts as every other weight (per expert, into ``w13_weight`` / ``w2_weight``). The routing record is vLLM's
+own: ``enable_return_routed_experts`` (each finished sample's ``CompletionOutput.routed_experts``, ``[prompt + response
+- 1, layers, k]``, from the routers' capture hook — under an R ffn the plugin's method feeds that hook with rlk's ids,
+``rlk_vllm_plugin.moe``). FlashInfer's fused MoE is kept off (``VLLM_USE_FLASHINFER_MOE_FP16=0``): it reorders the
+expert weights at load time, which an in-place update from the trainer's layout would leave wrong.
 """
 
 from __future__ import annotations
@@ -22,7 +29,7 @@ from typing import Any
 # set before vLLM is imported or an engine starts (a variable already set by the user is kept)
 VLLM_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_USE_FLASHINFER_SAMPLER": "0", "VLLM_USE_DEEP_GEMM": "0",
             "VLLM_NO_USAGE_STATS": "1", "HF_HUB_OFFLINE": "1", "VLLM_DISABLE_COMPILE_CACHE": "1",
-            "TOKENIZERS_PARALLELISM": "false"}
+            "TOKENIZERS_PARALLELISM": "false", "VLLM_USE_FLASHINFER_MOE_FP16": "0"}
 
 
 @dataclass
@@ -31,6 +38,7 @@ class Completion:
     tokens: list[int]
     logprobs: list[float]
     finish_reason: str | None
+    routing: Any = None  # MoE: [prompt + response - 1, layers, k] expert ids (torch.int64), vLLM's routed experts
 
 
 @dataclass
@@ -53,7 +61,8 @@ def write_model_dir(path: Path, cfg) -> Path:
 class VllmRollout:
     def __init__(self, model_dir: Path, *, dtype: str, seed: int, tp: int, max_model_len: int,
                  gpu_memory_utilization: float, enforce_eager: bool, attention_r: bool, max_num_seqs: int,
-                 max_num_batched_tokens: int, cuda_graphs: dict[str, Any] | None = None) -> None:
+                 max_num_batched_tokens: int, cuda_graphs: dict[str, Any] | None = None,
+                 routed_experts: bool = False) -> None:
         for k, v in VLLM_ENV.items():
             os.environ.setdefault(k, v)
         if os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] != "0":
@@ -76,6 +85,9 @@ class VllmRollout:
                                                            cudagraph_capture_sizes=cuda_graphs["capture_sizes"])
         if attention_r:
             kw["attention_backend"] = "CUSTOM"
+        self.routed_experts = routed_experts
+        if routed_experts:  # an MoE model: each sample's expert ids at every layer (vLLM's capture)
+            kw["enable_return_routed_experts"] = True
         self.kwargs = {k: v for k, v in kw.items() if k != "model"}
         t0 = time.perf_counter()
         self.llm = LLM(**kw)
@@ -101,9 +113,28 @@ class VllmRollout:
                 if c.logprobs is None or len(c.logprobs) != len(toks):
                     raise RuntimeError(f"vLLM returned no log-prob for some sampled tokens of prompt {i}")
                 lps = [float(lp[t].logprob) for lp, t in zip(c.logprobs, toks, strict=True)]
-                comps.append(Completion(i, toks, lps, c.finish_reason))
+                comps.append(Completion(i, toks, lps, c.finish_reason,
+                                        self._routing(c, len(prompts[i]) + len(toks) - 1, i)))
         gen = sum(len(c.tokens) for c in comps)
         return RolloutResult(comps, seconds, sum(len(p) for p in prompts) * n, gen)
+
+    def _routing(self, c, positions: int, prompt: int):
+        """A sample's routed experts as ``[positions, layers, k]`` int64 (None unless asked for); refused when vLLM
+        returned none or another number of positions (a routing record that does not cover the sample)."""
+        if not self.routed_experts:
+            return None
+        import numpy as np
+        import torch
+
+        got = getattr(c, "routed_experts", None)
+        if got is None:
+            raise RuntimeError(f"vLLM returned no routed experts for a sample of prompt {prompt} "
+                               "(enable_return_routed_experts is on)")
+        arr = np.asarray(got)
+        if arr.ndim != 3 or arr.shape[0] != positions:
+            raise RuntimeError(f"vLLM's routed experts for a sample of prompt {prompt} have shape {arr.shape}, not "
+                               f"({positions}, layers, k): prompt + response - 1 positions")
+        return torch.from_numpy(arr.astype(np.int64))
 
     def load_weights(self, weights) -> dict[str, Any]:
         from rlk_vllm_plugin.weight_sync import load_weights
