@@ -38,8 +38,8 @@ def test_vllm_throughput_stages_cpu(worker, tmp_path):
 
 
 def test_moe_loop_summaries_read_a_run_directory(tmp_path):
-    """moe_loop_gpu.py's K3 KL and routing summaries on a run directory written by rlk-repro's own writers: K3 is 0 where
-    the two sides agree and ``mean(r - 1 - log r)`` where they do not; the routing counts are the rounds' sums."""
+    """moe_loop_gpu.py's K3 KL and routing summaries on a run directory written by rlk-repro's own writers: K3 is 0
+    where the two sides agree and ``mean(r - 1 - log r)`` where they do not; the routing counts are the rounds' sums."""
     import math
 
     import torch

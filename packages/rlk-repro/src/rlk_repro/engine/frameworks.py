@@ -355,7 +355,8 @@ class _Run:
             # THD vs padded) or is a measurement (start time), so a matrix does not compare it across cells
             "runtime": {"vllm": self.vllm.info(), "megatron_rlk_layers": self.trainer.layer_counts,
                         "train_layout": "thd" if self.trainer.r_attention else "sbhd (padded; P attention)",
-                        **({"megatron_experts": self.trainer.experts, "vllm_routed_experts": True}
+                        **({"megatron_experts": self.trainer.experts,
+                            "vllm_routing_record": "rlk_vllm_plugin.moe (Model Runner V2)"}
                            if self.model_cfg.is_moe else {}),
                         "initial_weight_sync": self.initial_sync},
         }
