@@ -2,6 +2,7 @@
 # One GPU sitting with real vLLM + megatron-core: prepare on the CPU machine, move in N device calls, run stages.
 #
 #   bash benchmarks/frameworks/sitting.sh prepare     # CPU machine: prints N and the calls to make
+#   MOE=1 bash benchmarks/frameworks/sitting.sh prepare   # the same with vLLM's MoE kernels (for stage moe-loop)
 #   calls 1..N-1, carry [".xfer/callK"]:  bash benchmarks/frameworks/sitting.sh recv K
 #   call N, carry [".xfer/callN"]:        bash benchmarks/frameworks/sitting.sh recv-last N STAGE[:SECONDS] ...
 #   later calls (warm machine):           bash benchmarks/frameworks/sitting.sh run STAGE[:SECONDS] ...
@@ -22,10 +23,11 @@
 # bitwise tests of the adapters in the real frameworks and of the frameworks loop; $EXACT_MARK, default
 # "gpu and not multi_gpu"; the loop's R/R run directory is kept as rr-run/), exact (every one of them; $EXACT_MARK
 # "multi_gpu" on an x2 machine), vllm (vllm_gpu.py: throughput), vllm-capture (R/R and P/P with --capture-max 4096),
-# loop (loop_gpu.py: R/R 10 rounds + P/P, throughput), filtered (filtered_gpu.py: top-k / top-p / min-p runs),
-# processed (bench_processed_logprobs.py), linear-tp (bench_linear_tp.py: the cost of rlk.gemm.tp.v1 per rank;
-# $LINEAR_TP_ARGS, e.g. --quick), vllm-mp (vllm_gpu.py R/R with VLLM_ENABLE_V1_MULTIPROCESSING=1: the engine core's
-# readbacks), matrix-a / matrix-b (loop_gpu.py --matrix, 4 cells each, 2
+# loop (loop_gpu.py: R/R 10 rounds + P/P, throughput), moe-loop (moe_loop_gpu.py: Qwen3-MoE R/R 5 rounds + P/P 3,
+# rlk-validate on both, routing and K3 KL; needs `MOE=1 ... prepare`: the site with vLLM's MoE kernels), filtered
+# (filtered_gpu.py: top-k / top-p / min-p runs), processed (bench_processed_logprobs.py), linear-tp (bench_linear_tp.py:
+# the cost of rlk.gemm.tp.v1 per rank; $LINEAR_TP_ARGS, e.g. --quick), vllm-mp (vllm_gpu.py R/R with
+# VLLM_ENABLE_V1_MULTIPROCESSING=1: the engine core's readbacks), matrix-a / matrix-b (loop_gpu.py --matrix, 4 cells each, 2
 # rounds), hybrid (megatron_gpu.py --hybrid), megatron (megatron_gpu.py: step time), cuda (build rlk_core._C + cubins, the rlk.cuda and
 # log-prob GPU tests — or the files in $CUDA_TESTS, selected by $CUDA_TESTS_K and marker $CUDA_MARK (default "gpu and
 # not multi_gpu") —, host_overhead.py $HOST_SECTIONS within $HOST_CAP s, default 90, 0: none), tests ($GPU_TESTS, default tests/gpu, no
@@ -36,21 +38,31 @@ set -u
 HERE=$(cd "$(dirname "$0")" && pwd)
 ROOT=$(cd "$HERE/../.." && pwd)
 SHIP=/tmp/ship
-declare -A CAP=([vllm]=420 [vllm-filtered]=420 [vllm-capture]=300 [loop]=420 [matrix-a]=400 [matrix-b]=400 [hybrid]=180
+declare -A CAP=([vllm]=420 [vllm-filtered]=420 [vllm-capture]=300 [loop]=420 [moe-loop]=560 [matrix-a]=400 [matrix-b]=400 [hybrid]=180
                 [megatron]=240 [cuda]=330 [local]=420 [tests]=300 [profile]=200 [exact]=560 [exact-megatron]=240
                 [exact-vllm]=480 [exact-loop]=420 [filtered]=560 [processed]=240 [linear-tp]=150 [vllm-mp]=200)
 
 prepare() {
     cd "$ROOT" || exit 2
     for d in /.xfer/ /.gpu-src/; do grep -qxF "$d" .git/info/exclude || echo "$d" >> .git/info/exclude; done
-    if [ ! -d .xfer/src ]; then  # make-site.sh's output, kept once under .xfer/src
-        [ -f .xfer/1/vllm_site.tar.xz.part_00 ] || bash ../shared/tools/frameworks-on-h200/make-site.sh .xfer || exit 3
-        mkdir -p .xfer/src && mv .xfer/1/vllm_site.tar.xz.part_* .xfer/2/vllm_site.tar.xz.part_* .xfer/2/*.sha256 \
-            .xfer/2/megatron_core-0.19.2-*.whl .xfer/src/ || exit 3
+    # make-site.sh's output, kept once under .xfer/src; MOE=1: the site with vLLM's MoE kernels (make-site.sh's three
+    # parts: OUT/3 holds every part after the second), kept apart under .xfer/src-moe (built in .xfer/moe)
+    local src=.xfer/src site=.xfer
+    [ "${MOE:-0}" = 1 ] && { src=.xfer/src-moe; site=.xfer/moe; }
+    if [ ! -d "$src" ]; then
+        [ -f "$site/1/vllm_site.tar.xz.part_00" ] || MOE=${MOE:-0} bash ../shared/tools/frameworks-on-h200/make-site.sh \
+            "$site" || exit 3
+        if [ "${MOE:-0}" = 1 ] && ! ls "$site"/3/vllm_site.tar.xz.part_* >/dev/null 2>&1; then
+            echo "MOE=1: $site/3 has no site part (make-site.sh MOE=1 makes three parts)"; exit 3
+        fi
+        mkdir -p "$src" && mv "$site"/1/vllm_site.tar.xz.part_* "$site"/2/vllm_site.tar.xz.part_* "$site"/2/*.sha256 \
+            "$site"/2/megatron_core-0.19.2-*.whl "$src/" || exit 3
+        if [ -d "$site/3" ]; then mv "$site"/3/vllm_site.tar.xz.part_* "$src/" || exit 3; fi
     fi
     local b=/tmp/rlk-bundle
     rm -rf "$b" "$b".part_* .xfer/call* && mkdir -p "$b" || exit 4
-    cat .xfer/src/vllm_site.tar.xz.part_* > "$b/vllm_site.tar.xz" && cp .xfer/src/*.sha256 .xfer/src/megatron_core-0.19.2-*.whl "$b/"
+    # every site part in order (part_00, part_01 and, MOE=1, part_02...): the sha256 below checks the whole
+    cat "$src"/vllm_site.tar.xz.part_* > "$b/vllm_site.tar.xz" && cp "$src"/*.sha256 "$src"/megatron_core-0.19.2-*.whl "$b/"
     (cd "$b" && sha256sum -c vllm_site.tar.xz.sha256 >/dev/null) || exit 4
     ship_archive "$b/ship.tar.xz" || exit 4
     local tree shared cap n=0
@@ -104,7 +116,9 @@ recv_last() {
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/mcore /tmp/xfer/megatron_core-0.19.2-*.whl \
         || exit 5
     mkdir -p "$SHIP" && tar -xJf /tmp/xfer/ship.tar.xz -C "$SHIP" || exit 6
-    echo "site, megatron-core and code ($(cat "$SHIP/.gpu-src/packages/rlk-repro/src/rlk_repro/REVISION")) in place"
+    local moe="without vLLM's MoE kernels"
+    [ -f /tmp/site/vllm/_moe_C.abi3.so ] && moe="with vLLM's MoE kernels (_moe_C)"
+    echo "site ($moe), megatron-core and code ($(cat "$SHIP/.gpu-src/packages/rlk-repro/src/rlk_repro/REVISION")) in place"
 }
 
 stage() {  # stage NAME SECONDS
@@ -124,6 +138,14 @@ stage() {  # stage NAME SECONDS
         vllm-capture) timeout "$cap" $py "$G/benchmarks/frameworks/vllm_gpu.py" --capture-max 4096 \
                           --skip eager,recompute,bi --budget-s $((cap - 15)) --out "$out" ;;
         loop) timeout "$cap" $py "$G/benchmarks/frameworks/loop_gpu.py" --out "$out" --native-rounds 3 ;;
+        moe-loop)  # moe_loop_gpu.py: a Qwen3-MoE model, R/R ($MOE_ROUNDS, default 5) + P/P (3 rounds), rlk-validate on
+            # both; the site must carry vLLM's MoE kernels (MOE=1 prepare) for P/P's fused MoE; $MOE_MODEL, $MOE_PROMPTS
+            [ -f /tmp/site/vllm/_moe_C.abi3.so ] || echo "moe-loop: the site has no vllm/_moe_C.abi3.so (prepare with MOE=1)"
+            timeout "$cap" $py "$G/benchmarks/frameworks/moe_loop_gpu.py" --out "$out" \
+                --model "${MOE_MODEL:-qwen3-moe-30b-a3b-L2}" --rounds "${MOE_ROUNDS:-5}" --prompts "${MOE_PROMPTS:-64}" \
+                --rr-cap-s $(( (cap - 40) * 3 / 5 )) --pp-cap-s $(( (cap - 40) * 2 / 5 - 40 )) \
+                > "$out/moe-loop.log" 2>&1
+            echo "moe_loop_gpu rc $?"; tail -20 "$out/moe-loop.log"; rm -rf "$out/plugin-site" ;;
         matrix-a) timeout "$cap" $py "$G/benchmarks/frameworks/loop_gpu.py" --out "$out" --rounds 2 --prompts 32 \
                       --max-new-tokens 64 --matrix control-RR,native-PP,attention-RP,attention-PR \
                       --matrix-cap-s $((cap - 20)) ;;

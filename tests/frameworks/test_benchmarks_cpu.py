@@ -35,3 +35,30 @@ def test_vllm_throughput_stages_cpu(worker, tmp_path):
     doc = json.loads((tmp_path / "vllm_gpu.json").read_text())
     assert set(doc["throughput"]["ratios"]) == {"rr_vs_native", "rr_vs_batch_invariant"}
     assert len(doc["stages"]["rr"]["result"]["generate"]["seconds_each"]) == 2
+
+
+def test_moe_loop_summaries_read_a_run_directory(tmp_path):
+    """moe_loop_gpu.py's K3 KL and routing summaries on a run directory written by rlk-repro's own writers: K3 is 0
+    where the two sides agree and ``mean(r - 1 - log r)`` where they do not; the routing counts are the rounds' sums."""
+    import math
+
+    import torch
+
+    sys.path.insert(0, str(BENCH))
+    from moe_loop_gpu import k3_kl, routing
+
+    from rlk_repro import runs
+
+    roll = [torch.tensor([-1.0, -2.0]), torch.tensor([-0.5])]
+    (tmp_path / "train-data").mkdir()
+    runs.write_train_data(tmp_path, 0, 0, [[1, 2], [3]], [[4, 5], [6]], roll, roll, [0.0, 1.0], [0.0, 0.0])
+    assert k3_kl(tmp_path) == {"k3_kl_mean": 0.0, "k3_tokens": 3}
+    train = [torch.tensor([-1.5, -2.0]), torch.tensor([-0.25])]
+    runs.write_train_data(tmp_path, 1, 0, [[1, 2], [3]], [[4, 5], [6]], roll, train, [0.0, 1.0], [0.0, 0.0])
+    want = sum(math.expm1(d) - d for d in (-0.5, 0.0, 0.25)) / 6  # both rounds: 6 tokens
+    assert abs(k3_kl(tmp_path)["k3_kl_mean"] - want) < 1e-12
+    rows = [{"routing_compared_tokens": 10, "routing_mismatch_tokens": 0},
+            {"routing_compared_tokens": 30, "routing_mismatch_tokens": 3}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert routing(tmp_path) == {"routing_compared_tokens": 40, "routing_mismatch_tokens": 3,
+                                 "routing_mismatch_fraction": 0.075, "routing_rounds": 2}

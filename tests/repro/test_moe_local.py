@@ -201,10 +201,12 @@ def test_the_report_shows_the_routing_diagnostic(moe_rr, rr_run, tmp_path):
     assert "routing" in (moe_rr.run_dir / "report" / "summary.md").read_text()
 
 
-def test_the_cli_takes_the_moe_presets_and_the_frameworks_engine_refuses_them():
+def test_the_cli_takes_the_moe_presets_and_the_frameworks_engine_runs_them_at_tp_1():
     from rlk_repro.engine.frameworks import FrameworksRunConfig
     from rlk_repro.model.config import preset_name
 
     assert preset_name("qwen3-moe-30b-a3b-L4") == "qwen3-moe-30b-a3b-L4"
-    with pytest.raises(RlkConfigError, match="does not run MoE models"):
-        FrameworksRunConfig(model=MOE, device="cuda", dtype="bfloat16", top_p=1.0).validate()
+    FrameworksRunConfig(model=MOE, device="cuda", dtype="bfloat16", top_p=1.0).validate()
+    with pytest.raises(RlkConfigError, match="runs a Qwen3-MoE model at TP 1"):
+        FrameworksRunConfig(model=MOE, device="cuda", dtype="bfloat16", top_p=1.0, tp=2, train_tp=2,
+                            rollout_tp=2).validate()

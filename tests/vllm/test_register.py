@@ -144,3 +144,29 @@ def test_strict_refuses_a_hook_target_whose_signature_lost_a_parameter(plugin, m
         plugin(logp="P/R")
     from vllm.model_executor.custom_op import op_registry_oot
     assert not op_registry_oot
+
+
+def test_an_inherited_is_monolithic_is_found_as_vllm_033_has_it(plugin, monkeypatch):
+    """vLLM 0.33's ``UnquantizedFusedMoEMethod`` inherits ``is_monolithic`` from ``FusedMoEMethodBase`` (0.22 defines it
+    on the class): the plugin overrides it in its subclass either way, so the probe takes the inherited property; a
+    vLLM where no class of the MRO defines it is still refused, and names it."""
+    from vllm.model_executor.layers.fused_moe.fused_moe_method_base import FusedMoEMethodBase
+    from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
+
+    import rlk_vllm_plugin
+    from rlk_core.errors import RlkPolicyError
+    from rlk_vllm_plugin import _compat
+
+    target = ("vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method:"
+              "UnquantizedFusedMoEMethod.is_monolithic")
+    monkeypatch.delattr(UnquantizedFusedMoEMethod, "is_monolithic")  # 0.33's class: the base's property only
+    assert _compat._resolve(target) is vars(FusedMoEMethodBase)["is_monolithic"]
+    rt = plugin(ffn="R/R")
+    assert rt is not None and not _compat.probe(("count",)).missing
+    from vllm.model_executor.custom_op import op_registry_oot
+    assert "UnquantizedFusedMoEMethod" in op_registry_oot
+    rlk_vllm_plugin.uninstall()
+    monkeypatch.delattr(FusedMoEMethodBase, "is_monolithic")  # no class defines it: refused, by name
+    with pytest.raises(RlkPolicyError, match=r"lacks: .*UnquantizedFusedMoEMethod\.is_monolithic \(AttributeError: "
+                                             r"neither UnquantizedFusedMoEMethod nor its bases"):
+        plugin(ffn="R/R")

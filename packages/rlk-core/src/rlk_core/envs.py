@@ -179,6 +179,10 @@ ENV_VARS: tuple[EnvVar, ...] = (
            "processed log-prob over the kept set of top-k / top-p / min-p (sampling stays filtered). Unset: the "
            "processed log-prob (contract rlk.logp.processed.v1), vLLM's processed_logprobs semantics.",
            ("1", "0", "true", "false")),
+    EnvVar("RL_KERNEL_VLLM_MOE_ROUTING", _bool, False,
+           "vLLM, MoE models on Model Runner V2: record every computed token's k expert ids at every FusedMoE layer "
+           "(under ffn R rlk's, under P vLLM's router's) per request and position, for the routing diagnostic "
+           "(rlk_vllm_plugin.moe.take_routing). Unset: nothing recorded.", ("1", "0", "true", "false")),
     EnvVar("RL_KERNEL_LOGP_SAMPLING", _sampling, None,
            "Megatron, logp R: the rollout's filters (e.g. top_k=40,top_p=0.95,min_p=0.05). The trainer then finds "
            "each position's kept set from its own logits and computes the processed log-prob over it (contract "

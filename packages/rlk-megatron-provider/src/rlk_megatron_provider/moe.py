@@ -251,6 +251,30 @@ def moe_spec(base) -> _compat.ModuleSpec:
                                                           router=RlkTopKRouter))
 
 
+def stock_router_without_te() -> bool:
+    """Target: ``megatron.core.transformer.moe.moe_utils.te_general_gemm`` (a module attribute), for the stock
+    ``TopKRouter`` of a P ffn.
+
+    Why: megatron-core 0.16.1 imports ``te_general_gemm`` from TransformerEngine inside a ``try`` and, without TE,
+    leaves the name undefined; ``RouterGatingLinearFunction`` then tests ``te_general_gemm is not None`` and raises
+    ``NameError`` instead of taking its own ``torch.mm`` branch. The stock router cannot run without TE at all.
+    How: where TE is absent (``moe_utils.HAVE_TE`` false) and the name is undefined, it is set to ``None``: the branch
+    Megatron wrote for that case (``torch.mm`` in the router dtype) runs. With TE, or a megatron-core that defines the
+    name, nothing changes. Returns whether it set the name. rlk's router (an R ffn) never calls this GEMM.
+    Upstream status: a megatron-core bug (0.16.1); not reported from here.
+    Remove when: the supported megatron-core versions define the name without TE.
+    """
+    from megatron.core.transformer.moe import moe_utils
+
+    if getattr(moe_utils, "HAVE_TE", True) or hasattr(moe_utils, "te_general_gemm"):
+        return False
+    moe_utils.te_general_gemm = None
+    if _state.current() is not None:
+        _state.get().recorder.add_hook("stock_router_without_te", "megatron.core moe_utils.te_general_gemm",
+                                       "module-attribute")
+    return True
+
+
 def _all_gather(x: Tensor, group) -> list[Tensor]:
     parts = [torch.empty_like(x) for _ in range(group.size())]
     dist.all_gather(parts, x.contiguous(), group=group)

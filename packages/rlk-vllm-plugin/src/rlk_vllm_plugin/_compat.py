@@ -19,6 +19,9 @@ Known differences handled here (see ``shared/reference/vllm.md`` §10):
 - ``SiluAndMul`` on the CPU platform: 0.22 forces the eager ``forward_native``; 0.33 lets ``CustomOp``
   compile it (``maybe_compile``) when the op is disabled under a compiling config. Nothing to shim (the
   out-of-tree class inherits the dispatch), but the readback then shows compiled call sites for it.
+- ``UnquantizedFusedMoEMethod.is_monolithic``: 0.22 defines the property on the class (the CPU backend's escape
+  hatch); 0.33 inherits ``FusedMoEMethodBase``'s. The plugin's subclass overrides it either way, so the target is
+  :data:`INHERITED`: found on the class or a base.
 - CPU platform: 0.33 packs bf16 linear weights for its sgl-kernel GEMM on any AMX CPU (0.22 only with
   ``VLLM_CPU_SGL_KERNEL=1``); the weight is then emptied and an R linear layer is a violation (rlk cannot
   run it). Production runs on CUDA, where neither version packs.
@@ -80,6 +83,12 @@ TARGETS: dict[str, tuple[str, ...]] = {
     ),
 }
 
+# Targets the plugin overrides in a subclass rather than wrapping: defined on the named class or inherited from one
+# of its bases (vLLM 0.33's UnquantizedFusedMoEMethod inherits is_monolithic from FusedMoEMethodBase).
+INHERITED: frozenset[str] = frozenset({
+    "vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method:UnquantizedFusedMoEMethod.is_monolithic",
+})
+
 # Parameters (by name) a wrapped target must take: a target whose signature lacks one is named as missing.
 PARAMETERS: dict[str, tuple[str, ...]] = {
     "vllm.v1.worker.gpu.sample.sampler:Sampler.add_request": ("sampling_params",),
@@ -104,7 +113,16 @@ class Probe:
 def _resolve(target: str) -> Any:
     mod_name, _, attr = target.partition(":")
     obj: Any = importlib.import_module(mod_name)
-    for part in attr.split("."):
+    parts = attr.split(".")
+    for n, part in enumerate(parts):
+        inherited = target in INHERITED and n == len(parts) - 1
+        if isinstance(obj, type) and inherited:
+            # a subclass overrides it: the class or any base may define it (looked up without calling a property)
+            owner = next((c for c in obj.__mro__ if part in vars(c)), None)
+            if owner is None:
+                raise AttributeError(f"neither {obj.__qualname__} nor its bases define {part!r}")
+            obj = vars(owner)[part]
+            continue
         if isinstance(obj, type) and part not in vars(obj):
             # a class must define the hooked attribute itself: one inherited from a base is not the target
             raise AttributeError(f"{obj.__qualname__} does not define {part!r} itself")

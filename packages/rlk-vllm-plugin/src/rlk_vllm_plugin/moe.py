@@ -10,6 +10,14 @@ layout rlk takes as it is), and the slot-order ``moe_combine``. The weights are 
 CPU path packs them for its sgl kernel) and no fused-MoE kernel set up. For a ``P`` ffn every method is vLLM's own,
 unchanged, and counted as a production call.
 
+vLLM's routed-experts record (``enable_return_routed_experts``: each sample's ``[tokens, layers, k]`` expert ids) is
+filled by a capture hook its router calls from ``select_experts``; a monolithic method selects the experts itself, so
+the R method hands rlk's ids to that hook (``layer.router.capture_fn``) as the router would. vLLM 0.22 keeps that
+record to its V1 runner, and rlk's log-probs need Model Runner V2; so, with ``RL_KERNEL_VLLM_MOE_ROUTING=1``, the
+plugin keeps its own (:class:`RoutingRecord`): the same hook bound to every ``FusedMoE`` at load time writes each
+layer's ids into one static device buffer (what a captured CUDA graph then replays), and after every MRv2
+``execute_model`` the step's rows are filed by request id and token position (:func:`take_routing`).
+
 What an ``R`` ffn refuses (a violation: strict raises): expert parallelism (``expert_map``), grouped top-k, a score
 function other than softmax, a score-correction bias, a routed scaling factor other than 1, router weights applied
 on the input, a custom routing function, an activation other than SiLU, expert biases.
@@ -17,10 +25,12 @@ on the input, a custom routing function, an activation other than SiLU, expert b
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import torch
 
+from rlk_core import envs
 from rlk_core.ops.moe.layer import route
 from rlk_vllm_plugin import _compat, _runtime
 
@@ -55,6 +65,9 @@ def rlk_experts(layer: Any, x: torch.Tensor, router_logits: torch.Tensor) -> tor
     for p in problems(layer):
         rt.violation(p)
     weights, ids = _runtime.rlk("ffn", "moe_topk", router_logits, int(layer.top_k), bool(layer.renormalize))
+    capture = getattr(getattr(layer, "router", None), "capture_fn", None)
+    if capture is not None:  # vLLM's routed-experts record (enable_return_routed_experts): rlk's ids, as its router's
+        capture(ids)
     w13, w2 = layer.w13_weight, layer.w2_weight
     r = route(ids, weights, w13.shape[0])
     k = ids.shape[1]
@@ -62,6 +75,118 @@ def rlk_experts(layer: Any, x: torch.Tensor, router_logits: torch.Tensor) -> tor
     h = _runtime.rlk("ffn", "moe_grouped_linear", rows, w13, r.offsets)
     o = _runtime.rlk("ffn", "moe_grouped_linear", _runtime.rlk("ffn", "swiglu", h), w2, r.offsets)
     return _runtime.rlk("ffn", "moe_combine", o.index_select(0, r.inv).view(-1, k, o.shape[1]), weights)
+
+
+MRV2_RUNNER = "vllm.v1.worker.gpu.model_runner"
+_RECORD: list[RoutingRecord] = []  # the process's record (one engine per process), made at the first MoE layer's load
+
+
+class RoutingRecord:
+    """Every computed token's expert ids, per request id and position (``RL_KERNEL_VLLM_MOE_ROUTING=1``).
+
+    ``buf [max_tokens, layers, k]`` (int32, on the experts' device) receives layer ``l``'s ``[n, k]`` ids of a
+    forward in ``buf[:n, l]`` (from the routers' capture hook: a copy into a fixed buffer, so a CUDA graph replays it);
+    after the step :meth:`harvest` reads the real tokens' rows with the batch's request ids, query offsets and positions
+    (one device-to-host copy a step) and files them; a position computed twice (a preempted request) keeps its last
+    rows."""
+
+    def __init__(self, max_tokens: int, layers: int, top_k: int, device: torch.device) -> None:
+        self.buf = torch.zeros((max_tokens, layers, top_k), dtype=torch.int32, device=device)
+        self.layers = layers
+        self.rows: dict[str, dict[int, torch.Tensor]] = {}  # request id -> position -> [layers, k]
+
+    def capture(self, layer: int, ids: torch.Tensor) -> None:
+        self.buf[:ids.shape[0], layer] = ids
+
+    def harvest(self, batch: Any) -> None:
+        n = int(batch.num_tokens)
+        if n == 0:
+            return
+        rows = self.buf[:n].cpu()
+        pos = batch.positions[:n].cpu()
+        qsl = batch.query_start_loc_np
+        for b, req in enumerate(batch.req_ids[:batch.num_reqs]):
+            mine = self.rows.setdefault(req, {})
+            for t in range(int(qsl[b]), int(qsl[b + 1])):
+                mine[int(pos[t])] = rows[t]
+
+    def take(self) -> dict[str, torch.Tensor | None]:
+        """``{request id: [positions, layers, k] int64}`` for every request recorded since the last call (then
+        forgotten; vLLM's warm-up requests included); ``None`` for a request whose positions are not 0..N-1 (a
+        prefix-cache hit skips computing some: its caller refuses it)."""
+        out: dict[str, torch.Tensor | None] = {}
+        for req, by_pos in self.rows.items():
+            ok = sorted(by_pos) == list(range(len(by_pos)))
+            out[req] = torch.stack([by_pos[p] for p in range(len(by_pos))]).to(torch.int64) if ok else None
+        self.rows = {}
+        return out
+
+
+def take_routing() -> dict[str, torch.Tensor | None]:
+    """The process's MoE routing record since the last call (:meth:`RoutingRecord.take`); refused when none was made
+    (``RL_KERNEL_VLLM_MOE_ROUTING`` unset, no MoE model loaded, or not Model Runner V2)."""
+    if not _RECORD:
+        raise RuntimeError("rlk MoE routing record: none in this process (RL_KERNEL_VLLM_MOE_ROUTING=1 and an MoE "
+                           "model loaded on Model Runner V2 make one)")
+    return _RECORD[0].take()
+
+
+REQUEST_ID = re.compile(r"^(?:(\d+)_)?(.+)-[0-9A-Za-z]{8}$")
+
+
+def request_key(req_id: str) -> tuple[str, int] | None:
+    """``(external request id, sample index)`` of an engine-core request id: vLLM's ``LLM`` gives request ``r`` the id
+    ``r-<8 random characters>``, and the ``n > 1`` samples ``<i>_r-<8>`` (``ParentRequest.get_child_info``); None for
+    another form (vLLM's warm-up requests)."""
+    m = REQUEST_ID.match(req_id)
+    return None if m is None else (m.group(2), int(m.group(1) or 0))
+
+
+def _bind_record(layer: Any) -> None:
+    """At a ``FusedMoE``'s load (``RL_KERNEL_VLLM_MOE_ROUTING=1``): the process's record (made at the first layer, sized
+    by vLLM's batch budget and CUDA-graph sizes), the router's capture hook bound to it, MRv2's ``execute_model``
+    wrapped to file each step's rows. Idempotent."""
+    router = getattr(layer, "router", None)
+    if router is None or not hasattr(router, "set_capture_fn"):
+        _runtime.get().violation("RL_KERNEL_VLLM_MOE_ROUTING: this vLLM's FusedMoE has no router capture hook")
+        return
+    if not _RECORD:
+        vc = _compat.current_vllm_config()
+        budget = int(vc.scheduler_config.max_num_batched_tokens)
+        sizes = list(getattr(vc.compilation_config, "cudagraph_capture_sizes", None) or [])
+        hf = vc.model_config.hf_text_config
+        _RECORD.append(RoutingRecord(max([budget, *sizes]), int(hf.num_hidden_layers), int(layer.top_k),
+                                     layer.w13_weight.device))
+        _wrap_execute_model()
+    rec = _RECORD[0]
+    router.set_capture_fn(lambda ids, _layer=int(layer.layer_id): rec.capture(_layer, ids))
+
+
+def _wrap_execute_model() -> None:
+    runner = _compat.module(MRV2_RUNNER).GPUModelRunner
+    original = runner.execute_model
+    if getattr(original, "_rlk_original", None) is not None:
+        return
+
+    def execute_model(self, scheduler_output, *args, **kwargs):
+        out = original(self, scheduler_output, *args, **kwargs)
+        state = getattr(self, "execute_model_state", None)
+        if not kwargs.get("dummy_run", False) and state is not None and _RECORD:
+            _RECORD[0].harvest(state.input_batch)
+        return out
+
+    execute_model._rlk_original = original
+    runner.execute_model = execute_model
+    _runtime.get().recorder.add_hook("moe_routing", f"{MRV2_RUNNER}:GPUModelRunner.execute_model", "class-attribute")
+
+
+def unbind_routing() -> None:
+    """Undo :func:`_bind_record`'s ``execute_model`` wrapper and forget the record (tests)."""
+    runner = _compat.module(MRV2_RUNNER).GPUModelRunner
+    original = getattr(runner.execute_model, "_rlk_original", None)
+    if original is not None:
+        runner.execute_model = original
+    _RECORD.clear()
 
 
 def method_class() -> type:
@@ -84,6 +209,8 @@ def method_class() -> type:
             return True if r() else base.is_monolithic.fget(self)
 
         def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+            if envs.current("RL_KERNEL_VLLM_MOE_ROUTING"):
+                _bind_record(layer)
             if not r():
                 return base.process_weights_after_loading(self, layer)
             # the weights as loaded: the base's step before vLLM's (its own first call), no packing, no kernel

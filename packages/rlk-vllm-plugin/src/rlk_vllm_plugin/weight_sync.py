@@ -14,6 +14,13 @@ no weights, RoPE's cos/sin tables depend on (base, dims, positions) only; vLLM's
 ``UnquantizedLinearMethod`` / ``UnquantizedEmbeddingMethod.process_weights_after_loading`` do nothing on
 CUDA. Only vLLM's CPU platform derives a packed copy (``layer.cpu_linear`` with an emptied ``weight``);
 :func:`derived_copies` finds such layers and :func:`load_weights` refuses to update a model holding them.
+
+A ``FusedMoE`` layer (Qwen3-MoE, issue 36) holds all its experts in two parameters, ``w13_weight [E, 2I, H]`` (each
+expert's ``gate_proj`` rows, then ``up_proj``) and ``w2_weight [E, H, I]``, which vLLM's loader fills one Hugging Face
+tensor (``mlp.experts.<e>.{gate,up,down}_proj.weight``) at a time; a parameter counts as loaded once one expert reached
+it, so :func:`load_into_model` also checks that every expert of every such layer received its three tensors. vLLM's
+unquantized method keeps that layout on CUDA with its Triton kernels (FlashInfer's reorders it at load time: the
+frameworks engine keeps it off, ``VLLM_USE_FLASHINFER_MOE_FP16=0``).
 """
 
 from __future__ import annotations
@@ -46,22 +53,51 @@ def _fingerprint(t: torch.Tensor, chunk: int = 1 << 24) -> int:
     return int(total)
 
 
+def expert_layers(model: torch.nn.Module) -> dict[str, int]:
+    """The model's ``FusedMoE``-like layers (a ``w13_weight`` and a ``w2_weight``): module name -> experts held."""
+    return {name: int(m.w13_weight.shape[0]) for name, m in model.named_modules()
+            if isinstance(getattr(m, "w13_weight", None), torch.Tensor) and hasattr(m, "w2_weight")}
+
+
+def _missing_experts(layers: dict[str, int], names: set[str]) -> list[str]:
+    """The ``<layer>.<e>.<proj>`` Hugging Face tensors no weight was given for (expert parallelism aside: EP 1)."""
+    out = []
+    for layer, n in layers.items():
+        for e in range(n):
+            out += [f"{layer}.{e}.{proj}" for proj in ("gate_proj", "up_proj", "down_proj")
+                    if f"{layer}.{e}.{proj}.weight" not in names]
+    return out
+
+
 def load_into_model(model: torch.nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> dict[str, Any]:
     """``model.load_weights(weights)`` in place, checked: every parameter of ``model`` must be loaded
-    (``missing`` otherwise raises), and the parameters whose bytes changed are counted."""
+    (``missing`` otherwise raises), every expert of a ``FusedMoE`` layer too, and the parameters whose bytes
+    changed are counted."""
     stale = derived_copies(model)
     if stale:
         raise RuntimeError(f"rlk weight_sync: layers {stale[:4]} compute from a copy made at load time "
                            "(vLLM's CPU weight packing); an in-place update would leave it stale")
     params = dict(model.named_parameters())
+    layers = expert_layers(model)
+    given: set[str] = set()
+
+    def seen(pairs):
+        for name, t in pairs:
+            given.add(name)
+            yield name, t
+
     with torch.inference_mode():  # also allowed if vLLM created its parameters as inference tensors
         before = {n: _fingerprint(p) for n, p in params.items()}
-        loaded = model.load_weights(iter(weights))
+        loaded = model.load_weights(seen(iter(weights)))
         after = {n: _fingerprint(p) for n, p in params.items()}
     loaded = set(loaded or ())
     missing = sorted(set(params) - loaded)
     if missing:
         raise RuntimeError(f"rlk weight_sync: {len(missing)} vLLM parameters received no weight: {missing[:6]}")
+    experts = _missing_experts(layers, given)
+    if experts:
+        raise RuntimeError(f"rlk weight_sync: {len(experts)} expert weights of FusedMoE layers received no weight: "
+                           f"{experts[:6]}")
     unknown = sorted(loaded - set(params))
     return {"parameters": len(params), "loaded": len(loaded & set(params)), "unknown": unknown[:6],
             "changed": sum(before[n] != after[n] for n in params)}
@@ -80,4 +116,4 @@ def load_weights(llm: Any, weights: Iterable[tuple[str, torch.Tensor]]) -> dict[
     return out
 
 
-__all__ = ["derived_copies", "load_into_model", "load_weights"]
+__all__ = ["derived_copies", "expert_layers", "load_into_model", "load_weights"]

@@ -6,9 +6,10 @@ Megatron beside it, on one default process group (NCCL) that both frameworks sha
 ``torchrun --nproc-per-node N``, every rank holding ``LLM(tensor_parallel_size=N,
 distributed_executor_backend="external_launcher")`` and the Megatron model with the same TP. Rank 0 creates
 the run directory and writes the manifest, train-data, metrics and bitwise report (one data-parallel rank:
-the TP ranks hold the same log-probs); every process writes its two readbacks (``vllm-rollout-<pid>.json``
-from the plugin, ``megatron-train-<pid>.json`` from the provider). The artifacts are the local engine's, so
-``rlk-validate RUN --require-bitwise`` checks such a run unchanged.
+the TP ranks hold the same log-probs); a Qwen3-MoE model (TP 1) adds each round's routing diagnostic (tokens the
+two sides sent to another expert set, ``rlk_repro.engine.routing``); every process writes its two readbacks
+(``vllm-rollout-<pid>.json`` from the plugin, ``megatron-train-<pid>.json`` from the provider). The artifacts are the
+local engine's, so ``rlk-validate RUN --require-bitwise`` checks such a run unchanged.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from rlk_core.errors import RlkConfigError
 from rlk_repro import lifecycle, runs
 from rlk_repro.engine.local import DTYPES, LocalRunConfig, LocalRunResult, load_model, sampling_params
 from rlk_repro.engine.prompts import load_prompt_set, manifest_facts
+from rlk_repro.engine.routing import routing_metrics
 from rlk_repro.engine.trainer import Sample, group_advantages
 from rlk_repro.jitwatch import JitWatch
 from rlk_repro.jitwatch import counts as jit_counts
@@ -89,9 +91,9 @@ class FrameworksRunConfig(LocalRunConfig):
             raise RlkConfigError("--static-weights is an option of the local engine")
         if self.dtype != "bfloat16":
             raise RlkConfigError(f"--engine frameworks runs bfloat16 (vLLM and Megatron), not {self.dtype}")
-        if self.checkpoint is None and self.model_path is None and preset(self.model).is_moe:
-            raise RlkConfigError(f"--model {self.model}: the frameworks engine does not run MoE models yet (issue 36; "
-                                 "the local engine does)")
+        if self.checkpoint is None and self.model_path is None and preset(self.model).is_moe and self.tp != 1:
+            raise RlkConfigError(f"--model {self.model}: the frameworks engine runs a Qwen3-MoE model at TP 1, not "
+                                 f"--tp {self.tp} (issue 36: expert / tensor parallelism on GPUs is not covered yet)")
 
 
 def contract_handshake(cfg: FrameworksRunConfig, device_type: str, train: tuple[Any, Any, int | None],
@@ -286,13 +288,16 @@ class _Run:
                                 cuda_graphs=cfg.cuda_graphs,
                                 attention_r=cfg.plan.uses_rlk("attention", "rollout"),
                                 max_num_seqs=cfg.vllm_max_num_seqs,
-                                max_num_batched_tokens=cfg.vllm_max_num_batched_tokens)
+                                max_num_batched_tokens=cfg.vllm_max_num_batched_tokens,
+                                routed_experts=self.model_cfg.is_moe)
         self.progress.line(f"vLLM ready in {self.vllm.start_seconds:.0f} s; building Megatron")
         init_model_parallel(cfg.tp, cfg.seed)
         self.trainer = MegatronTrainer(self.model_cfg, weights, tp=cfg.tp, rank=self.rank, device=self.device,
                                        dtype=DTYPES[cfg.dtype], temperature=cfg.temperature,
                                        optimizer=cfg.optimizer, lr=cfg.lr, micro_tokens=cfg.train_micro_tokens,
                                        sampling=sampling_params(cfg), processed=cfg.train_semantics == "processed")
+        if self.model_cfg.is_moe and cfg.tp != 1:
+            raise RlkConfigError(f"a Qwen3-MoE model runs at TP 1 in the frameworks engine, not --tp {cfg.tp}")
         del weights
         self.initial_sync = self.vllm.load_weights(self.trainer.hf_weights())
         self.digest = None
@@ -350,6 +355,9 @@ class _Run:
             # THD vs padded) or is a measurement (start time), so a matrix does not compare it across cells
             "runtime": {"vllm": self.vllm.info(), "megatron_rlk_layers": self.trainer.layer_counts,
                         "train_layout": "thd" if self.trainer.r_attention else "sbhd (padded; P attention)",
+                        **({"megatron_experts": self.trainer.experts,
+                            "vllm_routing_record": "rlk_vllm_plugin.moe (Model Runner V2)"}
+                           if self.model_cfg.is_moe else {}),
                         "initial_weight_sync": self.initial_sync},
         }
 
@@ -392,6 +400,8 @@ class _Run:
                                  torch.cat(roll_lp), vocab_size=self.model_cfg.vocab_size),
             "weight_sync_seconds": sync["seconds"], "vllm_parameters_changed": sync["changed"],
             "eos_finished": sum(c.finish_reason == "stop" for c in comps),
+            # issue 36: an MoE model's tokens the two sides routed to another expert set (rlk_repro.engine.routing)
+            **(routing_metrics([c.routing for c in comps], res.routing) if res.routing is not None else {}),
             "contract_digest": digest,
             "triton_jit": self.watch.take(),  # this rank's JIT compiles per phase (round 0's "setup": start-up)
             "python_gc": self.watch.take_gc(),  # this process's garbage collections per phase (their pauses)
@@ -401,8 +411,10 @@ class _Run:
         if self.lead:
             runs.append_jsonl(self.run_dir / "metrics.jsonl", row)
         log.info("round %d: %d tokens compared, %d mismatches (max |diff| %.3g), reward %.3f, loss %.4g, "
-                 "vLLM parameters changed: %d", rnd, cmp["element_count"], cmp["mismatch_count"],
-                 cmp["max_abs_diff"], row["reward_mean"], res.loss, sync["changed"])
+                 "vLLM parameters changed: %d%s", rnd, cmp["element_count"], cmp["mismatch_count"],
+                 cmp["max_abs_diff"], row["reward_mean"], res.loss, sync["changed"],
+                 f"; routing differs for {row['routing_mismatch_tokens']} of {row['routing_compared_tokens']} tokens"
+                 if "routing_compared_tokens" in row else "")
         self.progress.line(
             f"{self.clock.text(rnd, row)}; weight sync {sync['seconds']:.1f} s, vLLM parameters changed "
             f"{sync['changed']}; Triton JIT compiled / loaded: rollout "

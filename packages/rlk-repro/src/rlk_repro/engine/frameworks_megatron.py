@@ -10,6 +10,14 @@ the forward before the update: rlk's ``vocab_parallel_logprobs`` from the final 
 head for an R ``logp``; Megatron's logits + fp32 ``log_softmax`` for a P one. The loss is the local
 trainer's GRPO (PPO-clip, token mean), accumulated over micro-batches; the update is AdamW on fp32 master
 weights whose cast is what the model (and vLLM) then holds.
+
+A Qwen3-MoE model (issue 36) is built from Megatron's local MoE layer spec (``get_gpt_layer_local_spec(num_experts=E,
+moe_grouped_gemm=False)``): for an R ffn the provider puts its MoE layer there (``rlk_megatron_provider.moe``: rlk's
+router, grouped experts — ``GroupedMLP``'s parameter layout — and slot-order combine); for a P ffn the stock
+``MoELayer`` runs (``TopKRouter``, ``SequentialMLP``, the all-gather dispatcher). Both load the same Hugging Face
+weights (the converter's ``grouped`` / ``sequential`` expert layouts). No aux / z loss (the local trainer has none),
+EP 1, TP 1. Every forward records each token's ``k`` expert ids at every layer (a forward hook on each router), so a
+round reports how many tokens the two sides routed differently (``rlk_repro.engine.routing``).
 """
 
 from __future__ import annotations
@@ -32,6 +40,7 @@ class MegatronStep:
     grad_norm: float
     tokens: int
     seconds: float
+    routing: list[torch.Tensor] | None = None  # MoE: per sample, [tokens, layers, k] expert ids (prompt + response - 1)
 
 
 class MasterOptimizer:
@@ -69,10 +78,22 @@ def init_model_parallel(tp: int, seed: int) -> None:
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
 
+def moe_fields(cfg) -> dict:
+    """The ``TransformerConfig`` fields of a Qwen3-MoE model (none for a dense one): every layer sparse, top-k of a
+    softmax router renormalised over the k (``norm_topk_prob``: Megatron's ``moe_router_pre_softmax`` off), no aux /
+    z loss, no token dropping, the all-gather dispatcher."""
+    if not getattr(cfg, "is_moe", False):
+        return {}
+    return dict(num_moe_experts=cfg.num_experts, moe_router_topk=cfg.num_experts_per_tok,
+                moe_ffn_hidden_size=cfg.moe_intermediate_size, moe_router_pre_softmax=not cfg.norm_topk_prob,
+                moe_token_dispatcher_type="allgather", moe_aux_loss_coeff=0.0, moe_z_loss_coeff=None,
+                moe_router_load_balancing_type="none", moe_grouped_gemm=False)
+
+
 def transformer_config(cfg, tp: int, device: torch.device, dtype: torch.dtype):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    return TransformerConfig(
+    return TransformerConfig(**moe_fields(cfg),
         num_layers=cfg.num_hidden_layers, hidden_size=cfg.hidden_size, num_attention_heads=cfg.num_attention_heads,
         num_query_groups=cfg.num_key_value_heads, kv_channels=cfg.head_dim, ffn_hidden_size=cfg.intermediate_size,
         normalization="RMSNorm", layernorm_epsilon=cfg.rms_norm_eps, gated_linear_unit=True, activation_func=F.silu,
@@ -106,7 +127,19 @@ class MegatronTrainer:
         self.r_logp = self.state.rlk("logp")
         self.group = parallel_state.get_tensor_model_parallel_group() if tp > 1 else None
         tc = transformer_config(cfg, tp, device, dtype)
-        spec = prov.block_spec(tc, rope_theta=cfg.rope_theta)
+        self.moe = bool(getattr(cfg, "is_moe", False))
+        base = None
+        if self.moe:
+            from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+            from rlk_megatron_provider.moe import stock_router_without_te
+
+            if tp != 1:
+                raise RlkConfigError(f"a Qwen3-MoE model runs at TP 1 in the frameworks engine, not {tp}")
+            stock_router_without_te()  # a P router's GEMM on megatron-core 0.16.1 without TransformerEngine
+            base = get_gpt_layer_local_spec(num_experts=cfg.num_experts, moe_grouped_gemm=False, qk_layernorm=True,
+                                            normalization="RMSNorm")
+        spec = prov.block_spec(tc, rope_theta=cfg.rope_theta, base=base)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             model = GPTModel(tc, transformer_layer_spec=spec, vocab_size=cfg.vocab_size,
@@ -116,7 +149,11 @@ class MegatronTrainer:
                              pre_process=True, post_process=True, parallel_output=True)
         self.layer_counts = prov.prepare_model(model)
         self.model = model.to(device=device, dtype=dtype)  # what Float16Module does
-        sd = to_megatron(cfg, weights, tp, rank)
+        self.experts = self._expert_layout() if self.moe else "grouped"
+        self._routing: list[torch.Tensor] = []  # this forward's [S * B, k] expert ids, one per layer
+        if self.moe:
+            self._record_routing()
+        sd = to_megatron(cfg, weights, tp, rank, experts=self.experts)
         missing, unexpected = self.model.load_state_dict(sd, strict=False)
         missing = [k for k in missing if not k.endswith("_extra_state")]
         if missing or unexpected:
@@ -127,6 +164,48 @@ class MegatronTrainer:
         self.box: dict = {}
         if self.r_logp:
             self._hidden_head()
+
+    def _expert_layout(self) -> str:
+        """The converter's expert layout of the built model: rlk's experts keep ``GroupedMLP``'s parameters
+        (``grouped``), the stock local spec builds ``SequentialMLP`` (``sequential``)."""
+        from rlk_megatron_provider.moe import RlkGroupedExperts
+
+        kinds = {type(layer.mlp.experts).__name__ for layer in self.model.decoder.layers}
+        if kinds == {RlkGroupedExperts.__name__}:
+            return "grouped"
+        if kinds == {"SequentialMLP"}:
+            return "sequential"
+        raise RlkConfigError(f"the MoE layers' experts are {sorted(kinds)}: neither rlk's nor SequentialMLP")
+
+    def _record_routing(self) -> None:
+        """A forward hook on every layer's router keeping its tokens' ``k`` expert ids: rlk's router returns them
+        (``(weights, ids)``), the stock ``TopKRouter`` a ``[T, E]`` routing map (each row's ``k`` set columns, in
+        ascending id order: the set is what is compared)."""
+        k, e = self.cfg.num_experts_per_tok, self.cfg.num_experts
+        from rlk_megatron_provider.moe import RlkTopKRouter
+
+        def grab(mod, args, output):
+            if isinstance(mod, RlkTopKRouter):
+                ids = output[1]
+            else:
+                routing_map = output[1]
+                ids = torch.arange(e, device=routing_map.device).expand(routing_map.shape)[routing_map]
+                ids = ids.view(routing_map.shape[0], k)
+            self._routing.append(ids.detach())
+
+        for layer in self.model.decoder.layers:
+            layer.mlp.router.register_forward_hook(grab)
+
+    def _sample_routing(self, lens: list[int], starts: list[int], batch: int) -> list[torch.Tensor]:
+        """This forward's routing per sample, ``[len, layers, k]`` on the CPU: the router rows are the flattened
+        ``[S, B]`` positions (s-major; THD: B = 1 and ``starts`` the packed offsets, sbhd: sample ``i`` is column
+        ``i`` from position 0)."""
+        layers, self._routing = self._routing, []
+        if len(layers) != self.cfg.num_hidden_layers:
+            raise RuntimeError(f"routing recorded for {len(layers)} of {self.cfg.num_hidden_layers} MoE layers")
+        ids = torch.stack([t.view(-1, batch, t.shape[-1]) for t in layers], dim=2).cpu()  # [S, B, L, k]
+        cols = range(len(lens)) if batch > 1 else [0] * len(lens)
+        return [ids[st:st + n, c] for st, n, c in zip(starts, lens, cols, strict=True)]
 
     def _hidden_head(self) -> None:
         """``output_layer`` returns its input (the final-normed hidden states) and keeps the LM-head weight:
@@ -158,8 +237,9 @@ class MegatronTrainer:
             out.append(cur)
         return out
 
-    def _logprobs(self, samples: list[Sample]) -> torch.Tensor:
-        """fp32 log-probs of every response token of ``samples`` (one forward, in sample order)."""
+    def _logprobs(self, samples: list[Sample], routing: list[torch.Tensor] | None = None) -> torch.Tensor:
+        """fp32 log-probs of every response token of ``samples`` (one forward, in sample order); an MoE model's
+        per-sample expert ids appended to ``routing``."""
         dev = self.device
         seqs = [s.prompt + s.response for s in samples]
         lens = [len(q) - 1 for q in seqs]
@@ -182,6 +262,11 @@ class MegatronTrainer:
             mask = torch.triu(torch.ones(s_max, s_max, dtype=torch.bool, device=dev), diagonal=1)[None, None]
             starts = [i * s_max for i in range(len(seqs))]
             out = self.model(ids, pos, mask.expand(len(seqs), 1, s_max, s_max))
+        if self.moe:
+            got = (self._sample_routing(lens, starts, 1) if self.r_attention
+                   else self._sample_routing(lens, [0] * len(seqs), len(seqs)))
+            if routing is not None:
+                routing += got
         rows = torch.cat([torch.arange(st + len(s.prompt) - 1, st + len(s.prompt) - 1 + len(s.response), device=dev)
                           for st, s in zip(starts, samples, strict=True)])
         target = torch.tensor([t for s in samples for t in s.response], device=dev)
@@ -221,11 +306,12 @@ class MegatronTrainer:
         for p in self.params.values():
             p.grad = None
         per_sample: list[torch.Tensor] = []
+        routing: list[torch.Tensor] | None = [] if self.moe else None
         loss_sum = 0.0
         self.kept_sizes = []
         for idx in self.micro_batches(samples):
             mb = [samples[i] for i in idx]
-            lp = self._logprobs(mb)
+            lp = self._logprobs(mb, routing)
             adv = torch.tensor([s.advantage for s in mb for _ in s.response], device=self.device,
                                dtype=torch.float32)
             loss = -grpo_surrogate(lp, adv, self.clip_eps).sum() / total
@@ -242,7 +328,7 @@ class MegatronTrainer:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         tokens = sum(len(s.prompt) + len(s.response) - 1 for s in samples)
-        return MegatronStep(per_sample, loss_sum, grad_norm, tokens, time.perf_counter() - t0)
+        return MegatronStep(per_sample, loss_sum, grad_norm, tokens, time.perf_counter() - t0, routing)
 
     def state_shards(self) -> list[dict[str, torch.Tensor]]:
         """This model's parameters from every TP rank (all-gathered), in rank order."""
@@ -263,4 +349,4 @@ class MegatronTrainer:
         """The current weights as ``(Hugging Face name, full tensor)`` pairs (what vLLM loads)."""
         from rlk_megatron_provider.weights import hf_from_megatron
 
-        return hf_from_megatron(self.cfg, self.state_shards())
+        return hf_from_megatron(self.cfg, self.state_shards(), experts=self.experts)

@@ -8,6 +8,16 @@ the same tokens). The model starts from dummy weights and receives the trainer's
 (:mod:`rlk_vllm_plugin.weight_sync`), exactly as after every update. Sampling: ``n`` samples per prompt,
 ``logprobs=0`` (the sampled token's log-prob, ``logprobs_mode=processed_logprobs`` as VIME runs it: after
 temperature and the filters), temperature, top-p, top-k and min-p as configured, one seed per prompt.
+
+A Qwen3-MoE model (issue 36): ``config.json`` says ``Qwen3MoeForCausalLM`` and vLLM's ``FusedMoE`` layers receive the
+trainer's experts as every other weight (per expert, into ``w13_weight`` / ``w2_weight``). vLLM 0.22 runs MoE models on
+its V1 runner by default, whose log-probs rlk does not hook: the run asks for Model Runner V2
+(``VLLM_USE_V2_MODEL_RUNNER=1``, both modes). vLLM's own routed-experts record is V1-only there, so the plugin keeps one
+(``RL_KERNEL_VLLM_MOE_ROUTING=1``, ``rlk_vllm_plugin.moe.RoutingRecord``: every computed token's expert ids from the
+routers' capture hook, filed by request id and position); prefix caching is off so that every sample's prompt
+positions are computed (a cache hit would skip them). Each sample's record is ``[prompt + response - 1, layers, k]``.
+FlashInfer's fused MoE is kept off (``VLLM_USE_FLASHINFER_MOE_FP16=0``): it reorders the expert weights at load time,
+which an in-place update from the trainer's layout would leave wrong.
 """
 
 from __future__ import annotations
@@ -22,7 +32,7 @@ from typing import Any
 # set before vLLM is imported or an engine starts (a variable already set by the user is kept)
 VLLM_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_USE_FLASHINFER_SAMPLER": "0", "VLLM_USE_DEEP_GEMM": "0",
             "VLLM_NO_USAGE_STATS": "1", "HF_HUB_OFFLINE": "1", "VLLM_DISABLE_COMPILE_CACHE": "1",
-            "TOKENIZERS_PARALLELISM": "false"}
+            "TOKENIZERS_PARALLELISM": "false", "VLLM_USE_FLASHINFER_MOE_FP16": "0"}
 
 
 @dataclass
@@ -31,6 +41,7 @@ class Completion:
     tokens: list[int]
     logprobs: list[float]
     finish_reason: str | None
+    routing: Any = None  # MoE: [prompt + response - 1, layers, k] expert ids (torch.int64), the plugin's record
 
 
 @dataclass
@@ -53,9 +64,13 @@ def write_model_dir(path: Path, cfg) -> Path:
 class VllmRollout:
     def __init__(self, model_dir: Path, *, dtype: str, seed: int, tp: int, max_model_len: int,
                  gpu_memory_utilization: float, enforce_eager: bool, attention_r: bool, max_num_seqs: int,
-                 max_num_batched_tokens: int, cuda_graphs: dict[str, Any] | None = None) -> None:
+                 max_num_batched_tokens: int, cuda_graphs: dict[str, Any] | None = None,
+                 routed_experts: bool = False) -> None:
         for k, v in VLLM_ENV.items():
             os.environ.setdefault(k, v)
+        if routed_experts:  # an MoE model: Model Runner V2 (rlk's log-probs) and the plugin's routing record
+            os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1"
+            os.environ["RL_KERNEL_VLLM_MOE_ROUTING"] = "1"
         if os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] != "0":
             raise RuntimeError("--engine frameworks needs vLLM's engine core in this process "
                                "(VLLM_ENABLE_V1_MULTIPROCESSING=0): the weight update passes tensors by reference")
@@ -76,6 +91,9 @@ class VllmRollout:
                                                            cudagraph_capture_sizes=cuda_graphs["capture_sizes"])
         if attention_r:
             kw["attention_backend"] = "CUSTOM"
+        self.routed_experts = routed_experts
+        if routed_experts:  # every prompt position computed for every sample (the routing record covers it)
+            kw["enable_prefix_caching"] = False
         self.kwargs = {k: v for k, v in kw.items() if k != "model"}
         t0 = time.perf_counter()
         self.llm = LLM(**kw)
@@ -94,6 +112,7 @@ class VllmRollout:
         t0 = time.perf_counter()
         outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], sps, use_tqdm=False)
         seconds = time.perf_counter() - t0
+        routing = self._take_routing()
         comps = []
         for i, out in enumerate(outs):
             for c in sorted(out.outputs, key=lambda c: c.index):
@@ -101,9 +120,37 @@ class VllmRollout:
                 if c.logprobs is None or len(c.logprobs) != len(toks):
                     raise RuntimeError(f"vLLM returned no log-prob for some sampled tokens of prompt {i}")
                 lps = [float(lp[t].logprob) for lp, t in zip(c.logprobs, toks, strict=True)]
-                comps.append(Completion(i, toks, lps, c.finish_reason))
+                ids = None
+                if routing is not None:
+                    ids = self._routing(routing, (str(out.request_id), int(c.index)), len(prompts[i]) + len(toks) - 1,
+                                        i)
+                comps.append(Completion(i, toks, lps, c.finish_reason, ids))
         gen = sum(len(c.tokens) for c in comps)
         return RolloutResult(comps, seconds, sum(len(p) for p in prompts) * n, gen)
+
+    def _take_routing(self) -> dict[tuple[str, int], Any] | None:
+        """The plugin's routing record of the requests just run, by (request id, sample index); None unless asked."""
+        if not self.routed_experts:
+            return None
+        from rlk_vllm_plugin import moe
+
+        keyed = {moe.request_key(req): ids for req, ids in moe.take_routing().items()}
+        return {k: v for k, v in keyed.items() if k is not None}
+
+    @staticmethod
+    def _routing(routing: dict, key: tuple[str, int], positions: int, prompt: int):
+        """A sample's ``[positions, layers, k]`` expert ids; refused when the record lacks the sample or covers
+        another number of positions than prompt + response - 1."""
+        if key not in routing:
+            raise RuntimeError(f"the vLLM routing record has no sample {key[1]} of request {key[0]} (prompt {prompt})")
+        ids = routing[key]
+        if ids is None:
+            raise RuntimeError(f"the vLLM routing record of sample {key[1]} of prompt {prompt} lacks positions (a "
+                               "prefix-cache hit skipped computing them)")
+        if ids.shape[0] != positions:
+            raise RuntimeError(f"the vLLM routing record of sample {key[1]} of prompt {prompt} covers {ids.shape[0]} "
+                               f"positions, not {positions} (prompt + response - 1)")
+        return ids
 
     def load_weights(self, weights) -> dict[str, Any]:
         from rlk_vllm_plugin.weight_sync import load_weights
