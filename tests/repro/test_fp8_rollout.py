@@ -118,7 +118,8 @@ def engine(weights, name):
 def same(a, b):
     pa, pb = dict(a.named_parameters()), dict(b.named_parameters())
     assert pa.keys() == pb.keys()
-    return [n for n in pa if not torch.equal(pa[n].contiguous().view(torch.uint8), pb[n].contiguous().view(torch.uint8))]
+    u8 = lambda t: t.contiguous().view(torch.uint8)
+    return [n for n in pa if not torch.equal(u8(pa[n]), u8(pb[n]))]
 
 a, b = engine(w1, "w1"), engine(w2, "w2")   # a serves w1; b is vLLM's own FP8 load of w2
 layers = fp8.fp8_linear_layers(a)

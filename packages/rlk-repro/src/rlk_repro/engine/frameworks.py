@@ -57,6 +57,7 @@ class FrameworksRunConfig(LocalRunConfig):
     context_parallel: int = 1
     tp_invariant: int = 0  # G of RL_KERNEL_TP_INVARIANT (0: off)
     tp_invariant_source: str = "default (off)"
+    rollout_quantization: str = "none"  # issue 38: "fp8" = vLLM's FP8 W8A8 rollout (rlk_repro.engine.fp8)
 
     @property
     def cuda_graphs(self) -> dict[str, Any] | None:
@@ -89,6 +90,12 @@ class FrameworksRunConfig(LocalRunConfig):
             raise RlkConfigError("--static-weights is an option of the local engine")
         if self.dtype != "bfloat16":
             raise RlkConfigError(f"--engine frameworks runs bfloat16 (vLLM and Megatron), not {self.dtype}")
+        from rlk_repro.engine.fp8 import config_problem  # issue 38
+
+        rollout = {m: c.split("/")[1] for m, c in self.plan.as_dict().items()}
+        problem = config_problem(self.rollout_quantization, rollout)
+        if problem:
+            raise RlkConfigError(problem)
         if self.checkpoint is None and self.model_path is None and preset(self.model).is_moe:
             raise RlkConfigError(f"--model {self.model}: the frameworks engine does not run MoE models yet (issue 36; "
                                  "the local engine does)")
@@ -286,7 +293,8 @@ class _Run:
                                 cuda_graphs=cfg.cuda_graphs,
                                 attention_r=cfg.plan.uses_rlk("attention", "rollout"),
                                 max_num_seqs=cfg.vllm_max_num_seqs,
-                                max_num_batched_tokens=cfg.vllm_max_num_batched_tokens)
+                                max_num_batched_tokens=cfg.vllm_max_num_batched_tokens,
+                                quantization=cfg.rollout_quantization)
         self.progress.line(f"vLLM ready in {self.vllm.start_seconds:.0f} s; building Megatron")
         init_model_parallel(cfg.tp, cfg.seed)
         self.trainer = MegatronTrainer(self.model_cfg, weights, tp=cfg.tp, rank=self.rank, device=self.device,
@@ -340,6 +348,7 @@ class _Run:
                                                 cfg.train_semantics),
             "seeds": {"train": cfg.seed, "rollout": cfg.seed},
             "contract_digest": self.digest,
+            "rollout_quantization": cfg.rollout_quantization,  # issue 38: fp8 is a mismatch knob, never bitwise
             "config": {**{k: v for k, v in asdict(cfg).items() if k not in ("plan", "command", "plan_sources")},
                        "env": plan.env(), "model_config": self.model_cfg.as_dict(),
                        "require_exact": cfg.exact_required, "max_model_len": self.max_len + 16,
