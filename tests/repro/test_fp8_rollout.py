@@ -107,10 +107,10 @@ with set_current_vllm_config(vc0):
                                  backend="gloo")
     initialize_model_parallel(1, 1)
 
-def engine(weights, name):
+def engine(weights, name, load_format="safetensors"):
     ck = os.path.join(d, name); W.save_checkpoint(ck, cfg, weights)
     mc = ModelConfig(model=ck, skip_tokenizer_init=True, dtype=torch.bfloat16, enforce_eager=True, quantization="fp8")
-    vc = VllmConfig(model_config=mc, load_config=LoadConfig(load_format="safetensors"),
+    vc = VllmConfig(model_config=mc, load_config=LoadConfig(load_format=load_format),
                     compilation_config=CompilationConfig(custom_ops=["none"], mode=0))
     with set_current_vllm_config(vc):
         return get_model_loader(vc.load_config).load_model(vllm_config=vc, model_config=mc)
@@ -136,14 +136,14 @@ try:
     assert same(a, b), "the BF16 sync path updated an FP8 engine?"
 except (RuntimeError, AssertionError) as exc:  # vLLM's loader asserts: a BF16 shard cannot fill an FP8 weight
     print("bf16 path refused:", type(exc).__name__, str(exc)[:160])
-a = engine(w1, "w1")  # whatever the BF16 path did, start again from w1
+a = engine(w1, "w1", "dummy")  # as the frameworks engine starts vLLM: dummy weights, the trainer's follow
 ptrs = {n: p.data_ptr() for n, p in a.named_parameters()}
 
 with set_current_vllm_config(vc0):
     res = fp8.load_into_fp8_model(a, hf_from_megatron(cfg, [to_megatron(cfg, w2, 2, r) for r in range(2)]),
                                   reference=native.forward_native)
 print("sync", res)
-assert res["requantized"] == 8 and res["checked_against_vllm"] == 8 and res["changed"] == len(before), (res, before)
+assert res["requantized"] == 8 and res["checked_against_vllm"] == 8, res
 assert same(a, b) == [], same(a, b)  # the sync's FP8 bytes and scales are vLLM's own load of w2
 assert {n: p.data_ptr() for n, p in a.named_parameters()} == ptrs  # in place: CUDA graphs keep their addresses
 assert all(type(m.weight) is torch.nn.Parameter for _, m in fp8.fp8_linear_layers(a))  # the staging is gone
@@ -186,7 +186,7 @@ def _run(body: str, args: list[str] | None = None) -> str:
 @pytest.mark.slow
 def test_fp8_weight_sync_equals_vllms_own_fp8_load_bitwise(tmp_path):
     """Real vLLM 0.22 Qwen3 with quantization='fp8' (the online method, vLLM's loaders, TP-2 shards merged by
-    hf_from_megatron): after the sync every parameter — FP8 weight bytes in kernel layout, scales, BF16 norms and
+    hf_from_megatron), started from dummy weights as the frameworks engine starts it: after the sync every parameter — FP8 weight bytes in kernel layout, scales, BF16 norms and
     embedding — equals a fresh vLLM FP8 load of the new weights, in place; a sync of the same weights changes
     nothing; a reference that disagrees, or a missing weight, raises. Negative control: the BF16 sync path
     leaves the FP8 engine at the old weights or refuses."""
