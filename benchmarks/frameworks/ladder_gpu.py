@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
 """The mismatch-knob ladder on the frameworks engine on one H200 (issue 38), the Qwen3-0.6B shape, in one budget:
 first the FP8 re-quantization against vLLM's CUDA kernel (``tests/gpu/test_fp8_requant_gpu.py``), then ``rlk-repro
-ladder --engine frameworks`` (every default rung, FP8 ones included, each its own ``rlk-repro run`` process; few rounds,
-a small batch, vLLM eager so eight engine start-ups fit), then ``rlk-validate ladder`` on its root.
+ladder --engine frameworks`` (six default rungs, the FP8 ones included, each its own ``rlk-repro run`` process;
+``--rungs all`` for the eight; few rounds, a small batch, vLLM eager so the engine start-ups fit), then
+``rlk-validate ladder`` on its root.
 
     PYTHONPATH=/tmp/site:/tmp/mcore:packages/rlk-core/src:packages/rlk-validate/src:packages/rlk-collectives/src:\
 packages/rlk-vllm-plugin/src:packages/rlk-megatron-provider/src:packages/rlk-repro/src \
@@ -25,6 +26,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from loop_gpu import ROOT, _dump, _stage, setup  # one stage runner, one plugin dist-info writer
+
+#: the rungs a sitting runs by default: the FP8 rungs, what they are compared with, and the R/R control
+DEFAULT_RUNGS = "0-aligned,1-fp8,2-top-p,3-top-k,4-fp8-filters,rr-0-aligned"
 
 
 def _rung_summary(run: Path) -> dict:
@@ -66,7 +70,9 @@ def main(argv=None) -> int:
     p.add_argument("--samples", type=int, default=4)
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--gpu-mem", type=float, default=0.3)
-    p.add_argument("--rungs", default=None, help="default rungs to run (all by default)")
+    p.add_argument("--rungs", default=DEFAULT_RUNGS,
+                   help=f"default rungs to run ({DEFAULT_RUNGS}: six engine start-ups fit the budget; 'all': the eight "
+                   "default rungs, ~50 s each eager)")
     p.add_argument("--seed", type=int, default=1234)
     a = p.parse_args(argv)
     t0 = time.monotonic()
@@ -91,7 +97,7 @@ def main(argv=None) -> int:
     cmd = [sys.executable, "-m", "rlk_repro", "ladder", "--engine", "frameworks", "--model", a.model,
            "--rounds", str(a.rounds), "--prompts-per-round", str(a.prompts), "--samples-per-prompt", str(a.samples),
            "--max-new-tokens", str(a.max_new_tokens), "--gpu-memory-utilization", str(a.gpu_mem), "--enforce-eager",
-           "--seed", str(a.seed), "--output", str(parent), *(["--rungs", a.rungs] if a.rungs else [])]
+           "--seed", str(a.seed), "--output", str(parent), *(["--rungs", a.rungs] if a.rungs != "all" else [])]
     res["stages"]["ladder"] = _stage("ladder", cmd, env, max(30.0, left() - 25), out)
     save()
     roots = sorted(q for q in parent.iterdir() if q.is_dir())

@@ -31,7 +31,7 @@
 # engine R/R and P/P, 8 rounds, per-round throughput), profile (profile_rollout.py: a rollout step's host time by
 # callee, R/R or $PROFILE_MODE, 2 rounds).
 # Stage ladder (issue 38): ladder_gpu.py — the FP8 re-quantization vs vLLM's kernel, then `rlk-repro ladder --engine
-# frameworks` (all default rungs, FP8 included; $LADDER_RUNGS: a subset) on the Qwen3-0.6B shape and rlk-validate ladder.
+# frameworks` (six rungs, FP8 included; $LADDER_RUNGS: others, "all": eight) on the Qwen3-0.6B shape, rlk-validate ladder.
 set -u
 HERE=$(cd "$(dirname "$0")" && pwd)
 ROOT=$(cd "$HERE/../.." && pwd)
