@@ -186,10 +186,11 @@ def _run(body: str, args: list[str] | None = None) -> str:
 @pytest.mark.slow
 def test_fp8_weight_sync_equals_vllms_own_fp8_load_bitwise(tmp_path):
     """Real vLLM 0.22 Qwen3 with quantization='fp8' (the online method, vLLM's loaders, TP-2 shards merged by
-    hf_from_megatron), started from dummy weights as the frameworks engine starts it: after the sync every parameter — FP8 weight bytes in kernel layout, scales, BF16 norms and
-    embedding — equals a fresh vLLM FP8 load of the new weights, in place; a sync of the same weights changes
-    nothing; a reference that disagrees, or a missing weight, raises. Negative control: the BF16 sync path
-    leaves the FP8 engine at the old weights or refuses."""
+    hf_from_megatron), started from dummy weights as the frameworks engine starts it: after the sync every
+    parameter — FP8 weight bytes in kernel layout, scales, BF16 norms and embedding — equals a fresh vLLM FP8 load
+    of the new weights, in place; a sync of the same weights changes nothing; a reference that disagrees, or a
+    missing weight, raises. Negative control: the BF16 sync path cannot update the FP8 engine (vLLM's loader
+    asserts) or leaves it at the old weights."""
     out = _run(VLLM_FP8_SYNC)
     assert "bf16 path" in out
 
