@@ -22,7 +22,6 @@ runs on vLLM's V1 runner, where logp R has no hook).
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -33,6 +32,8 @@ FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
 #: the vLLM linear methods whose weights this module re-quantizes (per-tensor scale, dynamic activations)
 FP8_METHODS = ("Fp8OnlineLinearMethod",)
+#: vLLM FP8 methods that hold no weight of the trainer's (the attention layers' KV-cache scales; KV stays BF16)
+FP8_NO_WEIGHTS = ("Fp8KVCacheMethod",)
 
 
 def quantize_per_tensor(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -84,7 +85,9 @@ def _original_loader(param: torch.Tensor) -> Callable:
     loader = getattr(param, "weight_loader", None)
     if loader is None:
         raise RuntimeError("FP8 weight sync: an FP8 weight has no weight_loader to route the BF16 tensor through")
-    return inspect.unwrap(loader)
+    while getattr(loader, "__name__", None) == "online_process_loader":  # only vLLM's wrappers, never a bound method's
+        loader = loader.__wrapped__
+    return loader
 
 
 def vllm_quantizer() -> Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None:
@@ -126,6 +129,11 @@ def load_into_fp8_model(model: torch.nn.Module, weights: Iterable[tuple[str, tor
     if not layers:
         raise RuntimeError("FP8 weight sync: the model has no FP8 linear layer (was vLLM started with "
                            "quantization='fp8'?)")
+    other = sorted({n for n in (type(getattr(m, "quant_method", None)).__name__ for m in model.modules())
+                    if "Fp8" in n and n not in (*FP8_METHODS, *FP8_NO_WEIGHTS)})
+    if other:
+        raise RuntimeError(f"FP8 weight sync: the model has layers served by {', '.join(other)} (e.g. FP8 MoE "
+                           "experts), whose re-quantization is not covered; stopped rather than leave them stale")
     reference = vllm_quantizer() if reference is None else reference
     kernel: dict[str, tuple[torch.nn.Parameter, torch.nn.Parameter]] = {}
     with torch.inference_mode():
