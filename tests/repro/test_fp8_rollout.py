@@ -201,3 +201,4 @@ def test_config_refuses_fp8_with_an_r_rollout_side():
     why = fp8.config_problem("fp8", {"attention": "P", "ffn": "R", "logp": "R"})
     assert "ffn, logp" in why and "X/P" in why
     assert "one of none, fp8" in fp8.config_problem("int4", {})
+    assert "V1 runner" in fp8.config_problem("fp8", {"attention": "P"}, cuda_graph_decode=True)

@@ -209,13 +209,16 @@ def describe(model: torch.nn.Module) -> dict[str, Any]:
             "other_quant_methods": other}
 
 
-def config_problem(quantization: str, rollout_cases: dict[str, str]) -> str | None:
+def config_problem(quantization: str, rollout_cases: dict[str, str], cuda_graph_decode: bool = False) -> str | None:
     """Why a run configuration cannot use this rollout quantization, or None. ``rollout_cases``: module ->
-    the rollout side's case (``P`` or ``R``)."""
+    the rollout side's case (``P`` or ``R``); ``cuda_graph_decode``: ``--cuda-graph-decode`` asked for."""
     if quantization not in QUANTIZATIONS:
         return f"--rollout-quantization {quantization!r}: one of {', '.join(QUANTIZATIONS)}"
     if quantization == "none":
         return None
+    if cuda_graph_decode:
+        return ("--rollout-quantization fp8 with --cuda-graph-decode: vLLM runs a quantized model on its V1 runner, "
+                "and the CUDA-graph evidence is Model Runner V2's (rlk_vllm_plugin.cudagraphs)")
     r = sorted(m for m, c in rollout_cases.items() if c == "R")
     if r:
         return (f"--rollout-quantization fp8 with the rollout side R in {', '.join(r)}: vLLM's FP8 linear methods "

@@ -93,7 +93,7 @@ class FrameworksRunConfig(LocalRunConfig):
         from rlk_repro.engine.fp8 import config_problem  # issue 38
 
         rollout = {m: c.split("/")[1] for m, c in self.plan.as_dict().items()}
-        problem = config_problem(self.rollout_quantization, rollout)
+        problem = config_problem(self.rollout_quantization, rollout, self.cuda_graph_decode)
         if problem:
             raise RlkConfigError(problem)
         if self.checkpoint is None and self.model_path is None and preset(self.model).is_moe:
