@@ -9,7 +9,9 @@ ladder --engine frameworks`` (six default rungs, the FP8 ones included, each its
 packages/rlk-vllm-plugin/src:packages/rlk-megatron-provider/src:packages/rlk-repro/src \
     python3 benchmarks/frameworks/ladder_gpu.py --out $OUT --budget-s 420
 
-Leaves ``ladder/ladder-<id>/`` (the root: rungs, skip records, ``ladder-report.json/.md``, ``report/`` figures),
+Run again with the same ``--out`` (the sitting's stage on a warm machine), it finishes the ladder found there
+(``rlk-repro ladder --resume``: rungs that finished are kept, one cut by the budget runs afresh). Leaves
+``ladder/ladder-<id>/`` (the root: rungs, skip records, ``ladder-report.json/.md``, ``report/`` figures),
 ``ladder-validate.txt`` / ``ladder-validate.json`` (``rlk-validate ladder``), ``logs/`` and ``ladder_gpu.json`` /
 ``ladder_gpu.md`` (per rung: status, drift class, mean and max |dlogp|, mismatches, rollout tokens/s; the FP8 rungs'
 weight syncs: layers re-quantized and checked against vLLM's kernel). Exit 1 if a stage failed.
@@ -87,17 +89,26 @@ def main(argv=None) -> int:
         (out / "ladder_gpu.md").write_text(_markdown(res))
 
     env = {**env, "RLK_REQUIRE_GPU": "1"}
-    res["stages"]["fp8-requant"] = _stage("fp8-requant", [sys.executable, "-m", "pytest", "-q", "-p",
-                                                          "no:cacheprovider", "-rA",
-                                                          str(ROOT / "tests/gpu/test_fp8_requant_gpu.py")],
-                                          env, min(90.0, left() - 60), out)
-    save()
     parent = out / "ladder"
     parent.mkdir(exist_ok=True)
-    cmd = [sys.executable, "-m", "rlk_repro", "ladder", "--engine", "frameworks", "--model", a.model,
-           "--rounds", str(a.rounds), "--prompts-per-round", str(a.prompts), "--samples-per-prompt", str(a.samples),
-           "--max-new-tokens", str(a.max_new_tokens), "--gpu-memory-utilization", str(a.gpu_mem), "--enforce-eager",
-           "--seed", str(a.seed), "--output", str(parent), *(["--rungs", a.rungs] if a.rungs != "all" else [])]
+    earlier = sorted(q for q in parent.iterdir() if q.is_dir())
+    if earlier:  # a second call of the stage on a warm machine: finish that ladder (its finished rungs are kept)
+        res["resumed"] = earlier[-1].name
+        for name in ("ladder_gpu.json", "ladder_gpu.md"):  # the first call's record stays beside this one's
+            if (out / name).is_file():
+                (out / name).rename(out / name.replace("ladder_gpu", f"ladder_gpu-{int(time.time())}"))
+        cmd = [sys.executable, "-m", "rlk_repro", "ladder", "--resume", str(earlier[-1])]
+    else:
+        res["stages"]["fp8-requant"] = _stage("fp8-requant", [sys.executable, "-m", "pytest", "-q", "-p",
+                                                              "no:cacheprovider", "-rA",
+                                                              str(ROOT / "tests/gpu/test_fp8_requant_gpu.py")],
+                                              env, min(90.0, left() - 60), out)
+        save()
+        cmd = [sys.executable, "-m", "rlk_repro", "ladder", "--engine", "frameworks", "--model", a.model,
+               "--rounds", str(a.rounds), "--prompts-per-round", str(a.prompts), "--samples-per-prompt",
+               str(a.samples), "--max-new-tokens", str(a.max_new_tokens), "--gpu-memory-utilization", str(a.gpu_mem),
+               "--enforce-eager", "--seed", str(a.seed), "--output", str(parent),
+               *(["--rungs", a.rungs] if a.rungs != "all" else [])]
     res["stages"]["ladder"] = _stage("ladder", cmd, env, max(30.0, left() - 25), out)
     save()
     roots = sorted(q for q in parent.iterdir() if q.is_dir())
