@@ -34,6 +34,8 @@
 # build), local (bench_local_engine.py: the local
 # engine R/R and P/P, 8 rounds, per-round throughput), profile (profile_rollout.py: a rollout step's host time by
 # callee, R/R or $PROFILE_MODE, 2 rounds).
+# Stage ladder (issue 38): ladder_gpu.py — the FP8 re-quantization vs vLLM's kernel, then `rlk-repro ladder --engine
+# frameworks` (six rungs, FP8 included; $LADDER_RUNGS: others, "all": eight) on the Qwen3-0.6B shape, rlk-validate ladder.
 set -u
 HERE=$(cd "$(dirname "$0")" && pwd)
 ROOT=$(cd "$HERE/../.." && pwd)
@@ -152,6 +154,8 @@ stage() {  # stage NAME SECONDS
         matrix-b) timeout "$cap" $py "$G/benchmarks/frameworks/loop_gpu.py" --out "$out" --rounds 2 --prompts 32 \
                       --max-new-tokens 64 --matrix ffn-RP,ffn-PR,logp-RP,logp-PR --matrix-cap-s $((cap - 20)) ;;
         hybrid) timeout "$cap" $py "$G/benchmarks/frameworks/megatron_gpu.py" --hybrid --out "$out" ;;
+        ladder) timeout "$cap" $py "$G/benchmarks/frameworks/ladder_gpu.py" --out "$out" --budget-s $((cap - 20)) \
+                    ${LADDER_RUNGS:+--rungs "$LADDER_RUNGS"} ;;
         filtered)  # filtered_gpu.py: R/R and P/P runs with top-k / top-p / min-p ($FILTERED_ONLY, $FILTERED_ROUNDS,
             # $FILTERED_PP_ROUNDS)
             timeout "$cap" $py "$G/benchmarks/frameworks/filtered_gpu.py" --out "$out" --budget-s $(( cap - 20 )) \
@@ -228,6 +232,8 @@ run() {
         stage "$name" "$cap"
     done
 }
+
+CAP[ladder]=420  # issue 38 (set here, apart from the CAP table that other stages edit)
 
 cmd=${1:-}; shift || true
 case $cmd in

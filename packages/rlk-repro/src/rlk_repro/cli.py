@@ -198,6 +198,10 @@ def _experiment_options(r: argparse.ArgumentParser) -> None:
     f.add_argument("--vllm-max-num-seqs", type=positive_int, default=256, help="vLLM max_num_seqs (256)")
     f.add_argument("--vllm-max-num-batched-tokens", type=positive_int, default=8192,
                    help="vLLM max_num_batched_tokens (8192)")
+    f.add_argument("--rollout-quantization", choices=("none", "fp8"), default="none",
+                   help="fp8: vLLM's FP8 weight + activation quantization serves the rollout (training stays BF16; "
+                   "every weight sync re-quantizes); a mismatch knob of the ladder, never bitwise, rollout side P "
+                   "(docs/ladder.md) (none)")
     f.add_argument("--run-name", default=None, help=argparse.SUPPRESS)  # a matrix cell's directory name
     from rlk_repro import model_options, tp_options, trace  # issue 37: model, data, reward; --trace; issue 35
 
@@ -208,7 +212,7 @@ def _experiment_options(r: argparse.ArgumentParser) -> None:
 
 FRAMEWORKS_ONLY = ("tp", "gpu_memory_utilization", "enforce_eager", "cuda_graph_decode", "train_micro_tokens",
                    "vllm_max_num_seqs",
-                   "vllm_max_num_batched_tokens")
+                   "vllm_max_num_batched_tokens", "rollout_quantization")
 
 
 def _resolve(a: argparse.Namespace, all_variables: bool = True):
@@ -437,7 +441,8 @@ def _cmd_plan(a: argparse.Namespace, argv: Sequence[str]) -> int:
 
 
 _DEFAULTS = {"tp": 1, "gpu_memory_utilization": 0.3, "enforce_eager": False, "cuda_graph_decode": False,
-             "train_micro_tokens": 8192, "vllm_max_num_seqs": 256, "vllm_max_num_batched_tokens": 8192}
+             "train_micro_tokens": 8192, "vllm_max_num_seqs": 256, "vllm_max_num_batched_tokens": 8192,
+             "rollout_quantization": "none"}
 # run/matrix options a frameworks matrix cell passes on to its `rlk-repro run` process
 _CELL_OPTIONS = ("rounds", "seed", "device", "dtype", "model", "checkpoint", "prompts_per_round", "samples_per_prompt",
                  "max_new_tokens", "temperature", "top_p", "top_k", "min_p", "logprobs", "train_logprobs",
@@ -603,7 +608,7 @@ def _main(argv: list[str]) -> int:
         if a.command == "ladder":  # issue 38
             from rlk_repro import ladder_cli
 
-            return ladder_cli.main(a, argv, _config, _frameworks_cell, _needs, build_parser)
+            return ladder_cli.main(a, argv, _config, _frameworks_cell, _needs, build_parser, _cell_argv)
         if a.command == "plan":
             return _cmd_plan(a, argv)
         return _cmd_matrix(a, argv) if a.command == "matrix" else _cmd_run(a, argv)

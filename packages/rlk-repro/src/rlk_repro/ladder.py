@@ -39,7 +39,7 @@ QUANTIZATIONS = ("none", "fp8")
 #: what a rung may set (``--rung NAME:KNOB=VALUE,...``); ``vs`` names the rung its delta is taken against
 KNOBS = ("case", *MODULES, "top_p", "top_k", "min_p", "temperature", "quantization", "vs")
 #: the run configuration's keys that a rung's knobs set (they differ between rungs; everything else is shared)
-KNOB_KEYS = ("top_p", "top_k", "min_p", "temperature")
+KNOB_KEYS = ("top_p", "top_k", "min_p", "temperature", "rollout_quantization")
 
 
 @dataclass(frozen=True)
@@ -162,28 +162,19 @@ def capability(need: str, engine: str, device: str) -> tuple[bool, str]:
         return False, f"unknown need {need!r}"
     if engine == "local":
         return False, ("FP8 rollout: the local engine has none (its P ops are PyTorch in the run's dtype, its R ops "
-                       "rlk's; there is no quantized path to run)")
-    gpu = ""
-    try:
-        import torch
+                       "rlk's; there is no quantized path to run); run the ladder with --engine frameworks on a GPU "
+                       "with FP8 tensor cores")
+    from rlk_repro.engine.fp8 import device_problem
 
-        if torch.cuda.is_available():
-            major, minor = torch.cuda.get_device_capability(0)
-            gpu = (f"; this GPU ({torch.cuda.get_device_name(0)}, sm_{major}{minor}) "
-                   + ("has FP8 tensor cores" if (major, minor) >= (8, 9) else "has no FP8 tensor cores (sm_89+)"))
-        else:
-            gpu = "; no CUDA GPU is visible"
-    except ImportError:
-        gpu = "; torch is not importable"
-    return False, ("FP8 rollout: the frameworks engine has no quantized rollout option yet (vLLM's "
-                   "quantization='fp8' is not wired into engine/frameworks_vllm.py)" + gpu)
+    why = device_problem() if device.startswith("cuda") else f"--device {device} is not a CUDA device"
+    return (True, "") if why is None else (False, f"FP8 rollout (vLLM quantization='fp8'): {why}")
 
 
 def _rung_namespace(a: argparse.Namespace, rung: Rung) -> argparse.Namespace:
     k = rung.k
     return argparse.Namespace(**{**vars(a), "top_p": k["top_p"], "top_k": k["top_k"], "min_p": k["min_p"],
                                  "temperature": k["temperature"], **{f"{m}_case": None for m in MODULES},
-                                 "mode": None})
+                                 "mode": None, "rollout_quantization": k["quantization"]})
 
 
 def _configs(a: argparse.Namespace, argv: Sequence[str], config_of, rungs: list[Rung], skips: dict[str, str]):
@@ -227,6 +218,9 @@ def _check_knob_flags(a: argparse.Namespace) -> None:
     if given:
         raise RlkConfigError(f"{', '.join(given)}: the ladder sets the filters per rung; use --filter-top-p / "
                              "--filter-top-k for the default rungs, or --rung NAME:top_p=...,top_k=...")
+    if getattr(a, "rollout_quantization", "none") != "none":
+        raise RlkConfigError("--rollout-quantization: the ladder sets it per rung (rungs 1-fp8 and 4-fp8-filters, or "
+                             "--rung NAME:quantization=fp8)")
 
 
 def _resume(a: argparse.Namespace, root: Path, build_parser) -> argparse.Namespace:
@@ -248,9 +242,11 @@ def resume_command(root: Path) -> str:
     return f"rlk-repro ladder --resume {shlex.quote(str(root))}"
 
 
-def run_ladder(a: argparse.Namespace, argv: Sequence[str], config_of, frameworks_cell, needs, build_parser) -> int:
+def run_ladder(a: argparse.Namespace, argv: Sequence[str], config_of, frameworks_cell, needs, build_parser,
+               cell_argv=None) -> int:
     """``rlk-repro ladder``; the CLI hands in what :func:`rlk_repro.matrix.run_matrix` takes (``cli._config``, the
-    frameworks cell runner, the engine check, the parser)."""
+    frameworks cell runner, the engine check, the parser) and ``cell_argv(a, plan, root, cell)``, the
+    ``rlk-repro run`` arguments of a frameworks rung (``--dry-run`` prints them)."""
     from rlk_core import envs
     from rlk_repro.engine.local import run_local
     from rlk_repro.lifecycle import utc_now
@@ -275,7 +271,10 @@ def run_ladder(a: argparse.Namespace, argv: Sequence[str], config_of, frameworks
         raise RlkConfigError("every rung of this ladder would be skipped: " + "; ".join(skips.values()))
     shared = _shared(next(iter(configs.values())))
     if a.dry_run:
-        print(json.dumps(dry_run(a, rungs, skips, configs, shared), indent=2))
+        commands = ({r.name: shlex.join(["rlk-repro", *cell_argv(_rung_namespace(a, r), configs[r.name].plan.as_dict(),
+                                                                 Path(a.output) / "ladder-ID", r.name)])
+                     for r in rungs if r.name in configs} if frameworks and cell_argv is not None else {})
+        print(json.dumps(dry_run(a, rungs, skips, configs, shared, commands), indent=2))
         return EXIT_OK
     if a.samples_per_prompt == 1 and not a.static_weights:
         lifecycle.warn(matrix.static_weights_warning())
@@ -336,15 +335,18 @@ def _finish(root: Path, failed: list[str]) -> int:
     return EXIT_OK if rep.exit_code == 0 else EXIT_MISMATCH
 
 
-def dry_run(a: argparse.Namespace, rungs: list[Rung], skips: dict[str, str], configs: dict, shared: dict) -> dict:
+def dry_run(a: argparse.Namespace, rungs: list[Rung], skips: dict[str, str], configs: dict, shared: dict,
+            commands: dict[str, str] | None = None) -> dict:
     """What ``rlk-repro ladder`` would do with these options: every rung, its routes and knobs, whether it would
-    run or be skipped (and why), the variables that select its routes; nothing is created."""
+    run or be skipped (and why), the variables that select its routes, and (``--engine frameworks``) the
+    ``rlk-repro run`` command of its process (``commands``); nothing is created."""
     out = []
     for r in rungs:
         cfg = configs.get(r.name)
         out.append({**r.as_json(), "action": "skip" if r.name in skips else "run", "skip_reason": skips.get(r.name),
                     "env": cfg.plan.env() if cfg is not None else None,
-                    "require_exact": cfg.exact_required if cfg is not None else None})
+                    "require_exact": cfg.exact_required if cfg is not None else None,
+                    **({"command": (commands or {}).get(r.name)} if commands else {})})
     return {"engine": a.engine, "rounds": a.rounds, "rungs": out,
             "config": {k: v for k, v in shared.items() if k != "plan_sources"}}
 

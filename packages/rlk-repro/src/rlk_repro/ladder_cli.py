@@ -48,8 +48,10 @@ def add_parser(sub, experiment_options: Callable[[argparse.ArgumentParser], None
     experiment_options(lp)
 
 
-def main(a: argparse.Namespace, argv: Sequence[str], config, frameworks_cell, needs, build_parser) -> int:
-    """``rlk-repro ladder``: the command line's own config, frameworks-cell, needs and parser functions passed in."""
+def main(a: argparse.Namespace, argv: Sequence[str], config, frameworks_cell, needs, build_parser,
+         cell_argv=None) -> int:
+    """``rlk-repro ladder``: the command line's own config, frameworks-cell, needs, parser and cell-arguments functions
+    passed in."""
     from rlk_repro.ladder import run_ladder
 
-    return run_ladder(a, argv, config, frameworks_cell, needs, build_parser)
+    return run_ladder(a, argv, config, frameworks_cell, needs, build_parser, cell_argv)

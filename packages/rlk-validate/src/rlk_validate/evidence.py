@@ -295,6 +295,8 @@ MANIFEST_FIELDS = (
     _f("config", "object", "the run configuration (free-form)", required=False),
     _f("contract_digest", "string", "`sha256:<hex>`: the contract digest both sides agreed on before the first "
        "round; every readback then carries it", required=False),
+    _f("rollout_quantization", "string", "`none` or `fp8` (vLLM's FP8 weights and activations on the rollout, the "
+       "trainer BF16): a quantized rollout is a mismatch knob, never a bitwise claim", required=False),
 )
 METRICS_FIELDS = (
     _f("schema", "string", f"`{METRICS_SCHEMA}`"),

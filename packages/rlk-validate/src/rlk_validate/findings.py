@@ -113,6 +113,11 @@ CODES: dict[str, tuple[str, str]] = {
         "the trainer's kept sets (found from its own logits) differ in size from the rollout's at some positions",
     ),
     "KEPT_SET_SIZES": (INFO, "the kept-set size distribution of the run's sampled tokens"),
+    "QUANTIZED_ROLLOUT": (
+        ERROR,
+        "the rollout ran quantized (manifest rollout_quantization, e.g. fp8) while the trainer did not: a mismatch "
+        "knob, never a bitwise claim (info where bitwise equality is not required)",
+    ),
     "WEIGHTS_STATIC": (
         ERROR,
         "no update between rounds changed the weights (or no sequence had a non-zero advantage): a bitwise claim "

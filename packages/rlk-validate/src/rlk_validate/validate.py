@@ -152,11 +152,27 @@ def _validate(run_dir: str, opts: Options, report: Report) -> None:
     f.extend(_informative(bitwise, report.require_exact, opts.min_informative_fraction))
     f.extend(_static_weights(rows, bitwise, info, report.require_exact))
     f.extend(_sampling(_manifest_doc(root), rows, report.require_exact))
+    f.extend(_rollout_quantization(_manifest_doc(root), report.require_exact))  # issue 38
     f.extend(check_kernel_trace(root, info["plan"], _manifest_doc(root)))  # issue 37: run --trace
     f.extend(check_cuda_graphs(root, _manifest_doc(root)))  # issue 37: CUDA-graph evidence vs the manifest
     f.extend(digest_tree(root))
     report.inputs = dict(sorted(root.digests.items()))
     check_complete(root, report, opts.verify_key)
+
+
+def _rollout_quantization(manifest: Any, require_exact: bool) -> list[Any]:
+    """A quantized rollout (``rollout_quantization``, top level or in ``config``) against an unquantized trainer is
+    a mismatch knob of the ladder (docs/ladder.md): required bitwise, it is an error whatever the counts say."""
+    if not isinstance(manifest, dict):
+        return []
+    config = manifest.get("config") if isinstance(manifest.get("config"), dict) else {}
+    quant = manifest.get("rollout_quantization", config.get("rollout_quantization"))
+    if quant in (None, "none"):
+        return []
+    return [finding("QUANTIZED_ROLLOUT", f"the rollout ran quantized ({str(quant)[:40]!r}) and the trainer did not: "
+                    "a mismatch knob, not a bitwise claim" + (" (bitwise equality was required)" if require_exact
+                                                                 else ""), check="run", path="manifest.json",
+                    severity=None if require_exact else "info", quantization=str(quant)[:40])]
 
 
 def _informative(bitwise: dict[str, Any] | None, require_exact: bool, bound: float) -> list[Any]:

@@ -59,6 +59,7 @@ class FrameworksRunConfig(LocalRunConfig):
     context_parallel: int = 1
     tp_invariant: int = 0  # G of RL_KERNEL_TP_INVARIANT (0: off)
     tp_invariant_source: str = "default (off)"
+    rollout_quantization: str = "none"  # issue 38: "fp8" = vLLM's FP8 W8A8 rollout (rlk_repro.engine.fp8)
 
     @property
     def cuda_graphs(self) -> dict[str, Any] | None:
@@ -91,6 +92,12 @@ class FrameworksRunConfig(LocalRunConfig):
             raise RlkConfigError("--static-weights is an option of the local engine")
         if self.dtype != "bfloat16":
             raise RlkConfigError(f"--engine frameworks runs bfloat16 (vLLM and Megatron), not {self.dtype}")
+        from rlk_repro.engine.fp8 import config_problem  # issue 38
+
+        rollout = {m: c.split("/")[1] for m, c in self.plan.as_dict().items()}
+        problem = config_problem(self.rollout_quantization, rollout, self.cuda_graph_decode)
+        if problem:
+            raise RlkConfigError(problem)
         if self.checkpoint is None and self.model_path is None and preset(self.model).is_moe and self.tp != 1:
             raise RlkConfigError(f"--model {self.model}: the frameworks engine runs a Qwen3-MoE model at TP 1, not "
                                  f"--tp {self.tp} (issue 36: expert / tensor parallelism on GPUs is not covered yet)")
@@ -289,7 +296,8 @@ class _Run:
                                 attention_r=cfg.plan.uses_rlk("attention", "rollout"),
                                 max_num_seqs=cfg.vllm_max_num_seqs,
                                 max_num_batched_tokens=cfg.vllm_max_num_batched_tokens,
-                                routed_experts=self.model_cfg.is_moe)
+                                routed_experts=self.model_cfg.is_moe,
+                                quantization=cfg.rollout_quantization)
         self.progress.line(f"vLLM ready in {self.vllm.start_seconds:.0f} s; building Megatron")
         init_model_parallel(cfg.tp, cfg.seed)
         self.trainer = MegatronTrainer(self.model_cfg, weights, tp=cfg.tp, rank=self.rank, device=self.device,
@@ -345,6 +353,7 @@ class _Run:
                                                 cfg.train_semantics),
             "seeds": {"train": cfg.seed, "rollout": cfg.seed},
             "contract_digest": self.digest,
+            "rollout_quantization": cfg.rollout_quantization,  # issue 38: fp8 is a mismatch knob, never bitwise
             "config": {**{k: v for k, v in asdict(cfg).items() if k not in ("plan", "command", "plan_sources")},
                        "env": plan.env(), "model_config": self.model_cfg.as_dict(),
                        "require_exact": cfg.exact_required, "max_model_len": self.max_len + 16,

@@ -65,7 +65,7 @@ class VllmRollout:
     def __init__(self, model_dir: Path, *, dtype: str, seed: int, tp: int, max_model_len: int,
                  gpu_memory_utilization: float, enforce_eager: bool, attention_r: bool, max_num_seqs: int,
                  max_num_batched_tokens: int, cuda_graphs: dict[str, Any] | None = None,
-                 routed_experts: bool = False) -> None:
+                 routed_experts: bool = False, quantization: str = "none") -> None:
         for k, v in VLLM_ENV.items():
             os.environ.setdefault(k, v)
         if routed_experts:  # an MoE model: Model Runner V2 (rlk's log-probs) and the plugin's routing record
@@ -94,6 +94,9 @@ class VllmRollout:
         self.routed_experts = routed_experts
         if routed_experts:  # every prompt position computed for every sample (the routing record covers it)
             kw["enable_prefix_caching"] = False
+        self.quantization = quantization
+        if quantization == "fp8":  # issue 38: vLLM's online FP8 W8A8 (rlk_repro.engine.fp8); training stays BF16
+            kw["quantization"] = "fp8"
         self.kwargs = {k: v for k, v in kw.items() if k != "model"}
         t0 = time.perf_counter()
         self.llm = LLM(**kw)
@@ -155,6 +158,8 @@ class VllmRollout:
     def load_weights(self, weights) -> dict[str, Any]:
         from rlk_vllm_plugin.weight_sync import load_weights
 
+        if self.quantization == "fp8":  # re-quantized into vLLM's FP8 parameters (rlk_repro.engine.fp8)
+            from rlk_repro.engine.fp8 import load_weights
         t0 = time.perf_counter()
         out = load_weights(self.llm, weights)
         out["seconds"] = time.perf_counter() - t0
@@ -171,8 +176,13 @@ class VllmRollout:
             cc = cfg.compilation_config
             out["compilation"] = {"mode": str(cc.mode), "cudagraph_mode": str(cc.cudagraph_mode)}
             out["enable_prefix_caching"] = bool(cfg.cache_config.enable_prefix_caching)
+            out["v2_model_runner"] = bool(cfg.use_v2_model_runner)
         except Exception as exc:  # informational only
             out["config_error"] = f"{type(exc).__name__}: {exc}"
+        if self.quantization == "fp8":  # what serves the FP8 rollout, read from the model (not informational only)
+            from rlk_repro.engine.fp8 import describe
+
+            out["fp8"] = self.llm.apply_model(describe)[0]
         return out
 
     def shutdown(self) -> None:
