@@ -179,6 +179,12 @@ ENV_VARS: tuple[EnvVar, ...] = (
            "processed log-prob over the kept set of top-k / top-p / min-p (sampling stays filtered). Unset: the "
            "processed log-prob (contract rlk.logp.processed.v1), vLLM's processed_logprobs semantics.",
            ("1", "0", "true", "false")),
+    EnvVar("RL_KERNEL_VLLM_KEPT_EXPORT", _bool, False,
+           "vLLM, logp R: after every sampling step, append one JSON line per sampled token to "
+           "rlk-kept-<pid>.jsonl beside the readbacks (RL_KERNEL_READBACK_DIR/<hostname>/): req_id, pos, token, "
+           "temperature, the kept set's threshold (value, token_id) and size (contract rlk.logp.processed.v1), "
+           "greedy and comparable. Costs a host sync per step. Unset: nothing is written.",
+           ("1", "0", "true", "false")),
     EnvVar("RL_KERNEL_LOGP_SAMPLING", _sampling, None,
            "Megatron, logp R: the rollout's filters (e.g. top_k=40,top_p=0.95,min_p=0.05). The trainer then finds "
            "each position's kept set from its own logits and computes the processed log-prob over it (contract "
