@@ -588,3 +588,36 @@ def test_kept_export_writes_the_threshold_each_sampled_token_was_drawn_under(plu
     # a second step appends
     logprobs._sampler_call(step)(sampler, logits, batch)
     assert len(files[0].read_text().splitlines()) == 6
+
+
+def test_processed_logits_are_finite_exactly_on_the_kept_set(plugin):
+    """vLLM >= 0.28's ``return_sampling_mask`` takes each token's support as ``isfinite(processed_logits)`` after
+    sampling (its docs, "How it works"); under logp R the processed logits are rlk's ``apply_kept``, so that support
+    is exactly rlk's kept set — the set the trainer's own ``kept_set`` finds — with ties, a -inf logit (vocab
+    padding) and a greedy row. Negative control: vLLM's own top-k / top-p support differs on a tied row."""
+    from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
+
+    from rlk_core.ops import kept_set
+    from rlk_core.ops.kept_set import kept_mask
+    from rlk_vllm_plugin import logprobs
+
+    plugin(logp="P/R")
+    v = 512
+    logits = _bf16(4, v, seed=13) * 4
+    logits[1, :64] = logits[1].max()  # a tie at the top-k boundary: 64 equal maxima, top-k 40
+    logits[2, -8:] = float("-inf")  # vocab padding
+    temps, ks, ps, ms = [0.8, 1.0, 1.0, 0.0], [40, 40, v, 5], [0.95, 1.0, 0.9, 1.0], [0.0, 0.0, 0.05, 0.0]
+    sampler = _sampler_with(temps, ks, ps, ms)
+    token = logprobs._STEP.set({})
+    try:
+        z = _apply_sampling_params(sampler, logits, 4)
+    finally:
+        logprobs._STEP.reset(token)
+    t_eff = torch.tensor([0.8, 1.0, 1.0, 1.0])
+    want = kept_set(logits, t_eff, [40, 40, 0, 5], ps, ms)
+    support = torch.isfinite(z)
+    assert torch.equal(support, kept_mask(logits, t_eff, want) & torch.isfinite(logits))
+    assert support.sum(-1).tolist() == want.size.tolist()
+    assert support[1].nonzero()[:, 0].tolist() == list(range(40))  # ties kept by id ascending, exactly top_k
+    native = torch.isfinite(apply_top_k_top_p(logits.float()[1:2] / 1.0, torch.tensor([40]), None))
+    assert not torch.equal(native[0], support[1])  # vLLM's own top-k keeps every tied token
