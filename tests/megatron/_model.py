@@ -289,6 +289,21 @@ def run_megatron(spec: dict) -> dict:
             out["logp_vime_keep_mask"] = _gather_cp(logp.linear_logp(req).logp, cu, cp, cp_group)
             req.log_prob_keep_mask, req.metadata = None, {"rlk_kept": pair}
             out["logp_vime_kept"] = _gather_cp(logp.linear_logp(req).logp, cu, cp, cp_group)
+            # entropy (rlk.entropy.v1) through VIME's provider: threshold form, mask form, unfiltered; the
+            # reference: the op on the gathered vocabulary's logits
+            from rlk_core.ops import entropy
+
+            full_logits = linear(hidden.detach(), vocab)
+            req.with_entropy = True
+            out["entropy_vime_kept"] = _gather_cp(logp.linear_logp(req).entropy, cu, cp, cp_group)
+            req.metadata, req.log_prob_keep_mask = None, mask
+            out["entropy_vime_keep_mask"] = _gather_cp(logp.linear_logp(req).entropy, cu, cp, cp_group)
+            req.log_prob_keep_mask = None
+            out["entropy_vime"] = _gather_cp(logp.linear_logp(req).entropy, cu, cp, cp_group)
+            req.with_entropy = False
+            out["entropy_processed_gathered_vocab"] = _gather_cp(
+                entropy(full_logits, TEMPERATURE, kept=pair)[0], cu, cp, cp_group)
+            out["entropy_gathered_vocab"] = _gather_cp(entropy(full_logits, TEMPERATURE)[0], cu, cp, cp_group)
         if spec.get("repeat"):
             with torch.no_grad():
                 lp_first = logp.vocab_parallel_logprobs(first, captured["weight"], tgt_l, TEMPERATURE, tp_group)

@@ -314,10 +314,56 @@ def test_vime_provider_equals_linear_logprobs(provider):
     res = linear_logp(req)
     assert torch.equal(res.logp, linear_logprobs(hidden, proj, targets, 0.7)[0])
     assert (res.backend_id, res.contract_id, res.entropy) == ("rlk.megatron.linear_logp", "rlk.logp.v1", None)
-    from rlk_core.errors import RlkPolicyError
 
-    with pytest.raises(RlkPolicyError, match="module 'logp'.*entropy"):
-        linear_logp(types.SimpleNamespace(**{**vars(req), "with_entropy": True}))
+
+def test_vime_and_slime_entropy_is_of_the_distribution_their_logprobs_are_of(provider, monkeypatch):
+    """An entropy request gets rlk.entropy.v1's entropy: unfiltered without a kept set, of the processed
+    distribution with a keep mask (mask form) or rlk's kept sets (threshold form), bitwise equal; differentiable
+    (the gradient reaches the hidden states); the applied threshold is in the provenance."""
+    from rlk_core.ops import entropy, kept_set, linear
+    from rlk_core.ops.kept_set import kept_mask
+    from rlk_megatron_provider import linear_logp
+    from rlk_megatron_provider.logp import slime_log_probs_and_entropy
+
+    st = provider()
+    g = torch.Generator().manual_seed(6)
+    hidden, proj = torch.randn(9, 64, generator=g), torch.randn(128, 64, generator=g) * 0.3
+    logits = linear(hidden, proj)
+    ks = kept_set(logits, 0.7, 10, 0.9)
+    unfiltered, processed = entropy(logits, 0.7)[0], entropy(logits, 0.7, kept=ks)[0]
+    assert not torch.equal(unfiltered, processed)
+    targets = logits.argmax(-1)
+    ctx = types.SimpleNamespace(hidden=hidden.clone().requires_grad_(), projection=proj, vocab_partition=(0, 128))
+    req = types.SimpleNamespace(targets=targets, tp_group=None, token_layout="single", temperature=0.7,
+                                with_entropy=True, context=ctx)
+    res = linear_logp(req)
+    assert torch.equal(res.entropy, unfiltered) and res.provenance["entropy"]["distribution"] == "unfiltered"
+    res.entropy.sum().backward()
+    assert ctx.hidden.grad is not None and torch.isfinite(ctx.hidden.grad).all()
+    req.log_prob_keep_mask = kept_mask(logits, 0.7, ks)
+    res = linear_logp(req)
+    assert torch.equal(res.entropy, processed) and res.provenance["entropy"]["distribution"] == "processed"
+    req.log_prob_keep_mask, req.metadata = None, {"rlk_kept": (ks.value, ks.token_id)}
+    res = linear_logp(req)
+    assert torch.equal(res.entropy, processed) and res.provenance["rlk_kept"]["source"] == "rollout"
+    # the trainer's own kept sets from the rollout's filters: the threshold it applied comes back to the caller
+    monkeypatch.setenv("RL_KERNEL_LOGP_SAMPLING", "top_k=10,top_p=0.9")
+    req.metadata = None
+    res = linear_logp(req)
+    kept = res.provenance["rlk_kept"]
+    assert kept["source"] == "trainer" and torch.equal(res.entropy, processed)
+    assert all(torch.equal(kept[k], getattr(ks, k)) for k in ("value", "token_id", "size"))
+    # slime's binding, on the (already tempered) logits: the same bits with the mask or the rollout's filters
+    z = logits / 0.7
+    ks1 = kept_set(z, 1.0, 10, 0.9)
+    _, h = slime_log_probs_and_entropy(z[None], targets[None], None, with_entropy=True)
+    assert torch.equal(h[0], entropy(z, 1.0, kept=ks1)[0])
+    monkeypatch.delenv("RL_KERNEL_LOGP_SAMPLING")
+    _, h = slime_log_probs_and_entropy(z[None], targets[None], None, with_entropy=True,
+                                       log_prob_keep_mask=kept_mask(z, 1.0, ks1)[None])
+    assert torch.equal(h[0], entropy(z, 1.0, kept=ks1)[0])
+    ops = st.recorder.to_dict()["modules"]["logp"]
+    assert "entropy" in str(ops) and "rlk.entropy.v1" in str(ops)
 
 
 def test_slime_top_p_replay_and_vime_kept_sets_are_processed_logprobs(provider, monkeypatch):

@@ -92,6 +92,12 @@ def test_logp_provider_equals_linear_logprobs_on_gathered_vocab_and_repeats(tp, 
     # renormalised over the kept set: larger than the full-vocabulary log-prob of the same token
     assert bool((res["logp_processed"][finite] > res["logp_unfiltered_same_targets"][finite]).all())
     assert [r["repeat_equal"] for r in res["readbacks"]] == [True] * (tp * cp)  # on every rank
+    # entropy (rlk.entropy.v1) through VIME's provider at this TP == the op on the gathered vocabulary, bitwise;
+    # threshold form == mask form; the processed entropy differs from the unfiltered one
+    assert torch.equal(res["entropy_vime_kept"], res["entropy_processed_gathered_vocab"])
+    assert torch.equal(res["entropy_vime_keep_mask"], res["entropy_processed_gathered_vocab"])
+    assert torch.equal(res["entropy_vime"], res["entropy_gathered_vocab"])
+    assert not torch.equal(res["entropy_vime"], res["entropy_vime_kept"])
 
 
 def _collective(ops: dict, name: str) -> dict | None:

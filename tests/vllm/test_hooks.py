@@ -544,3 +544,80 @@ def test_sampler_add_request_checks_the_request_with_the_installed_vllms_argumen
     stub = call(sp)  # accepted: vLLM's own add_request ran with the same arguments
     stub.sampling_states.add_request.assert_called_once_with(3, sp)
     stub.logprob_token_ids_state.add_request.assert_called_once_with(3, sp)
+
+
+def test_kept_export_writes_the_threshold_each_sampled_token_was_drawn_under(plugin, tmp_path):
+    """RL_KERNEL_VLLM_KEPT_EXPORT=1: a sampling step under logp R appends one record per sampled token beside the
+    readbacks — the request, position and token, the kept set's threshold (exact bits) and size, greedy rows
+    marked not comparable — and the threshold read back is bit for bit the kept set the trainer finds from the same
+    logits (what the Megatron provider takes as ``metadata["rlk_kept"]``). Real vLLM InputBatch / SamplerOutput /
+    Sampler methods; the step runs through the plugin's ``Sampler.__call__`` wrapper."""
+    import json
+
+    from vllm.v1.outputs import SamplerOutput
+    from vllm.v1.worker.gpu.input_batch import InputBatch, InputBuffers
+
+    from rlk_core.ops import kept_set
+    from rlk_vllm_plugin import logprobs
+
+    plugin(logp="P/R", RL_KERNEL_VLLM_KEPT_EXPORT="1", RL_KERNEL_READBACK_DIR=str(tmp_path))
+    v = 1000
+    logits = _bf16(3, v, seed=11) * 4
+    temps, ks, ps, ms = [0.7, 0.0, 1.3], [40, v, v], [0.95, 1.0, 0.9], [0.0, 0.0, 0.05]
+    sampler = _sampler_with(temps, ks, ps, ms)
+    batch = InputBatch.make_dummy(3, 12, InputBuffers(3, 12, torch.device("cpu")))
+    batch.positions.copy_(torch.arange(12) % 4 + 7)  # each request's last input token at position 10
+
+    def step(self, logits_, input_batch):  # what vLLM's Sampler.__call__ does around apply_sampling_params
+        z = _apply_sampling_params(self, logits_, 3)
+        return SamplerOutput(sampled_token_ids=z.argmax(-1, keepdim=True).to(torch.int32), logprobs_tensors=None)
+
+    out = logprobs._sampler_call(step)(sampler, logits, batch)
+    files = list(tmp_path.rglob("rlk-kept-*.jsonl"))
+    assert len(files) == 1
+    recs = [json.loads(line) for line in files[0].read_text().splitlines()]
+    assert [r["req_id"] for r in recs] == batch.req_ids and [r["pos"] for r in recs] == [11, 11, 11]
+    assert [r["token"] for r in recs] == out.sampled_token_ids[:, 0].tolist()
+    assert [(r["greedy"], r["comparable"]) for r in recs] == [(False, True), (True, False), (False, True)]
+    want = kept_set(logits, torch.tensor([0.7, 1.0, 1.3]), [40, 0, 0], ps, ms)
+    value = torch.tensor([float.fromhex(r["value_hex"]) for r in recs], dtype=torch.float32)
+    assert torch.equal(value, want.value) and [r["token_id"] for r in recs] == want.token_id.tolist()
+    assert [r["size"] for r in recs] == want.size.tolist() and recs[1]["value"] is None and recs[1]["size"] == v
+    # negative control: the threshold of the same logits at the untempered scale is not what was sampled under
+    assert not torch.equal(kept_set(logits, 1.0, [40, 0, 0], ps, ms).value, value)
+    # a second step appends
+    logprobs._sampler_call(step)(sampler, logits, batch)
+    assert len(files[0].read_text().splitlines()) == 6
+
+
+def test_processed_logits_are_finite_exactly_on_the_kept_set(plugin):
+    """vLLM >= 0.28's ``return_sampling_mask`` takes each token's support as ``isfinite(processed_logits)`` after
+    sampling (its docs, "How it works"); under logp R the processed logits are rlk's ``apply_kept``, so that support
+    is exactly rlk's kept set — the set the trainer's own ``kept_set`` finds — with ties, a -inf logit (vocab
+    padding) and a greedy row. Negative control: vLLM's own top-k / top-p support differs on a tied row."""
+    from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
+
+    from rlk_core.ops import kept_set
+    from rlk_core.ops.kept_set import kept_mask
+    from rlk_vllm_plugin import logprobs
+
+    plugin(logp="P/R")
+    v = 512
+    logits = _bf16(4, v, seed=13) * 4
+    logits[1, :64] = logits[1].max()  # a tie at the top-k boundary: 64 equal maxima, top-k 40
+    logits[2, -8:] = float("-inf")  # vocab padding
+    temps, ks, ps, ms = [0.8, 1.0, 1.0, 0.0], [40, 40, v, 5], [0.95, 1.0, 0.9, 1.0], [0.0, 0.0, 0.05, 0.0]
+    sampler = _sampler_with(temps, ks, ps, ms)
+    token = logprobs._STEP.set({})
+    try:
+        z = _apply_sampling_params(sampler, logits, 4)
+    finally:
+        logprobs._STEP.reset(token)
+    t_eff = torch.tensor([0.8, 1.0, 1.0, 1.0])
+    want = kept_set(logits, t_eff, [40, 40, 0, 5], ps, ms)
+    support = torch.isfinite(z)
+    assert torch.equal(support, kept_mask(logits, t_eff, want) & torch.isfinite(logits))
+    assert support.sum(-1).tolist() == want.size.tolist()
+    assert support[1].nonzero()[:, 0].tolist() == list(range(40))  # ties kept by id ascending, exactly top_k
+    native = torch.isfinite(apply_top_k_top_p(logits.float()[1:2] / 1.0, torch.tensor([40]), None))
+    assert not torch.equal(native[0], support[1])  # vLLM's own top-k keeps every tied token

@@ -183,6 +183,12 @@ ENV_VARS: tuple[EnvVar, ...] = (
            "vLLM, MoE models on Model Runner V2: record every computed token's k expert ids at every FusedMoE layer "
            "(under ffn R rlk's, under P vLLM's router's) per request and position, for the routing diagnostic "
            "(rlk_vllm_plugin.moe.take_routing). Unset: nothing recorded.", ("1", "0", "true", "false")),
+    EnvVar("RL_KERNEL_VLLM_KEPT_EXPORT", _bool, False,
+           "vLLM, logp R: after every sampling step, append one JSON line per sampled token to "
+           "rlk-kept-<pid>.jsonl beside the readbacks (RL_KERNEL_READBACK_DIR/<hostname>/): req_id, pos, token, "
+           "temperature, the kept set's threshold (value, token_id) and size (contract rlk.logp.processed.v1), "
+           "greedy and comparable. Costs a host sync per step. Unset: nothing is written.",
+           ("1", "0", "true", "false")),
     EnvVar("RL_KERNEL_LOGP_SAMPLING", _sampling, None,
            "Megatron, logp R: the rollout's filters (e.g. top_k=40,top_p=0.95,min_p=0.05). The trainer then finds "
            "each position's kept set from its own logits and computes the processed log-prob over it (contract "

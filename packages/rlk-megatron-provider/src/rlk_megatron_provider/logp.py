@@ -17,8 +17,10 @@ kept set, the same bits for any vocab sharding. A keep mask (slime's / VIME's to
 ``log_prob_keep_mask``, ``[T, V/tp]`` bool) is applied to the logits as ``-inf`` (the mask form of the same
 contract).
 
-Entropy: rlk-core has no entropy op yet, so a request for entropy is refused in strict mode (audit mode
-records the fallback and returns the framework's own entropy).
+Entropy (contract ``rlk.entropy.v1``, ``docs/ops/entropy.md``): a request for entropy gets the entropy of the same
+distribution its log-probs are of — over the kept set (the processed distribution) where a keep mask or kept sets
+apply, over the whole vocabulary otherwise — from the rlk LM head's logits, the vocab shards all-gathered in rank
+order (exact), ``entropy`` on the whole vocabulary (so any TP gives the same bits). Differentiable.
 """
 
 from __future__ import annotations
@@ -63,6 +65,20 @@ def _logits_path_op(op: str, *args):
         raise RlkPolicyError(f"rlk op {op!r} asked for logp, which is P on the train side")
     with st.routes.scope("logp"):
         return op_function(op)(*args)
+
+
+def _train_only_op(op: str, *args, **kwargs):
+    """An rlk op of the ``logp`` module that only the train side runs (``entropy``: a loss term, never compared with
+    the rollout). It stays out of ``MODULE_OPS`` so that both sides' contract digests keep listing the same
+    contracts (``rlk_core.digest``); it runs inside the ``logp`` scope and reports its backend and contract id in
+    the readback itself."""
+    from rlk_core.routes import op_function
+
+    st = _state.get()
+    if not st.rlk("logp"):
+        raise RlkPolicyError(f"rlk op {op!r} asked for logp, which is P on the train side")
+    with st.routes.scope("logp"):
+        return op_function(op)(*args, **kwargs)
 
 
 class _GatherVocab(torch.autograd.Function):
@@ -158,6 +174,22 @@ def vocab_parallel_logprobs_from_logits(logits: Tensor, target: Tensor, temperat
         return _merge(m, s, z, v_local * tp, group)
 
 
+def vocab_parallel_entropy(logits: Tensor, temperature, group, kept=None) -> Tensor:
+    """``entropy`` ``[T]`` fp32 (contract ``rlk.entropy.v1``) of ``softmax(logits / T)`` over the kept set (``kept``
+    a threshold pair, or ``-inf`` logits: the mask form) from this rank's logits shard ``[T, V/tp]``: the shards
+    all-gathered in rank order (exact data movement; backward: this rank's slice) and the op run on the list of
+    shards, so the bits do not depend on the TP size. Differentiable w.r.t. ``logits``."""
+    tp, _ = _tp(group)
+    v_local = logits.shape[-1]
+    if tp > 1:
+        full = _GatherVocab.apply(logits, group, logits.dim() - 1) if (
+            torch.is_grad_enabled() and logits.requires_grad) else rlk_collectives.all_gather(logits, group, dim=1)
+        shards = list(full.split(v_local, dim=-1))
+    else:
+        shards = [logits]
+    return _train_only_op("entropy", shards, temperature, kept=kept)[0]
+
+
 def _filters() -> dict[str, float] | None:
     """The rollout's top-k / top-p / min-p (``RL_KERNEL_LOGP_SAMPLING``), or None where it filters nothing."""
     from rlk_core import envs
@@ -232,9 +264,7 @@ def linear_logp(request) -> Any:
     if hidden is None or proj is None or target is None:
         st.refuse("logp", "the request lacks context.hidden, context.projection or targets")
         raise unavailable("request without hidden states / projection")
-    if _field(request, "with_entropy", default=False):
-        st.refuse("logp", "entropy was requested (rlk-core has no entropy op yet)")
-        raise unavailable("entropy requested")
+    with_entropy = bool(_field(request, "with_entropy", default=False))
     group = _field(request, "tp_group")
     temperature = _field(request, "temperature", default=1.0)
     part = _field(ctx, "vocab_partition")
@@ -246,21 +276,33 @@ def linear_logp(request) -> Any:
     keep_mask = _field(request, "log_prob_keep_mask")
     kept = _field(_field(request, "metadata", default={}) or {}, "rlk_kept")  # (value, token_id) from the rollout
     flat_target = target.reshape(-1)
+    applied, source, entropy = None, "rollout", None
     if keep_mask is not None:  # VIME's top-p replay: the mask form, on this rank's logits
         logits = _logits_path_op("linear", h, proj)
         logits = logits.masked_fill(~keep_mask.reshape(logits.shape).to(torch.bool), float("-inf"))
         logp = vocab_parallel_logprobs_from_logits(logits, flat_target, temperature, group)
+        if with_entropy:
+            entropy = vocab_parallel_entropy(logits, temperature, group)
     else:
         filters = _filters()
         if kept is None and filters is not None:  # the rollout's filters: this side's own kept sets
-            ks = kept_sets(h, proj, temperature, filters["top_k"], filters["top_p"], filters["min_p"], group)
-            kept = (ks.value, ks.token_id)
+            applied = kept_sets(h, proj, temperature, filters["top_k"], filters["top_p"], filters["min_p"], group)
+            kept, source = (applied.value, applied.token_id), "trainer"
         logp = vocab_parallel_logprobs(h, proj, flat_target, temperature, group, start, size, kept=kept)
+        if with_entropy:
+            entropy = vocab_parallel_entropy(_logits_path_op("linear", h, proj), temperature, group, kept=kept)
     prov = {"token_layout": _field(request, "token_layout"), "tp": _tp(group)[0], "rank": _tp(group)[1],
             "plan": st.plan.name,
             "logprobs": "processed (keep mask)" if keep_mask is not None else
                         "processed (rlk kept sets)" if kept is not None else "unfiltered"}
-    return result_cls(logp=logp.reshape(target.shape), entropy=None, backend_id=BACKEND_ID,
+    if kept is not None:  # the threshold applied, per token in the order of `targets` (contract rlk.logp.processed.v1)
+        prov["rlk_kept"] = {"value": kept[0], "token_id": kept[1], "source": source,
+                            "size": applied.size if applied is not None else None}
+    if with_entropy:
+        prov["entropy"] = {"contract_id": "rlk.entropy.v1",
+                           "distribution": "unfiltered" if keep_mask is None and kept is None else "processed"}
+        entropy = entropy.reshape(target.shape)
+    return result_cls(logp=logp.reshape(target.shape), entropy=entropy, backend_id=BACKEND_ID,
                       contract_id=CONTRACT_ID, provenance=prov)
 
 
@@ -278,14 +320,9 @@ def slime_log_probs_and_entropy(logits: Tensor, tokens: Tensor, tp_group, with_e
     if kwargs:
         raise RlkPolicyError(f"rlk-megatron-provider, module 'logp': slime's arguments {sorted(kwargs)} are not "
                              f"covered")
-    entropy = None
-    if with_entropy:
-        st.refuse("logp", "entropy was requested (rlk-core has no entropy op yet)")
-        loss = importlib.import_module("slime.backends.megatron_utils.loss")
-        original = loss._rlk_original_calculate_log_probs_and_entropy
-        entropy = original(logits, tokens, tp_group, with_entropy=True, chunk_size=chunk_size)[1]
     if logits.shape[0] == 0:
-        return logits.new_zeros(tokens.shape, dtype=torch.float32), entropy
+        empty = logits.new_zeros(tokens.shape, dtype=torch.float32)
+        return empty, (empty.clone() if with_entropy else None)
     flat = logits.reshape(-1, logits.shape[-1])
     if log_prob_keep_mask is not None:  # top-p replay: the kept set's mask form (-inf outside it), same contract
         flat = flat.masked_fill(~log_prob_keep_mask.reshape(flat.shape).to(torch.bool), float("-inf"))
@@ -300,4 +337,8 @@ def slime_log_probs_and_entropy(logits: Tensor, tokens: Tensor, tp_group, with_e
         keep = kept_mask(flat.detach(), 1.0, ks, rank * flat.shape[-1])
         flat = flat.masked_fill(~keep, float("-inf"))
     logp = vocab_parallel_logprobs_from_logits(flat, tokens.reshape(-1), 1.0, tp_group)
+    entropy = None
+    if with_entropy:  # of the same distribution as logp (processed where a mask / filters apply), rlk.entropy.v1
+        entropy = vocab_parallel_entropy(flat if with_entropy_grad else flat.detach(), 1.0, tp_group)
+        entropy = entropy.reshape(tokens.shape)
     return logp.reshape(tokens.shape), entropy

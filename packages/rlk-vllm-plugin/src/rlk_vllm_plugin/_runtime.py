@@ -74,13 +74,14 @@ class Runtime:
     _r: dict[str, bool] = field(default_factory=dict)  # r(module) for the plan in _r_plan
     _r_plan: RoutePlan | None = None
     tp_leaves: int = 0  # RL_KERNEL_TP_INVARIANT (G; 0: off), read once with the plan: hooks read no environment
+    kept_export: bool = False  # RL_KERNEL_VLLM_KEPT_EXPORT: the kept sets' side channel (logprobs.export_step)
 
     @classmethod
     def from_env(cls) -> Runtime:
         return cls(plan=RoutePlan.from_env(), mode=envs.get("RL_KERNEL_MODE"),
                    unfiltered_logprobs=envs.get("RL_KERNEL_VLLM_UNFILTERED_LOGPROBS"),
                    attention_override=envs.get("RL_KERNEL_VLLM_ATTENTION_OVERRIDE"),
-                   tp_leaves=envs.get("RL_KERNEL_TP_INVARIANT"))
+                   tp_leaves=envs.get("RL_KERNEL_TP_INVARIANT"), kept_export=envs.get("RL_KERNEL_VLLM_KEPT_EXPORT"))
 
     @property
     def strict(self) -> bool:

@@ -18,6 +18,11 @@ top-p) and computes the returned log-probs in the module global
   ``RL_KERNEL_VLLM_UNFILTERED_LOGPROBS=1``, the unfiltered ``log softmax(z)`` (sampling stays filtered);
   outside a sampling step (prompt log-probs) the given logits at temperature 1, which is vLLM's definition.
 
+With ``RL_KERNEL_VLLM_KEPT_EXPORT=1`` each sampling step also appends one JSON line per sampled token to
+``rlk-kept-<pid>.jsonl`` beside the readbacks (:func:`export_step`): the request, the sampled token and its
+position, the kept set's threshold and size, and whether the row was greedy (then ``comparable: false``) — the
+per-token threshold an orchestrator hands to the trainer (``metadata["rlk_kept"]`` of the Megatron provider).
+
 vLLM's V1 runner computes log-probs elsewhere (``vllm.v1.sample.sampler.Sampler.compute_logprobs``, a
 full ``log_softmax``): under logp R that is a fallback (strict: raise; run vLLM with Model Runner V2).
 """
@@ -25,6 +30,9 @@ full ``log_softmax``): under logp R that is a fallback (strict: raise; run vLLM 
 from __future__ import annotations
 
 import contextvars
+import json
+import os
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -126,7 +134,10 @@ def _sampler_call(original):
             return original(self, logits, input_batch)
         token = _STEP.set({})  # filled by apply_sampling_params (processed_logits), read by the log-prob hook
         try:
-            return original(self, logits, input_batch)
+            out = original(self, logits, input_batch)
+            if _runtime.get().kept_export:
+                export_step(_STEP.get(), input_batch, out)
+            return out
         finally:
             _STEP.reset(token)
     __call__._rlk_original = original
@@ -177,7 +188,8 @@ def processed_logits(sampler: Any, logits: torch.Tensor, expanded_idx_mapping: t
                 fn(x, *(named[a] for a in args))
     vocab = x.shape[1]
     temp = states.temperature.gpu[expanded_idx_mapping].to(torch.float32)
-    temp = torch.where(temp == 0.0, torch.ones_like(temp), temp)  # greedy rows: T = 1, vLLM's argmax semantics
+    greedy = temp == 0.0
+    temp = torch.where(greedy, torch.ones_like(temp), temp)  # greedy rows: T = 1, vLLM's argmax semantics
     top_k = states.top_k.gpu[expanded_idx_mapping].to(torch.int64)
     top_p = states.top_p.gpu[expanded_idx_mapping].to(torch.float32)
     min_p = states.min_p.gpu[expanded_idx_mapping].to(torch.float32)
@@ -191,8 +203,58 @@ def processed_logits(sampler: Any, logits: torch.Tensor, expanded_idx_mapping: t
         kept = _runtime.rlk("logp", "kept_set", x, temp, top_k, top_p, min_p, host=host)
     step = _STEP.get()
     if step is not None:
-        step.update(logits=x, temperature=temp, kept=kept)
+        step.update(logits=x, temperature=temp, kept=kept, greedy=greedy)
     return tempered(x, temp) if kept is None else _runtime.rlk("logp", "apply_kept", x, temp, kept)
+
+
+KEPT_EXPORT_PREFIX = "rlk-kept-"
+
+
+def kept_records(step: dict[str, Any], input_batch: Any, sampled: torch.Tensor) -> list[dict[str, Any]]:
+    """One record per row of a sampling step (one sampled token per request): ``req_id``, ``pos`` (the sampled
+    token's position in the sequence: the last input token's position + 1), ``token`` (the sampled id),
+    ``temperature`` (the one applied: 1 for greedy rows), the kept set's threshold ``value`` (fp32 as a float,
+    ``null`` where the kept set is the whole vocabulary, i.e. ``-inf``), ``value_hex`` (its exact bits,
+    ``float.hex``), ``token_id`` and ``size`` (contract ``rlk.logp.processed.v1``), ``greedy`` and
+    ``comparable`` (false for greedy rows: vLLM's argmax, not a distribution a trainer recomputes)."""
+    logits = step["logits"]
+    rows, vocab = logits.shape
+    req_ids = list(input_batch.req_ids)
+    if len(req_ids) != rows:
+        _runtime.get().violation(f"RL_KERNEL_VLLM_KEPT_EXPORT: {rows} logits rows for {len(req_ids)} requests "
+                                 "(speculative decoding); the export covers one sampled token per request per step")
+        return []
+    kept = step.get("kept")
+    if kept is None:  # no row filters: every kept set is the whole vocabulary
+        value, token_id, size = [float("-inf")] * rows, [vocab - 1] * rows, [vocab] * rows
+    else:
+        value, token_id, size = kept.value.tolist(), kept.token_id.tolist(), kept.size.tolist()
+    pos = (input_batch.positions[input_batch.logits_indices[:rows]] + 1).tolist()
+    temperature, greedy = step["temperature"].tolist(), step["greedy"].tolist()
+    tokens = sampled[:rows, 0].tolist()
+    return [{"req_id": req_ids[i], "pos": int(pos[i]), "token": int(tokens[i]), "temperature": temperature[i],
+             "value": None if value[i] == float("-inf") else value[i], "value_hex": float.hex(value[i]),
+             "token_id": int(token_id[i]), "size": int(size[i]), "greedy": bool(greedy[i]),
+             "comparable": not greedy[i]} for i in range(rows)]
+
+
+def export_step(step: dict[str, Any] | None, input_batch: Any, output: Any) -> Path | None:
+    """Append the step's :func:`kept_records` to ``rlk-kept-<pid>.jsonl`` in the readback directory (a host sync:
+    the kept sets and sampled ids are read back). Returns the file (None when the step sampled nothing)."""
+    if not step or step.get("logits") is None:
+        return None
+    rt = _runtime.get()
+    directory = rt.recorder.directory
+    if directory is None:
+        rt.violation("RL_KERNEL_VLLM_KEPT_EXPORT=1 needs RL_KERNEL_READBACK_DIR (the records go beside the "
+                     "readbacks)")
+        return None
+    records = kept_records(step, input_batch, output.sampled_token_ids)
+    path = Path(directory) / f"{KEPT_EXPORT_PREFIX}{os.getpid()}.jsonl"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a", encoding="utf-8") as f:
+        f.writelines(json.dumps(r, allow_nan=False) + "\n" for r in records)
+    return path
 
 
 def _apply_sampling_params(original):

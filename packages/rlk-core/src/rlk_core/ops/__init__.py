@@ -12,6 +12,7 @@ from rlk_core.ops.attention import (
     attention_varlen,
     kv_cache_write,
 )
+from rlk_core.ops.entropy import entropy
 from rlk_core.ops.kept_set import KeptSet, apply_kept, kept_set
 from rlk_core.ops.linear import linear
 from rlk_core.ops.linear_logprobs import linear_logp_partials, linear_logprobs
@@ -28,6 +29,7 @@ __all__ = [
     "attention_decode",
     "attention_paged_prefill",
     "attention_varlen",
+    "entropy",
     "kept_set",
     "kv_cache_write",
     "linear",
