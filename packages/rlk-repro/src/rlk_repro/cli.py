@@ -168,9 +168,10 @@ def _experiment_options(r: argparse.ArgumentParser) -> None:
                    help="the trainer's log-prob where it should differ from --logprobs: e.g. unfiltered, as a stock "
                    "trainer recomputes the full softmax, to measure the semantic mismatch (rlk-validate reports it)")
     r.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw", help="optimizer of the trainer (adamw)")
-    r.add_argument("--lr", type=float, default=1e-4,
-                   help="learning rate (1e-4: a 10-round run of a preset keeps learning without collapsing its "
-                   "policy; 1e-3 saturates the tiny model's in 4 rounds)")
+    r.add_argument("--lr", type=float, default=None,
+                   help="learning rate (default 1e-4 x 64 / the model's hidden size: tiny 1e-4, the 0.6B shape "
+                   "6.25e-6; a 10-round run keeps learning without collapsing its policy; 1e-3 saturates the tiny "
+                   "model's in 4 rounds, 1e-4 the 0.6B shape's in one)")
     r.add_argument("--static-weights", action="store_true",
                    help="train nothing: the weights stay those of the checkpoint every round (a fixed-policy run, "
                    "asked for explicitly; local engine)")

@@ -45,7 +45,7 @@ def _f(code: str, msg: str, path: str | None = None) -> Finding:
 
 
 def _sha256(root: Root, rel: str) -> str:
-    fd, _ = root.open_fd(rel, 1 << 50)
+    fd, _ = root.open_fd(rel, root.caps.stream_bytes)
     h = hashlib.sha256()
     try:
         while True:

@@ -83,6 +83,9 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-json-mib", type=float, default=Caps.json_bytes / MiB, metavar="N")
     p.add_argument("--max-log-mib", type=float, default=Caps.log_bytes / MiB, metavar="N")
     p.add_argument("--max-tensor-mib", type=float, default=Caps.tensor_bytes / MiB, metavar="N")
+    p.add_argument("--max-stream-mib", type=float, default=Caps.stream_bytes / MiB, metavar="N",
+                   help="cap of a file that is only hashed, streamed in chunks (a resume state): bounds the pass's "
+                   "time, not memory (default 1 TiB)")
     p.add_argument("-q", "--quiet", action="store_true", help="print only the verdict line")
     p.add_argument("-v", "--verbose", action="store_true", help="also print info findings")
     p.add_argument("--debug", action="store_true", help="show a traceback on an internal error")
@@ -132,7 +135,7 @@ def _options(a: argparse.Namespace) -> Any:
         raise UsageError("--clip-eps must be in (0, 10)")
     if a.worst < 0:
         raise UsageError("--worst must be >= 0")
-    for name in ("max_json_mib", "max_log_mib", "max_tensor_mib"):
+    for name in ("max_json_mib", "max_log_mib", "max_tensor_mib", "max_stream_mib"):
         if not getattr(a, name) > 0:
             raise UsageError(f"--{name.replace('_', '-')} must be > 0")
     if not 0 <= a.min_informative_fraction <= 1:
@@ -148,6 +151,7 @@ def _options(a: argparse.Namespace) -> Any:
         json_bytes=int(a.max_json_mib * MiB),
         log_bytes=int(a.max_log_mib * MiB),
         tensor_bytes=int(a.max_tensor_mib * MiB),
+        stream_bytes=int(a.max_stream_mib * MiB),
     )
     return Options(
         require_bitwise=a.require_bitwise,

@@ -1,7 +1,8 @@
 """What the seal covers: every entry under the run directory, not only the files the checks read.
 
 :func:`digest_tree` walks the run directory (never following a link) and records in ``root.digests`` what the
-checks did not: the sha256 of each other regular file (streamed: any size up to the tensor cap), ``dir`` for
+checks did not: the sha256 of each other regular file (streamed in 4 MiB chunks: one chunk of memory, any size up to
+the stream cap ``Caps.stream_bytes``, so a large honest file such as a run's resume state is sealed), ``dir`` for
 each folder, ``link:<sha256 of its target>`` for each symbolic link. ``run-validation.json`` and ``COMPLETE``
 (the seal itself) are left out. A sealed run whose tree differs in any entry — a ``report/`` file, a dot-file, an
 unknown folder, a blob added after sealing — is ``SEAL_INVALID`` naming it. Work is bounded: at most
@@ -24,7 +25,7 @@ _SEAL_FILES = (COMPLETE, RUN_VALIDATION)
 
 
 def _stream_digest(root: Root, rel: str) -> str:
-    fd, _ = root.open_fd(rel, root.caps.tensor_bytes)
+    fd, _ = root.open_fd(rel, root.caps.stream_bytes)
     h = hashlib.sha256()
     try:
         while True:

@@ -27,11 +27,14 @@ MAX_INT = (1 << 63) - 1
 
 @dataclass(frozen=True)
 class Caps:
-    """Size caps, in bytes, checked before a file is read."""
+    """Size caps, in bytes, checked before a file is read. ``stream_bytes`` caps a file that is only hashed (streamed
+    in 4 MiB chunks, never held: a resumable run's ``round-state/state.pt``, an unknown file): its memory cost is one
+    chunk whatever its size, so the cap bounds the time of the pass, not memory."""
 
     json_bytes: int = 64 * MiB
     log_bytes: int = 8192 * MiB
     tensor_bytes: int = 16384 * MiB
+    stream_bytes: int = 1 << 40  # 1 TiB
     small_bytes: int = 4096  # exit-code, COMPLETE
 
 

@@ -49,6 +49,7 @@ class Options:
                 "json_bytes": self.caps.json_bytes,
                 "log_bytes": self.caps.log_bytes,
                 "tensor_bytes": self.caps.tensor_bytes,
+                "stream_bytes": self.caps.stream_bytes,
             },
         }
 

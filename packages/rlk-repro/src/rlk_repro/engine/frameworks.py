@@ -281,7 +281,8 @@ class _Run:
         torch.manual_seed(cfg.seed)
         self.model_cfg, weights, self.ckpt_hash = load_model(cfg)
         # issue 37: the model's tokenizer, prompt data, chat template, stop tokens and reward (--model-path ...), or
-        # the bundled prompts as byte tokens and the stand-in reward (vocab_reward), as the local engine
+        # the bundled prompts as byte tokens and the stand-in reward (stand_in_reward), as the local engine; load_model
+        # sets a default --lr from the model's width (default_lr)
         self.ps = load_prompt_set(cfg, self.model_cfg)
         self.prompts, self.encoded = self.ps.prompts, self.ps.encoded
         self.max_len = max(len(e) for e in self.encoded) + cfg.max_new_tokens

@@ -67,7 +67,7 @@ class LocalRunConfig:
     max_num_seqs: int = 6
     arrivals_per_step: int = 2
     optimizer: str = "adamw"
-    lr: float = 1e-4  # a 10-round run stays non-degenerate (informative tokens, entropy: docs/local-engine.md)
+    lr: float | None = None  # None: default_lr(the model), set by load_model (docs/local-engine.md, "Options")
     static_weights: bool = False  # no update: the checkpoint's weights every round (asked for explicitly)
     readback_mode: str = "strict"
     threads: int | None = None  # torch intra-op threads for the run (None: leave torch's setting)
@@ -108,7 +108,7 @@ class LocalRunConfig:
             raise RlkConfigError("--apply-chat-template needs --model-path DIR (the chat template is the tokenizer's)")
         if self.rm_type not in (None, "deepscaler", "stand-in"):
             raise RlkConfigError(f"--rm-type {self.rm_type!r} is not deepscaler or stand-in")
-        if self.lr <= 0:
+        if self.lr is not None and self.lr <= 0:
             raise RlkConfigError(f"lr must be > 0, got {self.lr}")
         if self.state_every < 0:
             raise RlkConfigError(f"state-every must be >= 0 (0 = never), got {self.state_every}")
@@ -161,14 +161,35 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
+#: the default learning rate of a model of hidden size 64 (the tiny preset); wider models get it scaled by 64 / H
+DEFAULT_LR_AT_64 = 1e-4
+
+
+def default_lr(model_cfg: Qwen3Config) -> float:
+    """``1e-4 * 64 / hidden_size`` (tiny 1e-4, small 5e-5, the 0.6B shape 6.25e-6). AdamW moves every weight by about
+    the learning rate a step whatever its gradient, so a logit moves by about ``lr * H`` times the hidden state's
+    scale: at 1e-4 the 0.6B shape's policy collapsed in one update (kept sets of median 29 -> 1, issue 41). Scaling
+    with 1 / H keeps the per-step change of the logits that of the tiny model, whose 10-round runs stay live."""
+    return DEFAULT_LR_AT_64 * 64 / model_cfg.hidden_size
+
+
 def load_model(cfg: LocalRunConfig) -> tuple[Qwen3Config, dict[str, torch.Tensor], str]:
+    """The model's config, its fp32 weights and their hash; a ``cfg.lr`` left to its default (None) is set here to
+    :func:`default_lr` of the model (both engines call this before building the trainer or writing the manifest)."""
+    model_cfg, weights = _load_model(cfg)
+    if cfg.lr is None:
+        cfg.lr = default_lr(model_cfg)
+    return model_cfg, weights, weights_sha256(weights)
+
+
+def _load_model(cfg: LocalRunConfig) -> tuple[Qwen3Config, dict[str, torch.Tensor]]:
     if cfg.checkpoint or cfg.model_path:
         model_cfg, weights = load_checkpoint(cfg.checkpoint or cfg.model_path)
         weights = {k: v.float() for k, v in weights.items()}
     else:
         model_cfg = preset(cfg.model)
         weights = random_weights(model_cfg, cfg.seed)
-    return model_cfg, weights, weights_sha256(weights)
+    return model_cfg, weights
 
 
 def run_local(cfg: LocalRunConfig, output: str | os.PathLike[str], run_name: str | None = None,
@@ -384,9 +405,9 @@ def _round(cfg: LocalRunConfig, ses: _Session, run_dir: Path, rnd: int, watch: J
             watch.phase("rollout"), ses.tracer.side("rollout", rnd):
         stats = ses.engine.generate(requests, on_token=bar.update)
 
-    # vocab_reward, as the frameworks engine: with a large vocabulary (a random-weight Qwen3-0.6B) the byte-token
-    # reward alone is 0 for every sample, every advantage 0 and no update ever changes the weights (WEIGHTS_STATIC)
-    # issue 37: the deepscaler rule on the decoded response for a real model (--model-path), else vocab_reward
+    # the stand-in reward (stand_in_reward), as the frameworks engine: graded on every token id, so it varies within a
+    # group for any vocabulary and does not saturate while the policy has entropy (the byte-token rule alone is 0 for
+    # every sample of a large-vocabulary random model, issue 41); the deepscaler rule for a real model (--model-path)
     rewards = [ses.prompt_set.reward(r.output, ses.prompts[chosen[i // n]].answer) for i, r in enumerate(requests)]
     adv = group_advantages(rewards, n)
     samples = [Sample(r.prompt, r.output, r.logprobs, a) for r, a in zip(requests, adv, strict=True)]

@@ -3,7 +3,8 @@
 Two kinds of run:
 
 - **stand-in** (the default: a random-weight preset, or ``--checkpoint`` without tokenizer): the bundled toy
-  prompts, byte tokens and the stand-in reward :func:`~rlk_repro.engine.data.vocab_reward`;
+  prompts, byte tokens and the stand-in reward :func:`~rlk_repro.engine.data.stand_in_reward` (graded: it does not
+  saturate while the policy has entropy);
 - **real** (``--model-path DIR``: config, safetensors and tokenizer files): the model's tokenizer, prompts from
   ``--prompt-data FILE.jsonl`` (VIME's JSONL, ``--input-key`` / ``--label-key``; the bundled prompts without it),
   ``--apply-chat-template``, the stop tokens of :meth:`~rlk_repro.model.tokenizer.HFTokenizer.stop_token_ids` and
@@ -24,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from rlk_core.errors import RlkConfigError
-from rlk_repro.engine.data import Prompt, encode, load_prompts, prompts_bytes, vocab_reward
+from rlk_repro.engine.data import STAND_IN_REWARD, Prompt, encode, load_prompts, prompts_bytes, stand_in_reward
 
 RM_TYPES = ("deepscaler", "stand-in")
 
@@ -113,13 +114,11 @@ def load_prompt_set(cfg, model_cfg) -> PromptSet:
     else:
         stop = sorted({model_cfg.eos_token_id, *(cfg.stop_token_ids or ())})
         from rlk_repro.engine.data import decode
-    vocab = model_cfg.vocab_size
     if rm_type == "deepscaler":
         def reward(ids: list[int], answer: str) -> float:
             return float(deepscaler_reward(decode(ids), answer))
     else:
-        def reward(ids: list[int], answer: str) -> float:
-            return vocab_reward(ids, answer, vocab)
+        reward = stand_in_reward
     facts = None
     if data is not None:
         facts = {"path": str(Path(cfg.prompt_data).resolve()), "sha256": data["output"]["sha256"],
@@ -138,13 +137,19 @@ def claims(cfg, ps: PromptSet) -> dict[str, Any]:
     if not cfg.model_path and not cfg.checkpoint:
         reasons.append(f"random-weight model (preset {cfg.model})")
     if ps.rm_type != "deepscaler":
-        reasons.append("stand-in reward (vocab_reward), not the deepscaler rule")
+        reasons.append(f"stand-in reward ({STAND_IN_REWARD}), not the deepscaler rule")
     if ps.data is None:
         reasons.append("the bundled toy prompts (a developer fixture)")
     elif ps.data["purpose"] != "experiment":
         reasons.append(f"prompt data is not an experiment set: {ps.data['purpose'] or 'unprepared'} "
                        f"({ps.data['purpose_reason']})")
     return {"experiment": not reasons, "reasons": reasons}
+
+
+def reward_name(rm_type: str) -> str:
+    """The reward function a run used, by name (the manifest's ``reward.name``; a run without it used
+    ``vocab_reward`` as its stand-in)."""
+    return STAND_IN_REWARD if rm_type == "stand-in" else "deepscaler"
 
 
 def manifest_facts(cfg, ps: PromptSet) -> dict[str, Any]:
@@ -154,5 +159,5 @@ def manifest_facts(cfg, ps: PromptSet) -> dict[str, Any]:
             "model": {"kind": "checkpoint" if real else "random-weight preset", "path": real,
                       "preset": None if real else cfg.model, "tokenizer": ps.tokenizer},
             "data": ps.data,
-            "reward": {"rm_type": ps.rm_type, "stop_token_ids": ps.stop_token_ids,
+            "reward": {"rm_type": ps.rm_type, "name": reward_name(ps.rm_type), "stop_token_ids": ps.stop_token_ids,
                        "apply_chat_template": cfg.apply_chat_template}}
