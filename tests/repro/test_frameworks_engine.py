@@ -279,3 +279,10 @@ def test_frameworks_takes_the_real_model_options(hf_model, tmp_path, capsys):
     for k in ("model_path", "prompt_data", "apply_chat_template", "apply_chat_template_kwargs", "rm_type",
               "rollout_stop_token_ids", "phase", "input_key", "label_key"):
         assert getattr(b, k) == getattr(a, k), k
+
+
+def test_a_moe_preset_passes_the_frameworks_layout_check(capsys):
+    """The layout check looked the model up in the dense presets only: every frameworks run of a MoE preset stopped
+    with KeyError before round 0 (found on the H200, stage moe-loop)."""
+    assert cli.main(["plan", "--engine", "frameworks", "--model", "qwen3-moe-30b-a3b-L2"]) == 0
+    assert json.loads(capsys.readouterr().out)["config"]["model"] == "qwen3-moe-30b-a3b-L2"

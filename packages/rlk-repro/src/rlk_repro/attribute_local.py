@@ -36,7 +36,7 @@ from rlk_repro.engine.prompts import load_prompt_set
 from rlk_repro.engine.rollout import RolloutEngine
 from rlk_repro.engine.trainer import Trainer
 from rlk_repro.model import qwen3
-from rlk_repro.model.config import PRESETS, Qwen3Config
+from rlk_repro.model.config import Qwen3Config, preset
 from rlk_repro.model.ops import Ops
 from rlk_repro.model.weights import Weights
 from rlk_repro.resume import STATE_DIR, STATE_DOC, STATE_FILE, recorded_config
@@ -274,7 +274,7 @@ def _round_weights(run_dir: Path, manifest: dict[str, Any], cfg, rnd: int
     loaded = file_sha256(path)
     state = torch.load(path, map_location="cpu", weights_only=True)
     model_dir = cfg.checkpoint or cfg.model_path
-    model_cfg = Qwen3Config.from_dir(model_dir) if model_dir else PRESETS[cfg.model]
+    model_cfg = Qwen3Config.from_dir(model_dir) if model_dir else preset(cfg.model)
     return model_cfg, dict(state["master"]), {"source": f"round state ({STATE_DIR}/{STATE_FILE})",
                                               "recorded": doc.get("sha256"), "loaded": loaded,
                                               "what": f"{STATE_DIR}/{STATE_DOC} sha256 vs the state file"}

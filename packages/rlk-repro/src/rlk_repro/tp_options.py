@@ -90,9 +90,9 @@ def model_problems(model_cfg, train_tp: int, rollout_tp: int, leaves: int) -> li
 
 def model_config(cfg):
     """The run's model shape: its checkpoint's config.json, else the preset."""
-    from rlk_repro.model.config import PRESETS, Qwen3Config
+    from rlk_repro.model.config import Qwen3Config, preset
 
-    return Qwen3Config.from_dir(cfg.checkpoint) if cfg.checkpoint is not None else PRESETS[cfg.model]
+    return Qwen3Config.from_dir(cfg.checkpoint) if cfg.checkpoint is not None else preset(cfg.model)
 
 
 def apply_environment(cfg) -> None:
