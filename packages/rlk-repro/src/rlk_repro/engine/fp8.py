@@ -50,7 +50,9 @@ def quantize_per_tensor(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if not bool(torch.isfinite(absmax)) or float(absmax) == 0.0:
         raise ValueError(f"quantize_per_tensor: max |w| is {float(absmax)}; an FP8 per-tensor scale needs a finite, "
                          "non-zero maximum")
-    scale = absmax / FP8_MAX
+    # a divisor on the device, not a Python number: torch's CUDA `tensor / scalar` multiplies by the scalar's
+    # reciprocal (1 ulp off the IEEE quotient: 0.75 / 448 gave 0x3ADB6DB8 where vLLM's kernel gives 0x3ADB6DB7)
+    scale = torch.div(absmax, torch.full_like(absmax, FP8_MAX))
     inv = torch.reciprocal(scale)
     q = (x * inv).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     return q, scale.reshape(1)
