@@ -113,13 +113,25 @@ def test_a_run_that_asked_for_nothing_is_only_summarised(tmp_path: Path, cli) ->
     assert r.code == 0 and "CUDA_GRAPH_SUMMARY" in r.codes and "CUDA_GRAPH_DECODE_EAGER" not in r.codes
 
 
+def test_an_eager_engine_with_no_capture_sizes_is_valid_evidence(tmp_path: Path, cli) -> None:
+    """vLLM under enforce_eager records capture_sizes [] (found on the H200: every ladder rung, which runs eager,
+    failed CUDA_GRAPH_EVIDENCE_INVALID)."""
+    decode = [("NONE", b, b, b, 8) for b in range(1, N + 1)]
+    s = _section(sizes=[], captured=[], mode="NONE", decode=decode)
+    r = cli(_run(tmp_path, s, ask={}, how="none"))
+    assert r.code == 0 and "CUDA_GRAPH_EVIDENCE_INVALID" not in r.codes, r.codes
+
+
 @pytest.mark.parametrize("edit", [
     lambda s: s.update(recorded="yes"),
     lambda s: s["dispatch"][0].update(count=0),
     lambda s: s["dispatch"][0].pop("decode"),
     lambda s: s.update(settings=None),
     lambda s: s["captured"].append({"mode": "FULL", "num_tokens": 0}),
-], ids=["recorded-str", "count-0", "no-decode-flag", "dispatch-without-settings", "size-0"])
+    lambda s: s["settings"].update(capture_sizes=[0]),
+    lambda s: s["settings"].update(capture_sizes="1-8"),
+], ids=["recorded-str", "count-0", "no-decode-flag", "dispatch-without-settings", "size-0", "capture-size-0",
+        "capture-sizes-str"])
 def test_invalid_evidence_fails(tmp_path: Path, cli, edit) -> None:
     s = _section()
     edit(s)

@@ -40,6 +40,12 @@ def _sizes(v: Any) -> list[int] | None:
     return sorted(v) if isinstance(v, list) and v and all(_int(s, 1) for s in v) else None
 
 
+def _sizes_field(v: Any) -> bool:
+    """A recorded ``capture_sizes``: null, or a list of sizes >= 1 — empty where vLLM captures nothing
+    (``enforce_eager``, ``cudagraph_mode`` NONE)."""
+    return v is None or (isinstance(v, list) and all(_int(s, 1) for s in v))
+
+
 def requested(manifest: Any) -> dict[str, Any] | None:
     """``{"cudagraph_mode", "capture_sizes", "source"}`` the run asked for, or None where the manifest says nothing."""
     if not isinstance(manifest, dict):
@@ -77,7 +83,7 @@ def _section_problem(s: Any) -> str | None:
         return None if isinstance(s.get("reason"), str) else "cuda_graphs.recorded is false without a reason"
     st = s.get("settings")
     if st is not None and not (isinstance(st, dict) and isinstance(st.get("cudagraph_mode"), str)
-                               and (st.get("capture_sizes") is None or _sizes(st.get("capture_sizes")))
+                               and _sizes_field(st.get("capture_sizes"))
                                and _int(st.get("decode_query_len"), 1)):
         return "cuda_graphs.settings needs cudagraph_mode, capture_sizes (list or null), decode_query_len"
     if not isinstance(s.get("captured"), list) or not all(
