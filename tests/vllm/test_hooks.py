@@ -563,6 +563,8 @@ def _add_requests(*params):
 
 
 def _sampling_note(tmp_path):
+    """The flushed readback's ``annotations.sampling`` (the run directory is ``tmp_path``, the readbacks under
+    ``readbacks/<hostname>/``) and rlk-validate's findings on it (bitwise equality required)."""
     import json
     import socket
 
@@ -570,14 +572,17 @@ def _sampling_note(tmp_path):
 
     import rlk_vllm_plugin
     from rlk_core.readback import schema
+    from rlk_validate.greedy import check_greedy
     from rlk_validate.readbacks import _validate_doc
+    from rlk_validate.safeio import Root
 
     rlk_vllm_plugin.flush()
-    (path,) = (tmp_path / socket.gethostname()).glob("vllm-rollout-*.json")
+    (path,) = (tmp_path / "readbacks" / socket.gethostname()).glob("vllm-rollout-*.json")
     doc = json.loads(path.read_text())
     jsonschema.validate(doc, schema())
     assert _validate_doc(doc, path.name) is None  # rlk-validate reads it (torch-free rules)
-    return doc.get("annotations", {}).get("sampling")
+    findings = check_greedy(Root(tmp_path, check="run"), None, require_exact=True)
+    return doc.get("annotations", {}).get("sampling"), [(f.code, f.severity) for f in findings]
 
 
 def test_greedy_requests_are_served_and_marked_not_comparable_in_the_readback(plugin, tmp_path):
@@ -592,13 +597,18 @@ def test_greedy_requests_are_served_and_marked_not_comparable_in_the_readback(pl
     from rlk_core.ops import token_logprobs
     from rlk_vllm_plugin import logprobs
 
-    plugin(logp="P/R", RL_KERNEL_READBACK_DIR=str(tmp_path))
+    plugin(logp="P/R", RL_KERNEL_READBACK_DIR=str(tmp_path / "readbacks"))
     greedy, sampled = SamplingParams(temperature=0.0, logprobs=0), SamplingParams(temperature=0.8, logprobs=0)
-    stubs = _add_requests(SamplingParams.for_sampler_warmup(), greedy, sampled, SamplingParams(temperature=0.0))
+    stubs = _add_requests(SamplingParams.for_sampler_warmup(), greedy)
     stubs[1].sampling_states.add_request.assert_called_once_with(1, greedy)  # vLLM's own add_request ran
-    note = _sampling_note(tmp_path)
+    note, findings = _sampling_note(tmp_path)
+    assert note["counts"] == {"greedy": 1, "greedy_with_logprobs": 1} and note["comparable"] is False
+    assert findings == [("GREEDY_NOT_COMPARABLE", "error")]  # greedy only: the compared log-probs are argmax ones
+    _add_requests(sampled, SamplingParams(temperature=0.0))
+    note, findings = _sampling_note(tmp_path)
     assert note["counts"] == {"greedy": 2, "greedy_with_logprobs": 1, "sampled": 1, "sampled_with_logprobs": 1}
     assert note["comparable"] is False and "argmax" in note["reason"] and "Sampler.add_request" in note["counted"]
+    assert findings == [("GREEDY_NOT_COMPARABLE", "warning")]  # beside a sampled request: an evaluation pass?
     # the greedy row of a step is served at T = 1 (its processed logits and log-probs are those of the raw logits)
     logits = _bf16(2, 64, seed=9) * 4
     sampler = _sampler_with([0.0, 0.8], [64, 64], [1.0, 1.0], [0.0, 0.0])
@@ -618,16 +628,17 @@ def test_a_process_that_served_sampled_requests_only_has_no_greedy_mark(plugin, 
     ``comparable: true`` and no greedy count; the first greedy request asking for log-probs flips the mark."""
     from vllm import SamplingParams
 
-    plugin(logp="P/P", RL_KERNEL_READBACK_DIR=str(tmp_path))
+    plugin(logp="P/P", RL_KERNEL_READBACK_DIR=str(tmp_path / "readbacks"))
     _add_requests(SamplingParams.for_sampler_warmup(), SamplingParams(temperature=1.0, logprobs=0),
                   SamplingParams(temperature=1e-6, logprobs=0),  # not 0 in float32: MRv2 draws (Gumbel)
                   SamplingParams(temperature=0.7))
-    note = _sampling_note(tmp_path)
+    note, findings = _sampling_note(tmp_path)
     assert note["counts"] == {"sampled": 3, "sampled_with_logprobs": 2} and note["comparable"] is True
-    assert note["reason"] is None
+    assert note["reason"] is None and findings == []
     _add_requests(SamplingParams(temperature=0.0, logprobs=0))
-    note = _sampling_note(tmp_path)
+    note, findings = _sampling_note(tmp_path)
     assert note["counts"]["greedy_with_logprobs"] == 1 and note["comparable"] is False
+    assert findings == [("GREEDY_NOT_COMPARABLE", "warning")]
 
 
 def test_kept_export_writes_the_threshold_each_sampled_token_was_drawn_under(plugin, tmp_path):
