@@ -203,3 +203,34 @@ def test_scopes_nest_restore_on_exit_and_on_error_and_refuse_unknown_modules():
     assert active_scope() is None
     with pytest.raises(RlkConfigError, match="is not one of"):
         rec.scope("mlp")
+
+
+def test_annotations_tally_counts_and_marks_into_the_document(tmp_path):
+    """Issue 40: an adapter's per-process counters and marks (``tally`` / ``annotate``) are the readback's
+    ``annotations``; ``replace=False`` sets a default a later mark changes; bad names and values are refused; the
+    schema accepts the field and rejects a broken one; a recorder that annotated nothing writes no field."""
+    from rlk_core.errors import RlkConfigError
+
+    rec = ReadbackRecorder("vllm", "rollout", RoutePlan("P/P", "P/P", "P/P"), mode="strict", directory=tmp_path)
+    assert "annotations" not in rec.to_dict()
+    rec.tally("sampling", greedy=1, greedy_with_logprobs=1)
+    rec.tally("sampling", sampled=2, greedy=1)
+    rec.annotate("sampling", replace=False, comparable=True, reason=None)
+    rec.annotate("sampling", comparable=False, reason="argmax")
+    rec.annotate("sampling", replace=False, comparable=True, counted="requests")  # a default: only new keys
+    doc = json.loads(rec.flush().read_text())
+    _validate(doc)
+    assert doc["annotations"] == {"sampling": {"counts": {"greedy": 2, "greedy_with_logprobs": 1, "sampled": 2},
+                                               "comparable": False, "reason": "argmax", "counted": "requests"}}
+    for bad in (lambda: rec.tally("Sampling", n=1), lambda: rec.tally("sampling", n=-1),
+                lambda: rec.tally("sampling", n=True), lambda: rec.annotate("sampling", counts=1),
+                lambda: rec.annotate("sampling", why=[1]), lambda: rec.annotate("sampling", x=float("nan"))):
+        with pytest.raises(RlkConfigError):
+            bad()
+    for mutate in (lambda d: d["annotations"]["sampling"]["counts"].update(greedy=-1),
+                   lambda d: d["annotations"]["sampling"].update(reason={"a": 1}),
+                   lambda d: d["annotations"].update(Bad={})):
+        broken = json.loads(json.dumps(doc))
+        mutate(broken)
+        with pytest.raises(jsonschema.ValidationError):
+            _validate(broken)

@@ -151,6 +151,7 @@ def _metrics(mismatches=5, abs_mean=1e-6, abs_max=1e-5, clip=0.0, nonfinite=0, f
      "expected numerical"),
     (_rung(), _metrics(nonfinite=2), None, [], "semantic"),
     (_rung(), _metrics(), None, ["SAMPLING_SEMANTICS_DIFFER"], "semantic"),
+    (_rung(case="R/R"), _metrics(mismatches=1), None, ["GREEDY_NOT_COMPARABLE"], "semantic"),  # argmax rollout
     (_rung(case="R/R"), _metrics(fallbacks=("no kernel",)), None, [], "framework"),
     (_rung(case="R/R"), _metrics(mismatches=1), None, ["CASE_MISMATCH"], "framework"),
 ])

@@ -17,7 +17,7 @@ pytestmark = [
 ]
 
 COUNTING_HOOKS = {"oot.RMSNorm", "oot.SiluAndMul", "oot.UnquantizedFusedMoEMethod", "model_loader", "linear",
-                  "lm_head", "cuda_graphs"}  # counting only
+                  "lm_head", "cuda_graphs", "sampling_counts"}  # counting only
 
 
 def _bf16(*shape, seed=0):
@@ -87,6 +87,10 @@ def test_all_p_installs_counting_only_and_vllm_computes_the_same_bits(plugin, vl
     # nothing that changes arithmetic: no RoPE, attention backend, log-prob hook or TP all-reduce
     assert sorted(op_registry_oot) == ["RMSNorm", "SiluAndMul", "UnquantizedFusedMoEMethod"]
     assert not hasattr(logprob.compute_token_logprobs, "_rlk_original")
+    from vllm.v1.worker.gpu.sample.sampler import Sampler  # its requests are counted, its sampling is vLLM's own
+    assert hasattr(Sampler.add_request, "_rlk_original")
+    assert not hasattr(Sampler.__call__, "_rlk_original")
+    assert not hasattr(Sampler.apply_sampling_params, "_rlk_original")
     assert not hasattr(GroupCoordinator._all_reduce_out_place, "_rlk_original")
     with pytest.raises(ValueError, match="must be registered"):
         AttentionBackendEnum.CUSTOM.get_class()

@@ -546,6 +546,101 @@ def test_sampler_add_request_checks_the_request_with_the_installed_vllms_argumen
     stub.logprob_token_ids_state.add_request.assert_called_once_with(3, sp)
 
 
+def _add_requests(*params):
+    """Each ``SamplingParams`` through the plugin's ``Sampler.add_request`` with the installed vLLM's arguments (the
+    sampler's states are a mock: UVA tensors cannot be built on the CPU); returns the mocks vLLM's own method filled."""
+    import inspect
+    from unittest import mock
+
+    from vllm.v1.worker.gpu.sample.sampler import Sampler
+
+    names = list(inspect.signature(Sampler.add_request._rlk_original).parameters)[1:]
+    stubs = []
+    for i, sp in enumerate(params):
+        stubs.append(mock.MagicMock())
+        Sampler.add_request(stubs[-1], *[{"req_idx": i, "prompt_len": 7, "sampling_params": sp}[n] for n in names])
+    return stubs
+
+
+def _sampling_note(tmp_path):
+    """The flushed readback's ``annotations.sampling`` (the run directory is ``tmp_path``, the readbacks under
+    ``readbacks/<hostname>/``) and rlk-validate's findings on it (bitwise equality required)."""
+    import json
+    import socket
+
+    import jsonschema
+
+    import rlk_vllm_plugin
+    from rlk_core.readback import schema
+    from rlk_validate.greedy import check_greedy
+    from rlk_validate.readbacks import _validate_doc
+    from rlk_validate.safeio import Root
+
+    rlk_vllm_plugin.flush()
+    (path,) = (tmp_path / "readbacks" / socket.gethostname()).glob("vllm-rollout-*.json")
+    doc = json.loads(path.read_text())
+    jsonschema.validate(doc, schema())
+    assert _validate_doc(doc, path.name) is None  # rlk-validate reads it (torch-free rules)
+    findings = check_greedy(Root(tmp_path, check="run"), None, require_exact=True)
+    return doc.get("annotations", {}).get("sampling"), [(f.code, f.severity) for f in findings]
+
+
+def test_greedy_requests_are_served_and_marked_not_comparable_in_the_readback(plugin, tmp_path):
+    """Issue 40: under logp R a greedy request (temperature 0) asking for log-probs is served, not refused — its row
+    of a sampling step is vLLM's greedy semantics (T = 1) — and the process's readback counts the requests its
+    sampler took (``annotations.sampling``: greedy / sampled, with log-probs) and marks the log-probs it served
+    ``comparable: false`` with the reason. vLLM's own sampler warm-up is left out. Real vLLM SamplingParams and
+    Sampler methods; the readback is what rlk-validate reads."""
+    import numpy as np
+    from vllm import SamplingParams
+
+    from rlk_core.ops import token_logprobs
+    from rlk_vllm_plugin import logprobs
+
+    plugin(logp="P/R", RL_KERNEL_READBACK_DIR=str(tmp_path / "readbacks"))
+    greedy, sampled = SamplingParams(temperature=0.0, logprobs=0), SamplingParams(temperature=0.8, logprobs=0)
+    stubs = _add_requests(SamplingParams.for_sampler_warmup(), greedy)
+    stubs[1].sampling_states.add_request.assert_called_once_with(1, greedy)  # vLLM's own add_request ran
+    note, findings = _sampling_note(tmp_path)
+    assert note["counts"] == {"greedy": 1, "greedy_with_logprobs": 1} and note["comparable"] is False
+    assert findings == [("GREEDY_NOT_COMPARABLE", "error")]  # greedy only: the compared log-probs are argmax ones
+    _add_requests(sampled, SamplingParams(temperature=0.0))
+    note, findings = _sampling_note(tmp_path)
+    assert note["counts"] == {"greedy": 2, "greedy_with_logprobs": 1, "sampled": 1, "sampled_with_logprobs": 1}
+    assert note["comparable"] is False and "argmax" in note["reason"] and "Sampler.add_request" in note["counted"]
+    assert findings == [("GREEDY_NOT_COMPARABLE", "warning")]  # beside a sampled request: an evaluation pass?
+    # the greedy row of a step is served at T = 1 (its processed logits and log-probs are those of the raw logits)
+    logits = _bf16(2, 64, seed=9) * 4
+    sampler = _sampler_with([0.0, 0.8], [64, 64], [1.0, 1.0], [0.0, 0.0])
+    token = logprobs._STEP.set({})
+    try:
+        z = _apply_sampling_params(sampler, logits, 2)
+        ids = z.argmax(-1, keepdim=True)
+        got = logprobs.token_logprobs_hook(z, ids)[:, 0]
+    finally:
+        logprobs._STEP.reset(token)
+    assert torch.equal(z[0], logits[0].float()) and np.isfinite(got.numpy()).all()
+    assert torch.equal(got[0], token_logprobs(logits[:1], ids[:1, 0], 1.0)[0][0])
+
+
+def test_a_process_that_served_sampled_requests_only_has_no_greedy_mark(plugin, tmp_path):
+    """The negative control, under logp P (the requests are counted for every plan): sampled requests only leave
+    ``comparable: true`` and no greedy count; the first greedy request asking for log-probs flips the mark."""
+    from vllm import SamplingParams
+
+    plugin(logp="P/P", RL_KERNEL_READBACK_DIR=str(tmp_path / "readbacks"))
+    _add_requests(SamplingParams.for_sampler_warmup(), SamplingParams(temperature=1.0, logprobs=0),
+                  SamplingParams(temperature=1e-6, logprobs=0),  # not 0 in float32: MRv2 draws (Gumbel)
+                  SamplingParams(temperature=0.7))
+    note, findings = _sampling_note(tmp_path)
+    assert note["counts"] == {"sampled": 3, "sampled_with_logprobs": 2} and note["comparable"] is True
+    assert note["reason"] is None and findings == []
+    _add_requests(SamplingParams(temperature=0.0, logprobs=0))
+    note, findings = _sampling_note(tmp_path)
+    assert note["counts"]["greedy_with_logprobs"] == 1 and note["comparable"] is False
+    assert findings == [("GREEDY_NOT_COMPARABLE", "warning")]
+
+
 def test_kept_export_writes_the_threshold_each_sampled_token_was_drawn_under(plugin, tmp_path):
     """RL_KERNEL_VLLM_KEPT_EXPORT=1: a sampling step under logp R appends one record per sampled token beside the
     readbacks — the request, position and token, the kept set's threshold (exact bits) and size, greedy rows

@@ -13,6 +13,11 @@ the validator reads ``readbacks/<hostname>/`` as one node's readbacks; a directo
 (``directory=``) is used as given.
 The route line is logged once per (module, op, backend).
 
+Annotations: beside the op records, an adapter keeps per-process observations of its own under a topic —
+counters (:meth:`ReadbackRecorder.tally`) and marks (:meth:`ReadbackRecorder.annotate`), written as the
+readback's ``annotations`` (e.g. the vLLM plugin's ``sampling``: requests by kind, and whether the log-probs it
+served are comparable with training). In-memory updates, like counting.
+
 Policy: on an ``R`` side any fallback raises :class:`~rlk_core.errors.RlkPolicyError` in strict mode
 and is recorded in audit mode; an rlk backend reported on a ``P`` side is an error in strict mode.
 """
@@ -21,7 +26,9 @@ from __future__ import annotations
 
 import contextvars
 import logging
+import math
 import os
+import re
 import socket
 import threading
 from collections.abc import Callable
@@ -143,6 +150,7 @@ class ReadbackRecorder:
         self._lock = threading.Lock()
         self._scopes = {m: _Scope(self, m) for m in MODULES}
         self._digest: dict[str, Any] | None = None  # the contract digest handshake's record (rlk_core.digest)
+        self._annotations: dict[str, dict[str, Any]] = {}  # topic -> {"counts": {name: n}, mark: value} (tally)
 
     # -- scopes and counting ----------------------------------------------------------------------
     def scope(self, module: str) -> _ScopeContext:
@@ -263,6 +271,40 @@ class ReadbackRecorder:
                 self._digest = {"digest": digest, "document": document, "detail": detail, "checks": []}
             self._digest["checks"].append({"at": at, "digest": digest})
 
+    # -- annotations: what an adapter observed, per process -------------------------------------------
+    def tally(self, topic: str, **counts: int) -> None:
+        """Add ``counts`` (integers >= 0) to ``annotations[topic]["counts"]`` of this process's readback: counters an
+        adapter keeps beside the op records (the vLLM plugin's ``sampling``: requests by kind). ``topic`` and the
+        names are ``[a-z][a-z0-9_]*`` (at most 64 characters); an in-memory update."""
+        _check_name(topic, "annotation topic")
+        for name, n in counts.items():
+            _check_name(name, f"count of annotation {topic!r}")
+            if type(n) is not int or n < 0:
+                raise RlkConfigError(f"annotation {topic!r}: count {name!r} must be an integer >= 0, got {n!r}")
+        with self._lock:
+            into = self._annotations.setdefault(topic, {}).setdefault("counts", {})
+            for name, n in counts.items():
+                into[name] = into.get(name, 0) + n
+
+    def annotate(self, topic: str, *, replace: bool = True, **marks: Any) -> None:
+        """Set ``annotations[topic][key] = value`` for each mark, a JSON scalar (string, bool, integer, finite float
+        or None): e.g. ``comparable=False, reason="..."``. A later mark of the same key replaces it; with
+        ``replace=False`` only keys not yet set are set (a default that a later mark may change)."""
+        _check_name(topic, "annotation topic")
+        for key, value in marks.items():
+            _check_name(key, f"mark of annotation {topic!r}")
+            if key == "counts":
+                raise RlkConfigError(f"annotation {topic!r}: 'counts' holds the tallies (tally), it is no mark")
+            finite = type(value) is float and math.isfinite(value)
+            if not (value is None or type(value) in (str, bool, int) or finite):
+                raise RlkConfigError(f"annotation {topic!r}: mark {key!r} must be a JSON scalar (str, bool, int, "
+                                     f"finite float, None), got {type(value).__name__}")
+        with self._lock:
+            into = self._annotations.setdefault(topic, {})
+            for key, value in marks.items():
+                if replace or key not in into:
+                    into[key] = value
+
     # -- the document -----------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
         modules: dict[str, Any] = {}
@@ -314,6 +356,10 @@ class ReadbackRecorder:
             "modules": modules,
             **{name: fn() for name, fn in _SECTIONS.get(self.framework, {}).items()},  # add_section
         }
+        with self._lock:
+            if self._annotations:
+                out["annotations"] = {t: {k: dict(v) if k == "counts" else v for k, v in a.items()}
+                                      for t, a in sorted(self._annotations.items())}
         if self._digest is not None:
             with self._lock:
                 out["contract_digest"] = {**self._digest, "checks": list(self._digest["checks"])}
@@ -333,6 +379,14 @@ class ReadbackRecorder:
         path = target_dir / self.filename
         evidence.write_json_atomic(path, self.to_dict(), sort_keys=True)
         return path
+
+
+_NAME = re.compile(r"[a-z][a-z0-9_]{0,63}")
+
+
+def _check_name(name: Any, what: str) -> None:
+    if not isinstance(name, str) or _NAME.fullmatch(name) is None:
+        raise RlkConfigError(f"{what} {name!r} is not a name ([a-z][a-z0-9_]*, at most 64 characters)")
 
 
 #: framework -> {top-level readback field: a function giving its value at each write} (:func:`add_section`)

@@ -251,6 +251,11 @@ READBACK_FIELDS = (
     _f("modules", "object", "module -> module record (below)"),
     _f("cuda_graphs", "object", "vLLM only: its CUDA-graph settings, captured graphs and per-step graph decisions "
        "(rlk_vllm_plugin.cudagraphs; checked by rlk_validate.cuda_graphs, docs/validate.md)", required=False),
+    _f("annotations", "object", "per-process observations an adapter records beside the op records "
+       "(`ReadbackRecorder.tally` / `annotate`): topic (`[a-z][a-z0-9_]*`) -> object with `counts` (name -> integer "
+       ">= 0) and marks (JSON scalars). The vLLM plugin's `sampling`: requests its sampler took, counts `greedy`, "
+       "`sampled`, `greedy_with_logprobs`, `sampled_with_logprobs`, marks `comparable` (false once a greedy request "
+       "asked for log-probs), `reason`, `counted` (docs/vllm.md); read by rlk_validate.greedy", required=False),
     _f("contract_digest", "object", "the contract digest handshake (`rlk.contract-digest.v1`, issue 37): `digest` "
        "(`sha256:<hex>` of the canonical JSON of `document`), `document` (plan, device type, TP-invariant leaves, "
        "sampling parameters, per R/R module its contract ids, backend families and source hashes), `detail` (this "

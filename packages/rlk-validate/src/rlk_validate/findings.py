@@ -113,6 +113,13 @@ CODES: dict[str, tuple[str, str]] = {
         "the trainer's kept sets (found from its own logits) differ in size from the rollout's at some positions",
     ),
     "KEPT_SET_SIZES": (INFO, "the kept-set size distribution of the run's sampled tokens"),
+    "GREEDY_NOT_COMPARABLE": (
+        ERROR,
+        "the rollout's readbacks record greedy requests (temperature 0) that asked for log-probs — vLLM's argmax, not "
+        "a distribution the trainer recomputes — and the compared tokens can be theirs: no sampled request asked for "
+        "log-probs, or the manifest's temperature is 0 (a warning where bitwise equality is not required, or where "
+        "sampled requests beside them make it an evaluation pass the readbacks cannot tell apart)",
+    ),
     "QUANTIZED_ROLLOUT": (
         ERROR,
         "the rollout ran quantized (manifest rollout_quantization, e.g. fp8) while the trainer did not: a mismatch "

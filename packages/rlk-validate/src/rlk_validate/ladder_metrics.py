@@ -238,7 +238,7 @@ FRAMEWORK_CODES = ("READBACK", "MODULE_RECORD_MISSING", "MODULE_NOT_EXECUTED", "
                    "R_CONTRACT_MISSING", "FALLBACK", "BACKEND_DIVERGES", "P_NOT_PRODUCTION", "P_REPORTS_RLK",
                    "PLAN_INVALID", "MODE_PLAN_MISMATCH", "LADDER_RUNG_KNOBS_MISMATCH")
 #: findings that say the two sides computed different distributions
-SEMANTIC_CODES = ("SAMPLING_SEMANTICS_DIFFER", "KEPT_SET_MISMATCH")
+SEMANTIC_CODES = ("SAMPLING_SEMANTICS_DIFFER", "KEPT_SET_MISMATCH", "GREEDY_NOT_COMPARABLE")
 
 
 def classify(rung: dict[str, Any], m: dict[str, Any], ref: dict[str, Any] | None,
@@ -248,7 +248,8 @@ def classify(rung: dict[str, Any], m: dict[str, Any], ref: dict[str, Any] | None
     1. ``framework``: what ran is not what the rung asked for — a readback fallback, a route or hook finding, or the
        manifest does not show the rung's knobs; nothing about the arithmetic can be concluded.
     2. ``semantic``: the two sides computed different distributions — different log-prob semantics under a filter,
-       kept sets of different sizes, a log-prob finite on one side only, or (a rung that turns a filter on) a mean
+       kept sets of different sizes, greedy (argmax) rollout requests compared, a log-prob finite on one side only,
+       or (a rung that turns a filter on) a mean
        |dlogp| more than :data:`JUMP_FACTOR` times its reference rung's.
     3. ``none``: bitwise equal.
     4. ``candidate operator``: an all-R/R rung that differs (the contracts promise equal bits), or drift beyond

@@ -149,6 +149,23 @@ def _record_problem(rec: Any, where: str, is_op: bool) -> str | None:
     return None
 
 
+def _annotations_problem(a: Any) -> str | None:
+    """Why a readback's ``annotations`` (topic -> ``{counts: {name: integer >= 0}, mark: JSON scalar}``) is
+    malformed, or None."""
+    if not isinstance(a, dict):
+        return "annotations must be an object"
+    for topic, body in a.items():
+        if not _is_name(topic) or not isinstance(body, dict):
+            return f"annotations.{str(topic)[:64]} must be an object under a printable name"
+        counts = body.get("counts", {})
+        if not isinstance(counts, dict) or not all(_is_name(k) and _is_int(v) for k, v in counts.items()):
+            return f"annotations.{topic}.counts must map names to integers in [0, 2^63)"
+        for k, v in body.items():
+            if k != "counts" and not (_is_name(k) and (v is None or type(v) in (str, bool, int, float))):
+                return f"annotations.{topic}.{str(k)[:64]} must be a JSON scalar (string, boolean, number or null)"
+    return None
+
+
 def _validate_doc(doc: Any, rel: str) -> str | None:
     if not isinstance(doc, dict):
         return "the document is not a JSON object"
@@ -172,6 +189,10 @@ def _validate_doc(doc: Any, rel: str) -> str | None:
         return "modules must be an object"
     if "hooks" in doc and not isinstance(doc["hooks"], list):
         return "hooks must be a list"
+    if "annotations" in doc:
+        problem = _annotations_problem(doc["annotations"])
+        if problem:
+            return problem
     for m, rec in doc["modules"].items():
         if not is_member(m, MODULES):
             return f"modules has an unknown module {m!r} (known: {', '.join(MODULES)})"

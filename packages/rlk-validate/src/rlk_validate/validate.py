@@ -15,6 +15,7 @@ from .digest import check_digests
 from .drift import DEFAULT_CLIP_EPS
 from .evidence import EXIT_CODE, INFORMATIVE_LOGP, MIN_INFORMATIVE_FRACTION, RUN_MARKERS, expected_plan
 from .findings import finding
+from .greedy import check_greedy
 from .kernel_trace import check_kernel_trace
 from .readbacks import check_readbacks
 from .report import Report
@@ -154,6 +155,7 @@ def _validate(run_dir: str, opts: Options, report: Report) -> None:
     f.extend(_static_weights(rows, bitwise, info, report.require_exact))
     f.extend(_sampling(_manifest_doc(root), rows, report.require_exact))
     f.extend(_rollout_quantization(_manifest_doc(root), report.require_exact))  # issue 38
+    f.extend(check_greedy(root, _manifest_doc(root), report.require_exact))  # issue 40: greedy rollout requests
     f.extend(check_kernel_trace(root, info["plan"], _manifest_doc(root)))  # issue 37: run --trace
     f.extend(check_cuda_graphs(root, _manifest_doc(root)))  # issue 37: CUDA-graph evidence vs the manifest
     f.extend(digest_tree(root))

@@ -138,6 +138,9 @@ def _install(rt, probe) -> None:
     if rt.r("logp"):
         for target in logprobs.install(probe):
             rt.add_hook("logprobs", target, "patch")
+    else:  # issue 40: the sampler's requests are counted under every plan (greedy ones are not comparable)
+        for target in logprobs.install_counting():
+            rt.add_hook("sampling_counts", target, "patch")
     log.info("rlk-vllm-plugin %s: vLLM %s, plan %s, mode %s, installed %d hooks", __version__, probe.version,
              rt.plan.name, rt.mode, len(rt.hooks))
     rt.flush()

@@ -55,6 +55,8 @@ TARGETS: dict[str, tuple[str, ...]] = {
         # issue 36: FusedMoE's method (rlk_vllm_plugin.moe), replaced out of tree for every plan
         "vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method:UnquantizedFusedMoEMethod.apply_monolithic",
         "vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method:UnquantizedFusedMoEMethod.is_monolithic",
+        # issue 40: the sampler's requests, greedy or sampled (rlk_vllm_plugin.logprobs.note_request), every plan
+        "vllm.v1.worker.gpu.sample.sampler:Sampler.add_request",
     ),
     "ffn": (
         "vllm.model_executor.layers.activation:SiluAndMul.forward_native",
@@ -74,7 +76,6 @@ TARGETS: dict[str, tuple[str, ...]] = {
         "vllm.model_executor.layers.vocab_parallel_embedding:UnquantizedEmbeddingMethod.apply",
         "vllm.v1.worker.gpu.sample.logprob:compute_token_logprobs",
         "vllm.v1.worker.gpu.sample.sampler:Sampler.__call__",
-        "vllm.v1.worker.gpu.sample.sampler:Sampler.add_request",
         "vllm.v1.worker.gpu.sample.sampler:Sampler.apply_sampling_params",
         "vllm.v1.sample.sampler:Sampler.compute_logprobs",
     ),
@@ -161,7 +162,9 @@ def probe(groups: tuple[str, ...]) -> Probe:
             except (ImportError, AttributeError) as exc:
                 p.missing.append(f"{target} ({type(exc).__name__}: {exc})")
                 continue
-            lacking = [n for n in PARAMETERS.get(target, ()) if n not in parameters(p.found[target])]
+            # an already installed wrapper takes (*args, **kwargs): the signature is its original's
+            called = getattr(p.found[target], "_rlk_original", p.found[target])
+            lacking = [n for n in PARAMETERS.get(target, ()) if n not in parameters(called)]
             if lacking:
                 del p.found[target]
                 p.missing.append(f"{target} (signature: no parameter {', '.join(map(repr, lacking))})")

@@ -23,6 +23,10 @@ With ``RL_KERNEL_VLLM_KEPT_EXPORT=1`` each sampling step also appends one JSON l
 position, the kept set's threshold and size, and whether the row was greedy (then ``comparable: false``) — the
 per-token threshold an orchestrator hands to the trainer (``metadata["rlk_kept"]`` of the Megatron provider).
 
+Under every plan ``Sampler.add_request`` counts the requests the sampler takes into the readback's
+``annotations.sampling`` (:func:`note_request`): greedy or sampled, with log-probs or not, and ``comparable: false``
+once a greedy request asks for log-probs (rlk-validate's ``GREEDY_NOT_COMPARABLE``).
+
 vLLM's V1 runner computes log-probs elsewhere (``vllm.v1.sample.sampler.Sampler.compute_logprobs``, a
 full ``log_softmax``): under logp R that is a fallback (strict: raise; run vLLM with Model Runner V2).
 """
@@ -114,6 +118,32 @@ def check_request(sp: Any, rt: _runtime.Runtime) -> None:
                      "and min_p: contract rlk.logp.processed.v1); drop them for an exact run")
 
 
+SAMPLING_TOPIC = "sampling"
+GREEDY_REASON = ("greedy requests (temperature 0) asked for log-probs: vLLM samples them by argmax and returns their "
+                 "log-probs at temperature 1, not of a distribution a trainer recomputes; their tokens are not "
+                 "comparable with training")
+COUNTED = ("requests added to vLLM's sampler (Sampler.add_request: one per sequence of a request with n > 1, again for "
+           "a request re-added after preemption), vLLM's own sampler warm-up left out")
+
+
+def note_request(sp: Any, rt: _runtime.Runtime) -> None:
+    """Count a request the sampler takes in the readback's ``annotations.sampling`` (whatever the plan: a greedy
+    rollout is not comparable with training under P too): ``greedy`` (temperature 0 in float32, what vLLM's Gumbel
+    sampler turns into an argmax) or ``sampled``, each also ``*_with_logprobs`` where it asks for log-probs, and
+    ``comparable`` false with :data:`GREEDY_REASON` once a greedy request asks for log-probs. Host-side parameters
+    read once per request: nothing per sampling step, no device sync."""
+    if (getattr(sp, "extra_args", None) or {}).get(WARMUP_MARK):
+        return
+    greedy = abs(float(sp.temperature)) <= 2.0 ** -150  # rounds to 0 in float32 (to nearest, ties to even)
+    kind = "greedy" if greedy else "sampled"
+    asks = getattr(sp, "logprobs", None) is not None
+    recorder = rt.recorder
+    recorder.tally(SAMPLING_TOPIC, **{kind: 1, f"{kind}_with_logprobs": int(asks)})
+    recorder.annotate(SAMPLING_TOPIC, replace=False, comparable=True, reason=None, counted=COUNTED)
+    if greedy and asks:
+        recorder.annotate(SAMPLING_TOPIC, comparable=False, reason=GREEDY_REASON)
+
+
 def _add_request(original):
     """``Sampler.add_request``: 0.22 ``(req_idx, prompt_len, sampling_params)``, 0.33 ``(req_idx,
     sampling_params)``; the request's parameters are found by name, every argument passes through."""
@@ -121,8 +151,10 @@ def _add_request(original):
 
     def add_request(self, *args, **kwargs):
         rt = _runtime.get()
+        sp = sampling_params((self, *args), kwargs)
         if rt.r("logp"):
-            check_request(sampling_params((self, *args), kwargs), rt)
+            check_request(sp, rt)
+        note_request(sp, rt)
         return original(self, *args, **kwargs)
     add_request._rlk_original = original
     return add_request
@@ -324,19 +356,28 @@ def install(probe: _compat.Probe) -> list[str]:
         targets.append(f"{PROMPT_LOGPROB_MODULE}.compute_token_logprobs")
     sampler = _compat.module(SAMPLER_MODULE).Sampler
     _runtime.patch(sampler, "__call__", _sampler_call)
-    _runtime.patch(sampler, "add_request", _add_request)
     _runtime.patch(sampler, "apply_sampling_params", _apply_sampling_params)
+    targets += install_counting()
+    v1 = _compat.module(V1_SAMPLER_MODULE).Sampler
+    if getattr(v1.compute_logprobs, "_rlk_original", None) is None:  # a staticmethod in both versions
+        v1.compute_logprobs = staticmethod(_v1_compute_logprobs(v1.compute_logprobs))
+    return [*targets, f"{SAMPLER_MODULE}.Sampler.__call__", f"{SAMPLER_MODULE}.Sampler.apply_sampling_params",
+            f"{V1_SAMPLER_MODULE}.Sampler.compute_logprobs"]
+
+
+def install_counting() -> list[str]:
+    """The request counting of every plan (:func:`note_request`, the readback's ``annotations.sampling``):
+    ``Sampler.add_request`` (under logp P it only counts; every argument passes through) and the mark on vLLM's
+    own sampler warm-up (left out of the counts). Returns the targets."""
+    _runtime.patch(_compat.module(SAMPLER_MODULE).Sampler, "add_request", _add_request)
+    targets = [f"{SAMPLER_MODULE}.Sampler.add_request"]
     params = _compat.module("vllm.sampling_params").SamplingParams
     warmup = getattr(params, "for_sampler_warmup", None)
     if warmup is not None and getattr(warmup, "_rlk_original", None) is None:  # a staticmethod
         params.for_sampler_warmup = staticmethod(_sampler_warmup(warmup))
+    if warmup is not None:
         targets.append("vllm.sampling_params.SamplingParams.for_sampler_warmup")
-    v1 = _compat.module(V1_SAMPLER_MODULE).Sampler
-    if getattr(v1.compute_logprobs, "_rlk_original", None) is None:  # a staticmethod in both versions
-        v1.compute_logprobs = staticmethod(_v1_compute_logprobs(v1.compute_logprobs))
-    return [*targets, f"{SAMPLER_MODULE}.Sampler.__call__", f"{SAMPLER_MODULE}.Sampler.add_request",
-            f"{SAMPLER_MODULE}.Sampler.apply_sampling_params",
-            f"{V1_SAMPLER_MODULE}.Sampler.compute_logprobs"]
+    return targets
 
 
 def uninstall() -> None:
