@@ -66,6 +66,13 @@ prepare() {
     # every site part in order (part_00, part_01 and, MOE=1, part_02...): the sha256 below checks the whole
     cat "$src"/vllm_site.tar.xz.part_* > "$b/vllm_site.tar.xz" && cp "$src"/*.sha256 "$src"/megatron_core-0.19.2-*.whl "$b/"
     (cd "$b" && sha256sum -c vllm_site.tar.xz.sha256 >/dev/null) || exit 4
+    # vLLM's FP8 quantization (--rollout-quantization fp8: stage ladder) imports compressed-tensors, which the
+    # stripped site lacks: its pure-Python wheel (vLLM 0.22's pin) and loguru's, downloaded once
+    if ! ls .xfer/fp8-deps/compressed_tensors-*.whl >/dev/null 2>&1; then
+        python3 -m pip download -q --no-deps -d .xfer/fp8-deps compressed-tensors==0.15.0.1 loguru==0.7.3 \
+            >/dev/null 2>&1 || echo "no compressed-tensors wheel (no index?): FP8 rungs will fail on the GPU"
+    fi
+    mkdir -p "$b/fp8-deps" && cp .xfer/fp8-deps/*.whl "$b/fp8-deps/" 2>/dev/null
     ship_archive "$b/ship.tar.xz" || exit 4
     local tree shared cap n=0
     tree=$(git ls-files -z | xargs -0 du -cb 2>/dev/null | tail -1 | cut -f1)
@@ -117,6 +124,9 @@ recv_last() {
     python3 -c "import tarfile; tarfile.open('/tmp/xfer/vllm_site.tar.xz').extractall('/tmp/site')" || exit 4
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/mcore /tmp/xfer/megatron_core-0.19.2-*.whl \
         || exit 5
+    if ls /tmp/xfer/fp8-deps/*.whl >/dev/null 2>&1; then
+        python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site /tmp/xfer/fp8-deps/*.whl || exit 5
+    fi
     mkdir -p "$SHIP" && tar -xJf /tmp/xfer/ship.tar.xz -C "$SHIP" || exit 6
     local moe="without vLLM's MoE kernels"
     [ -f /tmp/site/vllm/_moe_C.abi3.so ] && moe="with vLLM's MoE kernels (_moe_C)"

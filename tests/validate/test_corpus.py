@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from validate_builders import mutate_json, read_json, write_json
+from validate_builders import PP, build_run, mutate_json, read_json, write_json
 from validate_mutations import (
     PR_ATTN,
     Case,
@@ -296,6 +296,8 @@ CASES = [
         "LOGPROB_NONFINITE",
         "round-0002",
     ),
+    C("logprob-train-outside-kept", _tensors(1, _poke("train_logprobs", -np.inf)), "failed",
+      "TRAIN_LOGPROB_OUTSIDE_KEPT_SET", "outside the trainer's own kept set"),
     C("logprob-positive", _tensors(0, _poke("train_logprobs", 0.5)), "failed", "LOGPROB_POSITIVE", "> 0"),
     C(
         "shape-mismatch",
@@ -494,3 +496,17 @@ def test_readback_without_manifest_plan_conflict(good_run: Path, cli) -> None:
 def test_write_json_helper_roundtrip(tmp_path: Path) -> None:
     write_json(tmp_path / "x.json", {"a": 1})
     assert read_json(tmp_path / "x.json") == {"a": 1}
+
+
+def test_a_native_run_outside_the_trainers_kept_set_is_drift_not_corrupt_data(tmp_path: Path, cli) -> None:
+    """P/P under filters: a sampled token outside the trainer's own kept set has train log-prob -inf. That is the
+    kept sets' disagreement (a warning); before, LOGPROB_NONFINITE failed every P/P filtered ladder rung on the
+    H200. A NaN at the same place stays LOGPROB_NONFINITE (the negative control)."""
+    for value, want, not_want in ((-np.inf, "TRAIN_LOGPROB_OUTSIDE_KEPT_SET", "LOGPROB_NONFINITE"),
+                                  (np.nan, "LOGPROB_NONFINITE", "TRAIN_LOGPROB_OUTSIDE_KEPT_SET")):
+        run = build_run(tmp_path / f"run-{value}", PP)
+        _tensors(1, _poke("train_logprobs", value))(run, tmp_path)
+        res = cli(run)
+        assert want in res.codes and not_want not in res.codes, res.codes
+        if want == "TRAIN_LOGPROB_OUTSIDE_KEPT_SET":
+            assert res.findings(want)[0]["severity"] == "warning"

@@ -36,8 +36,8 @@ class _FileScan:
     def __init__(self, td: TrainData) -> None:
         self.td = td
         self.width = td.shape[1]
-        self.counts = {"active": 0, "nonfinite": 0, "positive": 0, "masked_nonzero": 0, "mismatch": 0,
-                       "informative": 0, "informative_mismatch": 0}
+        self.counts = {"active": 0, "nonfinite": 0, "outside_kept": 0, "positive": 0, "masked_nonzero": 0,
+                       "mismatch": 0, "informative": 0, "informative_mismatch": 0}
         self.first: dict[str, list[int]] = {}
         self.zeros = 0
         self.nonzero: list[np.ndarray] = []
@@ -55,7 +55,12 @@ class _FileScan:
         m = c.mask
         self.counts["active"] += int(np.count_nonzero(m))
         fin = np.isfinite(c.train) & np.isfinite(c.rollout)
-        self._note("nonfinite", m & ~fin, c.start)
+        # the trainer gives the sampled token probability 0 while the rollout's is finite: under filters, the token
+        # lies outside the trainer's own kept set (a measured disagreement of the two sides' kept sets, not corrupt
+        # data); any other non-finite value (NaN, +inf, a rollout -inf) is
+        outside = m & np.isneginf(c.train) & np.isfinite(c.rollout)
+        self._note("outside_kept", outside, c.start)
+        self._note("nonfinite", m & ~fin & ~outside, c.start)
         ok = m & fin
         self._note("positive", ok & ((c.train > 0) | (c.rollout > 0)), c.start)
         self._note("masked_nonzero", ~m & ((c.train != 0) | (c.rollout != 0)), c.start)
@@ -82,6 +87,13 @@ class _FileScan:
             out.append(_f("LOGPROB_NONFINITE", f"{rel}: {k['nonfinite']} active log-prob(s) are NaN or infinite "
                           f"(first at sample/position {first['nonfinite']})", rel, count=k["nonfinite"],
                           first=first["nonfinite"]))
+        if k["outside_kept"]:
+            out.append(_f("TRAIN_LOGPROB_OUTSIDE_KEPT_SET", f"{rel}: {k['outside_kept']} sampled token(s) have train "
+                          f"log-prob -inf and a finite rollout log-prob (first at sample/position "
+                          f"{first['outside_kept']}): outside the trainer's own kept set, so the two sides' kept sets "
+                          "differ there (a trainer that replays the rollout's kept set, by keep mask or threshold, "
+                          "has none); they count as mismatches and are left out of |diff|", rel,
+                          count=k["outside_kept"], first=first["outside_kept"]))
         if k["positive"]:
             out.append(_f("LOGPROB_POSITIVE", f"{rel}: {k['positive']} active log-prob(s) are > 0, which no "
                           f"probability gives (first at sample/position {first['positive']})", rel,

@@ -195,6 +195,11 @@ CODES: dict[str, tuple[str, str]] = {
     "MASK_INVALID": (ERROR, "response_mask holds values other than 0 and 1"),
     "MASK_EMPTY": (ERROR, "response_mask selects no token: nothing was compared"),
     "LOGPROB_NONFINITE": (ERROR, "a log-prob at an active position is NaN or infinite"),
+    "TRAIN_LOGPROB_OUTSIDE_KEPT_SET": (
+        WARNING,
+        "a train log-prob is -inf where the rollout's is finite: the sampled token lies outside the trainer's own "
+        "kept set (the sides' top-k / top-p / min-p kept sets differ; a mismatch, not corrupt data)",
+    ),
     "LOGPROB_POSITIVE": (ERROR, "a log-prob at an active position is > 0"),
     "MASKED_NONZERO": (WARNING, "a log-prob at a masked position is not 0"),
     "LEGACY_PT_UNAVAILABLE": (INCOMPLETE, "train-data holds legacy .pt files and torch is not importable"),
