@@ -14,7 +14,7 @@
 Each run is validated (``rlk-validate``; ``--require-bitwise`` for R/R) and summarised in ``filtered_gpu.json`` /
 ``filtered_gpu.md`` (compared tokens, mismatches, mean / max |diff|, kept-set sizes, rollout / train tok/s).
 
-    python3 benchmarks/frameworks/filtered_gpu.py --out $OUT [--rounds 5] [--pp-rounds 2] [--only rr-t1,...]
+    python3 benchmarks/frameworks/filtered_gpu.py --out $OUT [--rounds 5] [--pp-rounds 2] [--only rr-t1,...] [--lr X]
 """
 
 from __future__ import annotations
@@ -91,6 +91,7 @@ def main(argv=None) -> int:
     p.add_argument("--max-new-tokens", type=int, default=80)
     p.add_argument("--gpu-mem", type=float, default=0.3)
     p.add_argument("--seed", type=int, default=4242)
+    p.add_argument("--lr", type=float, default=None, help="every run's --lr (default: the engine's, scaled to width)")
     p.add_argument("--only", default=",".join(n for n in RUNS if n != "rr-ten"))
     p.add_argument("--budget-s", type=float, default=540, help="all runs together: each gets what is left / runs left")
     a = p.parse_args(argv)
@@ -103,7 +104,8 @@ def main(argv=None) -> int:
         cmd = [sys.executable, "-m", "rlk_repro", "run", "--engine", "frameworks", "--mode", mode, "--model", a.model,
                "--rounds", str(rounds), "--prompts-per-round", str(a.prompts), "--samples-per-prompt", str(a.samples),
                "--max-new-tokens", str(a.max_new_tokens), "--gpu-memory-utilization", str(a.gpu_mem),
-               "--seed", str(a.seed), "--output", str(runs), "--run-name", name, *extra]
+               "--seed", str(a.seed), "--output", str(runs), "--run-name", name, *extra,
+               *(["--lr", repr(a.lr)] if a.lr is not None else [])]
         before = {q.name for q in runs.iterdir()}
         cap = (a.budget_s - (time.monotonic() - t0)) / (len(names) - i)
         res["stages"][name] = _stage(name, cmd, env, max(cap, 30.0), out)

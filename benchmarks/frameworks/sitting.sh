@@ -167,10 +167,10 @@ stage() {  # stage NAME SECONDS
         ladder) timeout "$cap" $py "$G/benchmarks/frameworks/ladder_gpu.py" --out "$out" --budget-s $((cap - 20)) \
                     ${LADDER_RUNGS:+--rungs "$LADDER_RUNGS"} ;;
         filtered)  # filtered_gpu.py: R/R and P/P runs with top-k / top-p / min-p ($FILTERED_ONLY, $FILTERED_ROUNDS,
-            # $FILTERED_PP_ROUNDS)
+            # $FILTERED_PP_ROUNDS, $FILTERED_LR)
             timeout "$cap" $py "$G/benchmarks/frameworks/filtered_gpu.py" --out "$out" --budget-s $(( cap - 20 )) \
                 ${FILTERED_ONLY:+--only "$FILTERED_ONLY"} ${FILTERED_ROUNDS:+--rounds "$FILTERED_ROUNDS"} \
-                ${FILTERED_PP_ROUNDS:+--pp-rounds "$FILTERED_PP_ROUNDS"} ;;
+                ${FILTERED_PP_ROUNDS:+--pp-rounds "$FILTERED_PP_ROUNDS"} ${FILTERED_LR:+--lr "$FILTERED_LR"} ;;
         processed)  # bench_processed_logprobs.py (kernels as built: run after cuda)
             (cd "$G/benchmarks" && RLK_BENCH_OUT="$out" timeout "$cap" $py bench_processed_logprobs.py \
                 > "$out/processed.log" 2>&1); tail -20 "$out/processed.log" ;;
