@@ -128,3 +128,31 @@ def test_the_stock_moe_layer_is_the_negative_control():
     assert res["classes"][0] == "MoELayer" and res["classes"][2] == "SequentialMLP"
     assert res["logp"].shape == lp.shape and not torch.equal(res["logp"], lp)
     torch.testing.assert_close(res["logp"], lp, rtol=1e-4, atol=1e-4)  # the same model: only the arithmetic differs
+
+
+@pytest.mark.filterwarnings("ignore:Transformer Engine and Apex are not installed:UserWarning")
+@pytest.mark.filterwarnings("ignore:Apex is not installed:UserWarning")
+@pytest.mark.filterwarnings("ignore:absl.logging is not installed:UserWarning")
+@pytest.mark.filterwarnings("ignore::DeprecationWarning:megatron")
+@pytest.mark.filterwarnings("ignore:.*torch.jit.script_method.*:DeprecationWarning")
+@pytest.mark.filterwarnings("ignore:.*full scope is deprecated.*:UserWarning")
+def test_a_moe_slot_in_partial_form_takes_the_rlk_layer():
+    """megatron-core 0.19's layer specs hold the MoE slot as ``functools.partial(MoELayer, submodules=...)`` (0.16.1's
+    as a ModuleSpec): the provider read only partials of a classmethod (0.19's dense MLP), so an R ffn refused every
+    MoE model on the H200 ("not a dense Megatron MLP"). Both forms give rlk's MoE layer, the slot's params kept."""
+    import functools
+
+    from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
+
+    from rlk_megatron_provider import _compat
+    from rlk_megatron_provider.moe import RlkMoELayer, moe_spec
+
+    sub = MoESubmodules()
+    partial = functools.partial(MoELayer, submodules=sub, layer_number=3)
+    spec = _compat.ModuleSpec(module=MoELayer, params={"layer_number": 3}, submodules=sub)
+    for slot in (partial, spec):
+        cls, got = _compat.mlp_parts(slot)
+        assert cls is MoELayer and got is sub
+        out = moe_spec(slot)
+        assert out.module is RlkMoELayer and out.params == {"layer_number": 3}
+    assert _compat.mlp_parts(functools.partial(lambda **kw: kw)) == (None, None)  # neither class nor classmethod

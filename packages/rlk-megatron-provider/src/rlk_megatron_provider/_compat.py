@@ -86,7 +86,8 @@ def mlp_parts(slot) -> tuple[type | None, object | None]:
     if isinstance(slot, ModuleSpec):
         return slot.module, slot.submodules
     if isinstance(slot, functools.partial):
-        owner = getattr(slot.func, "__self__", None)
+        # a partial of a classmethod (0.19's dense MLP) or of the class itself (0.19's MoELayer)
+        owner = slot.func if isinstance(slot.func, type) else getattr(slot.func, "__self__", None)
         return owner, slot.keywords.get("submodules")
     return None, None
 

@@ -36,6 +36,8 @@ in the backward; with the coefficients set, log-probs are the same bits (``tests
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.distributed as dist
 
@@ -246,7 +248,11 @@ class RlkMoELayer(_RlkLayer, _M.MoELayer):
 def moe_spec(base) -> _compat.ModuleSpec:
     """The rlk ``MoELayer`` spec in place of ``base`` (a stock ``MoELayer`` ``ModuleSpec``; its params kept): the
     layer, router and experts slots rlk's, no shared experts (refused by :func:`moe_problems`)."""
-    return _compat.ModuleSpec(module=RlkMoELayer, params=dict(getattr(base, "params", {}) or {}),
+    if isinstance(base, functools.partial):  # megatron-core 0.19: functools.partial(MoELayer, submodules=...)
+        params = {k: v for k, v in base.keywords.items() if k != "submodules"}
+    else:
+        params = dict(getattr(base, "params", {}) or {})
+    return _compat.ModuleSpec(module=RlkMoELayer, params=params,
                               submodules=_M.MoESubmodules(experts=_compat.ModuleSpec(module=RlkGroupedExperts),
                                                           router=RlkTopKRouter))
 
