@@ -54,7 +54,8 @@ def degenerate(run_dir) -> list[str]:
 def test_a_ten_round_run_at_the_defaults_keeps_learning_without_saturating(tmp_path, capsys):
     assert LIVE_INFORMATIVE > evidence.MIN_INFORMATIVE_FRACTION
     assert cli.main(["run", "--rounds", "10", "--output", str(tmp_path / "defaults")]) == cli.EXIT_OK
-    out = capsys.readouterr().out
+    out, err = capsys.readouterr()
+    assert "every advantage is 0" not in err  # a learning signal every round, said by nothing
     (run_dir,) = list((tmp_path / "defaults").iterdir())
     manifest = json.loads((run_dir / "manifest.json").read_text())
     assert manifest["reward"]["name"] == STAND_IN_REWARD and manifest["config"]["lr"] == default_lr(preset("tiny"))
@@ -108,3 +109,17 @@ def test_one_sample_per_prompt_is_not_passed_as_bitwise_evidence_over_rounds(tmp
     (run_dir,) = list((tmp_path / "static").iterdir())
     rep = validate_run(run_dir)
     assert "WEIGHTS_STATIC" in rep.codes("info") and "WEIGHTS_STATIC" not in rep.codes("error")
+
+
+def test_a_round_without_a_learning_signal_is_said_as_it_happens(tmp_path, capsys, monkeypatch):
+    import rlk_repro.engine.prompts as prompts
+
+    monkeypatch.setattr(prompts, "stand_in_reward", lambda response, answer: 0.5)  # a saturated reward
+    small = ["--rounds", "2", "--prompts-per-round", "1", "--max-new-tokens", "4", "--chunk-size", "8"]
+    assert cli.main(["run", "--output", str(tmp_path), *small]) == cli.EXIT_OK
+    err = capsys.readouterr().err
+    (run_dir,) = list(tmp_path.iterdir())
+    log = (run_dir / "run.log").read_text()
+    for rnd in (0, 1):
+        said = f"round {rnd}: every advantage is 0 (the reward separated the samples of no group)"
+        assert f"warning: {said}" in err and said in log
