@@ -99,6 +99,23 @@ def _metrics(run: Path) -> list[dict]:
     return [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()] if path.is_file() else []
 
 
+def zero_advantage_rounds(run: Path) -> list[int]:
+    """The rounds whose train-data holds no non-zero advantage (no learning signal: a saturated reward; issue 41,
+    item 13), read with safetensors' numpy loader (no torch needed)."""
+    from safetensors.numpy import load_file
+
+    rounds: dict[int, bool] = {}
+    for f in sorted((run / "train-data").glob("round-*.safetensors")):
+        rnd = int(f.name.split("-")[1].split(".")[0])
+        rounds[rnd] = rounds.get(rnd, False) or bool(load_file(str(f))["advantages"].any())
+    return [r for r, live in sorted(rounds.items()) if not live]
+
+
+#: how much each round's evidence says (issue 41, item 13): kept per round beside the counts
+EVIDENCE_KEYS = ("informative_fraction", "informative_mismatch_count", "sampled_nll_mean", "entropy_mean",
+                 "max_entropy", "distinct_responses", "samples", "reward_std")
+
+
 def _summary(run: Path) -> dict:
     rows = _metrics(run)
     later = rows[1:] if len(rows) > 1 else rows
@@ -113,10 +130,11 @@ def _summary(run: Path) -> dict:
             "train_tok_s_median_after_first": med("train_tokens_per_s"),
             "weight_sync_s_median": med("weight_sync_seconds"),
             "weights_changed_every_round": all(r["weights_changed"] for r in rows) if rows else None,
+            "zero_advantage_rounds": zero_advantage_rounds(run),
             "per_round": [{k: r.get(k) for k in ("round", "compared_tokens", "mismatch_count", "max_abs_diff",
                                                  "rollout_tokens_per_s", "train_tokens_per_s", "rollout_seconds",
                                                  "train_seconds", "weight_sync_seconds", "reward_mean", "loss",
-                                                 "vllm_parameters_changed")} for r in rows]}
+                                                 "vllm_parameters_changed", *EVIDENCE_KEYS)} for r in rows]}
 
 
 def _markdown(res: dict) -> str:

@@ -62,3 +62,31 @@ def test_moe_loop_summaries_read_a_run_directory(tmp_path):
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     assert routing(tmp_path) == {"routing_compared_tokens": 40, "routing_mismatch_tokens": 3,
                                  "routing_mismatch_fraction": 0.075, "routing_rounds": 2}
+
+
+def test_the_loop_summary_keeps_each_rounds_evidence_and_names_rounds_without_a_learning_signal(tmp_path):
+    """loop_gpu.py's summary (loop, filtered stages) keeps every round's informative share, entropy estimate and
+    distinct responses, and names the rounds whose advantages are all 0 (issue 41, item 13: the 10-round R/R run
+    whose reward saturated by round 3 was summarised by its counts alone)."""
+    import torch
+
+    sys.path.insert(0, str(BENCH))
+    from loop_gpu import EVIDENCE_KEYS, _summary
+
+    from rlk_repro import runs
+
+    (tmp_path / "train-data").mkdir()
+    lp = [torch.tensor([-1.0, -2.0]), torch.tensor([-0.5])]
+    runs.write_train_data(tmp_path, 0, 0, [[1, 2], [3]], [[4, 5], [6]], lp, lp, [0.2, 0.7], [-1.0, 1.0])
+    runs.write_train_data(tmp_path, 1, 0, [[1, 2], [3]], [[4, 5], [6]], lp, lp, [0.5, 0.5], [0.0, 0.0])
+    rows = [{"round": r, "compared_tokens": 3, "mismatch_count": 0, "max_abs_diff": 0.0, "weights_changed": True,
+             "rollout_tokens_per_s": 1.0, "train_tokens_per_s": 1.0, "weight_sync_seconds": 0.1,
+             "informative_fraction": 1.0 - r / 2,
+             "informative_mismatch_count": 0, "sampled_nll_mean": (1.25, 0.25)[r], "max_entropy": 11.9,
+             "distinct_responses": 2, "samples": 2, "reward_std": 0.25 * (1 - r)} for r in (0, 1)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    s = _summary(tmp_path)
+    assert s["zero_advantage_rounds"] == [1]
+    assert [r["informative_fraction"] for r in s["per_round"]] == [1.0, 0.5]
+    assert [r["sampled_nll_mean"] for r in s["per_round"]] == [1.25, 0.25]
+    assert all(set(EVIDENCE_KEYS) <= set(r) for r in s["per_round"])

@@ -311,3 +311,41 @@ def test_the_summary_has_a_validated_column(rr_run, tmp_path, capsys):
     assert "validated: sealed (passed)" in capsys.readouterr().out
     doc = json.loads((tmp_path / "r2" / "metrics-summary.json").read_text())["runs"][0]
     assert (doc["exit"], doc["exit_code"], doc["validated"]) == ("ok", 0, "sealed (passed)")
+
+
+# -- how much the evidence says, per round (issue 41, item 13) ------------------------------------------------------
+def test_the_report_shows_entropy_and_informative_tokens_per_round(figures, tmp_path, capsys):
+    live = _fake_run(tmp_path / "live", RR, entropy_mean=[1.9, 1.8, 1.85, 1.7], max_entropy=[5.77] * 4,
+                     informative_fraction=[0.98, 0.97, 0.99, 0.96])
+    collapsed = _fake_run(tmp_path / "collapsed", PP, sampled_nll_mean=[1.9, 0.7, 0.1, 0.01], max_entropy=[5.77] * 4,
+                          informative_fraction=[0.9, 0.5, 0.08, 0.02])  # only estimated, as the frameworks engine
+    shown = figures([live, collapsed], tmp_path / "out")
+    panels = _titles(shown["learning.png"])
+    entropy = panels["entropy of the sampling distribution (mean per sampled token)"]
+    assert [list(line.get_ydata()) for line in entropy.get_lines()[:2]] == [[1.9, 1.8, 1.85, 1.7],
+                                                                             [1.9, 0.7, 0.1, 0.01]]
+    assert entropy.get_ylabel() == "nats" and entropy.get_ylim()[1] > 5.77  # the ceiling log V is drawn
+    assert "log V = 5.77 nats" in _texts(entropy) and "estimated from the sampled tokens' log-probs: native P/P" \
+        in _texts(entropy)
+    informative = panels["informative tokens (rollout log-prob < -0.001)"]
+    assert list(informative.get_lines()[1].get_ydata()) == [0.9, 0.5, 0.08, 0.02]
+    assert "bound 0.1" in _texts(informative)
+    table = (tmp_path / "out" / "metrics-summary.md").read_text()
+    assert "- consistency R/R: entropy [1.9, 1.8, 1.85, 1.7] of 5.77; informative [98%, 97%, 99%, 96%]" in table
+    assert "- native P/P: entropy ~[1.9, 0.7, 0.1, 0.01]" in table and "| ~1.9 -> ~0.01 | 2% |" in table
+    assert "native P/P: informative tokens (rollout log-prob < -0.001) below rlk-validate's bound 0.1 in round(s) " \
+        "2, 3" in table
+    doc = json.loads((tmp_path / "out" / "metrics-summary.json").read_text())
+    assert doc["runs"][0]["entropy_per_round"] == [1.9, 1.8, 1.85, 1.7] and doc["runs"][1]["entropy_estimated"]
+    assert doc["runs"][1]["informative_low_rounds"] == [2, 3] and not doc["runs"][0]["informative_low_rounds"]
+    assert cli.main(["report", str(live), str(collapsed), "--output", str(tmp_path / "cli")]) == cli.EXIT_OK
+    assert "warning: native P/P: informative tokens" in capsys.readouterr().err
+
+
+def test_runs_from_before_the_evidence_metrics_say_so(figures, tmp_path):
+    old = _fake_run(tmp_path / "old", RR)
+    panels = _titles(figures([old], tmp_path / "out")["learning.png"])
+    assert "not recorded by these runs" in _texts(panels["entropy of the sampling distribution (mean per sampled "
+                                                         "token)"])
+    table = (tmp_path / "out" / "metrics-summary.md").read_text()
+    assert "| not recorded | not recorded |" in table and "entropy [-, -, -, -]" in table

@@ -211,6 +211,20 @@ def test_zero_advantages_everywhere_are_static_weights(tmp_path, cli):
     assert res.code == 1 and "every advantage" in res.findings("WEIGHTS_STATIC")[0]["message"]
 
 
+def test_rounds_without_a_learning_signal_are_named(tmp_path, cli):
+    run = build_run(tmp_path / "run")  # 3 rounds; from round 1 on the reward separates no group (issue 41, item 13)
+    for rnd in (1, 2):
+        p = train_data_path(run, rnd)
+        t = load_round(p)
+        t["advantages"] = np.zeros_like(t["advantages"])
+        write_round(p, t, rnd, 0)
+    res = cli(run, "--require-bitwise")
+    (hit,) = res.findings("ADVANTAGES_ZERO")
+    assert hit["severity"] == "warning" and hit["details"]["rounds"] == [1, 2] and "2 of 3 round(s)" in hit["message"]
+    assert res.code == 0 and not res.findings("WEIGHTS_STATIC")
+    assert not cli(build_run(tmp_path / "live")).findings("ADVANTAGES_ZERO")  # negative control
+
+
 def _saturate(run: Path, rnd: int) -> None:
     """Round ``rnd``'s log-probs as a collapsed policy's: 0.0 (probability 1) at 95% of the compared tokens."""
     p = train_data_path(run, rnd)

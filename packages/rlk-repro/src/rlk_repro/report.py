@@ -7,15 +7,19 @@ for the evidence checks) and writes into the output directory:
 
 - ``consistency.png``: per round, the mismatch rate and count and the max / mean |diff| of train vs
   rollout log-probs;
-- ``learning.png``: reward (mean; with the group-std band for one or two runs) and the fraction of
-  responses cut at their token limit;
+- ``learning.png``: reward (mean; with the group-std band for one or two runs), the fraction of responses cut at
+  their token limit, and how much each round's evidence says (issue 41, item 13): the entropy of the sampling
+  distribution in nats against its ceiling ``log V`` (exact where the engine computes it, else estimated from the
+  sampled tokens' log-probs, marked ``~``) and the share of informative tokens (rollout log-prob below -1e-3)
+  against rlk-validate's bound (:data:`rlk_validate.evidence.MIN_INFORMATIVE_FRACTION`);
 - ``optimization.png``: GRPO loss and gradient norm;
 - ``performance.png``: rollout and training seconds per round and their tokens/s;
 - ``matrix.png`` (for a matrix root): every cell's pooled mismatch rate, max / mean |diff| and throughput
   as bars side by side;
 - ``metrics-summary.md`` / ``metrics-summary.json``: per run, the token exposure, cumulative mismatches,
   token-weighted mean |diff|, max |diff|, mean reward, truncation, round time and throughput (rounds
-  after the first, which is warm-up and, on CUDA runs with R routes, compiles the Triton kernels).
+  after the first, which is warm-up and, on CUDA runs with R routes, compiles the Triton kernels), the entropy and
+  the informative share of every round; a warning names a run whose informative share fell below the bound.
 
 Runs are named by their routes (``consistency R/R``, ``ffn P/R``, ``native P/P``), and marked where they did
 not end well (``[interrupted (130)]``, ``[unfinished (no exit-code)]``, ...); every run has its own colour, line
@@ -56,6 +60,21 @@ class RunMetrics:
 
     def series(self, key: str) -> list[float]:
         return [float(r[key]) if r.get(key) is not None else float("nan") for r in self.rows]
+
+    def entropy(self) -> tuple[list[float], bool]:
+        """Per round, the mean entropy of the sampling distribution in nats: ``entropy_mean`` where the engine
+        computed it exactly, else ``sampled_nll_mean`` (the sampled tokens' mean -log p, its estimate); the flag
+        says whether any round is such an estimate. NaN where a row records neither (runs before issue 41)."""
+        values, estimated = [], False
+        for r in self.rows:
+            if r.get("entropy_mean") is not None:
+                values.append(float(r["entropy_mean"]))
+            elif r.get("sampled_nll_mean") is not None:
+                values.append(float(r["sampled_nll_mean"]))
+                estimated = True
+            else:
+                values.append(float("nan"))
+        return values, estimated
 
     @property
     def rounds(self) -> list[int]:
@@ -239,8 +258,44 @@ def summarize(run: RunMetrics) -> dict[str, Any]:
         "validated": run.status.get("validated"), **report_meta.provenance(run.manifest),
         "reference_note": report_meta.reference_note(run.path, run.plan),
         "claims": report_meta.claims_text(run.manifest),  # issue 37: random weights / fixtures claim nothing
-        **routing_summary(rows),
+        **routing_summary(rows), **evidence_summary(run),
     }
+
+
+def _finite(values: list[float]) -> list[float]:
+    return [v for v in values if not math.isnan(v)]
+
+
+def evidence_summary(run: RunMetrics) -> dict[str, Any]:
+    """How much the run's evidence says, per round (issue 41, item 13): the entropy (nats; ``~`` where estimated),
+    its ceiling ``log V``, the informative share, and the rounds whose share is below rlk-validate's bound."""
+    entropy, estimated = run.entropy()
+    informative = run.series("informative_fraction")
+    ceiling = _finite(run.series("max_entropy"))
+    low = [rnd for rnd, f in zip(run.rounds, informative, strict=True)
+           if not math.isnan(f) and f < evidence.MIN_INFORMATIVE_FRACTION]
+    mark = "~" if estimated else ""
+    return {
+        "entropy_per_round": [None if math.isnan(v) else v for v in entropy], "entropy_estimated": estimated,
+        "max_entropy": ceiling[0] if ceiling else None,
+        "informative_per_round": [None if math.isnan(v) else v for v in informative],
+        "informative_low_rounds": low,
+        "entropy": (f"{mark}{_finite(entropy)[0]:.3g} -> {mark}{_finite(entropy)[-1]:.3g}" if _finite(entropy)
+                    else "not recorded"),
+        "informative": f"{100 * min(_finite(informative)):.0f}%" if _finite(informative) else "not recorded",
+    }
+
+
+def evidence_warnings(summaries: list[dict[str, Any]]) -> list[str]:
+    """A run whose informative share fell below rlk-validate's bound in some round: its bitwise claim there is
+    about saturated tokens (rlk-validate's INFORMATIVE_FRACTION_LOW)."""
+    return [f"{s['label']}: informative tokens (rollout log-prob < {evidence.INFORMATIVE_LOGP:g}) below "
+            f"rlk-validate's bound {evidence.MIN_INFORMATIVE_FRACTION:g} in round(s) "
+            + ", ".join(map(str, s["informative_low_rounds"])) for s in summaries if s.get("informative_low_rounds")]
+
+
+def _per_round(values: list[float | None], fmt: str) -> str:
+    return ", ".join("-" if v is None else format(v, fmt) for v in values)
 
 
 def routing_summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
@@ -259,7 +314,9 @@ SUMMARY_COLUMNS = [("label", "run"), ("name", "directory"), ("rounds", "rounds")
                    ("compared_tokens", "compared tokens"), ("mismatch_count", "mismatches"),
                    ("routing", "tokens routed differently (MoE)"),
                    ("mean_abs_diff", "mean abs diff (token-weighted)"), ("max_abs_diff", "max abs diff"),
-                   ("reward_mean", "reward"), ("truncation", "truncated"), ("round_seconds", "s / round"),
+                   ("reward_mean", "reward"), ("entropy", "entropy (nats, first -> last round)"),
+                   ("informative", "informative (lowest round)"),
+                   ("truncation", "truncated"), ("round_seconds", "s / round"),
                    ("rollout_tokens_per_s", "rollout tok/s"), ("train_tokens_per_s", "train tok/s"),
                    ("exit", "exit status"), ("validated", "validated")]
 
@@ -285,6 +342,14 @@ def summary_markdown(summaries: list[dict[str, Any]], skipped: list[str] | None 
             + "Throughput and s / round count the rounds after the first "
             f"({warmup_note(summaries)}). Truncated: responses that reached their token limit. Abs diffs are "
             "|train - rollout| log-prob differences in nats.\n\n" + "\n".join(lines) + "\n")
+    text += ("\nPer round (issue 41: how much the evidence says): the entropy of the sampling distribution in nats "
+             "(~: estimated from the sampled tokens' log-probs) of at most log V, and the informative tokens' share "
+             f"(rollout log-prob < {evidence.INFORMATIVE_LOGP:g}; rlk-validate's bound "
+             f"{evidence.MIN_INFORMATIVE_FRACTION:g}):\n\n" + "".join(
+                 f"- {s['label']}: entropy {'~' if s['entropy_estimated'] else ''}"
+                 f"[{_per_round(s['entropy_per_round'], '.3g')}]"
+                 + (f" of {s['max_entropy']:.3g}" if s.get("max_entropy") else "")
+                 + f"; informative [{_per_round(s['informative_per_round'], '.0%')}]\n" for s in summaries))
     text += "\nProvenance:\n\n" + "".join(
         f"- {s['label']}: run {s['run_id']}, model {s['model']}, {s['device']}, {s['dtype']}, commit {s['commit']}"
         + (f"; {s['reference_note']}" if s.get("reference_note") else "") + "\n" for s in summaries)
@@ -493,7 +558,7 @@ def write_plots(runs: list[RunMetrics], out: Path, matrix: bool = False) -> list
         a.set_ylabel(unit, fontsize=8)
     _save(fig, ax, out, "consistency.png", written)
 
-    fig, ax = _figure(runs, styles, 1, 2, "learning")
+    fig, ax = _figure(runs, styles, 2, 2, "learning")
     _panel(ax[0], runs, styles, "reward (mean" + (", band: ± std)" if len(runs) <= 2 else ")"),
            [r.series("reward_mean") for r in runs], zero_floor=False, width=width)
     if len(runs) <= 2:
@@ -504,6 +569,7 @@ def write_plots(runs: list[RunMetrics], out: Path, matrix: bool = False) -> list
     trunc = [[1.0 - e / n if n else float("nan") for e, n in zip(r.series("eos_finished"), r.series("samples"))]
              for r in runs]
     _panel(ax[1], runs, styles, "responses cut at the token limit (fraction)", trunc, width=width)
+    _evidence_panels(ax[2], ax[3], runs, styles, width)
     _save(fig, ax, out, "learning.png", written)
 
     fig, ax = _figure(runs, styles, 1, 2, "optimization")
@@ -530,6 +596,45 @@ def write_plots(runs: list[RunMetrics], out: Path, matrix: bool = False) -> list
         write_matrix_plot(runs, styles, out)
         written.append(out / "matrix.png")
     return written
+
+
+def _evidence_panels(ax_entropy, ax_informative, runs: list[RunMetrics], styles: list[dict[str, Any]],
+                     width: int) -> None:
+    """Entropy per round against its ceiling log V, and the informative share against rlk-validate's bound
+    (issue 41, item 13): a run whose policy collapses shows both falling."""
+    entropies = [r.entropy() for r in runs]
+    estimated = [r.label for r, (_, est) in zip(runs, entropies, strict=True) if est]
+    values = [v for v, _ in entropies]
+    # zero_floor off: an all-zero panel here is a collapsed policy, not "no differences"
+    _panel(ax_entropy, runs, styles, "entropy of the sampling distribution (mean per sampled token)", values,
+           zero_floor=False, width=width)
+    ceilings = sorted({c for r in runs for c in _finite(r.series("max_entropy"))})
+    notes = []
+    for c in ceilings:
+        ax_entropy.axhline(c, color="#888888", linestyle=":", linewidth=1)
+    if ceilings:
+        notes.append("dotted: the ceiling log V = " + ", ".join(f"{c:.3g}" for c in ceilings) + " nats")
+    top = max([*ceilings, *_finite([v for vals in values for v in vals]), 1.0])
+    ax_entropy.set_ylim(0, 1.05 * top)
+    if estimated:
+        notes.append("estimated from the sampled tokens' log-probs: " + ", ".join(estimated))
+    if not _finite([v for vals in values for v in vals]):
+        notes.append("not recorded by these runs (before issue 41)")
+    ax_entropy.set_title("\n".join([ax_entropy.get_title(loc="left"), *(_wrap(n, width) for n in notes)]),
+                         loc="left")
+    ax_entropy.set_ylabel("nats", fontsize=8)
+    informative = [r.series("informative_fraction") for r in runs]
+    _panel(ax_informative, runs, styles, f"informative tokens (rollout log-prob < {evidence.INFORMATIVE_LOGP:g})",
+           informative, zero_floor=False, width=width)
+    bound = evidence.MIN_INFORMATIVE_FRACTION
+    ax_informative.axhline(bound, color="#d62728", linestyle=":", linewidth=1)
+    notes = [f"dotted: rlk-validate's bound {bound:g} (INFORMATIVE_FRACTION_LOW below it)"]
+    if not _finite([v for vals in informative for v in vals]):
+        notes.append("not recorded by these runs (before issue 41)")
+    ax_informative.set_title("\n".join([ax_informative.get_title(loc="left"), *(_wrap(n, width) for n in notes)]),
+                             loc="left")
+    ax_informative.set_ylim(0, 1.05)
+    ax_informative.set_ylabel("fraction of compared tokens", fontsize=8)
 
 
 def write_matrix_plot(runs: list[RunMetrics], styles: list[dict[str, Any]], out: Path) -> None:
@@ -615,6 +720,7 @@ def write_report(run_dirs: list[str], output: str | None
     out.mkdir(parents=True, exist_ok=True)
     diffs = report_meta.config_differences([r.manifest for r in runs], [r.label for r in runs])
     warnings = ["the compared runs differ in more than their routes: " + "; ".join(diffs)] if diffs else []
+    warnings += evidence_warnings(summaries)
     doc = {"schema": "rlk.repro-report.v1", "runs": summaries, "matrix_roots": [str(p) for p in loaded.matrix_roots],
            "skipped": loaded.skipped, "warnings": warnings, "phase_roots": [str(p) for p in loaded.phase_roots],
            "paired": paired}

@@ -370,6 +370,16 @@ def bitwise_document(rounds: list[dict[str, Any]], require_exact: bool, fallback
     }
 
 
+def no_learning_signal(rnd: int, advantages: list[float], samples_per_prompt: int, static: bool) -> str | None:
+    """What a round says when every advantage is 0 (issue 41, item 13: the reward separated the samples of no group,
+    e.g. a saturated reward; rlk-validate names such rounds ADVANTAGES_ZERO); None while there is a learning signal,
+    or where no signal was possible and the run said so at start (one sample per prompt, static weights)."""
+    if static or samples_per_prompt < 2 or any(a != 0 for a in advantages):
+        return None
+    return (f"round {rnd}: every advantage is 0 (the reward separated the samples of no group): this update has no "
+            "learning signal")
+
+
 def round_metrics(rnd: int, cmp: dict[str, Any], rewards: list[float], train: Any, rollout_tokens: int,
                   generated: int, rollout_seconds: float, device: torch.device, changed: bool,
                   samples: int, responses: list[list[int]], rollout_logps: torch.Tensor,

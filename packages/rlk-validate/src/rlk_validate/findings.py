@@ -131,6 +131,11 @@ CODES: dict[str, tuple[str, str]] = {
         "over rounds is then about one fixed model (an error where bitwise equality is required and the run did "
         "not ask for static weights)",
     ),
+    "ADVANTAGES_ZERO": (
+        WARNING,
+        "in some rounds (not all: that is WEIGHTS_STATIC) every sequence's advantage was 0, e.g. a saturated reward: "
+        "those updates had no learning signal and the later rounds compare a policy that barely moved",
+    ),
     "INFORMATIVE_FRACTION_LOW": (
         ERROR,
         "in some round, fewer compared tokens than the bound (--min-informative-fraction) had a rollout log-prob "

@@ -153,6 +153,7 @@ def _validate(run_dir: str, opts: Options, report: Report) -> None:
     f.extend(check_bitwise_file(root, info["plan"], bitwise, info["rounds"]))
     f.extend(_informative(bitwise, report.require_exact, opts.min_informative_fraction))
     f.extend(_static_weights(rows, bitwise, info, report.require_exact))
+    f.extend(_zero_advantage_rounds(bitwise, info))
     f.extend(_sampling(_manifest_doc(root), rows, report.require_exact))
     f.extend(_rollout_quantization(_manifest_doc(root), report.require_exact))  # issue 38
     f.extend(check_greedy(root, _manifest_doc(root), report.require_exact))  # issue 40: greedy rollout requests
@@ -233,6 +234,22 @@ def _kept_stats_ok(s: Any) -> bool:
         return type(x) in (int, float) and x == x and abs(x) < 1e18
     return (isinstance(s, dict) and is_int(s.get("tokens")) and 0 < s["tokens"] < 10**15
             and all(num(s.get(k)) for k in ("mean", "median", "p99", "singletons")))
+
+
+def _zero_advantage_rounds(bitwise: dict[str, Any] | None, info: dict[str, Any]) -> list[Any]:
+    """Rounds, some but not all, in which every sequence's advantage was 0 (the reward did not separate the samples
+    of any group, e.g. a saturated reward): their update had no learning signal and the weights moved only by the
+    optimizer's momentum and decay. Every round so: :func:`_static_weights`."""
+    rounds = (bitwise or {}).get("rounds") or []
+    zero = [r["round"] for r in rounds if r.get("advantages_all_zero") is True]
+    n = info["rounds"] or len(rounds)
+    if not zero or len(zero) >= n or info.get("static_weights"):
+        return []
+    shown = ", ".join(map(str, zero[:12])) + (" ..." if len(zero) > 12 else "")
+    return [finding("ADVANTAGES_ZERO", f"every advantage was 0 in {len(zero)} of {n} round(s) "
+                    f"({shown}): those updates had no learning signal (the reward did not separate the samples of "
+                    "any group), so the policy the later rounds compare barely moved", check="bitwise",
+                    path="train-data", rounds=zero)]
 
 
 def _static_weights(rows: dict[int, dict[str, Any]], bitwise: dict[str, Any] | None, info: dict[str, Any],

@@ -390,6 +390,9 @@ class _Run:
         comps = roll.completions
         rewards = [self.ps.reward(c.tokens, self.prompts[chosen[c.prompt_index]].answer) for c in comps]
         adv = group_advantages(rewards, n)
+        if self.lead and (why := runs.no_learning_signal(rnd, adv, n, False)) is not None:
+            log.warning("%s", why)
+            self.progress.note(f"warning: {why}")
         samples = [Sample(list(self.encoded[chosen[c.prompt_index]]), c.tokens, c.logprobs, a)
                    for c, a in zip(comps, adv, strict=True)]
         with self.watch.phase("train"), self.tracer.side("train", rnd):

@@ -410,6 +410,9 @@ def _round(cfg: LocalRunConfig, ses: _Session, run_dir: Path, rnd: int, watch: J
     # every sample of a large-vocabulary random model, issue 41); the deepscaler rule for a real model (--model-path)
     rewards = [ses.prompt_set.reward(r.output, ses.prompts[chosen[i // n]].answer) for i, r in enumerate(requests)]
     adv = group_advantages(rewards, n)
+    if (why := runs.no_learning_signal(rnd, adv, n, cfg.static_weights)) is not None:
+        log.warning("%s", why)
+        progress.note(f"warning: {why}")
     samples = [Sample(r.prompt, r.output, r.logprobs, a) for r, a in zip(requests, adv, strict=True)]
     with progress.counter(sum(len(r.prompt) + len(r.output) - 1 for r in requests), f"round {rnd + 1} train") as bar, \
             watch.phase("train"), ses.tracer.side("train", rnd):
