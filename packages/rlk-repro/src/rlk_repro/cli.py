@@ -169,9 +169,9 @@ def _experiment_options(r: argparse.ArgumentParser) -> None:
                    "trainer recomputes the full softmax, to measure the semantic mismatch (rlk-validate reports it)")
     r.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw", help="optimizer of the trainer (adamw)")
     r.add_argument("--lr", type=float, default=None,
-                   help="learning rate (default 1e-4 x 64 / the model's hidden size: tiny 1e-4, the 0.6B shape "
-                   "6.25e-6; a 10-round run keeps learning without collapsing its policy; 1e-3 saturates the tiny "
-                   "model's in 4 rounds, 1e-4 the 0.6B shape's in one)")
+                   help="learning rate (default 1e-4 x (64 / the model's hidden size)^(5/3), one digit: tiny 1e-4, "
+                   "the 0.6B shape 1e-6; a 10-round run keeps learning without collapsing its policy; 1e-3 saturates "
+                   "the tiny model's in 4 rounds, 6.25e-6 the 0.6B shape's by round 5, 1e-4 in one update)")
     r.add_argument("--static-weights", action="store_true",
                    help="train nothing: the weights stay those of the checkpoint every round (a fixed-policy run, "
                    "asked for explicitly; local engine)")
