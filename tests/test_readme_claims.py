@@ -1,7 +1,7 @@
 """The README's headline figures are the linked result files' (issue 41: "README claims match the linked results"):
 each claim is rebuilt from the JSON it cites and must appear in README.md word for word (whitespace aside), so a
 result re-measured without the README (or the other way round) fails here. A claim that cannot be rebuilt from the
-current files (the 10-round R/R run at today's presets, in filtered_gpu.json at 21fee71 only) is not listed."""
+current files is not listed."""
 
 from __future__ import annotations
 
@@ -30,6 +30,8 @@ def claims(root: Path) -> dict[str, str]:
     vllm = _json(root, FW / "vllm_gpu.json")["checks"]
     megatron = _json(root, FW / "megatron_gpu.json")["checks"]
     matrix = [c for m in ("matrix-a", "matrix-b") for c in _json(root, FW / "matrix" / f"{m}.report.json")["cells"]]
+    ten = _json(root, FW / "filtered" / "lr_check.json")["sittings"]["lr_1e-6"]
+    ten_run, ten_rounds = ten["document"]["runs"]["rr-ten"], ten["per_round"]["rr-ten"]
     (run,) = [p for p in (root / COMMITTED_RUN).iterdir() if p.is_dir()]
     committed = _json(root, run / "bitwise-validation.json")
 
@@ -52,6 +54,10 @@ def claims(root: Path) -> dict[str, str]:
                                              f"{rr['mismatches']} differ)",
         "loop_gpu.json (ratios)": f"rollout **{ratios['rollout_tok_s R/R vs P/P']:.2f}x**, training "
                                   f"**{ratios['train_tok_s R/R vs P/P']:.2f}x** of the native loop",
+        "lr_check.json (10 rounds)": f"{ten_run['compared_tokens']:,} tokens compared, **{ten_run['mismatches']} "
+                                     f"differ**, informative share >= "
+                                     f"{100 * min(r['informative_fraction'] for r in ten_rounds):.1f}% every round, "
+                                     f"reward {ten_rounds[0]['reward_mean']:.2f} -> {ten_rounds[-1]['reward_mean']:.2f}",
         "filtered_gpu.json (R/R)": f"{sum(r['compared_tokens'] for r in rr_filtered):,} tokens compared, "
                                    f"**{sum(r['mismatches'] for r in rr_filtered)} differ**",
         "filtered_gpu.json (P/P, no filter)": f"T 0.7: {top_p_1['mismatches']:,} of {top_p_1['compared_tokens']:,} "
