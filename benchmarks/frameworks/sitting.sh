@@ -67,11 +67,11 @@ prepare() {
     cat "$src"/vllm_site.tar.xz.part_* > "$b/vllm_site.tar.xz" && cp "$src"/*.sha256 "$src"/megatron_core-0.19.2-*.whl "$b/"
     (cd "$b" && sha256sum -c vllm_site.tar.xz.sha256 >/dev/null) || exit 4
     # vLLM's FP8 quantization (--rollout-quantization fp8: stage ladder) imports compressed-tensors and, on CUDA,
-    # humming (vllm/model_executor/layers/quantization/humming.py at import), which the stripped site lacks: their
+    # humming (vllm/model_executor/layers/quantization/humming.py at import; it imports elftools), which the stripped site lacks: their
     # pure-Python wheels (vLLM 0.22's pins) and loguru's, downloaded once
-    if ! ls .xfer/fp8-deps/humming_kernels-*.whl >/dev/null 2>&1; then
+    if ! ls .xfer/fp8-deps/pyelftools-*.whl >/dev/null 2>&1; then
         python3 -m pip download -q --no-deps -d .xfer/fp8-deps compressed-tensors==0.15.0.1 loguru==0.7.3 \
-            humming-kernels==0.1.2 >/dev/null 2>&1 || echo "no FP8 dependency wheels (no index?): FP8 rungs will fail"
+            humming-kernels==0.1.2 pyelftools==0.32 >/dev/null 2>&1 || echo "no FP8 dependency wheels (no index?): FP8 rungs will fail"
     fi
     mkdir -p "$b/fp8-deps" && cp .xfer/fp8-deps/*.whl "$b/fp8-deps/" 2>/dev/null
     ship_archive "$b/ship.tar.xz" || exit 4
