@@ -32,6 +32,8 @@ def claims(root: Path) -> dict[str, str]:
     matrix = [c for m in ("matrix-a", "matrix-b") for c in _json(root, FW / "matrix" / f"{m}.report.json")["cells"]]
     ten = _json(root, FW / "filtered" / "lr_check.json")["sittings"]["lr_1e-6"]
     ten_run, ten_rounds = ten["document"]["runs"]["rr-ten"], ten["per_round"]["rr-ten"]
+    least_informative = min(r["informative_fraction"] for r in ten_rounds)
+    first_reward, last_reward = ten_rounds[0]["reward_mean"], ten_rounds[-1]["reward_mean"]
     (run,) = [p for p in (root / COMMITTED_RUN).iterdir() if p.is_dir()]
     committed = _json(root, run / "bitwise-validation.json")
 
@@ -55,9 +57,8 @@ def claims(root: Path) -> dict[str, str]:
         "loop_gpu.json (ratios)": f"rollout **{ratios['rollout_tok_s R/R vs P/P']:.2f}x**, training "
                                   f"**{ratios['train_tok_s R/R vs P/P']:.2f}x** of the native loop",
         "lr_check.json (10 rounds)": f"{ten_run['compared_tokens']:,} tokens compared, **{ten_run['mismatches']} "
-                                     f"differ**, informative share >= "
-                                     f"{100 * min(r['informative_fraction'] for r in ten_rounds):.1f}% every round, "
-                                     f"reward {ten_rounds[0]['reward_mean']:.2f} -> {ten_rounds[-1]['reward_mean']:.2f}",
+                                     f"differ**, informative share >= {100 * least_informative:.1f}% every round, "
+                                     f"reward {first_reward:.2f} -> {last_reward:.2f}",
         "filtered_gpu.json (R/R)": f"{sum(r['compared_tokens'] for r in rr_filtered):,} tokens compared, "
                                    f"**{sum(r['mismatches'] for r in rr_filtered)} differ**",
         "filtered_gpu.json (P/P, no filter)": f"T 0.7: {top_p_1['mismatches']:,} of {top_p_1['compared_tokens']:,} "
