@@ -21,6 +21,7 @@ from rlk_core.errors import RlkConfigError
 from rlk_repro import cli
 from rlk_repro.engine import frameworks
 from rlk_repro.resume import STATE_DIR, read_parent, write_state
+from rlk_repro.runs import file_sha256
 
 ROUTE_VARS = ("RL_KERNEL_ATTENTION_CASE", "RL_KERNEL_FFN_CASE", "RL_KERNEL_LOGP_CASE", "RL_KERNEL_MODE",
               "RL_KERNEL_READBACK_DIR", "RL_KERNEL_RUN_ID", "VLLM_PLUGINS", "WORLD_SIZE")
@@ -188,14 +189,32 @@ def test_a_frameworks_run_without_round_state_says_so(tmp_path, capsys):
     assert "saved no round state" in (err := capsys.readouterr().err) and "frameworks engine's default" in err
 
 
-def test_the_state_must_be_a_tp1_frameworks_state(tmp_path, capsys):
-    """A state of another engine, TP or round is refused before anything is built (exit 2 naming it)."""
+def test_the_state_must_be_a_tp1_frameworks_state(tmp_path, monkeypatch, capsys):
+    """A state of another engine, TP or round, or an unreadable one, is refused before anything is created (exit 2
+    naming it; the machine's requirements taken as met); the run itself checks it again, with its hash."""
+    monkeypatch.setattr(frameworks, "requirements", lambda tp: None)
     for i, contents in enumerate(({"master": {}, "optimizer": {}, "kv_free": []},  # a local engine's
-                                  {**FRAMEWORKS_STATE, "tp": 2})):
-        parent = _parent(tmp_path / str(i), capsys, state=contents)
+                                  {**FRAMEWORKS_STATE, "tp": 2}, {**FRAMEWORKS_STATE, "next_round": 2},
+                                  {k: v for k, v in FRAMEWORKS_STATE.items() if k != "rng"})):
+        parent = _parent(tmp_path / str(i), capsys, state={k: v for k, v in contents.items() if k != "next_round"})
+        if "next_round" in contents:  # a state file for another round than its (consistent) document names
+            state = parent / STATE_DIR / "state.pt"
+            torch.save(contents, state)
+            doc = json.loads((parent / STATE_DIR / "state.json").read_text())
+            doc.update(sha256=file_sha256(state), bytes=state.stat().st_size)
+            (parent / STATE_DIR / "state.json").write_text(json.dumps(doc))
+        before = sorted(tmp_path.rglob("*"))
+        assert cli.main(["run", "--resume", str(parent)]) == cli.EXIT_USAGE
+        err = capsys.readouterr().err
+        assert "is not a TP-1 frameworks state for round 1" in err and err.count("\n") == 1, err
+        assert sorted(tmp_path.rglob("*")) == before
         run = frameworks._Run(None, "x", tmp_path, 0, 1, torch.device("cpu"), tmp_path, None, read_parent(parent))
         with pytest.raises(RlkConfigError, match="not a TP-1 frameworks state for round 1"):
             run._resume_state()
+    parent = _parent(tmp_path / "torn", capsys, state=FRAMEWORKS_STATE)
+    (parent / STATE_DIR / "state.pt").write_bytes(b"torn")
+    assert cli.main(["run", "--resume", str(parent)]) == cli.EXIT_USAGE
+    assert "state.pt is not readable" in capsys.readouterr().err
     parent = _parent(tmp_path / "ok", capsys, state=FRAMEWORKS_STATE)
     state = frameworks._Run(None, "x", tmp_path, 0, 1, torch.device("cpu"), tmp_path, None,
                             read_parent(parent))._resume_state()

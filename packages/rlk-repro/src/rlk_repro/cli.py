@@ -365,9 +365,10 @@ def _cmd_run(a: argparse.Namespace, argv: Sequence[str]) -> int:
         output = parent.path.parent
         frameworks = parent.manifest["engine"] == "frameworks"
         if frameworks:
-            from rlk_repro.engine.frameworks import requirements
+            from rlk_repro.engine.frameworks import requirements, state_problem
 
-            problem = requirements(cfg.tp)  # before anything is created, as a new frameworks run
+            # before anything is created: what a new frameworks run needs, and a state the engine continues from
+            problem = requirements(cfg.tp) or state_problem(parent, parent.peek_state())
             if problem:
                 raise RlkConfigError(problem)
         print(f"rlk-repro: resuming {parent.path} (run {parent.manifest.get('run_id')}) at round "

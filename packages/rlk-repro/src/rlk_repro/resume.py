@@ -61,6 +61,8 @@ def save_state(run_dir: Path, next_round: int, master: dict[str, torch.Tensor], 
 def write_state(run_dir: Path, next_round: int, contents: dict[str, Any]) -> None:
     """Write the state that round ``next_round`` starts from: ``{"next_round": next_round, **contents}`` (file first,
     atomically, then the document naming it)."""
+    if "next_round" in contents:
+        raise ValueError("write_state: the round is its next_round argument, not a key of contents")
     folder = run_dir / STATE_DIR
     folder.mkdir(exist_ok=True)
     tmp = folder / f".{STATE_FILE}.tmp"
@@ -88,6 +90,17 @@ class Parent:
         if file_sha256(path) != self.state_sha256:
             raise RlkConfigError(f"{path} changed after {STATE_DOC} recorded it; not resuming from it")
         return torch.load(path, map_location="cpu", weights_only=True)
+
+    def peek_state(self) -> dict[str, Any]:
+        """The state file memory-mapped (only what is looked at is read; not checked against its hash: that is
+        :meth:`load_state`'s), to check what it is before anything is created; one line if it is not readable."""
+        path = self.path / STATE_DIR / STATE_FILE
+        try:
+            return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except Exception as exc:
+            why = (str(exc).splitlines() or [""])[0]
+            raise RlkConfigError(f"--resume {self.path}: {STATE_DIR}/{STATE_FILE} is not readable "
+                                 f"({type(exc).__name__}: {why})") from None
 
     def rows(self) -> list[dict[str, Any]]:
         """The inherited rounds as the engine's summary rows (metrics line + the comparison's names)."""

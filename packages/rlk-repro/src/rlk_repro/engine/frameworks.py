@@ -167,6 +167,19 @@ def requirements(tp: int = 1) -> str | None:
     return "--engine frameworks needs " + "; ".join(missing)
 
 
+def state_problem(parent: Parent, state: dict[str, Any]) -> str | None:
+    """Why ``state`` (``parent``'s round state, :meth:`Parent.peek_state` or :meth:`Parent.load_state`) is not one a
+    frameworks run continues from, as one line; None when it is: a TP-1 frameworks state for the round its document
+    names, with masters, optimizer state and RNG streams."""
+    got = {k: state.get(k) for k in ("engine", "tp", "next_round")}
+    if got != {"engine": "frameworks", "tp": 1, "next_round": parent.next_round} or \
+            not {"master", "optimizer", "rng"} <= set(state):
+        return (f"--resume {parent.path}: its {STATE_DIR} is not a TP-1 frameworks state for round "
+                f"{parent.next_round} (engine {got['engine']!r}, tp {got['tp']!r}, next_round {got['next_round']!r}, "
+                f"holding {sorted(state)})")
+    return None
+
+
 # -- process group and run directory ---------------------------------------------------------------------
 def _init_world(cfg: FrameworksRunConfig) -> tuple[int, int, torch.device]:
     import torch.distributed as dist
@@ -355,11 +368,9 @@ class _Run:
         if self.resume is None:
             return None
         state = self.resume.load_state()
-        if state.get("engine") != "frameworks" or state.get("tp") != 1 or state.get("next_round") != \
-                self.resume.next_round:
-            raise RlkConfigError(f"--resume {self.resume.path}: its {STATE_DIR} is not a TP-1 frameworks state for "
-                                 f"round {self.resume.next_round} (engine {state.get('engine')!r}, tp "
-                                 f"{state.get('tp')!r}, next_round {state.get('next_round')!r})")
+        problem = state_problem(self.resume, state)
+        if problem:
+            raise RlkConfigError(problem)
         return state
 
     def _save_state(self, next_round: int) -> None:
