@@ -73,16 +73,28 @@ a = build()
 a.step(batch(0))
 a.step(batch(1))
 run = Path(os.getcwd())
+import random
+import numpy as np
 write_state(run, 2, {"engine": "frameworks", "tp": 1, **a.round_state(), "rng": rng_state(cpu)})
-saved_rng = torch.get_rng_state()
-torch.rand(5)  # the live generator moves on; the state keeps it as it was
+from megatron.core.tensor_parallel import get_cuda_rng_tracker
+saved_rng, saved_py, saved_np = torch.get_rng_state(), random.getstate(), np.random.get_state()
+saved_tracker = {k: v.clone() for k, v in get_cuda_rng_tracker().get_states().items()}
+assert saved_tracker, "Megatron's RNG tracker holds no state"
+with get_cuda_rng_tracker().fork():
+    torch.rand(7)
+assert any(not torch.equal(v, saved_tracker[k]) for k, v in get_cuda_rng_tracker().get_states().items())
+torch.rand(5); random.random(); np.random.rand(3)  # the live generators move on; the state keeps them as they were
 ra = a.step(batch(2)); after = snap(a)
 state = torch.load(run / STATE_DIR / STATE_FILE, map_location="cpu", weights_only=True)
 assert state["next_round"] == 2 and state["engine"] == "frameworks"
 b = build()
 b.load_round_state(state)
 set_rng_state(state["rng"], cpu)
-assert torch.equal(torch.get_rng_state(), saved_rng)
+assert torch.equal(torch.get_rng_state(), saved_rng) and random.getstate() == saved_py
+now = get_cuda_rng_tracker().get_states()
+assert now.keys() == saved_tracker.keys() and all(torch.equal(now[k], saved_tracker[k]) for k in now)
+got_np = np.random.get_state()
+assert got_np[0] == saved_np[0] and (got_np[1] == saved_np[1]).all() and got_np[2:] == saved_np[2:]
 rb = b.step(batch(2))
 assert same(dict(enumerate(ra.train_logprobs)), dict(enumerate(rb.train_logprobs))), "log-probs"
 assert same(after[0], snap(b)[0]) and same(after[1], snap(b)[1]) and same(after[2], snap(b)[2]), "weights / optimizer"

@@ -84,12 +84,20 @@ def _snapshot(obj):
 def rng_state(device: torch.device) -> dict:
     """Every RNG stream of this process that the frameworks engine's rounds could draw from: torch's CPU generator,
     the device's CUDA generator, Megatron's CUDA RNG tracker (its named states, e.g. the model-parallel one that
-    ``model_parallel_cuda_manual_seed`` seeds). vLLM draws from per-request generators seeded from the run seed and the
-    round (``frameworks._Run._requests``): nothing of it carries over between rounds."""
+    ``model_parallel_cuda_manual_seed`` seeds), Python's and NumPy's global generators (vLLM seeds them at start-up).
+    vLLM samples with per-request generators seeded from the run seed and the round (``frameworks._Run._requests``):
+    nothing of them carries over between rounds."""
+    import random
+
+    import numpy as np
     from megatron.core import tensor_parallel
 
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
     out = {"torch_cpu": torch.get_rng_state(),
-           "megatron_tracker": _snapshot(tensor_parallel.get_cuda_rng_tracker().get_states())}
+           "megatron_tracker": _snapshot(tensor_parallel.get_cuda_rng_tracker().get_states()),
+           "python": random.getstate(),
+           "numpy": {"kind": str(kind), "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
+                     "has_gauss": int(has_gauss), "cached_gaussian": float(gauss)}}
     if device.type == "cuda":
         out["torch_cuda"] = torch.cuda.get_rng_state(device)
     return out
@@ -102,10 +110,19 @@ def set_rng_state(state: dict, device: torch.device) -> None:
     if ("torch_cuda" in state) != (device.type == "cuda"):
         raise RlkConfigError(f"the round state's RNG streams are for {'cuda' if 'torch_cuda' in state else 'cpu'}, "
                              f"this run is on {device.type}")
+    import random
+
+    import numpy as np
+
     torch.set_rng_state(state["torch_cpu"])
     if device.type == "cuda":
         torch.cuda.set_rng_state(state["torch_cuda"], device)
     tensor_parallel.get_cuda_rng_tracker().set_states(dict(state["megatron_tracker"]))
+    version, internal, gauss_next = state["python"]
+    random.setstate((version, tuple(internal), gauss_next))
+    n = state["numpy"]
+    np.random.set_state((n["kind"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"],
+                         n["cached_gaussian"]))
 
 
 def init_model_parallel(tp: int, seed: int) -> None:
