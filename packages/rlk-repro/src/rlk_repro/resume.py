@@ -4,8 +4,8 @@ A run saves its *round state* every ``--state-every`` rounds (local engine: defa
 default 0, opt-in, TP 1): after round ``r``'s weight update, ``round-state/state.pt`` holds what the next round
 starts from — the trainer's fp32 master weights and the optimizer's state, with the local rollout engine's KV-block
 free list, or, for the frameworks engine, the Megatron trainer's masters (Megatron names), AdamW state and every
-RNG stream of the process (torch CPU / CUDA, Megatron's CUDA RNG tracker, Python, NumPy; vLLM samples with per-request seeds
-derived from the run seed and the round, so nothing of vLLM carries over) — written atomically, then
+RNG stream of the process (torch CPU / CUDA, Megatron's CUDA RNG tracker, Python, NumPy; vLLM samples with
+per-request seeds derived from the run seed and the round, so nothing of vLLM carries over) — written atomically, then
 ``round-state/state.json`` (``rlk.round-state.v1``: ``next_round``, the file's sha256 and size) names it. The state
 is replaced as the run goes (one per run).
 
