@@ -21,7 +21,9 @@ def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--interrupt-at", type=int, default=None)
     ap.add_argument("--weights", default=None)
-    a, rest = ap.parse_known_args(argv)
+    ap.add_argument("rlk_repro", nargs=argparse.REMAINDER, help="the rlk-repro command line (run ...)")
+    a = ap.parse_args(argv)
+    rest = a.rlk_repro
     from rlk_repro import cli
     from rlk_repro.engine import frameworks
 
