@@ -64,8 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--output", default="rlk-runs", help="directory under which the run directory is created (rlk-runs; "
                    "not with --resume, whose attempt goes beside the resumed run)")
     r.add_argument("--resume", metavar="RUN_DIR", default=None,
-                   help="continue an interrupted local run in a new attempt directory beside it, from its last "
-                   "round state, with its recorded options (a conflicting option exits 2); RUN_DIR is not written")
+                   help="continue an interrupted local or frameworks run in a new attempt directory beside it, from "
+                   "its last round state, with its recorded options (a conflicting option exits 2); RUN_DIR is not "
+                   "written")
     _experiment_options(r)
     pl = sub.add_parser("plan", help="print the resolved plan, environment and configuration of a run; runs nothing",
                         description="Resolve the options of `rlk-repro run` and print them as JSON (plan, the "
@@ -179,8 +180,10 @@ def _experiment_options(r: argparse.ArgumentParser) -> None:
                    help="torch CPU threads (default 1 on cpu: the small ops of a tiny model lose more to OpenMP "
                    "spinning than they gain, badly so on a shared machine; raise it for larger models)")
     r.add_argument("--state-every", type=int, default=None, metavar="N",
-                   help="save the round state (weights, optimizer, KV free list) every N rounds so that `run --resume` "
-                   "can continue the run; 0 = never (default 1 for the local engine)")
+                   help="save the round state (weights, optimizer, KV free list; frameworks: Megatron masters, "
+                   "optimizer, RNG streams, TP 1) every N rounds so that `run --resume` can continue the run; 0 = "
+                   "never "
+                   "(default 1 for the local engine, 0 for the frameworks engine)")
     r.add_argument("--audit", action="store_true",
                    help="record fallbacks and route violations instead of failing (default: RL_KERNEL_MODE, "
                    "else strict)")
@@ -256,9 +259,6 @@ def _config(a: argparse.Namespace, argv: Sequence[str], resolved):
     top_p = a.top_p if a.top_p is not None else (1.0 if frameworks else 0.95)
     mode, mode_source = _readback_mode(a)
     extra = {k: getattr(a, k) for k in FRAMEWORKS_ONLY} if frameworks else {}
-    if frameworks and getattr(a, "state_every", None):
-        raise RlkConfigError("--state-every: the frameworks engine saves no round state (run --resume continues "
-                             "local-engine runs)")
     state_every = getattr(a, "state_every", None)
     state_every = (0 if frameworks else 1) if state_every is None else state_every
     if not frameworks:
@@ -321,16 +321,19 @@ def _resumed(a: argparse.Namespace, argv: Sequence[str]):
     from dataclasses import replace
 
     from rlk_core import envs
+    from rlk_repro.engine.frameworks import FrameworksRunConfig
     from rlk_repro.engine.local import LocalRunConfig
     from rlk_repro.resume import read_parent, recorded_config
 
     envs.snapshot()
-    if _frameworks(a):
-        raise RlkConfigError("--resume continues local-engine runs (the frameworks engine saves no round state yet)")
     parent = read_parent(a.resume)
-    cfg = LocalRunConfig(**recorded_config(parent, LocalRunConfig), command=["rlk-repro", *argv])
+    engine = parent.manifest["engine"]
+    config_cls = FrameworksRunConfig if engine == "frameworks" else LocalRunConfig
+    cfg = config_cls(**recorded_config(parent, config_cls), command=["rlk-repro", *argv])
     defaults = build_parser().parse_args(["run"])
     conflicts = []
+    if a.engine != defaults.engine and a.engine != engine:
+        conflicts.append(f"--engine {a.engine}: the run is a {engine}-engine run")
     for key, value in vars(a).items():
         if key in ("resume", "output", "command", "engine", "debug") or value == getattr(defaults, key, value):
             continue
@@ -342,7 +345,7 @@ def _resumed(a: argparse.Namespace, argv: Sequence[str]):
             if cfg.readback_mode != "audit":
                 conflicts.append(f"--audit: the run is {cfg.readback_mode}")
         elif not hasattr(cfg, key):
-            conflicts.append(f"--{key.replace('_', '-')} is not an option of a local run")
+            conflicts.append(f"--{key.replace('_', '-')} is not an option of a {engine} run")
         elif getattr(cfg, key) != value:
             conflicts.append(f"--{key.replace('_', '-')} {value} differs from the recorded {getattr(cfg, key)}")
     if conflicts:
@@ -360,9 +363,25 @@ def _cmd_run(a: argparse.Namespace, argv: Sequence[str]) -> int:
                                  "chain; --output is not taken with it")
         parent, cfg = _resumed(a, argv)
         output = parent.path.parent
+        frameworks = parent.manifest["engine"] == "frameworks"
+        if frameworks:
+            from rlk_repro.engine.frameworks import requirements, state_problem
+
+            # before anything is created: what a new frameworks run needs, and a state the engine continues from
+            problem = requirements(cfg.tp) or state_problem(parent, parent.peek_state())
+            if problem:
+                raise RlkConfigError(problem)
         print(f"rlk-repro: resuming {parent.path} (run {parent.manifest.get('run_id')}) at round "
-              f"{parent.next_round + 1} of {cfg.rounds}, mode {cfg.mode}, plan {cfg.plan.as_dict()}", file=sys.stderr)
-        result = run_local(cfg, output, progress=Progress(), resume=parent)
+              f"{parent.next_round + 1} of {cfg.rounds}, engine {parent.manifest['engine']}, mode {cfg.mode}, plan "
+              f"{cfg.plan.as_dict()}", file=sys.stderr)
+        if frameworks:
+            from rlk_repro.engine.frameworks import run_frameworks
+
+            result = run_frameworks(cfg, output, None, Progress(), resume=parent)
+            if int(os.environ.get("RANK", "0")) != 0:
+                return result.exit_code
+        else:
+            result = run_local(cfg, output, progress=Progress(), resume=parent)
         return _report_run(cfg, result)
     if a.pair:  # issue 37: a phase's native / consistency pairs (rlk_repro.phase_pairs)
         from rlk_repro import phase_pairs

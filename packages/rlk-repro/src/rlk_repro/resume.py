@@ -1,10 +1,13 @@
 """``rlk-repro run --resume RUN_DIR``: a new attempt that continues an interrupted run from its last round state.
 
-A local run saves its *round state* every ``--state-every`` rounds (default 1): after round ``r``'s weight update,
-``round-state/state.pt`` holds what the next round starts from — the trainer's fp32 master weights, the
-optimizer's state and the rollout engine's KV-block free list (sampling is seeded per request, so nothing else
-carries over between rounds) — written atomically, then ``round-state/state.json`` (``rlk.round-state.v1``:
-``next_round``, the file's sha256 and size) names it. The state is replaced as the run goes (one per run).
+A run saves its *round state* every ``--state-every`` rounds (local engine: default 1; ``--engine frameworks``:
+default 0, opt-in, TP 1): after round ``r``'s weight update, ``round-state/state.pt`` holds what the next round
+starts from — the trainer's fp32 master weights and the optimizer's state, with the local rollout engine's KV-block
+free list, or, for the frameworks engine, the Megatron trainer's masters (Megatron names), AdamW state and every
+RNG stream of the process (torch CPU / CUDA, Megatron's CUDA RNG tracker, Python, NumPy; vLLM samples with
+per-request seeds derived from the run seed and the round, so nothing of vLLM carries over) — written atomically, then
+``round-state/state.json`` (``rlk.round-state.v1``: ``next_round``, the file's sha256 and size) names it. The state
+is replaced as the run goes (one per run).
 
 ``--resume RUN_DIR`` never writes into ``RUN_DIR`` (append-only): it creates a new attempt directory beside it,
 with the parent's recorded options (a conflicting flag exits 2 naming it), that
@@ -44,14 +47,26 @@ STATE_DOC = "state.json"
 STATE_SCHEMA = "rlk.round-state.v1"
 
 
+#: the engines whose runs save round state (a manifest's ``engine``)
+ENGINES = ("local", "frameworks")
+
+
 def save_state(run_dir: Path, next_round: int, master: dict[str, torch.Tensor], optimizer: torch.optim.Optimizer,
                kv_free: list[int]) -> None:
-    """Write the state that round ``next_round`` starts from (file first, then the document naming it)."""
+    """Write the local engine's state that round ``next_round`` starts from."""
+    write_state(run_dir, next_round, {"master": {k: v.detach().cpu() for k, v in master.items()},
+                                      "optimizer": optimizer.state_dict(), "kv_free": list(kv_free)})
+
+
+def write_state(run_dir: Path, next_round: int, contents: dict[str, Any]) -> None:
+    """Write the state that round ``next_round`` starts from: ``{"next_round": next_round, **contents}`` (file first,
+    atomically, then the document naming it)."""
+    if "next_round" in contents:
+        raise ValueError("write_state: the round is its next_round argument, not a key of contents")
     folder = run_dir / STATE_DIR
     folder.mkdir(exist_ok=True)
     tmp = folder / f".{STATE_FILE}.tmp"
-    torch.save({"next_round": next_round, "master": {k: v.detach().cpu() for k, v in master.items()},
-                "optimizer": optimizer.state_dict(), "kv_free": list(kv_free)}, tmp)
+    torch.save({"next_round": next_round, **contents}, tmp)
     os.replace(tmp, folder / STATE_FILE)
     doc = {"schema": STATE_SCHEMA, "next_round": next_round, "file": STATE_FILE,
            "sha256": file_sha256(folder / STATE_FILE), "bytes": (folder / STATE_FILE).stat().st_size}
@@ -76,6 +91,17 @@ class Parent:
             raise RlkConfigError(f"{path} changed after {STATE_DOC} recorded it; not resuming from it")
         return torch.load(path, map_location="cpu", weights_only=True)
 
+    def peek_state(self) -> dict[str, Any]:
+        """The state file memory-mapped (only what is looked at is read; not checked against its hash: that is
+        :meth:`load_state`'s), to check what it is before anything is created; one line if it is not readable."""
+        path = self.path / STATE_DIR / STATE_FILE
+        try:
+            return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except Exception as exc:
+            why = (str(exc).splitlines() or [""])[0]
+            raise RlkConfigError(f"--resume {self.path}: {STATE_DIR}/{STATE_FILE} is not readable "
+                                 f"({type(exc).__name__}: {why})") from None
+
     def rows(self) -> list[dict[str, Any]]:
         """The inherited rounds as the engine's summary rows (metrics line + the comparison's names)."""
         out = []
@@ -95,14 +121,15 @@ def read_parent(run_dir: str | os.PathLike[str]) -> Parent:
         manifest = json.loads((path / evidence.MANIFEST).read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:
         raise RlkConfigError(f"--resume {path}: no readable manifest.json ({exc}); not a run directory") from None
-    if manifest.get("engine") != "local":
-        raise RlkConfigError(f"--resume {path}: a {manifest.get('engine')!r} run; --resume continues local-engine "
-                             "runs (the frameworks engine saves no round state yet)")
+    if manifest.get("engine") not in ENGINES:
+        raise RlkConfigError(f"--resume {path}: a {manifest.get('engine')!r} run; --resume continues runs of the "
+                             f"{' and '.join(ENGINES)} engines")
     try:
         doc = json.loads((path / STATE_DIR / STATE_DOC).read_text(encoding="utf-8"))
     except (OSError, ValueError):
+        how = " (the frameworks engine's default)" if manifest.get("engine") == "frameworks" else ""
         raise RlkConfigError(f"--resume {path}: it saved no round state ({STATE_DIR}/{STATE_DOC}): it stopped before "
-                             "its first round ended, or ran with --state-every 0") from None
+                             f"its first state was due, or ran with --state-every 0{how}") from None
     if doc.get("schema") != STATE_SCHEMA or not isinstance(doc.get("next_round"), int):
         raise RlkConfigError(f"--resume {path}: {STATE_DIR}/{STATE_DOC} is not {STATE_SCHEMA}")
     k, rounds = doc["next_round"], int(manifest.get("rounds", 0))

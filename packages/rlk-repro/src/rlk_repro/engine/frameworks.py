@@ -10,6 +10,12 @@ the TP ranks hold the same log-probs); a Qwen3-MoE model (TP 1) adds each round'
 two sides sent to another expert set, ``rlk_repro.engine.routing``); every process writes its two readbacks
 (``vllm-rollout-<pid>.json`` from the plugin, ``megatron-train-<pid>.json`` from the provider). The artifacts are the
 local engine's, so ``rlk-validate RUN --require-bitwise`` checks such a run unchanged.
+
+With ``--state-every N`` (TP 1; default 0 here: a large model's state is 12 bytes a parameter) rank 0 saves the round
+state every N rounds (:mod:`rlk_repro.resume`: the Megatron trainer's fp32 masters and AdamW state, the process's RNG
+streams), and ``run --resume RUN_DIR`` continues an interrupted run from it in a new attempt: Megatron built, the state
+loaded, vLLM started and given the state's weights by the ordinary weight sync, the RNG streams put back, then the
+remaining rounds.
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ from rlk_repro.jitwatch import JitWatch
 from rlk_repro.jitwatch import counts as jit_counts
 from rlk_repro.model.config import preset
 from rlk_repro.progress import Progress
+from rlk_repro.resume import STATE_DIR, STATE_DOC, Parent, inherit, write_state
 from rlk_repro.trace import Tracer
 from rlk_validate import evidence
 
@@ -90,6 +97,10 @@ class FrameworksRunConfig(LocalRunConfig):
             raise RlkConfigError(f"--engine frameworks runs on cuda, not {self.device!r}")
         if self.static_weights:
             raise RlkConfigError("--static-weights is an option of the local engine")
+        if self.state_every and self.tp != 1:
+            raise RlkConfigError(f"--state-every: the frameworks engine saves round state at --tp 1, not --tp "
+                                 f"{self.tp} (each rank's masters and optimizer state are not gathered); use "
+                                 "--state-every 0")
         if self.dtype != "bfloat16":
             raise RlkConfigError(f"--engine frameworks runs bfloat16 (vLLM and Megatron), not {self.dtype}")
         from rlk_repro.engine.fp8 import config_problem  # issue 38
@@ -156,6 +167,19 @@ def requirements(tp: int = 1) -> str | None:
     return "--engine frameworks needs " + "; ".join(missing)
 
 
+def state_problem(parent: Parent, state: dict[str, Any]) -> str | None:
+    """Why ``state`` (``parent``'s round state, :meth:`Parent.peek_state` or :meth:`Parent.load_state`) is not one a
+    frameworks run continues from, as one line; None when it is: a TP-1 frameworks state for the round its document
+    names, with masters, optimizer state and RNG streams."""
+    got = {k: state.get(k) for k in ("engine", "tp", "next_round")}
+    if got != {"engine": "frameworks", "tp": 1, "next_round": parent.next_round} or \
+            not {"master", "optimizer", "rng"} <= set(state):
+        return (f"--resume {parent.path}: its {STATE_DIR} is not a TP-1 frameworks state for round "
+                f"{parent.next_round} (engine {got['engine']!r}, tp {got['tp']!r}, next_round {got['next_round']!r}, "
+                f"holding {sorted(state)})")
+    return None
+
+
 # -- process group and run directory ---------------------------------------------------------------------
 def _init_world(cfg: FrameworksRunConfig) -> tuple[int, int, torch.device]:
     import torch.distributed as dist
@@ -204,8 +228,10 @@ def _set_env(cfg: FrameworksRunConfig, run_id: str, run_dir: Path) -> None:
 
 
 # -- the run ---------------------------------------------------------------------------------------------
-def run_frameworks(cfg: FrameworksRunConfig, output: str | os.PathLike[str],
-                   run_name: str | None = None, progress: Progress | None = None) -> LocalRunResult:
+def run_frameworks(cfg: FrameworksRunConfig, output: str | os.PathLike[str], run_name: str | None = None,
+                   progress: Progress | None = None, resume: Parent | None = None) -> LocalRunResult:
+    """The run (a new directory under ``output``); ``resume``: the interrupted frameworks run this new attempt
+    continues from its round state (:mod:`rlk_repro.resume`)."""
     from rlk_repro import tp_options
 
     cfg.validate()
@@ -224,12 +250,14 @@ def run_frameworks(cfg: FrameworksRunConfig, output: str | os.PathLike[str],
     scratch = Path(tempfile.mkdtemp(prefix="rlk-frameworks-"))
     try:
         _set_env(cfg, run_id, run_dir)
-        result = _Run(cfg, run_id, run_dir, rank, world, device, scratch, progress).go()
+        result = _Run(cfg, run_id, run_dir, rank, world, device, scratch, progress, resume).go()
         code = result.exit_code
         return result
     except BaseException as exc:
         code, failure = runs.exit_code_for(exc), exc
         log.error("run %s: %s: %s", runs.ended_how(code), type(exc).__name__, exc)
+        if rank == 0 and (run_dir / STATE_DIR / STATE_DOC).is_file():
+            progress.note(f"continue this run with: rlk-repro run --resume {run_dir}")
         raise
     finally:
         _flush_readbacks()
@@ -258,9 +286,9 @@ def _flush_readbacks() -> None:
 
 class _Run:
     def __init__(self, cfg: FrameworksRunConfig, run_id: str, run_dir: Path, rank: int, world: int,
-                 device: torch.device, scratch: Path, progress: Progress) -> None:
+                 device: torch.device, scratch: Path, progress: Progress, resume: Parent | None = None) -> None:
         self.cfg, self.run_id, self.run_dir, self.rank, self.world = cfg, run_id, run_dir, rank, world
-        self.device, self.scratch, self.progress = device, scratch, progress
+        self.device, self.scratch, self.progress, self.resume = device, scratch, progress, resume
         self.lead = rank == 0
 
     def go(self) -> LocalRunResult:
@@ -274,10 +302,11 @@ class _Run:
             self.watch.close()
 
     def _go(self) -> LocalRunResult:
-        from rlk_repro.engine.frameworks_megatron import MegatronTrainer, init_model_parallel
+        from rlk_repro.engine.frameworks_megatron import MegatronTrainer, init_model_parallel, set_rng_state
         from rlk_repro.engine.frameworks_vllm import VllmRollout, write_model_dir
 
         cfg = self.cfg
+        state = self._resume_state()  # before anything is built: a state of another engine or TP stops here
         torch.manual_seed(cfg.seed)
         self.model_cfg, weights, self.ckpt_hash = load_model(cfg)
         # issue 37: the model's tokenizer, prompt data, chat template, stop tokens and reward (--model-path ...), or
@@ -308,19 +337,50 @@ class _Run:
         if self.model_cfg.is_moe and cfg.tp != 1:
             raise RlkConfigError(f"a Qwen3-MoE model runs at TP 1 in the frameworks engine, not --tp {cfg.tp}")
         del weights
+        if state is not None:  # the masters and optimizer of the parent's last state; vLLM gets them by the sync below
+            self.trainer.load_round_state(state)
         self.initial_sync = self.vllm.load_weights(self.trainer.hf_weights())
         self.digest = None
         self.digest = self._handshake("start")  # issue 37: before anything is compared
         self.progress.line(f"Megatron ready (rlk layers {self.trainer.layer_counts}); initial weights loaded into vLLM "
                   f"({self.initial_sync['loaded']} of {self.initial_sync['parameters']} parameters)")
+        manifest = self._manifest() if self.lead else None
+        first, rounds = 0, []
+        if self.resume is not None:  # the parent's rounds before its state, then this attempt's from there
+            first, rounds = self.resume.next_round, self.resume.rows()
+            if self.lead:
+                manifest["resume"] = inherit(self.run_dir, self.resume)
+            log.info("run %s: resumes %s at round %d", self.run_id, self.resume.path, first)
         if self.lead:
-            runs.write_json_atomic(self.run_dir / "manifest.json", self._manifest())
-        rounds: list[dict[str, Any]] = []
+            runs.write_json_atomic(self.run_dir / "manifest.json", manifest)
         self.tracer = Tracer(cfg.trace and self.lead, str(self.device), cfg.tp)  # issue 37: run --trace (rank 0)
-        self.clock = self.progress.rounds(cfg.rounds)
-        for rnd in range(cfg.rounds):
+        self.clock = self.progress.rounds(cfg.rounds, first)
+        if state is not None:  # the RNG streams as the parent left them after round first - 1
+            set_rng_state(state["rng"], self.device)
+        for rnd in range(first, cfg.rounds):
             rounds.append(self._round(rnd))
+            if cfg.state_every and (rnd + 1) % cfg.state_every == 0 and rnd + 1 < cfg.rounds:
+                self._save_state(rnd + 1)
         return self._finish(rounds)
+
+    def _resume_state(self) -> dict[str, Any] | None:
+        """The parent's round state (checked against its recorded hash), or None for a new run."""
+        if self.resume is None:
+            return None
+        state = self.resume.load_state()
+        problem = state_problem(self.resume, state)
+        if problem:
+            raise RlkConfigError(problem)
+        return state
+
+    def _save_state(self, next_round: int) -> None:
+        """Rank 0's round state (TP 1: the one rank holds the whole model): the trainer's masters and optimizer
+        state and the process's RNG streams, after round ``next_round - 1``'s weight sync."""
+        from rlk_repro.engine.frameworks_megatron import rng_state
+
+        if self.lead:
+            write_state(self.run_dir, next_round, {"engine": "frameworks", "tp": self.cfg.tp,
+                                                   **self.trainer.round_state(), "rng": rng_state(self.device)})
 
     def _manifest(self) -> dict[str, Any]:
         cfg, plan = self.cfg, self.cfg.plan

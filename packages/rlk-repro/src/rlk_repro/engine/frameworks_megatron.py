@@ -69,6 +69,62 @@ class MasterOptimizer:
                 p.copy_(self.master[n])
 
 
+def _snapshot(obj):
+    """``obj`` (a state dict: nested dicts / lists of tensors and plain values) with every tensor copied to the CPU,
+    so that it no longer changes with the live state."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return {k: _snapshot(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_snapshot(v) for v in obj)
+    return obj
+
+
+def rng_state(device: torch.device) -> dict:
+    """Every RNG stream of this process that the frameworks engine's rounds could draw from: torch's CPU generator,
+    the device's CUDA generator, Megatron's CUDA RNG tracker (its named states, e.g. the model-parallel one that
+    ``model_parallel_cuda_manual_seed`` seeds), Python's and NumPy's global generators (vLLM seeds them at start-up).
+    vLLM samples with per-request generators seeded from the run seed and the round (``frameworks._Run._requests``):
+    nothing of them carries over between rounds."""
+    import random
+
+    import numpy as np
+    from megatron.core import tensor_parallel
+
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    out = {"torch_cpu": torch.get_rng_state(),
+           "megatron_tracker": _snapshot(tensor_parallel.get_cuda_rng_tracker().get_states()),
+           "python": random.getstate(),
+           "numpy": {"kind": str(kind), "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
+                     "has_gauss": int(has_gauss), "cached_gaussian": float(gauss)}}
+    if device.type == "cuda":
+        out["torch_cuda"] = torch.cuda.get_rng_state(device)
+    return out
+
+
+def set_rng_state(state: dict, device: torch.device) -> None:
+    """Put back what :func:`rng_state` saved (on the same kind of device)."""
+    from megatron.core import tensor_parallel
+
+    if ("torch_cuda" in state) != (device.type == "cuda"):
+        raise RlkConfigError(f"the round state's RNG streams are for {'cuda' if 'torch_cuda' in state else 'cpu'}, "
+                             f"this run is on {device.type}")
+    import random
+
+    import numpy as np
+
+    torch.set_rng_state(state["torch_cpu"])
+    if device.type == "cuda":
+        torch.cuda.set_rng_state(state["torch_cuda"], device)
+    tensor_parallel.get_cuda_rng_tracker().set_states(dict(state["megatron_tracker"]))
+    version, internal, gauss_next = state["python"]
+    random.setstate((version, tuple(internal), gauss_next))
+    n = state["numpy"]
+    np.random.set_state((n["kind"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"],
+                         n["cached_gaussian"]))
+
+
 def init_model_parallel(tp: int, seed: int) -> None:
     """Megatron's parallel state on the already-initialised default process group (shared with vLLM)."""
     from megatron.core import parallel_state, tensor_parallel
@@ -329,6 +385,38 @@ class MegatronTrainer:
             torch.cuda.synchronize(self.device)
         tokens = sum(len(s.prompt) + len(s.response) - 1 for s in samples)
         return MegatronStep(per_sample, loss_sum, grad_norm, tokens, time.perf_counter() - t0, routing)
+
+    # -- round state (rlk_repro.resume) --------------------------------------------------------------
+    def round_state(self) -> dict:
+        """What the next step starts from on this (TP 1) trainer, copied to the CPU: the fp32 masters (Megatron
+        names) and the optimizer's state (AdamW's moments and step count). The bf16 parameters are the masters'
+        cast (:meth:`MasterOptimizer.step`), so they are not saved."""
+        if self.tp != 1:
+            raise RlkConfigError(f"the frameworks engine saves round state at TP 1, not {self.tp}")
+        return {"master": {n: m.detach().to("cpu", copy=True) for n, m in self.master.items()},
+                "optimizer": _snapshot(self.optim.opt.state_dict())}
+
+    def load_round_state(self, state: dict) -> None:
+        """Continue from :meth:`round_state`'s ``state``: the masters copied in, the parameters set to their cast (as
+        a step leaves them), the optimizer's state loaded; a state of another model exits 2 naming the difference."""
+        master = state.get("master")
+        if not isinstance(master, dict) or set(master) != set(self.master):
+            got, mine = (set(master) if isinstance(master, dict) else set()), set(self.master)
+            raise RlkConfigError(f"the round state's masters are not this model's (missing {sorted(mine - got)[:3]}, "
+                                 f"unexpected {sorted(got - mine)[:3]})")
+        bad = [n for n, m in self.master.items() if master[n].shape != m.shape or master[n].dtype != m.dtype]
+        if bad:
+            raise RlkConfigError(f"the round state's master {bad[0]} is {master[bad[0]].dtype} "
+                                 f"{tuple(master[bad[0]].shape)}, the model's {tuple(self.master[bad[0]].shape)} fp32")
+        with torch.no_grad():
+            for n, m in self.master.items():
+                m.copy_(master[n])
+            for n, p in self.params.items():
+                p.copy_(self.master[n])
+        self.optim.opt.load_state_dict(state["optimizer"])
+        from rlk_megatron_provider import invalidate_weight_caches
+
+        invalidate_weight_caches()  # the weights changed in place
 
     def state_shards(self) -> list[dict[str, torch.Tensor]]:
         """This model's parameters from every TP rank (all-gathered), in rank order."""
