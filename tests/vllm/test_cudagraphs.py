@@ -3,6 +3,7 @@
 the test fills ``manager.graphs`` with one entry per descriptor vLLM would capture, as ``capture`` does. The
 readback's ``cuda_graphs`` is then checked by rlk-validate's gate (rlk_validate.cuda_graphs)."""
 
+import inspect
 import json
 
 import pytest
@@ -18,17 +19,32 @@ SIZES = list(range(1, 9))
 def _manager(sizes=SIZES, mode="FULL_DECODE_ONLY", max_num_reqs=8):
     """A real CudaGraphManager without its __init__ (which needs a pipeline group and a GPU graph pool): the fields
     __init__ sets, then vLLM's own _init_candidates; the graphs as capture() leaves them."""
-    from vllm.config import CompilationConfig
+    from vllm.config import CompilationConfig, VllmConfig
     from vllm.v1.worker.gpu.cudagraph_utils import CudaGraphManager
 
-    cc = CompilationConfig(cudagraph_mode=mode, cudagraph_capture_sizes=list(sizes))
+    # max_cudagraph_capture_size: the largest size, as VllmConfig's post-init sets it (0.33's _init_candidates reads it)
+    cc = CompilationConfig(cudagraph_mode=mode, cudagraph_capture_sizes=list(sizes),
+                           max_cudagraph_capture_size=max(sizes))
     m = object.__new__(CudaGraphManager)
     m.compilation_config, m.cudagraph_mode, m.max_num_reqs, m.decode_query_len = cc, cc.cudagraph_mode, max_num_reqs, 1
-    m.graphs, m._graphs_captured, m._candidates, m._capture_descs = {}, False, [], {}
+    # _candidates: 0.33 fills the dict __init__ leaves (setdefault); 0.22 replaces it with a list
+    m.graphs, m._graphs_captured, m._candidates, m._capture_descs = {}, False, {}, {}
+    # the fields 0.33's __init__ adds (no LoRA, no speculative decoding, no micro-batching); unused by 0.22
+    m.vllm_config, m.varlen_decode, m.ubatch_runner, m.lora_capture_cases = VllmConfig(), False, None, [0]
+    m._lora_dispatch_map, m._max_lora_case = {}, 0
     m._init_candidates()
     m.graphs = {d: object() for descs in m._capture_descs.values() for d in descs}  # capture()'s result
     m._graphs_captured = True
     return m
+
+
+def _dispatch(m, num_reqs, num_tokens, uniform, by_keyword=False):
+    """``m.dispatch`` with the installed vLLM's arguments: 0.33 also requires ``num_active_loras`` (0: no LoRA), and
+    calls it by keyword where 0.22's runner passes the three positionally."""
+    extra = {"num_active_loras": 0} if "num_active_loras" in inspect.signature(m.dispatch).parameters else {}
+    if by_keyword:
+        return m.dispatch(num_reqs=num_reqs, num_tokens=num_tokens, uniform_token_count=uniform, **extra)
+    return m.dispatch(num_reqs, num_tokens, uniform, **extra)
 
 
 @pytest.fixture
@@ -56,8 +72,9 @@ def test_dispatch_is_wrapped_for_every_plan_and_restored(plugin, graphs):
 def test_each_step_is_counted_with_the_settings_and_the_captured_graphs(plugin, graphs):
     rt = plugin(ffn="R/R")
     m = _manager()
-    decisions = [m.dispatch(b, b, 1) for b in (8, 8, 5, 1)]  # decode steps
-    decisions.append(m.dispatch(3, 40, None))  # a prefill step
+    decisions = [_dispatch(m, b, b, 1) for b in (8, 5, 1)]  # decode steps
+    decisions.append(_dispatch(m, 8, 8, 1, by_keyword=True))  # as 0.33's runner calls it
+    decisions.append(_dispatch(m, 3, 40, None, by_keyword=True))  # a prefill step
     assert [d.cg_mode.name for d in decisions] == ["FULL"] * 4 + ["NONE"]  # the results are vLLM's, unchanged
     doc = rt.recorder.to_dict()["cuda_graphs"]
     assert doc["recorded"] is True and doc["settings"] == {
@@ -89,7 +106,7 @@ def test_a_run_whose_decode_replayed_its_graphs_passes_the_gate(plugin, graphs, 
     rt = plugin()
     m = _manager()
     for b in SIZES:
-        m.dispatch(b, b, 1)
+        _dispatch(m, b, b, 1)
     assert _gate(tmp_path, rt) == ["CUDA_GRAPH_SUMMARY"]
 
 
@@ -98,7 +115,7 @@ def test_a_decode_batch_beyond_the_captured_sizes_runs_eager_and_fails_the_gate(
     rt = plugin()
     m = _manager(max_num_reqs=4)
     for b in SIZES:
-        m.dispatch(b, b, 1)
+        _dispatch(m, b, b, 1)
     codes = _gate(tmp_path, rt)
     assert "CUDA_GRAPH_DECODE_EAGER" in codes and "CUDA_GRAPH_NOT_CAPTURED" in codes, codes
 
@@ -107,6 +124,6 @@ def test_piecewise_graphs_are_not_the_profile_asked_for(plugin, graphs, tmp_path
     rt = plugin()
     m = _manager(mode="PIECEWISE")
     for b in SIZES:
-        m.dispatch(b, b, 1)
+        _dispatch(m, b, b, 1)
     codes = _gate(tmp_path, rt)
     assert "CUDA_GRAPH_SETTINGS_MISMATCH" in codes and "CUDA_GRAPH_DECODE_EAGER" in codes, codes

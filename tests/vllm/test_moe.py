@@ -27,6 +27,10 @@ cfg = PRESETS["qwen3-moe-tiny"]
 w = W.random_weights(cfg, seed=3, dtype=torch.bfloat16)
 vc, model = vllm_tiny.tiny_model(cfg, w)
 out = {}
+def routed(mlp):  # the FusedMoE layer: mlp.experts on 0.22; 0.33's MoERunner holds it as routed_experts
+    return getattr(mlp.experts, "routed_experts", mlp.experts)
+
+
 for layer in range(cfg.num_hidden_layers):
     mlp = model.model.layers[layer].mlp
     x = torch.randn(7, cfg.hidden_size, generator=torch.Generator().manual_seed(layer)).to(torch.bfloat16)
@@ -37,8 +41,8 @@ for layer in range(cfg.num_hidden_layers):
     ref, _ = moe_ffn(x, w[p + "router"], w[p + "w13"], w[p + "w2"], cfg.num_experts_per_tok, cfg.norm_topk_prob)
     out[layer] = {"equal": torch.equal(y, ref), "close": bool(torch.allclose(y.float(), ref.float(), atol=1e-3)),
                   "alone_equal": torch.equal(alone[0], y[3]),
-                  "weights_as_loaded": torch.equal(mlp.experts.w13_weight, w[p + "w13"])}
-method = model.model.layers[0].mlp.experts.quant_method
+                  "weights_as_loaded": torch.equal(routed(mlp).w13_weight, w[p + "w13"])}
+method = routed(model.model.layers[0].mlp).quant_method
 out["method"] = type(method).__name__
 out["ffn"] = _runtime.get().recorder.to_dict()["modules"]["ffn"]
 print(json.dumps(out))

@@ -109,9 +109,19 @@ def install() -> str | None:
     if getattr(original, _MARK, None) is not None:
         return TARGET
 
-    def dispatch(self: Any, num_reqs: int, num_tokens: int, uniform_token_count: int | None) -> Any:
-        desc = original(self, num_reqs, num_tokens, uniform_token_count)
-        RECORD.note(self, num_reqs, num_tokens, uniform_token_count, desc)
+    # 0.22: dispatch(num_reqs, num_tokens, uniform_token_count); 0.33 adds num_active_loras (required),
+    # max_query_len and num_ubatches, and calls it by keyword: the three it records are found by name.
+    names = ("num_reqs", "num_tokens", "uniform_token_count")
+    lacking = [n for n in names if n not in _compat.parameters(original)]
+    if lacking:
+        RECORD.reason = f"{TARGET} has no parameter {', '.join(lacking)} in this vLLM"
+        return None
+    num_reqs, num_tokens, uniform = (_compat.argument(original, n) for n in names)
+
+    def dispatch(self: Any, *args: Any, **kwargs: Any) -> Any:
+        desc = original(self, *args, **kwargs)
+        call = (self, *args)
+        RECORD.note(self, num_reqs(call, kwargs), num_tokens(call, kwargs), uniform(call, kwargs), desc)
         return desc
 
     setattr(dispatch, _MARK, original)
