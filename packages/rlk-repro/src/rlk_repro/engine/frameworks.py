@@ -67,6 +67,7 @@ class FrameworksRunConfig(LocalRunConfig):
     tp_invariant: int = 0  # G of RL_KERNEL_TP_INVARIANT (0: off)
     tp_invariant_source: str = "default (off)"
     rollout_quantization: str = "none"  # issue 38: "fp8" = vLLM's FP8 W8A8 rollout (rlk_repro.engine.fp8)
+    state_every: int = 0  # round state every N rounds (TP 1): off by default, 12 bytes a parameter (the CLI's default)
 
     @property
     def cuda_graphs(self) -> dict[str, Any] | None:
