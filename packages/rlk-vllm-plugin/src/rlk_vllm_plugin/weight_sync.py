@@ -103,11 +103,13 @@ def load_into_model(model: torch.nn.Module, weights: Iterable[tuple[str, torch.T
             "changed": sum(before[n] != after[n] for n in params)}
 
 
-def load_weights(llm: Any, weights: Iterable[tuple[str, torch.Tensor]]) -> dict[str, Any]:
+def load_weights(llm: Any, weights: Iterable[tuple[str, torch.Tensor]], loader: Any = None) -> dict[str, Any]:
     """Update a running ``vllm.LLM`` in place from ``(HF name, full tensor)`` pairs (every TP rank of vLLM
     receives the full tensors and its weight loaders take their shard), then reset its prefix cache.
-    Returns the per-worker results of :func:`load_into_model` (the first worker's, plus ``workers``)."""
-    results = llm.apply_model(lambda model: load_into_model(model, weights))
+    ``loader(model, weights)`` runs in every worker (default :func:`load_into_model`; the FP8 rollout passes its
+    re-quantizing one). Returns the per-worker results (the first worker's, plus ``workers``)."""
+    load = loader or load_into_model
+    results = llm.apply_model(lambda model: load(model, weights))
     if not llm.reset_prefix_cache():
         raise RuntimeError("rlk weight_sync: vLLM refused to reset its prefix cache (requests still running?); "
                            "KV computed with the old weights could be reused")

@@ -187,13 +187,9 @@ def load_into_fp8_model(model: torch.nn.Module, weights: Iterable[tuple[str, tor
 def load_weights(llm: Any, weights: Iterable[tuple[str, torch.Tensor]]) -> dict[str, Any]:
     """:func:`rlk_vllm_plugin.weight_sync.load_weights` for an FP8 engine: :func:`load_into_fp8_model` in every
     worker, then the prefix cache reset (its KV was computed with the old weights)."""
-    results = llm.apply_model(lambda model: load_into_fp8_model(model, weights))
-    if not llm.reset_prefix_cache():
-        raise RuntimeError("FP8 weight sync: vLLM refused to reset its prefix cache; KV computed with the old "
-                           "weights could be reused")
-    out = dict(results[0])
-    out["workers"] = len(results)
-    return out
+    from rlk_vllm_plugin import weight_sync
+
+    return weight_sync.load_weights(llm, weights, loader=load_into_fp8_model)
 
 
 def describe(model: torch.nn.Module) -> dict[str, Any]:
