@@ -94,6 +94,27 @@ def test_the_metrics_are_those_of_the_train_data(ladder):
     assert m["backends"]["rollout"]["logp"]["fallbacks"] == []
 
 
+def test_readbacks_in_a_host_folder_are_read(ladder, tmp_path):
+    """The frameworks engine files its readbacks under ``readbacks/<hostname>/`` (the layout of a run on several
+    nodes): the rung's backends must be read from there too (the H200 ladder's report said 'no readbacks' for
+    every rung before the fix)."""
+    import shutil
+
+    from rlk_validate.ladder_metrics import _readback_backends
+    from rlk_validate.safeio import Root
+
+    _, root, _ = ladder
+    flat = _readback_backends(Root(str(root / "rr-0-aligned")))
+    assert flat["rollout"]["logp"]["backend_ids"] and flat["train"]["logp"]["backend_ids"]
+    run = tmp_path / "rr-0-aligned"
+    shutil.copytree(root / "rr-0-aligned", run)
+    (run / "readbacks" / "node-a").mkdir()
+    for p in list((run / "readbacks").glob("*.json")):
+        p.rename(run / "readbacks" / "node-a" / p.name)
+    assert not list((run / "readbacks").glob("*.json"))
+    assert _readback_backends(Root(str(run))) == flat
+
+
 def test_figures_one_per_metric(ladder):
     pytest.importorskip("matplotlib")
     _, root, _ = ladder

@@ -13,6 +13,7 @@ import numpy as np
 
 from .evidence import MANIFEST, METRICS, READBACKS_DIR, TRAIN_DATA_DIR
 from .findings import ERROR, INCOMPLETE
+from .readbacks import _list_readbacks
 from .report import Report
 from .safeio import InputError, Root
 from .tensors import load_safetensors, parse_name
@@ -86,10 +87,11 @@ def _readback_backends(root: Root) -> dict[str, Any]:
     the run's readbacks (what the processes recorded that they executed)."""
     out: dict[str, Any] = {}
     try:
-        names = sorted(n for n in root.listdir(READBACKS_DIR) if n.endswith(".json"))
+        names = sorted(_list_readbacks(root) or [], key=lambda hn: (hn[0] or "", hn[1]))
     except InputError:
         return out
-    for name in names:
+    for host, base in names:
+        name = f"{host}/{base}" if host else base
         try:
             doc = root.read_json(f"{READBACKS_DIR}/{name}")
         except InputError:
