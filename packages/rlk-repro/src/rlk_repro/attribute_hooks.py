@@ -22,7 +22,8 @@ point                     vLLM ``Qwen3DecoderLayer``                     Megatro
 ``attention.q_norm`` /    ``self_attn.q_norm`` / ``k_norm``              ``self_attention.q_layernorm`` /
 ``k_norm``                                                               ``k_layernorm``
 ``attention.rope_q`` /    the attention layer's query / key inputs       ``core_attention``'s query / key inputs
-``rope_k``                (``self_attn.attn``)
+``rope_k``                (``self_attn.attn``)                           (none under rlk's core attention, which
+                                                                         applies RoPE inside: listed as missing)
 ``attention.core``        ``self_attn.attn``                             ``self_attention.core_attention``
 ``attention.o_proj``      ``self_attn.o_proj``                           ``self_attention.linear_proj``
 ``residual_mid``          ``post_attention_layernorm``'s residual        ``pre_mlp_layernorm``'s input
@@ -138,6 +139,19 @@ class HookTap:
 
         self.handles.append(module.register_forward_hook(hook))
 
+    def on_qkv(self, module: torch.nn.Module, label: str, convert: Rows) -> None:
+        """Megatron's ``linear_qkv``: its output ``[0]`` in Megatron's grouped order, put back into ``[q; k; v]`` by
+        ``convert`` — unless it was asked for ``[q | k | v]`` columns already (rlk's attention calls
+        ``RlkQKVLinear(x, rlk_qkv_order=True)``)."""
+        name = f"{self.framework}.{type(module).__name__}"
+
+        def hook(mod, args, kwargs, out):
+            y = self._maybe_inject(label, out[0])
+            self._put(label, name, y if kwargs.get("rlk_qkv_order") else convert(y))
+            return (y, *out[1:])
+
+        self.handles.append(module.register_forward_hook(hook, with_kwargs=True))
+
     def on_input(self, module: torch.nn.Module, labels: dict[str, int | str], op: str | None = None) -> None:
         """Each ``labels[label]`` = the module's positional input at that index (or keyword at that name)."""
         name = op or f"{self.framework}.{type(module).__name__}"
@@ -246,11 +260,12 @@ def install_megatron(tap: HookTap, model: torch.nn.Module, cfg, logits: bool) ->
         a, m = layer.self_attention, layer.mlp
         tap.on_input(layer.input_layernorm, {p + "residual_in": 0}, op="residual")
         tap.on_output(layer.input_layernorm, p + "attention.input_norm")
-        tap.on_output(a.linear_qkv, p + "attention.qkv", pick=0, convert=qkv)
+        tap.on_qkv(a.linear_qkv, p + "attention.qkv", qkv)
         tap.on_output(a.q_layernorm, p + "attention.q_norm")
         tap.on_output(a.k_layernorm, p + "attention.k_norm")
         core_op = f"megatron.{type(a.core_attention).__name__}"
-        tap.on_input(a.core_attention, {p + "attention.rope_q": 0, p + "attention.rope_k": 1}, op=core_op)
+        if not getattr(a.core_attention, "apply_rope", False):  # rlk's core attention applies RoPE itself: no point
+            tap.on_input(a.core_attention, {p + "attention.rope_q": 0, p + "attention.rope_k": 1}, op=core_op)
         tap.on_output(a.core_attention, p + "attention.core", op=core_op)
         tap.on_output(a.linear_proj, p + "attention.o_proj", pick=0)
         tap.on_input(layer.pre_mlp_layernorm, {p + "residual_mid": 0}, op="residual")
