@@ -336,11 +336,15 @@ def attribute(run_dir: Path, rnd: int = 0, sequences: list[int] | None = None, i
 def _attribute(run_dir: Path, rnd: int, sequences: list[int] | None, injection: Injection | None,
                frameworks: tuple[str, ...], repeats: int, max_sequences: int) -> tuple[dict, LocalReplay,
                                                                                        abtest.ABInputs]:
+    engine = read_manifest(run_dir).get("engine")
+    if engine == "frameworks":  # before anything is read: where the replay cannot run, say so
+        from rlk_repro.attribute_frameworks import replayable
+
+        replayable(run_dir, read_manifest(run_dir))
     if sequences is None:
         from rlk_repro.attribute_local import read_train_data
 
         sequences = list(range(min(max_sequences, int(read_train_data(run_dir, rnd)["token_ids"].shape[0]))))
-    engine = read_manifest(run_dir).get("engine")
     if engine == "frameworks":  # real vLLM + megatron-core on the GPU, forward hooks (attribute_frameworks)
         from rlk_repro.attribute_frameworks import replay_frameworks
 

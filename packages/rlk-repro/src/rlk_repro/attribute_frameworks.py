@@ -246,6 +246,22 @@ def _round_state(run_dir: Path, rnd: int, manifest: dict[str, Any], ckpt_hash: s
                    "loaded": file_sha256(path), "what": f"{STATE_DIR}/{STATE_DOC} sha256 vs the state file"}
 
 
+def replayable(run_dir: Path, manifest: dict[str, Any]):
+    """The run's ``FrameworksRunConfig``, where this machine can replay it: TP 1 and what ``--engine frameworks``
+    needs (a CUDA GPU, vLLM, megatron-core, the plugin and provider); else exits 2 saying what is missing."""
+    from rlk_repro.engine import frameworks as fw
+
+    cfg = fw.FrameworksRunConfig(**recorded_config(SimpleNamespace(manifest=manifest), fw.FrameworksRunConfig))
+    if cfg.tp != 1:
+        raise RlkConfigError(f"{run_dir}: a TP {cfg.tp} frameworks run; the attribution replays TP 1 runs (at TP > 1 "
+                             "each rank's column-parallel points and log-prob partials would have to be gathered: "
+                             "docs/attribution.md, probe 5)")
+    problem = fw.requirements(1)
+    if problem:
+        raise RlkConfigError(f"attributing a frameworks run replays it: {problem}")
+    return cfg
+
+
 def replay_frameworks(run_dir: Path, rnd: int, selected: list[int] | None, injection: Injection | None = None
                       ) -> LocalReplay:
     """Replay round ``rnd`` of the frameworks run ``run_dir`` on real vLLM and megatron-core (one GPU) with the
@@ -258,14 +274,7 @@ def replay_frameworks(run_dir: Path, rnd: int, selected: list[int] | None, injec
     from rlk_repro.engine.trainer import Sample
 
     manifest = read_manifest(run_dir)
-    cfg = fw.FrameworksRunConfig(**recorded_config(SimpleNamespace(manifest=manifest), fw.FrameworksRunConfig))
-    if cfg.tp != 1:
-        raise RlkConfigError(f"{run_dir}: a TP {cfg.tp} frameworks run; the attribution replays TP 1 runs (at TP > 1 "
-                             "each rank's column-parallel points and log-prob partials would have to be gathered: "
-                             "docs/attribution.md, probe 5)")
-    problem = fw.requirements(1)
-    if problem:
-        raise RlkConfigError(f"attributing a frameworks run replays it: {problem}")
+    cfg = replayable(run_dir, manifest)
     train_data = read_train_data(run_dir, rnd)
     n_seqs = int(train_data["token_ids"].shape[0])
     selected = list(range(n_seqs)) if selected is None else selected
