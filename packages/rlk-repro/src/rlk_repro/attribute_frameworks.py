@@ -96,10 +96,13 @@ def vllm_weights_check(model: torch.nn.Module, exported: Iterable[tuple[str, tor
     parameters that differ, and both sides' hashes."""
     want = vllm_names(exported)
     params = dict(model.named_parameters())
-    equal, differ, requantized, missing = 0, [], 0, []
+    equal, differ, requantized, missing, derived = 0, [], 0, [], []
     for name, p in params.items():
         if name.endswith(".weight_scale"):
             continue  # checked with its weight
+        if name.endswith("_scale") and name not in want:  # another quantization scale (e.g. a static input scale)
+            derived.append(name)
+            continue
         ref = want.get(name)
         if ref is None:
             missing.append(name)
@@ -109,7 +112,7 @@ def vllm_weights_check(model: torch.nn.Module, exported: Iterable[tuple[str, tor
 
             q, scale = quantize_per_tensor(ref.to(p.device))
             sp = params[name[: -len("weight")] + "weight_scale"]
-            ok = _same(q.t(), p) if q.t().shape == p.shape else _same(q, p)
+            ok = _same(q.t(), p)  # the FP8 weight sync writes q.t() (engine.fp8.load_into_fp8_model)
             ok = ok and _same(scale.reshape(sp.shape).to(sp.dtype), sp)
             requantized += 1
             if not ok:
@@ -120,11 +123,11 @@ def vllm_weights_check(model: torch.nn.Module, exported: Iterable[tuple[str, tor
         else:
             differ.append(name)
     extra = sorted(set(want) - set(params))
-    return {"vllm_parameters": len(params), "equal": equal, "fp8_requantized_equal": requantized - sum(
-        1 for n in differ if params[n].dtype == torch.float8_e4m3fn), "fp8_layers": requantized,
-            "differ": differ[:20], "missing_in_export": missing[:20], "not_in_vllm": extra[:20],
-            "vllm_sha256": pairs_sha256((n, p) for n, p in params.items()), "export_sha256": pairs_sha256(
-                want.items())}
+    fp8_bad = sum(1 for n in differ if params[n].dtype == torch.float8_e4m3fn)
+    return {"vllm_parameters": len(params), "equal": equal, "fp8_layers": requantized,
+            "fp8_requantized_equal": requantized - fp8_bad, "differ": differ[:20], "missing_in_export": missing[:20],
+            "other_scales": derived[:20], "not_in_vllm": extra[:20],
+            "vllm_sha256": pairs_sha256(params.items()), "export_sha256": pairs_sha256(want.items())}
 
 
 # -- the Megatron side -----------------------------------------------------------------------------------------
