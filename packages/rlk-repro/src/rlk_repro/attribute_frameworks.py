@@ -353,7 +353,8 @@ def replay_frameworks(run_dir: Path, rnd: int, selected: list[int] | None, injec
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     plan = cfg.plan
-    rec = {side: ReadbackRecorder("frameworks", side, plan, mode="audit") for side in ("train", "rollout")}
+    rec = {side: ReadbackRecorder(fwk, side, plan, mode="audit") for side, fwk in (("train", "megatron"),
+                                                                                   ("rollout", "vllm"))}
     head_w = {"lm_head": head.detach().cpu()}
     sides = {"rollout": Side("rollout", Ops(plan, "rollout", rec["rollout"]), head_w, cfg.logprobs == "processed"),
              "train": Side("train", Ops(plan, "train", rec["train"]), head_w, cfg.train_semantics == "processed")}
