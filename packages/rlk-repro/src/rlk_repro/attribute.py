@@ -355,6 +355,14 @@ def _attribute(run_dir: Path, rnd: int, sequences: list[int] | None, injection: 
         raise RlkConfigError(f"--inject {injection.side}:{injection.layer}:{injection.point}: no hook of that side "
                              "ran at that point (points read from a module's input are not injectable on the "
                              "frameworks engine)")
+    doc, inputs = report(rp, injection, frameworks, repeats, "cuda" if rp.weights_state is not None else "cpu")
+    return doc, rp, inputs
+
+
+def report(rp: LocalReplay, injection: Injection | None = None, frameworks: tuple[str, ...] = (), repeats: int = 3,
+           device: str = "cpu") -> tuple[dict, abtest.ABInputs]:
+    """The attribution report of a replay (either engine's): the probes, the walk, the verdict; and probe 7's
+    captured tensors (run on ``device``)."""
     n_layers = rp.model_cfg.num_hidden_layers
     for side, seen in rp.layers_seen.items():
         if seen != n_layers:
@@ -362,19 +370,18 @@ def _attribute(run_dir: Path, rnd: int, sequences: list[int] | None, injection: 
     keys = _logit_keys(rp)
     masks = _kept_masks(rp, keys)
     inputs = ab_inputs(rp, keys)
-    ab = abtest.run_ab(inputs, frameworks=frameworks, repeats=repeats,
-                       device="cuda" if rp.weights_state is not None else "cpu")
+    ab = abtest.run_ab(inputs, frameworks=frameworks, repeats=repeats, device=device)
     probes = [probe_fidelity(rp, injection), probe_identity(rp), probe_model_state(rp), probe_logits(rp, keys),
               probe_lse(rp, keys, masks), probe_tp(rp), probe_kept(rp, keys, masks), probe_ab(ab)]
     layers = compare_dumps(rp.dumps["train"], rp.dumps["rollout"], n_layers)
-    doc = {"schema": ATTRIBUTION_SCHEMA, "run_dir": str(run_dir), "run_id": rp.manifest.get("run_id"),
-           "engine": rp.manifest.get("engine"), "plan": rp.manifest.get("plan"), "round": rnd,
+    doc = {"schema": ATTRIBUTION_SCHEMA, "run_dir": str(rp.run_dir), "run_id": rp.manifest.get("run_id"),
+           "engine": rp.manifest.get("engine"), "plan": rp.manifest.get("plan"), "round": rp.round,
            "sequences": rp.selected, "positions_compared": len(keys),
            "injection": None if injection is None else {"side": injection.side, "point": injection.label},
            "weights": rp.weights_check["source"], "replay_notes": rp.replay_notes, "probes": probes,
            "layers": layers, "ab": ab,
            "verdict": verdict(probes, layers, rp.manifest.get("plan"))}
-    return doc, rp, inputs
+    return doc, inputs
 
 
 def _injected(rp: LocalReplay) -> bool:

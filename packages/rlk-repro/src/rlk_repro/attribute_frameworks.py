@@ -341,37 +341,53 @@ def replay_frameworks(run_dir: Path, rnd: int, selected: list[int] | None, injec
         if len(comps) != n_seqs:
             raise RlkConfigError(f"round {rnd}: the replay generated {len(comps)} samples, train-data holds {n_seqs}")
         prompts = [list(ps.encoded[chosen[c.prompt_index]]) for c in comps]
-        for s in selected:  # the rollout's own log-probs and the ids they are of, at the trainer's positions
-            c, lp = comps[s], len(prompts[s])
-            rows = [(s, lp - 1 + j) for j in range(len(c.tokens))]
-            if rows:
-                roll_dump.add("final.logprobs", {"vllm.sampler"}, rows, torch.tensor(c.logprobs, dtype=torch.float32))
-                roll_dump.add("final.targets", {"vllm.sampler"}, rows, torch.tensor(c.tokens))
         samples = [Sample(p, list(c.tokens), list(c.logprobs), 0.0) for p, c in zip(prompts, comps, strict=True)]
         train_dump, train_lp, train_tap = megatron_dump(trainer, samples, set(selected), injection)
         vllm.shutdown()
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
+    weights_state = {"train_export_sha256": train_hash, "weight_sync": {k: v for k, v in sync.items()
+                                                                        if k != "seconds"},
+                     "vllm": check, "quantization": cfg.rollout_quantization}
+    return assemble(run_dir, manifest, cfg, model_cfg, rnd, weights_check, train_data, selected, samples, train_dump,
+                    train_lp, roll_dump, head, weights_state, {"rollout": roll_tap.layers_seen,
+                                                               "train": train_tap.layers_seen},
+                    roll_tap.injected or train_tap.injected,
+                    ["vLLM ran eager in the replay (forward hooks need it)" + (
+                        "" if cfg.enforce_eager else "; the run did not: probe 0 says whether the replay's bits are "
+                        "the run's")])
+
+
+def assemble(run_dir: Path, manifest: dict[str, Any], cfg, model_cfg, rnd: int, weights_check: dict[str, Any],
+             train_data: dict[str, torch.Tensor], selected: list[int], samples: list, train_dump: Dump,
+             train_lp: list[torch.Tensor], roll_dump: Dump, head: torch.Tensor, weights_state: dict[str, Any],
+             layers_seen: dict[str, int], injected: bool, notes: list[str]) -> LocalReplay:
+    """The replay the probes read, from what the two sides computed: ``samples`` (``Sample`` objects in train-data
+    order: the prompt, the tokens the rollout sampled and the log-probs its sampler returned, which go into the
+    rollout's dump at the trainer's positions), the trainer's log-probs ``train_lp``, both dumps, the LM head and
+    probe 2's comparison."""
+    for s in selected:
+        smp, lp = samples[s], len(samples[s].prompt)
+        rows = [(s, lp - 1 + j) for j in range(len(smp.response))]
+        if rows:
+            roll_dump.add("final.logprobs", {"vllm.sampler"}, rows,
+                          torch.tensor(smp.rollout_logprobs, dtype=torch.float32))
+            roll_dump.add("final.targets", {"vllm.sampler"}, rows, torch.tensor(smp.response))
     plan = cfg.plan
     rec = {side: ReadbackRecorder(fwk, side, plan, mode="audit") for side, fwk in (("train", "megatron"),
                                                                                    ("rollout", "vllm"))}
     head_w = {"lm_head": head.detach().cpu()}
     sides = {"rollout": Side("rollout", Ops(plan, "rollout", rec["rollout"]), head_w, cfg.logprobs == "processed"),
              "train": Side("train", Ops(plan, "train", rec["train"]), head_w, cfg.train_semantics == "processed")}
-    weights_state = {"train_export_sha256": train_hash, "weight_sync": {k: v for k, v in sync.items()
-                                                                        if k != "seconds"},
-                     "vllm": check, "quantization": cfg.rollout_quantization}
+    from rlk_repro.engine.local import sampling_params
+
     return LocalReplay(run_dir=run_dir, manifest=manifest, config=cfg, model_cfg=model_cfg, round=rnd,
-                       weights_check=weights_check, train_data=train_data, selected=selected, prompts=prompts,
-                       rollout_outputs=[list(c.tokens) for c in comps],
-                       rollout_logprobs=[torch.tensor(c.logprobs, dtype=torch.float32) for c in comps],
+                       weights_check=weights_check, train_data=train_data, selected=selected,
+                       prompts=[list(s.prompt) for s in samples], rollout_outputs=[list(s.response) for s in samples],
+                       rollout_logprobs=[torch.tensor(s.rollout_logprobs, dtype=torch.float32) for s in samples],
                        train_logprobs=train_lp, train_targets=[list(s.response) for s in samples],
                        train_positions=[list(range(len(s.prompt) - 1, len(s.prompt) - 1 + len(s.response)))
                                         for s in samples],
                        dumps={"train": train_dump, "rollout": roll_dump}, sides=sides,
-                       sampling=sampling_params(cfg), tensor_parallel=1,
-                       layers_seen={"rollout": roll_tap.layers_seen, "train": train_tap.layers_seen},
-                       weights_state=weights_state, injected=roll_tap.injected or train_tap.injected,
-                       replay_notes=["vLLM ran eager in the replay (forward hooks need it)" +
-                                     ("" if cfg.enforce_eager else "; the run did not: probe 0 says whether the "
-                                      "replay's bits are the run's")])
+                       sampling=sampling_params(cfg), tensor_parallel=1, layers_seen=layers_seen,
+                       weights_state=weights_state, injected=injected, replay_notes=notes)
