@@ -13,6 +13,7 @@ and the weight sync on a GPU) runs in the sitting stage ``attribute``. Three sub
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -96,8 +97,18 @@ def run(tap):
         ctx = set_forward_context({n: md for n in kv}, vc, slot_mapping={n: sl for n in kv})
         with set_current_vllm_config(vc), ctx, torch.no_grad():
             h = model(torch.tensor(ids), torch.tensor(pos))
-            model.compute_logits(h[torch.tensor(qsl[1:]) - 1])
+            logits = model.compute_logits(h[torch.tensor(qsl[1:]) - 1])
         tap.end()
+        for r, (a, n) in enumerate(step):  # the plugin's log-prob op, as vLLM's sampler calls it, where a token follows
+            last = a + n - 1
+            if last >= prompt[r] - 1 and last + 1 < len(seqs[r]):
+                row = logits[r:r + 1]
+                tok = logprobs._STEP.set({"logits": row, "temperature": torch.ones(1), "kept": None})
+                try:
+                    got = logprobs.token_logprobs_hook(row, torch.tensor([[seqs[r][last + 1]]]))[0, 0]
+                finally:
+                    logprobs._STEP.reset(tok)
+                sampled[r].append(float(got))
 # probe 2's comparison: vLLM's parameters against the export they were loaded from, and one bf16 ulp off in one
 from rlk_repro.attribute_frameworks import vllm_weights_check
 hf = W.to_hf(cfg, w)
@@ -110,7 +121,10 @@ bad = vllm_weights_check(model, off.items())
 assert bad["differ"] == ["model.layers.1.self_attn.qkv_proj.weight"], bad
 assert bad["export_sha256"] != check["export_sha256"] and bad["vllm_sha256"] == check["vllm_sha256"]
 out = sys.argv[1]
+import json
+from rlk_vllm_plugin import logprobs
 for name, inj in (("rollout", None), ("rollout-injected", Injection.parse(os.environ["INJECT"]))):
+    sampled = [[], []]
     dump = Dump("rollout")
     tap = HookTap("rollout", dump, {0, 1}, inj)
     assert install_vllm(tap, model) == cfg.num_hidden_layers
@@ -118,12 +132,14 @@ for name, inj in (("rollout", None), ("rollout-injected", Injection.parse(os.env
     tap.remove()
     assert tap.layers_seen == cfg.num_hidden_layers and (inj is None or tap.injected)
     save_dump(dump, f"{out}/{name}.safetensors")
+    assert [len(x) for x in sampled] == [4, 3]
+    json.dump({"logprobs": sampled, "check": check}, open(f"{out}/{name}.json", "w"))
     print(name, len(dump.points), sorted(dump.ops.get("layers.0.attention.core", ())))
 print("ok")
 '''
 
 MEGATRON_DUMP = r'''
-import os, socket, sys, torch, torch.distributed as dist
+import json, os, socket, sys, torch, torch.distributed as dist
 sys.path.insert(0, os.environ['TEST_MEGATRON_DIR'])
 from _cpu import cpu_recipe
 cpu_recipe()
@@ -152,6 +168,7 @@ for name, i in ((tag, None),) + (((tag + "-injected", Injection.parse(inj)),) if
     assert tap.layers_seen == cfg.num_hidden_layers and (i is None or tap.injected)
     assert [len(x) for x in lp] == [4, 3]
     save_dump(dump, f"{out}/{name}.safetensors")
+    json.dump({"logprobs": [x.tolist() for x in lp]}, open(f"{out}/{name}.json", "w"))
     print(name, len(dump.points), sorted(dump.ops.get("layers.0.attention.core", ())), tr.r_attention, tr.r_logp)
 assert all(p.grad is None for p in tr.params.values())
 print("ok")
@@ -173,7 +190,9 @@ def dumps(tmp_path_factory):
     _script(MEGATRON_DUMP, {**_plan("R/R"), "CUDA_VISIBLE_DEVICES": "", "INJECT": "train:0:attention.o_proj"}, out,
             str(out), "train")
     _script(MEGATRON_DUMP, {**_plan("P/P"), "CUDA_VISIBLE_DEVICES": ""}, out, str(out), "train-pp")
-    return {p.stem: load_dump(p) for p in out.glob("*.safetensors")}
+    got = {p.stem: load_dump(p) for p in out.glob("*.safetensors")}
+    got["json"] = {p.stem: json.loads(p.read_text()) for p in out.glob("*.json")}
+    return got
 
 
 @pytest.mark.vllm
@@ -218,3 +237,63 @@ def test_pp_megatron_against_rr_vllm_parts_in_layer_0(dumps):
         "layers.0.attention.core")]["train_ops"]
     growth = [g for g in c["residual_growth"] if g["point"] != "layers.0.residual_in"]
     assert growth and not any(g["equal"] for g in growth)  # the difference is carried through the stack
+
+
+def _replay(dumps, train: str):
+    """The frameworks replay the probes read (:func:`attribute_frameworks.assemble`), from these dumps, the rollout's
+    log-probs (the plugin's log-prob op on vLLM's logits), the trainer's, and probe 2's comparison; its train-data
+    records those same log-probs (what the run would have written), so probe 0 holds by construction here — the
+    checks are of the probes after it on frameworks dumps."""
+    import torch
+
+    from rlk_core.plan import RoutePlan
+    from rlk_repro import runs
+    from rlk_repro.attribute_frameworks import assemble
+    from rlk_repro.engine.frameworks import FrameworksRunConfig
+    from rlk_repro.engine.trainer import Sample
+    from rlk_repro.model import qwen3
+    from rlk_repro.model import weights as W
+    from rlk_repro.model.config import PRESETS
+
+    cfg = PRESETS["tiny"]
+    g = torch.Generator().manual_seed(0)
+    seqs = [torch.randint(0, cfg.vocab_size, (n,), generator=g).tolist() for n in (9, 10)]
+    roll, tr = dumps["json"]["rollout"], dumps["json"][train]
+    samples = [Sample(q[:p], q[p:], lp, 0.0) for q, p, lp in zip(seqs, (5, 7), roll["logprobs"], strict=True)]
+    td = {"token_ids": torch.zeros(2, 10, dtype=torch.long), "response_mask": torch.zeros(2, 10, dtype=torch.bool),
+          "rollout_logprobs": torch.zeros(2, 10), "train_logprobs": torch.zeros(2, 10)}
+    for i, (q, p) in enumerate(zip(seqs, (5, 7), strict=True)):
+        td["token_ids"][i, :len(q)] = torch.tensor(q)
+        td["response_mask"][i, p:len(q)] = True
+        td["rollout_logprobs"][i, p:len(q)] = torch.tensor(roll["logprobs"][i])
+        td["train_logprobs"][i, p:len(q)] = torch.tensor(tr["logprobs"][i])
+    plan = RoutePlan("R/R", "R/R", "R/R")
+    man = {"run_id": "cpu", "engine": "frameworks", "plan": plan.as_dict(),
+           "sampling": runs.sampling_semantics(1.0, 0, 1.0, 0.0, "processed", "processed")}
+    fcfg = FrameworksRunConfig(device="cuda", plan=plan, temperature=1.0)
+    head = qwen3.lm_head_weight(W.random_weights(cfg, seed=3, dtype=torch.bfloat16))
+    return assemble(Path("cpu-run"), man, fcfg, cfg, 0, {"source": "checkpoint", "recorded": "h", "loaded": "h",
+                                                          "what": "test"}, td, [0, 1], samples, dumps[train],
+                    [torch.tensor(x) for x in tr["logprobs"]], dumps["rollout"], head,
+                    {"vllm": roll["check"], "quantization": "none"}, {"rollout": LAYERS, "train": LAYERS}, False, [])
+
+
+@pytest.mark.vllm
+@pytest.mark.megatron
+@pytest.mark.parametrize("train, kind", [("train", "no_boundary"), ("train-pp", "boundary")])
+def test_the_probes_and_verdict_on_frameworks_dumps(dumps, train, kind):
+    """R/R: probes 1-4 pass on the frameworks dumps (identity, weights, logits and log-probs bitwise), 5 and 6 trivial,
+    no boundary. Megatron P/P: the logits differ (probe 3 fails, not blocking) and the verdict names the walk's first
+    differing point."""
+    from rlk_repro.attribute import markdown, report
+
+    doc, _ = report(_replay(dumps, train), repeats=1)
+    status = {p["id"]: p["status"] for p in doc["probes"]}
+    assert [status[i] for i in (0, 1, 2, 5, 6)] == ["pass", "pass", "pass", "trivial", "trivial"], doc["probes"]
+    assert doc["verdict"]["kind"] == kind, doc["verdict"]
+    if kind == "no_boundary":
+        assert status[3] == status[4] == "pass" and doc["positions_compared"] == 7
+    else:
+        assert status[3] == "fail" and doc["verdict"]["boundary"]["point"] == doc["layers"]["boundary"]["point"]
+        assert doc["verdict"]["boundary"]["layer"] == 0
+    assert "Verdict" in markdown(doc)
