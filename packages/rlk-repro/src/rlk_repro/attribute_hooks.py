@@ -90,21 +90,25 @@ class HookTap:
         for label, parts in self._pending.items():
             if len(parts) != 1:
                 raise RuntimeError(f"tap ({self.side}): point {label} was computed {len(parts)} times in one forward")
-            op, rows = parts[0]
-            keys, wanted = self._token_keys, None
-            if label == "final.logits":  # vLLM: one row per logit key; Megatron: every token's (keep the logit rows)
-                wanted = set(self._logit_keys)
-                if rows.shape[0] == len(self._logit_keys):
-                    keys = self._logit_keys
-            if rows.shape[0] != len(keys):
-                raise RuntimeError(f"tap ({self.side}): point {label} has {rows.shape[0]} rows, the forward "
-                                   f"{len(keys)} token rows and {len(self._logit_keys)} logit rows")
-            keep = [i for i, k in enumerate(keys) if k[0] in self.selected and (wanted is None or k in wanted)]
-            if keep:
-                self.dump.add(label, {op}, [keys[i] for i in keep], rows[torch.tensor(keep, device=rows.device)])
+            op, keys, rows = parts[0]
+            if keys:
+                self.dump.add(label, {op}, keys, rows)
             if label.startswith("layers."):
                 self.layers_seen = max(self.layers_seen, int(label.split(".")[1]) + 1)
         self._pending = {}
+
+    def _kept_rows(self, label: str, n: int) -> tuple[list[tuple[int, int]], list[int]]:
+        """The keys and row indices of the selected sequences' rows of an ``n``-row tensor at ``label``."""
+        keys, wanted = self._token_keys, None
+        if label == "final.logits":  # vLLM: one row per logit key; Megatron: every token's (keep the logit rows)
+            wanted = set(self._logit_keys)
+            if n == len(self._logit_keys):
+                keys = self._logit_keys
+        if n != len(keys):
+            raise RuntimeError(f"tap ({self.side}): point {label} has {n} rows, the forward {len(self._token_keys)} "
+                               f"token rows and {len(self._logit_keys)} logit rows")
+        keep = [i for i, k in enumerate(keys) if k[0] in self.selected and (wanted is None or k in wanted)]
+        return [keys[i] for i in keep], keep
 
     def remove(self) -> None:
         for h in self.handles:
@@ -113,9 +117,13 @@ class HookTap:
 
     # -- hooks -------------------------------------------------------------------------------------------------
     def _put(self, label: str, op: str, t: torch.Tensor, flatten: bool = True) -> None:
+        """File the selected rows of ``t`` now, as a copy: vLLM's fused add + RMSNorm writes its inputs in place
+        (the residual and the previous layer's output), so a reference kept until :meth:`end` would change."""
         if self._active:
             rows = self._flatten(t.detach()) if flatten else _flat(t.detach())
-            self._pending.setdefault(label, []).append((op, rows))
+            keys, keep = self._kept_rows(label, rows.shape[0])
+            picked = rows.index_select(0, torch.tensor(keep, dtype=torch.long, device=rows.device))
+            self._pending.setdefault(label, []).append((op, keys, picked.to("cpu", copy=True)))
 
     def _maybe_inject(self, label: str, t: torch.Tensor) -> torch.Tensor:
         if self._active and self.injection is not None and label == self.injection.label:
