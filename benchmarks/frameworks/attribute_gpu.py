@@ -73,7 +73,8 @@ def main(argv=None) -> int:
     p.add_argument("--ladder", type=Path, default=None, help="the ladder stage's output (its ladder/ladder-* root)")
     p.add_argument("--budget-s", type=float, default=560)
     p.add_argument("--rungs", default=RUNGS)
-    p.add_argument("--max-sequences", type=int, default=2, help="sequences of round 0 compared per rung (default 2)")
+    p.add_argument("--max-sequences", type=int, default=2,
+                   help="sequences of round 0 compared per rung: sample 0 of the first N prompts (default 2)")
     p.add_argument("--model", default="qwen3-0.6b")
     p.add_argument("--prompts", type=int, default=8)
     p.add_argument("--samples", type=int, default=4)
@@ -113,8 +114,12 @@ def main(argv=None) -> int:
             continue
         dest = out / "attr" / name
         dest.parent.mkdir(exist_ok=True)
-        cmd = [sys.executable, "-m", "rlk_repro", "attribute", str(run), "--max-sequences", str(a.max_sequences),
-               "--output", str(dest), *(["--inject", inject] if inject else [])]
+        n = int((json.loads((run / "manifest.json").read_text()).get("config") or {}).get("samples_per_prompt", 1))
+        # sample 0 of the first prompts: a later sample of a prompt shares its prompt's cached KV (prefix caching),
+        # so vLLM computes none of its prompt rows and only the response's are compared
+        seqs = ",".join(str(i * n) for i in range(a.max_sequences))
+        cmd = [sys.executable, "-m", "rlk_repro", "attribute", str(run), "--sequences", seqs, "--output", str(dest),
+               *(["--inject", inject] if inject else [])]
         entry = _stage(f"attribute-{name}", cmd, env, max(30.0, min(150.0, left() - 10)), out)
         if (dest / "attribution.json").is_file():
             entry["summary"] = _summary(json.loads((dest / "attribution.json").read_text()))
