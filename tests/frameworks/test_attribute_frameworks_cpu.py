@@ -9,7 +9,7 @@ attention applies RoPE inside); an injected one-ulp difference on either side is
 positive control); Megatron's P/P stock modules against vLLM's R/R part in layer 0 with every earlier point
 equal (the negative control); probe 2's comparison of vLLM's parameters with the trainer's export
 finds every one equal, and one tensor one ulp off in the export. The replay around the producers (``LLM.generate``
-and the weight sync on a GPU) runs in the sitting stage ``attribute``. Three subprocesses, ~1 min on two cores."""
+and the weight sync on a GPU) runs in the sitting stage ``attribute``. Three subprocesses, 35-60 s on two cores."""
 
 from __future__ import annotations
 
