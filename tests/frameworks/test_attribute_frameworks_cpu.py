@@ -179,8 +179,6 @@ print("ok")
 def dumps(tmp_path_factory):
     """The five dumps: vLLM R/R (plain, injected at layer 1's ffn.gate_up), Megatron R/R (plain, injected at layer
     0's attention.o_proj), Megatron P/P."""
-    pytest.importorskip("vllm")
-    pytest.importorskip("megatron.core")
     from rlk_repro.attribute_dumps import load_dump
 
     out = tmp_path_factory.mktemp("attribution-dumps")
