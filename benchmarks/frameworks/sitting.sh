@@ -36,6 +36,8 @@
 # callee, R/R or $PROFILE_MODE, 2 rounds).
 # Stage ladder (issue 38): ladder_gpu.py — the FP8 re-quantization vs vLLM's kernel, then `rlk-repro ladder --engine
 # frameworks` (six rungs, FP8 included; $LADDER_RUNGS: others, "all": eight) on the Qwen3-0.6B shape, rlk-validate ladder.
+# Stage attribute (issue 38): attribute_gpu.py — `rlk-repro attribute` on the ladder's FP8, top-p, near-aligned and R/R
+# rungs (run `ladder` first in the same sitting, or it runs a one-round ladder of those rungs itself).
 set -u
 HERE=$(cd "$(dirname "$0")" && pwd)
 ROOT=$(cd "$HERE/../.." && pwd)
@@ -167,6 +169,10 @@ stage() {  # stage NAME SECONDS
         hybrid) timeout "$cap" $py "$G/benchmarks/frameworks/megatron_gpu.py" --hybrid --out "$out" ;;
         ladder) timeout "$cap" $py "$G/benchmarks/frameworks/ladder_gpu.py" --out "$out" --budget-s $((cap - 20)) \
                     ${LADDER_RUNGS:+--rungs "$LADDER_RUNGS"} ;;
+        attribute)  # issue 38: attribute_gpu.py — rlk-repro attribute on the ladder stage's 0-aligned, 1-fp8, 2-top-p and
+            # rr-0-aligned rungs (+ an injected R/R control); runs a one-round ladder of them first if no ladder stage ran
+            timeout "$cap" $py "$G/benchmarks/frameworks/attribute_gpu.py" --ladder /tmp/sit/ladder --out "$out" \
+                --budget-s $((cap - 20)) ;;
         filtered)  # filtered_gpu.py: R/R and P/P runs with top-k / top-p / min-p ($FILTERED_ONLY, $FILTERED_ROUNDS,
             # $FILTERED_PP_ROUNDS, $FILTERED_LR)
             timeout "$cap" $py "$G/benchmarks/frameworks/filtered_gpu.py" --out "$out" --budget-s $(( cap - 20 )) \
@@ -245,6 +251,7 @@ run() {
 }
 
 CAP[ladder]=420  # issue 38 (set here, apart from the CAP table that other stages edit)
+CAP[attribute]=560  # issue 38
 
 cmd=${1:-}; shift || true
 case $cmd in

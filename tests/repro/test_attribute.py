@@ -180,3 +180,24 @@ def test_dumps_alone_are_compared_but_never_attributed(runs, tmp_path, capsys):
     assert {p["status"] for p in doc["probes"]} == {"not_available"}
     assert cli.main(["attribute", "--dumps", *dumps[::-1]]) == 2  # the sides swapped
     assert cli.main(["attribute", str(runs["pp"]), "--dumps", *dumps]) == 2  # both
+
+
+@pytest.mark.parametrize("tp, expect", [(1, "--engine frameworks needs a CUDA GPU"), (2, "a TP 2 frameworks run")])
+def test_a_frameworks_run_is_replayed_on_its_frameworks_or_refused_naming_why(tmp_path, monkeypatch, capsys, tp,
+                                                                                expect):
+    """A frameworks run is attributed by replaying it on real vLLM + megatron-core (rlk_repro.attribute_frameworks,
+    the sitting's ``attribute`` stage); where that cannot run (no GPU here; TP > 1 not built) it exits 2 saying why."""
+    from dataclasses import asdict
+
+    from rlk_repro.engine.frameworks import FrameworksRunConfig
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    cfg = FrameworksRunConfig(device="cuda", plan=RR, tp=tp)
+    run = tmp_path / "fw-run"
+    run.mkdir()
+    config = {k: v for k, v in asdict(cfg).items() if k not in ("plan", "command", "plan_sources")}
+    (run / evidence.MANIFEST).write_text(json.dumps({"schema": evidence.MANIFEST_SCHEMA, "run_id": "fw", "engine":
+                                                     "frameworks", "plan": RR.as_dict(), "config": config}))
+    assert cli.main(["attribute", str(run)]) == 2
+    assert expect in capsys.readouterr().err
+    assert not (tmp_path / "fw-run.attribution-r0").exists()

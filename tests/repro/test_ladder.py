@@ -186,3 +186,21 @@ def test_an_rr_rung_that_mismatches_fails_the_ladder(tmp_path, monkeypatch):
     report = json.loads((root / "ladder-report.json").read_text())
     assert report["verdict"] == "failed"
     assert report["rungs"][0]["classification"]["class"] == "candidate operator"
+
+
+def test_attribute_after_the_ladder_names_rungs_boundaries_beside_the_root(ladder, capsys):
+    """``ladder --attribute A,B``: ``rlk-repro attribute`` on each named rung, written beside the root (which
+    rlk-validate ladder checks: nothing is added to it); the R/R rung names no boundary, the P/P one a boundary; a
+    second call keeps them; a name that is not a rung exits 2."""
+    _, root, _ = ladder
+    before = sorted(p.name for p in root.iterdir())
+    assert cli.main(["ladder", "--resume", str(root), "--attribute", "rr-0-aligned,0-aligned"]) == cli.EXIT_OK
+    assert sorted(p.name for p in root.iterdir()) == before
+    got = {n: json.loads((root.parent / f"{root.name}.attribution" / n / "attribution.json").read_text())
+           for n in ("rr-0-aligned", "0-aligned")}
+    assert got["rr-0-aligned"]["verdict"]["kind"] == "no_boundary"
+    assert got["0-aligned"]["verdict"]["kind"] == "boundary"
+    assert cli.main(["ladder", "--resume", str(root), "--attribute", "0-aligned"]) == cli.EXIT_OK
+    assert "attributed earlier" in capsys.readouterr().err
+    assert cli.main(["ladder", "--resume", str(root), "--attribute", "9-nope"]) == cli.EXIT_USAGE
+    assert "'9-nope' is not a rung of this ladder" in capsys.readouterr().err

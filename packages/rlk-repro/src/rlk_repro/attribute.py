@@ -110,6 +110,8 @@ def probe_identity(rp: LocalReplay) -> dict[str, Any]:
 
 
 def probe_model_state(rp: LocalReplay) -> dict[str, Any]:
+    if rp.weights_state is not None:
+        return _frameworks_model_state(rp)
     wc = rp.weights_check
     roll, train = weights_sha256(rp.sides["rollout"].weights), weights_sha256(rp.sides["train"].weights)
     ev = {**wc, "rollout_weights": roll, "train_weights": train}
@@ -120,6 +122,32 @@ def probe_model_state(rp: LocalReplay) -> dict[str, Any]:
         return _probe(2, "model state", FAIL, "the two sides compute with different weight bits (weight sync)", **ev)
     return _probe(2, "model state", PASS, f"weights from the {wc['source']} match the recorded hash; both sides "
                   "compute with the same bits", **ev)
+
+
+def _frameworks_model_state(rp: LocalReplay) -> dict[str, Any]:
+    """Probe 2 on the frameworks engine: the round's weights against the run's record, then what vLLM computes with
+    (read back after the weight sync) against what Megatron exported (:func:`attribute_frameworks.vllm_weights_check`):
+    bytes for BF16, the re-quantization of the exported BF16 for an FP8 rollout."""
+    wc, ws = rp.weights_check, rp.weights_state
+    v = ws["vllm"]
+    ev = {**wc, **ws}
+    if wc.get("recorded") != wc.get("loaded"):
+        return _probe(2, "model state", FAIL, f"the round's weights are not the run's ({wc['what']}: "
+                      f"{wc.get('recorded')} recorded, {wc.get('loaded')} loaded)", **ev)
+    if v["differ"] or v["missing_in_export"] or v["not_in_vllm"]:
+        what = (f"{len(v['differ'])} vLLM parameters differ from Megatron's export (e.g. {v['differ'][:3]})"
+                if v["differ"] else f"the export and vLLM's parameters do not match by name (vLLM only: "
+                f"{v['missing_in_export'][:3]}, export only: {v['not_in_vllm'][:3]})")
+        return _probe(2, "model state", FAIL, f"the two sides compute with different weights: {what}", **ev)
+    if ws["quantization"] == "fp8":
+        if not v["fp8_layers"]:
+            return _probe(2, "model state", FAIL, "an FP8 rollout whose vLLM model has no FP8 layer", **ev)
+        return _probe(2, "model state", PASS, f"weights from the {wc['source']} match the recorded hash; vLLM's "
+                      f"{v['equal']} BF16 parameters equal Megatron's export byte for byte and its {v['fp8_layers']} "
+                      "FP8 linear layers are exactly the re-quantization of the exported BF16 weights (the rollout "
+                      "computes with FP8: the first GEMM is where the quantization knob acts)", **ev)
+    return _probe(2, "model state", PASS, f"weights from the {wc['source']} match the recorded hash; all "
+                  f"{v['equal']} vLLM parameters equal Megatron's export byte for byte", **ev)
 
 
 def _logit_keys(rp: LocalReplay) -> list[tuple[int, int]]:
@@ -308,11 +336,33 @@ def attribute(run_dir: Path, rnd: int = 0, sequences: list[int] | None = None, i
 def _attribute(run_dir: Path, rnd: int, sequences: list[int] | None, injection: Injection | None,
                frameworks: tuple[str, ...], repeats: int, max_sequences: int) -> tuple[dict, LocalReplay,
                                                                                        abtest.ABInputs]:
+    engine = read_manifest(run_dir).get("engine")
+    if engine == "frameworks":  # before anything is read: where the replay cannot run, say so
+        from rlk_repro.attribute_frameworks import replayable
+
+        replayable(run_dir, read_manifest(run_dir))
     if sequences is None:
         from rlk_repro.attribute_local import read_train_data
 
         sequences = list(range(min(max_sequences, int(read_train_data(run_dir, rnd)["token_ids"].shape[0]))))
-    rp = replay_local(run_dir, rnd, sequences, injection)
+    if engine == "frameworks":  # real vLLM + megatron-core on the GPU, forward hooks (attribute_frameworks)
+        from rlk_repro.attribute_frameworks import replay_frameworks
+
+        rp = replay_frameworks(run_dir, rnd, sequences, injection)
+    else:
+        rp = replay_local(run_dir, rnd, sequences, injection)
+    if injection is not None and rp.weights_state is not None and not _injected(rp):
+        raise RlkConfigError(f"--inject {injection.side}:{injection.layer}:{injection.point}: no hook of that side "
+                             "ran at that point (points read from a module's input are not injectable on the "
+                             "frameworks engine)")
+    doc, inputs = report(rp, injection, frameworks, repeats, "cuda" if rp.weights_state is not None else "cpu")
+    return doc, rp, inputs
+
+
+def report(rp: LocalReplay, injection: Injection | None = None, frameworks: tuple[str, ...] = (), repeats: int = 3,
+           device: str = "cpu") -> tuple[dict, abtest.ABInputs]:
+    """The attribution report of a replay (either engine's): the probes, the walk, the verdict; and probe 7's
+    captured tensors (run on ``device``)."""
     n_layers = rp.model_cfg.num_hidden_layers
     for side, seen in rp.layers_seen.items():
         if seen != n_layers:
@@ -320,17 +370,22 @@ def _attribute(run_dir: Path, rnd: int, sequences: list[int] | None, injection: 
     keys = _logit_keys(rp)
     masks = _kept_masks(rp, keys)
     inputs = ab_inputs(rp, keys)
-    ab = abtest.run_ab(inputs, frameworks=frameworks, repeats=repeats)
+    ab = abtest.run_ab(inputs, frameworks=frameworks, repeats=repeats, device=device)
     probes = [probe_fidelity(rp, injection), probe_identity(rp), probe_model_state(rp), probe_logits(rp, keys),
               probe_lse(rp, keys, masks), probe_tp(rp), probe_kept(rp, keys, masks), probe_ab(ab)]
     layers = compare_dumps(rp.dumps["train"], rp.dumps["rollout"], n_layers)
-    doc = {"schema": ATTRIBUTION_SCHEMA, "run_dir": str(run_dir), "run_id": rp.manifest.get("run_id"),
-           "engine": rp.manifest.get("engine"), "plan": rp.manifest.get("plan"), "round": rnd,
+    doc = {"schema": ATTRIBUTION_SCHEMA, "run_dir": str(rp.run_dir), "run_id": rp.manifest.get("run_id"),
+           "engine": rp.manifest.get("engine"), "plan": rp.manifest.get("plan"), "round": rp.round,
            "sequences": rp.selected, "positions_compared": len(keys),
            "injection": None if injection is None else {"side": injection.side, "point": injection.label},
-           "weights": rp.weights_check["source"], "probes": probes, "layers": layers, "ab": ab,
+           "weights": rp.weights_check["source"], "replay_notes": rp.replay_notes, "probes": probes,
+           "layers": layers, "ab": ab,
            "verdict": verdict(probes, layers, rp.manifest.get("plan"))}
-    return doc, rp, inputs
+    return doc, inputs
+
+
+def _injected(rp: LocalReplay) -> bool:
+    return rp.injected
 
 
 def attribute_dumps(train_path: Path, rollout_path: Path) -> dict[str, Any]:
@@ -406,6 +461,8 @@ def markdown(doc: dict[str, Any]) -> str:
              + (f"; injected: one ulp at {doc['injection']['point']} on {doc['injection']['side']}"
                 if doc["injection"] else ""), "",
              f"**Verdict ({v['kind']}):** {v['summary']}", ""]
+    lines += [f"Replay: {note}." for note in doc.get("replay_notes") or ()] + (
+        [""] if doc.get("replay_notes") else [])
     if v.get("first_difference_unattributed"):
         lines += [f"(The first difference in the dumps is at {v['first_difference_unattributed']}; not attributed "
                   "while "

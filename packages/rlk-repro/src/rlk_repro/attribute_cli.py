@@ -40,7 +40,7 @@ def add_parser(sub) -> None:
                         "layer and operator where the bits part; no operator is blamed while probe 0, 1, 2 or 6 "
                         "fails. docs/attribution.md.")
     at.add_argument("run_dir", metavar="RUN_DIR", type=Path, nargs="?", default=None,
-                    help="a local-engine run directory")
+                    help="a run directory (the local engine; a TP-1 frameworks run is replayed on its GPU)")
     at.add_argument("--dumps", nargs=2, type=Path, default=None, metavar=("TRAIN", "ROLLOUT"),
                     help="instead of RUN_DIR: compare two rlk.attribution-dump.v1 files an engine wrote itself "
                     "(the per-layer walk only; the first difference is not attributed)")

@@ -238,6 +238,9 @@ class LocalReplay:
     sampling: Any  # SamplingParams of the round's requests (limits aside)
     tensor_parallel: int = 1
     layers_seen: dict[str, int] = field(default_factory=dict)
+    weights_state: dict[str, Any] | None = None  # frameworks: what each side computes with (probe 2)
+    replay_notes: list[str] = field(default_factory=list)  # how the replay departs from the run, said in the report
+    injected: bool = False  # frameworks: an --inject point's hook ran (the taps say so)
 
 
 def read_manifest(run_dir: Path) -> dict[str, Any]:

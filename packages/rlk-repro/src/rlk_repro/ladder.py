@@ -198,7 +198,7 @@ def _shared(cfg) -> dict[str, Any]:
 
 
 def _options(a: argparse.Namespace) -> dict[str, Any]:
-    return {k: v for k, v in sorted(vars(a).items()) if k not in (*matrix.NOT_RECORDED, "dry_run")}
+    return {k: v for k, v in sorted(vars(a).items()) if k not in (*matrix.NOT_RECORDED, "dry_run", "attribute")}
 
 
 def _skips(rungs: list[Rung], engine: str, device: str) -> dict[str, str]:
@@ -231,9 +231,12 @@ def _resume(a: argparse.Namespace, root: Path, build_parser) -> argparse.Namespa
     if not isinstance(doc, dict) or doc.get("schema") != LADDER_OPTIONS_SCHEMA:
         raise RlkConfigError(f"--resume {root}: {LADDER_OPTIONS} is not a {LADDER_OPTIONS_SCHEMA} document")
     defaults = vars(build_parser().parse_args(["ladder"]))
-    merged = matrix.merge_recorded(a, root, doc, defaults, LADDER_OPTIONS, "every rung of a ladder shares one "
+    attribute = getattr(a, "attribute", None)  # what to do after the rungs, not how they run: not recorded
+    given = argparse.Namespace(**{k: v for k, v in vars(a).items() if k != "attribute"})
+    merged = matrix.merge_recorded(given, root, doc, defaults, LADDER_OPTIONS, "every rung of a ladder shares one "
                                    "configuration. Drop the flag, or start a new ladder", what="ladder")
     merged.dry_run = a.dry_run
+    merged.attribute = attribute
     merged._recorded_rungs = doc.get("rungs")
     return merged
 
@@ -255,6 +258,11 @@ def run_ladder(a: argparse.Namespace, argv: Sequence[str], config_of, frameworks
     root, a = matrix.root_and_options(a, lambda a, root: _resume(a, root, build_parser))
     _check_knob_flags(a)
     rungs = rungs_of(a)
+    unknown = [n for n in (getattr(a, "attribute", None) or "auto").split(",")
+               if n.strip() and n != "auto" and n.strip() not in {r.name for r in rungs}]
+    if unknown:
+        raise RlkConfigError(f"--attribute {a.attribute}: {unknown[0]!r} is not a rung of this ladder "
+                             f"({', '.join(r.name for r in rungs)}; or auto)")
     if root is not None and a._recorded_rungs != [r.as_json() for r in rungs]:
         raise RlkConfigError(f"--resume {root}: the recorded rungs differ from those its options give now")
     frameworks = a.engine == "frameworks"
@@ -308,9 +316,53 @@ def run_ladder(a: argparse.Namespace, argv: Sequence[str], config_of, frameworks
         print(f"rlk-repro: ladder root {root}, {len(rungs)} rungs ({len(skips)} skipped), {a.rounds} rounds each",
               file=sys.stderr)
         failed = matrix.run_cells(root, list(configs), run_one, done, "ladder", resume_command(root))
-        return _finish(root, failed)
+        code = _finish(root, failed)
+        if getattr(a, "attribute", None):
+            attributed = attribute_rungs(root, a.attribute)
+            if code == EXIT_OK and attributed:
+                code = EXIT_FAILED
+        return code
     finally:
         lock.release()
+
+
+def attribute_rungs(root: Path, which: str) -> list[str]:
+    """``ladder --attribute``: ``rlk-repro attribute`` on round 0 of the rungs ``which`` names (``A,B,...``), or of
+    every rung the report classifies ``candidate operator`` (``auto``), each in its own process (a frameworks rung's
+    replay starts vLLM and Megatron), written beside the root in ``<root>.attribution/<rung>/`` (the root is checked by
+    ``rlk-validate ladder``: nothing is added to it). A rung attributed before is kept. Returns the rungs whose
+    attribution failed."""
+    import subprocess
+
+    doc = json.loads((root / evidence.LADDER_REPORT_JSON).read_text(encoding="utf-8"))
+    rungs = {g["name"]: g for g in doc.get("rungs", [])}
+    if which == "auto":
+        names = [n for n, g in rungs.items() if (g.get("classification") or {}).get("class") == "candidate operator"]
+        print(f"rlk-repro ladder --attribute auto: {len(names)} rung(s) classified candidate operator"
+              + (f" ({', '.join(names)})" if names else ""), file=sys.stderr)
+    else:
+        names = [n.strip() for n in which.split(",") if n.strip()]
+    failed = []
+    for name in names:
+        run, out = root / name, root.parent / f"{root.name}.attribution" / name
+        if not (run / evidence.MANIFEST).is_file():
+            why = (rungs.get(name) or {}).get("status", "not a rung of this ladder")
+            print(f"  {name:16s} not attributed: no run directory ({why})", file=sys.stderr)
+            continue
+        if (out / "attribution.json").is_file():
+            print(f"  {name:16s} attributed earlier: {out}", file=sys.stderr)
+            continue
+        proc = subprocess.run([sys.executable, "-m", "rlk_repro", "attribute", str(run), "--output", str(out)],
+                              capture_output=True, text=True)
+        if proc.returncode != 0:
+            failed.append(name)
+            print(f"  {name:16s} attribution failed (exit {proc.returncode}): {proc.stderr.strip()[-600:]}",
+                  file=sys.stderr)
+            continue
+        verdict = json.loads((out / "attribution.json").read_text(encoding="utf-8"))["verdict"]
+        print(f"  {name:16s} attribution: {verdict['kind']}: {verdict['summary']}", file=sys.stderr)
+        print(f"attribution: {out}/attribution.md")
+    return failed
 
 
 def _by(rungs: list[Rung], name: str) -> Rung:

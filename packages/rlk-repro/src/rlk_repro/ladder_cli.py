@@ -42,6 +42,9 @@ def add_parser(sub, experiment_options: Callable[[argparse.ArgumentParser], None
                     "delta is taken against; default the rung before it); unnamed knobs are rung 0's. Repeatable")
     lp.add_argument("--filter-top-p", type=_unit, default=0.9, help="top-p of the default filter rungs (0.9)")
     lp.add_argument("--filter-top-k", type=_top_k, default=20, help="top-k of the default filter rungs (20)")
+    lp.add_argument("--attribute", default=None, metavar="A,B,...|auto",
+                    help="after the rungs: `rlk-repro attribute` on round 0 of these rungs (auto: every rung "
+                    "classified candidate operator), written to <root>.attribution/<rung>/ (docs/attribution.md)")
     lp.add_argument("--dry-run", action="store_true",
                     help="print the rungs, their routes and knobs and which would be skipped (and why) as JSON; "
                     "runs and writes nothing")

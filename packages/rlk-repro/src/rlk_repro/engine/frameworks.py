@@ -181,6 +181,16 @@ def state_problem(parent: Parent, state: dict[str, Any]) -> str | None:
     return None
 
 
+def round_requests(cfg: FrameworksRunConfig, num_prompts: int, rnd: int) -> tuple[list[int], list[int], list[int]]:
+    """Round ``rnd``'s prompt indices, one seed per prompt (vLLM gives sample ``i`` seed + i) and per-prompt token
+    limits in [max/2, max], so responses differ in length (the run's, and the attribution's replay of it)."""
+    chosen = [(rnd * cfg.prompts_per_round + j) % num_prompts for j in range(cfg.prompts_per_round)]
+    seeds = [cfg.seed * 7919 + rnd * 1_000_003 + j * 1009 for j in range(len(chosen))]
+    limits = [max(1, cfg.max_new_tokens - (j * 7 + rnd) % (cfg.max_new_tokens // 2 + 1))
+              for j in range(len(chosen))]
+    return chosen, seeds, limits
+
+
 # -- process group and run directory ---------------------------------------------------------------------
 def _init_world(cfg: FrameworksRunConfig) -> tuple[int, int, torch.device]:
     import torch.distributed as dist
@@ -433,14 +443,7 @@ class _Run:
         }
 
     def _requests(self, rnd: int) -> tuple[list[int], list[int], list[int]]:
-        """The round's prompt indices, one seed per prompt (vLLM gives sample ``i`` seed + i) and per-prompt
-        token limits in [max/2, max], so responses differ in length."""
-        cfg = self.cfg
-        chosen = [(rnd * cfg.prompts_per_round + j) % len(self.prompts) for j in range(cfg.prompts_per_round)]
-        seeds = [cfg.seed * 7919 + rnd * 1_000_003 + j * 1009 for j in range(len(chosen))]
-        limits = [max(1, cfg.max_new_tokens - (j * 7 + rnd) % (cfg.max_new_tokens // 2 + 1))
-                  for j in range(len(chosen))]
-        return chosen, seeds, limits
+        return round_requests(self.cfg, len(self.prompts), rnd)
 
     def _round(self, rnd: int) -> dict[str, Any]:
         cfg, n = self.cfg, self.cfg.samples_per_prompt
