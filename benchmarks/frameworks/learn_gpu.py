@@ -186,8 +186,8 @@ def _markdown(res: dict) -> str:
                   f"loss {b['heldout_loss']:.4f} -> {f['heldout_loss']:.4f}, deepscaler accuracy (greedy, "
                   f"{warm['rows']} held-out problems) {b['accuracy']:.3f} -> {f['accuracy']:.3f}, readable "
                   f"{b['readable']:.3f} -> {f['readable']:.3f}"]
-    lines += ["", "| run | rounds | compared tokens | mismatches | mean abs diff | reward first 10% | reward last 10% | "
-              "s / round | validation |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines += ["", "| run | rounds | compared tokens | mismatches | mean abs diff | reward first 10% | reward last "
+              "10% | s / round | validation |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for n, r in res["runs"].items():
         lines.append(f"| {n} | {r['rounds']} | {r['compared_tokens']} | {r['mismatches']} | {r['mean_abs_diff']} | "
                      f"{r['reward_first_tenth']} | {r['reward_last_tenth']} | {r['round_seconds_median']} | "

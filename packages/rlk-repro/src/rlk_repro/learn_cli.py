@@ -112,8 +112,9 @@ def main_synthetic(a: argparse.Namespace) -> int:
     record = synthmodel.write_model(dest, rows, a.shape, a.seed, a.vocab_size)
     record["path"] = str(dest.relative_to(w))
     runs.write_json_atomic(dest / synthmodel.CHECKPOINT_RECORD, record)
-    print(f"model: {dest}: {record['parameters'] / 1e6:.1f}M parameters, vocabulary {record['model_config']['vocab_size']} "
-          f"(tokenizer {record['tokenizer_vocab']}), weights {record['weights_sha256']}")
+    print(f"model: {dest}: {record['parameters'] / 1e6:.1f}M parameters, vocabulary "
+          f"{record['model_config']['vocab_size']} (tokenizer {record['tokenizer_vocab']}), weights "
+          f"{record['weights_sha256']}")
     rl = p["data"] / synthmath.file_name("rl")
     doc["data"] = {"output": str(rl.relative_to(w)), "manifest": str(ws.manifest_path(rl).relative_to(w)),
                    "sha256": manifests["rl"]["output"]["sha256"], "rows": manifests["rl"]["output"]["rows"],
