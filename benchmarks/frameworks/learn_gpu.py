@@ -57,7 +57,7 @@ def _prep(a, w: Path, env: dict, out: Path, res: dict) -> None:
         "--heldout-rows", str(a.heldout_rows), "--shape", a.shape, "--vocab-size", str(a.vocab_size), "--seed",
         str(SEED)), env, a.prep_cap_s / 4, out)
     res["stages"]["warmstart"] = _stage("warmstart", _rlk(
-        "warmstart", "--workspace", str(w), "--device", "cuda", "--steps", str(a.ws_steps), "--batch-size",
+        "warmstart", "--workspace", str(w), "--device", a.device, "--steps", str(a.ws_steps), "--batch-size",
         str(a.ws_batch), "--lr", repr(a.ws_lr), "--warmup", str(a.ws_warmup), "--eval-rows", str(a.ws_eval_rows),
         "--eval-max-new-tokens", str(a.ws_eval_tokens), "--log-every", "50", "--seed", str(SEED)), env,
         a.prep_cap_s * 3 / 4, out)
@@ -206,6 +206,7 @@ def main(argv=None) -> int:
     p.add_argument("--heldout-rows", type=int, default=512)
     p.add_argument("--shape", default="synth-190m")
     p.add_argument("--vocab-size", type=int, default=2048)
+    p.add_argument("--device", default="cuda", help="the warm start's device (cpu: a smoke test of prep)")
     p.add_argument("--ws-steps", type=int, default=600)
     p.add_argument("--ws-batch", type=int, default=128)
     p.add_argument("--ws-lr", type=float, default=5e-4)
