@@ -64,6 +64,10 @@ def _prep(a, w: Path, env: dict, out: Path, res: dict) -> None:
 
 
 def _run(a, w: Path, mode: str, env: dict, out: Path, res: dict) -> None:
+    if not (w / "workspace.json").is_file() or not sorted((w / "models").glob("*-warm/warmstart.json")):
+        res["stages"][mode] = {"rc": None, "error": f"no warm-started workspace at {w}: the prep part (stage learn-a) "
+                               "must run first on this machine, and the pair needs that one checkpoint"}
+        return
     runs = w / "runs" / "learn"
     runs.mkdir(parents=True, exist_ok=True)
     name = f"seed{SEED}-{mode}"
@@ -222,7 +226,7 @@ def main(argv=None) -> int:
     p.add_argument("--gpu-mem", type=float, default=0.3)
     p.add_argument("--enforce-eager", action="store_true", help="vLLM without CUDA graphs (a shorter start-up)")
     p.add_argument("--prep-cap-s", type=float, default=200)
-    p.add_argument("--run-cap-s", type=float, default=270)
+    p.add_argument("--run-cap-s", type=float, default=380)
     p.add_argument("--budget-s", type=float, default=0, help="all parts together (0: each its own cap)")
     a = p.parse_args(argv)
     parts = [x for x in a.parts.split(",") if x]

@@ -259,7 +259,7 @@ run() {
 }
 
 CAP[ladder]=420  # issue 38 (set here, apart from the CAP table that other stages edit)
-CAP[learn-a]=560; CAP[learn-b]=400; CAP[learn]=590  # issue 37 (learn_gpu.py caps its parts inside these)
+CAP[learn-a]=540; CAP[learn-b]=480; CAP[learn]=590  # issue 37 (learn_gpu.py caps its parts inside these)
 
 cmd=${1:-}; shift || true
 case $cmd in
