@@ -122,3 +122,15 @@ def test_warm_checkpoint_runs_through_model_path(learned, small_config, tmp_path
     assert man["model"]["kind"] == "checkpoint" and man["reward"]["rm_type"] == "deepscaler"
     assert man["data"]["purpose"] == "synthetic" and man["claims"]["experiment"] is False
     assert any("synthetic" in r for r in man["claims"]["reasons"])
+
+
+def test_synthetic_math_keeps_out_of_a_prepared_workspace(dapo_parquet, tmp_path, capsys):
+    from rlk_repro.prepare import prepare
+
+    w = tmp_path / "W"
+    prepare(w, source=dapo_parquet, download_data=False, model_path=None, convert=False)
+    assert cli.main(["synthetic-math", "--workspace", str(w), "--shape", "synth-tiny", "--sft-rows", "10"]) == 2
+    assert "workspace of its own" in capsys.readouterr().err
+    assert json.loads((w / "workspace.json").read_text())["data"]["output"] == "data/dapo-math-17k.vime.jsonl"
+    assert cli.main(["warmstart", "--workspace", str(w)]) == 2
+    assert "no synthetic splits recorded" in capsys.readouterr().err

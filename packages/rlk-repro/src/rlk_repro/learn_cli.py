@@ -99,6 +99,10 @@ def main_synthetic(a: argparse.Namespace) -> int:
     w = Path(a.workspace)
     lifecycle.refuse_inside_run_dir(w, "--workspace")
     doc = _workspace_doc(w)
+    recorded = (doc.get("data") or {}).get("output")
+    if recorded and not Path(recorded).name.startswith("synthetic-math."):
+        raise RlkConfigError(f"{w} records prepared data {recorded}; the synthetic set goes into a workspace of its "
+                             "own (it would replace that record)")
     p = ws.paths(w)
     for key in ws.LAYOUT:
         p[key].mkdir(parents=True, exist_ok=True)
