@@ -80,6 +80,8 @@ def _run(a, w: Path, mode: str, env: dict, out: Path, res: dict) -> None:
                "--gpu-memory-utilization", str(a.gpu_mem), "--output", str(runs), "--run-name", name, "--debug",
                *(["--enforce-eager"] if a.enforce_eager else []))
     res["stages"][mode] = _stage(mode, cmd, env, a.run_cap_s, out)
+    if (runs / name / "metrics.jsonl").is_file():  # what the run did (finish adds the validation)
+        res["runs"][mode] = {**_summary(runs / name), "validation": {"rc": None, "verdict": "not yet validated"}}
 
 
 def _rows(run: Path) -> list[dict]:
