@@ -134,3 +134,36 @@ def test_synthetic_math_keeps_out_of_a_prepared_workspace(dapo_parquet, tmp_path
     assert json.loads((w / "workspace.json").read_text())["data"]["output"] == "data/dapo-math-17k.vime.jsonl"
     assert cli.main(["warmstart", "--workspace", str(w)]) == 2
     assert "no synthetic splits recorded" in capsys.readouterr().err
+
+
+def test_gpu_driver_summaries_read_the_pair(learned, small_config, tmp_path):
+    """benchmarks/frameworks/learn_gpu.py's summaries and checks over a tiny local pair on the warm checkpoint (the
+    GPU runs are frameworks runs with the same files)."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "frameworks" / "learn_gpu.py"
+    sys.path.insert(0, str(path.parent))
+    try:
+        spec = importlib.util.spec_from_file_location("learn_gpu", path)
+        driver = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(driver)
+    finally:
+        sys.path.remove(str(path.parent))
+    w, _ = learned
+    runs = {}
+    for mode, case in (("native", "P/P"), ("consistency", "R/R")):
+        cfg = small_config(RoutePlan(case, case, case), rounds=2, model_path=str(w / "models" / "synth-tiny-warm"),
+                           prompt_data=str(w / "data" / "synthetic-math.rl.vime.jsonl"), apply_chat_template=True,
+                           max_new_tokens=12, top_p=1.0)
+        runs[mode] = driver._summary(run_local(cfg, tmp_path, run_name=f"seed1234-{mode}").run_dir)
+    assert runs["consistency"]["mismatches"] == 0 < runs["consistency"]["compared_tokens"]
+    assert runs["native"]["mismatches"] > 0 and len(runs["native"]["reward"]) == 2
+    res = {"runs": {m: {**r, "validation": {"rc": 0}} for m, r in runs.items()}, "stages": {}}
+    checks = driver._checks(SimpleNamespace(rounds=2), tmp_path, res)
+    assert checks == {"rr_rounds_ge_100": False, "rr_zero_mismatches_whole_exposure": True,
+                      "rr_rlk_validate_require_bitwise": True, "pp_rounds_ge_100": False, "pp_differs": True}
+    warm = driver._warm(w)
+    assert warm["after"]["heldout_loss"] < warm["before"]["heldout_loss"] and warm["rows"] == 32
