@@ -38,6 +38,11 @@
 # frameworks` (six rungs, FP8 included; $LADDER_RUNGS: others, "all": eight) on the Qwen3-0.6B shape, rlk-validate ladder.
 # Stage attribute (issue 38): attribute_gpu.py — `rlk-repro attribute` on the ladder's FP8, top-p, near-aligned and R/R
 # rungs (run `ladder` first in the same sitting, or it runs a one-round ladder of those rungs itself).
+# Stages learn-a / learn-b / learn (issue 37, "a model that learns"): learn_gpu.py — the synthetic math set, a ~190M
+# Qwen3-shaped model warm-started on it, GRPO (deepscaler reward) through the frameworks engine, the convergence phase
+# shortened to 100 rounds, native and consistency on seed 1234, rlk-validate, rlk-repro report. learn-a: data, tokenizer,
+# checkpoint, warm start and the native run; learn-b (the next call, machine still warm: /tmp/learn is kept): the
+# consistency run, validation, report; learn: all in one call. $LEARN_ARGS: learn_gpu.py options (e.g. --lr 1e-5).
 set -u
 HERE=$(cd "$(dirname "$0")" && pwd)
 ROOT=$(cd "$HERE/../.." && pwd)
@@ -230,6 +235,15 @@ stage() {  # stage NAME SECONDS
         local) (cd "$G/benchmarks" && RLK_BENCH_OUT="$out" timeout "$cap" $py bench_local_engine.py --device cuda \
                    --model qwen3-0.6b --rounds 8 --prompts 32 --samples 8 --max-new-tokens 60 --max-num-seqs 256 \
                    --chunk-size 16 --page-size 16 > "$out/local.log" 2>&1) ;;
+        learn|learn-a|learn-b)  # learn_gpu.py (issue 37): its work directory /tmp/learn outlives the stage (learn-b
+            # reads learn-a's); the checkpoints and train-data stay there, $out gets the records, runs and report
+            local parts=prep,native,consistency,finish
+            [ "$name" = learn-a ] && parts=prep,native
+            [ "$name" = learn-b ] && parts=consistency,finish
+            # shellcheck disable=SC2086
+            timeout "$cap" $py "$G/benchmarks/frameworks/learn_gpu.py" --out "$out" --work /tmp/learn --parts "$parts" \
+                --budget-s $((cap - 15)) ${LEARN_ARGS:-} > "$out/learn.log" 2>&1
+            echo "learn_gpu rc $?"; tail -30 "$out/learn.log" ;;
         profile)  # the rollout step under cProfile (benchmarks/profile_rollout.py; $PROFILE_MODE, default consistency)
             (cd "$G/benchmarks" && timeout "$cap" $py profile_rollout.py --device cuda --model qwen3-0.6b --rounds 2 \
                  --prompts 32 --samples 8 --max-new-tokens 60 --max-num-seqs 256 --chunk-size 16 --page-size 16 \
@@ -252,6 +266,7 @@ run() {
 
 CAP[ladder]=420  # issue 38 (set here, apart from the CAP table that other stages edit)
 CAP[attribute]=560  # issue 38
+CAP[learn-a]=540; CAP[learn-b]=480; CAP[learn]=590  # issue 37 (learn_gpu.py caps its parts inside these)
 
 cmd=${1:-}; shift || true
 case $cmd in

@@ -93,38 +93,19 @@ def _make_dapo_parquet():
 
 
 # -- a local Hugging Face model directory (issue 37): a small BPE tokenizer with a chat template, random weights ----
-CHAT_TEMPLATE = (
-    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
-    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
-    "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n{% endif %}{% endif %}")
-SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"]
-
-
 def write_hf_model(path: Path, seed: int = 3) -> Path:
     """A tokenizer trained here (byte-level BPE on the fixture's problems, saved as tokenizer.json with a ChatML
-    template in tokenizer_config.json) and a random tiny Qwen3 checkpoint over its vocabulary."""
-    import json
-
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
+    template in tokenizer_config.json: rlk_repro.model.tokenizer_build) and a random tiny Qwen3 checkpoint over its
+    vocabulary."""
     from rlk_repro.model.config import PRESETS
+    from rlk_repro.model.tokenizer_build import train_bpe, write_tokenizer
     from rlk_repro.model.weights import random_weights, save_checkpoint
 
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
     corpus = [q + " " + a + " " + INSTRUCTION for q, a in PROBLEMS] * 4 + ["\\boxed{42} </think> 0123456789"]
-    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=SPECIALS,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(corpus, trainer)
-    path.mkdir(parents=True, exist_ok=True)
-    tok.save(str(path / "tokenizer.json"))
-    eos = tok.token_to_id("<|im_end|>")
-    cfg = PRESETS["tiny"].with_overrides(vocab_size=tok.get_vocab_size(), bos_token_id=None, eos_token_id=eos)
+    tok = train_bpe(corpus, 400)
+    ids = write_tokenizer(path, tok)
+    cfg = PRESETS["tiny"].with_overrides(vocab_size=tok.get_vocab_size(), bos_token_id=None, eos_token_id=ids["eos"])
     save_checkpoint(path, cfg, random_weights(cfg, seed))
-    (path / "tokenizer_config.json").write_text(json.dumps({
-        "chat_template": CHAT_TEMPLATE, "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "bos_token": None}))
-    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": [eos, tok.token_to_id("<|endoftext|>")]}))
     return path
 
 

@@ -50,3 +50,27 @@ def test_run_phase_sets_rounds_and_seed(capsys):
     assert '"rounds": 8' in out and '"seed": 1234' in out
     assert cli.main(["plan", "--phase", "short", "--rounds", "3"]) == 2
     assert "--phase short runs 8 rounds" in capsys.readouterr().err
+
+
+def test_phase_rounds_shortens_convergence_only_down_to_its_minimum(capsys):
+    assert phase_settings("convergence", None, 120) == (120, 1234)
+    assert phase_settings("convergence", None, 100) == (100, 1234)
+    for phase, rounds, what in (("convergence", 99, "no fewer than 100"), ("convergence", 201, "no fewer than 100"),
+                                ("short", 4, "not shortened")):
+        with pytest.raises(RlkConfigError, match=what):
+            phase_settings(phase, None, rounds)
+    assert cli.main(["plan", "--phase", "convergence", "--phase-rounds", "100"]) == 0
+    assert '"rounds": 100' in capsys.readouterr().out
+    assert cli.main(["plan", "--phase-rounds", "100"]) == 2
+    assert "--phase-rounds shortens a phase" in capsys.readouterr().err
+    assert cli.main(["plan", "--phase", "convergence", "--phase-rounds", "100", "--rounds", "200"]) == 2
+    assert "contradicts" in capsys.readouterr().err
+
+
+def test_report_names_a_shortened_phase():
+    from rlk_repro.report_pairs import markdown
+
+    doc = {"phase": "convergence", "rounds": 100, "phase_steps": 200, "seeds": [1234], "estimates": {},
+           "overhead": {}, "table": [], "unpaired": []}
+    assert "## Phase convergence, shortened to 100 of its 200 rounds: 1 paired seed(s)" in markdown(doc)
+    assert "## Phase convergence: 1 paired" in markdown({**doc, "rounds": 200})

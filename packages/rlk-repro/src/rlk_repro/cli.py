@@ -119,6 +119,9 @@ def build_parser() -> argparse.ArgumentParser:
     from rlk_repro import ladder_cli  # issue 38: the mismatch-knob ladder
 
     ladder_cli.add_parser(sub, _experiment_options)
+    from rlk_repro import learn_cli  # issue 37: synthetic-math, warmstart (each sets its own `main`)
+
+    learn_cli.add_parser(sub)
     return p
 
 
@@ -606,7 +609,8 @@ def _vime(argv: list[str]) -> int:
 
 def _main(argv: list[str]) -> int:
     debug = "--debug" in argv
-    commands = ("run", "plan", "matrix", "doctor", "report", "prepare", "attribute", "abtest", "ladder")
+    commands = ("run", "plan", "matrix", "doctor", "report", "prepare", "attribute", "abtest", "ladder",
+                "synthetic-math", "warmstart")
     name = "rlk-repro" + next((f" {c}" for c in argv if c in commands), "")
     try:
         if argv[:1] in (["plan"], ["run"]) and _engine(argv) == "vime":

@@ -44,6 +44,9 @@ def add_options(r: argparse.ArgumentParser) -> None:
     g.add_argument("--phase", choices=("short", "precision", "convergence"), default=None,
                    help="the seeds' phase: its rounds (8 / 30 / 200) and seed (--seed one of 1234 / 1234, 2345, 3456 "
                    "/ 1234; default its first)")
+    g.add_argument("--phase-rounds", type=int, default=None, metavar="N",
+                   help="with --phase: shorten the phase to N rounds, no fewer than its minimum (convergence: 100 of "
+                   "200; short and precision are not shortened); the run records its rounds, report names the cut")
     g.add_argument("--pair", action="store_true",
                    help="with --phase (run only): every seed of the phase as a native (P/P) and a consistency (R/R) "
                    "run, seed by seed in the phase's order, into one phase root; `rlk-repro report ROOT` gives the "
@@ -71,11 +74,13 @@ def config_kwargs(a: argparse.Namespace, argv: Sequence[str], frameworks: bool) 
             a.output = str(ws.paths(a.workspace)["runs"])
     if getattr(a, "pair", False):  # run takes it before here (rlk_repro.phase_pairs)
         raise RlkConfigError("--pair is an option of `rlk-repro run --phase P`")
+    if getattr(a, "phase_rounds", None) is not None and getattr(a, "phase", None) is None:
+        raise RlkConfigError("--phase-rounds shortens a phase: give --phase convergence")
     if getattr(a, "phase", None) is not None:
         from rlk_repro.phases import phase_settings
 
         rounds, seed = phase_settings(a.phase, a.seed if any(x == "--seed" or x.startswith("--seed=") for x in argv)
-                                      else None)
+                                      else None, getattr(a, "phase_rounds", None))
         if any(x == "--rounds" or x.startswith("--rounds=") for x in argv) and a.rounds != rounds:
             raise RlkConfigError(f"--phase {a.phase} runs {rounds} rounds; --rounds {a.rounds} contradicts it")
         a.rounds, a.seed = rounds, seed

@@ -98,12 +98,13 @@ def run_pairs(a: argparse.Namespace, argv: Sequence[str], build_parser: Callable
         configs[name] = (args, cfg)
     preflight(configs[plan[0][2]][1], str(root.parent))
     root.mkdir(parents=True)
+    rounds = configs[plan[0][2]][1].rounds  # the phase's, or --phase-rounds' shortened count
     write_json_atomic(root / PAIR_FILE, {
         "schema": PAIR_SCHEMA, "created_at": utc_now(), "command": ["rlk-repro", *argv], "phase": a.phase,
-        "rounds": PHASES[a.phase]["steps"], "seeds": list(PHASES[a.phase]["seeds"]), "engine": a.engine,
-        "cells": [{"seed": seed, "mode": mode, "dir": name} for seed, mode, name in plan]})
-    print(f"rlk-repro: phase {a.phase}, {len(plan) // 2} native / consistency pair(s) of "
-          f"{PHASES[a.phase]['steps']} rounds into {root}", file=sys.stderr)
+        "rounds": rounds, "phase_steps": PHASES[a.phase]["steps"], "seeds": list(PHASES[a.phase]["seeds"]),
+        "engine": a.engine, "cells": [{"seed": seed, "mode": mode, "dir": name} for seed, mode, name in plan]})
+    print(f"rlk-repro: phase {a.phase}, {len(plan) // 2} native / consistency pair(s) of {rounds} rounds into {root}",
+          file=sys.stderr)
     return _run_cells(root, plan, configs, frameworks)
 
 

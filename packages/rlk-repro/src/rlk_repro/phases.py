@@ -26,24 +26,32 @@ from rlk_core.errors import RlkConfigError
 PHASES: dict[str, dict[str, Any]] = {
     "short": {"steps": 8, "seeds": (1234,)},
     "precision": {"steps": 30, "seeds": (1234, 2345, 3456)},
-    "convergence": {"steps": 200, "seeds": (1234,)},
+    # min_steps: how far --phase-rounds may shorten it (issue 37: the convergence phase cut to what fits a device
+    # call, >= 100 rounds); a phase without it is not shortened
+    "convergence": {"steps": 200, "seeds": (1234,), "min_steps": 100},
 }
 # two-sided 95% Student t quantiles by degrees of freedom (1..30); beyond 30, the normal 1.96
 _T95 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
         2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042)
 
 
-def phase_settings(phase: str, seed: int | None) -> tuple[int, int]:
-    """(rounds, seed) of one run of ``phase``; ``seed`` must be one of the phase's (default: its first)."""
+def phase_settings(phase: str, seed: int | None, rounds: int | None = None) -> tuple[int, int]:
+    """(rounds, seed) of one run of ``phase``; ``seed`` must be one of the phase's (default: its first); ``rounds``
+    (``--phase-rounds``) shortens the phase, down to its ``min_steps`` (a phase without one is not shortened)."""
     if phase not in PHASES:
         raise RlkConfigError(f"--phase {phase!r} is not one of {', '.join(PHASES)}")
     spec = PHASES[phase]
+    if rounds is not None:
+        low = spec.get("min_steps", spec["steps"])
+        if not low <= rounds <= spec["steps"]:
+            raise RlkConfigError(f"--phase-rounds {rounds}: the {phase} phase runs {spec['steps']} rounds and is "
+                                 + (f"shortened to no fewer than {low}" if low < spec["steps"] else "not shortened"))
     if seed is None:
         seed = spec["seeds"][0]
     if seed not in spec["seeds"]:
         raise RlkConfigError(f"--phase {phase} runs seeds {', '.join(map(str, spec['seeds']))}; --seed {seed} is not "
                              "one of them")
-    return spec["steps"], seed
+    return (spec["steps"] if rounds is None else rounds), seed
 
 
 def mean_ci(values: list[float]) -> dict[str, Any]:

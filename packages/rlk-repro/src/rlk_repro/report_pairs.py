@@ -21,7 +21,7 @@ import copy
 from typing import Any
 
 from rlk_core.errors import RlkConfigError
-from rlk_repro.phases import mean_ci, merge_problem, paired_estimate
+from rlk_repro.phases import PHASES, mean_ci, merge_problem, paired_estimate
 
 #: (summary key, name) of the quantities estimated over seeds
 QUANTITIES = (("reward_mean", "reward"), ("rollout_tokens_per_s", "rollout tok/s"),
@@ -117,6 +117,9 @@ def paired_section(runs: list[Any], summaries: list[dict[str, Any]]) -> dict[str
     problem = merge_problem([_merge_manifest(r.manifest) for _, n, c in found for r in (n, c)])
     if problem:
         raise RlkConfigError(problem)
+    counts = sorted({int(r.manifest.get("rounds") or 0) for _, n, c in found for r in (n, c)})
+    if len(counts) != 1:  # a shortened phase (--phase-rounds) is not pooled with another length
+        raise RlkConfigError(f"the runs' rounds differ ({', '.join(map(str, counts))}): not merged")
     row = {id(r): s for r, s in zip(runs, summaries, strict=True)}
     seeds = [(seed, row[id(n)], row[id(c)]) for seed, n, c in found]
     estimates = {}
@@ -127,8 +130,9 @@ def paired_section(runs: list[Any], summaries: list[dict[str, Any]]) -> dict[str
     overhead = {name: mean_ci([_overhead(n, c, key, slow) for _, n, c in seeds]) for name, key, slow in OVERHEADS}
     table = [{"seed": seed, "mode": mode, "run": s["name"], **{k: s[k] for k, _ in SEED_COLUMNS}}
              for seed, n, c in seeds for mode, s in (("native", n), ("consistency", c))]
-    return {"phase": phases[0], "seeds": [s for s, _, _ in seeds], "unpaired": unpaired, "estimates": estimates,
-            "overhead": overhead, "table": table}
+    return {"phase": phases[0], "rounds": counts[0], "phase_steps": (PHASES.get(phases[0]) or {}).get("steps"),
+            "seeds": [s for s, _, _ in seeds], "unpaired": unpaired, "estimates": estimates, "overhead": overhead,
+            "table": table}
 
 
 def _ci(est: dict[str, Any]) -> str:
@@ -140,7 +144,9 @@ def _ci(est: dict[str, Any]) -> str:
 
 def markdown(doc: dict[str, Any]) -> str:
     n = len(doc["seeds"])
-    lines = [f"\n## Phase {doc['phase']}: {n} paired seed(s) ({', '.join(map(str, doc['seeds']))})\n",
+    cut = doc.get("phase_steps") and doc.get("rounds") and doc["rounds"] != doc["phase_steps"]
+    short = f", shortened to {doc['rounds']} of its {doc['phase_steps']} rounds" if cut else ""
+    lines = [f"\n## Phase {doc['phase']}{short}: {n} paired seed(s) ({', '.join(map(str, doc['seeds']))})\n",
              "Mean over the paired seeds with its 95% confidence interval (Student's t); difference: consistency - "
              "native, per seed. Throughput and s / round count the rounds after the first.\n",
              "| quantity | native | consistency | consistency - native |", "|---|---|---|---|"]

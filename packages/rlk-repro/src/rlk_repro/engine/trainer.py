@@ -83,10 +83,21 @@ class Trainer:
         only on those rows (the response positions), as RL trainers do. ``routing`` (an MoE model): each layer's
         ``[sum(len - 1), k]`` expert ids are appended to it.
         """
+        target = torch.tensor([t for s in seqs for t in s[1:]], device=self.device, dtype=torch.long)
+        hn, w = self.hidden([s[:-1] for s in seqs], routing)
+        if rows is not None:
+            hn, target = hn[rows], target[rows]
+        weight = qwen3.lm_head_weight(w)
+        kept = self.kept_sets(hn, weight) if self.processed else None
+        return self.ops.linear_logprobs(hn, weight, target, self.temperature, kept)
+
+    def hidden(self, inputs: list[list[int]], routing: list[torch.Tensor] | None = None
+               ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The final-norm hidden states ``[sum(len), H]`` of the packed token sequences ``inputs`` (each causal on
+        its own) and the compute-dtype weights they were computed with (the LM head among them)."""
         cfg, ops, dev = self.cfg, self.ops, self.device
-        lens = [len(s) - 1 for s in seqs]
-        ids = torch.tensor([t for s in seqs for t in s[:-1]], device=dev, dtype=torch.long)
-        target = torch.tensor([t for s in seqs for t in s[1:]], device=dev, dtype=torch.long)
+        lens = [len(s) for s in inputs]
+        ids = torch.tensor([t for s in inputs for t in s], device=dev, dtype=torch.long)
         pos = torch.cat([torch.arange(n, device=dev) for n in lens])
         cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], device=dev, dtype=torch.int32)
         w = {k: v.to(self.dtype) for k, v in self.master.items()}
@@ -97,12 +108,7 @@ class Trainer:
             o = ops.attention_varlen(q, k, v, cu, lens, scale)
             h = h + qwen3.attention_out(ops, w, layer, o)
             h = h + qwen3.ffn(ops, cfg, w, layer, h, routing)
-        hn = qwen3.final_norm(ops, cfg, w, h)
-        if rows is not None:
-            hn, target = hn[rows], target[rows]
-        weight = qwen3.lm_head_weight(w)
-        kept = self.kept_sets(hn, weight) if self.processed else None
-        return ops.linear_logprobs(hn, weight, target, self.temperature, kept)
+        return qwen3.final_norm(ops, cfg, w, h), w
 
     def kept_sets(self, hn: torch.Tensor, weight: torch.Tensor, rows_per_chunk: int = 1024):
         """Each row's kept set from this side's own logits (no gradient), in row chunks: rlk's threshold under R

@@ -54,6 +54,7 @@ class HFTokenizer:
         if jinja.is_file():
             template = jinja.read_text(encoding="utf-8")
         self.chat_template: str | None = template if isinstance(template, str) else None
+        self._compiled = None  # the chat template, compiled at its first use
         self.eos_token = _token_text(self.config.get("eos_token"))
         self.bos_token = _token_text(self.config.get("bos_token"))
         self.eos_token_id = self._tok.token_to_id(self.eos_token) if self.eos_token else None
@@ -87,11 +88,13 @@ class HFTokenizer:
         def raise_exception(message: str) -> None:
             raise TemplateError(message)
 
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        env.filters["tojson"] = lambda x, indent=None, **_: json.dumps(x, ensure_ascii=False, indent=indent)
-        env.globals["raise_exception"] = raise_exception
         try:
-            return env.from_string(self.chat_template).render(
+            if self._compiled is None:  # compiled once: a data set renders it per row
+                env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+                env.filters["tojson"] = lambda x, indent=None, **_: json.dumps(x, ensure_ascii=False, indent=indent)
+                env.globals["raise_exception"] = raise_exception
+                self._compiled = env.from_string(self.chat_template)
+            return self._compiled.render(
                 messages=messages, add_generation_prompt=add_generation_prompt, bos_token=self.bos_token or "",
                 eos_token=self.eos_token or "", **kwargs)
         except TemplateError as exc:
