@@ -302,6 +302,10 @@ MANIFEST_FIELDS = (
        "round; every readback then carries it", required=False),
     _f("rollout_quantization", "string", "`none` or `fp8` (vLLM's FP8 weights and activations on the rollout, the "
        "trainer BF16): a quantized rollout is a mismatch knob, never a bitwise claim", required=False),
+    _f("pd", "object", "a Prefill/Decode split's layout (`rlk.pd-layout.v1`, issue 37; `rlk-repro plan --pd`): "
+       "`prefill` / `decode` each with `kv_role` (`kv_producer` / `kv_consumer`), `routes` (module -> `P` / `R`) and "
+       "`readbacks` (the run-directory paths of its processes' readbacks), `connector` (`class`, "
+       "`lossless_for_rlk_layout`, ...), `placement`; checked by rlk_validate.pd", required=False),
 )
 METRICS_FIELDS = (
     _f("schema", "string", f"`{METRICS_SCHEMA}`"),
