@@ -111,8 +111,9 @@ def test_example_connector_cannot_save_rlk_layout(tmp_path):
 
 
 def test_rlk_connector_moves_rlk_layout_kv_bitwise(tmp_path):
-    from rlk_vllm_plugin import kv_connector
     from vllm.distributed.kv_transfer.kv_connector.v1.example_connector import ExampleConnector
+
+    from rlk_vllm_plugin import kv_connector
 
     cls = kv_connector.RlkSharedStorageConnector
     assert issubclass(cls, ExampleConnector) and cls.__name__ == kv_connector.CONNECTOR

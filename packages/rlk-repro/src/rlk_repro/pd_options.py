@@ -58,9 +58,9 @@ CONNECTORS: dict[str, Connector] = {
     "example": Connector(
         "ExampleConnector", None, "files on a local disk (safetensors), rows found by FlashAttention's layout",
         lossless_rlk=False,
-        why="vLLM 0.22's ExampleConnector reads every cache but Triton's and MLA's as FlashAttention's [2, B, N, H, D]: "
-        "on rlk's [B, H, N, 2D] (R attention) a save indexes past the cache (IndexError) and a load writes into a "
-        "copy (measured: tests/vllm/test_kv_connector.py); use rlk-shared-storage"),
+        why="vLLM 0.22's ExampleConnector reads every cache but Triton's and MLA's as FlashAttention's "
+        "[2, B, N, H, D]: on rlk's [B, H, N, 2D] (R attention) a save indexes past the cache (IndexError) and a "
+        "load writes into a copy (measured: tests/vllm/test_kv_connector.py); use rlk-shared-storage"),
     "decode-bench": Connector(
         "DecodeBenchConnector", None, "none: fills the decode engine's KV with placeholder values",
         lossless_rlk=False, why="DecodeBenchConnector transfers no KV (it fills the cache with placeholder values, a "
@@ -187,7 +187,8 @@ def layout(a: argparse.Namespace, cfg) -> dict[str, Any] | None:
         "connector": {"name": a.pd_connector, "class": conn.cls, "module": conn.module, "transport": conn.transport,
                       "lossless_for_rlk_layout": conn.lossless_rlk, "kv_store": store,
                       "kv_store_cleared": "at every weight sync (the files are keyed by prompt tokens, not weights)"},
-        "placement": {"kind": "colocated", "gpus": gpus, "trainer_gpus": list(range(cfg.train_tp * cfg.context_parallel)),
+        "placement": {"kind": "colocated", "gpus": gpus,
+                      "trainer_gpus": list(range(cfg.train_tp * cfg.context_parallel)),
                       "note": "both engines and the trainer share the rollout GPUs (one GPU at TP 1)"},
         "shared": {"routes": rollout if not differ else None, "weights": "every weight sync goes to both engines",
                    "contracts": "both engines' readbacks must carry the run's contract digest (rlk-validate, check "

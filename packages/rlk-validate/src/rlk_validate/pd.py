@@ -12,8 +12,9 @@ per engine (``prefill``, ``decode``) its ``kv_role`` (``kv_producer`` / ``kv_con
 - under an exact run with an ``R`` rollout letter, a connector that moves rlk's KV unchanged
   (``PD_CONNECTOR_LOSSY``);
 - every listed readback present (``PD_READBACK_MISSING``), a vLLM rollout readback that executed ops
-  (``PD_ENGINE_SILENT``), carrying a contract digest (``PD_DIGEST_MISSING``), and one digest over both engines' readbacks, the
-  manifest's where it records one (``PD_DIGEST_DIFFERS``): the two engines ran the same rlk contracts.
+  (``PD_ENGINE_SILENT``), carrying a contract digest (``PD_DIGEST_MISSING``), and one digest over both engines'
+  readbacks, the manifest's where it records one (``PD_DIGEST_DIFFERS``): the two engines ran the same rlk
+  contracts.
 
 A run without ``pd`` in its manifest is not checked here.
 """
