@@ -37,6 +37,8 @@ CONNECTOR = "RlkSharedStorageConnector"
 MODULE_PATH = "rlk_vllm_plugin.kv_connector"
 EXAMPLE = "vllm.distributed.kv_transfer.kv_connector.v1.example_connector"
 _CLASSES: dict[str, type] = {}
+# what this process's connectors moved of rlk's layout (the P/D worker reads it: the decode engine did load KV)
+COUNTS = {"saved_rows": 0, "saved_files": 0, "loaded_rows": 0, "loaded_files": 0}
 
 
 def kv_transfer_config(role: str, storage: str) -> dict[str, Any]:
@@ -88,6 +90,8 @@ def _build() -> type:
                 path = self._generate_filename_debug(layer_name, req.token_ids, req.mm_hashes)
                 picked = rows[req.slot_mapping.to(rows.device)]
                 safetensors.torch.save_file({"kv_cache": picked.detach().cpu().contiguous()}, path)
+                COUNTS["saved_rows"] += int(picked.shape[0])
+                COUNTS["saved_files"] += 1
 
         def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
             attn = forward_context.attn_metadata
@@ -110,6 +114,8 @@ def _build() -> type:
                         raise RuntimeError(f"rlk KV connector: {path} holds {src.dtype} {tuple(src.shape)}, the "
                                            f"cache's rows of layer {name} are {rows.dtype} {want}; not converted")
                     rows[req.slot_mapping.to(rows.device)] = src
+                    COUNTS["loaded_rows"] += int(src.shape[0])
+                    COUNTS["loaded_files"] += 1
 
     return RlkSharedStorageConnector
 
