@@ -11,7 +11,6 @@ import sys
 
 import pytest
 from _frameworks import HERE, checks, failed
-
 from pd_worker import REQUIRED
 
 WORKER = str(HERE / "pd_worker.py")

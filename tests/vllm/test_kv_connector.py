@@ -171,3 +171,23 @@ def test_the_cpu_install_cannot_start_a_vllm_engine():
     source = Path(importlib.util.find_spec("vllm.v1.worker.cpu_worker").origin).read_text(encoding="utf-8")
     assert "torch.ops._C.init_cpu_memory_env" in source
     assert not hasattr(torch.ops._C, "init_cpu_memory_env")
+
+
+def test_the_plan_s_transfer_config_names_rlk_s_connector_to_vllm(capsys):
+    """What ``rlk-repro plan --pd`` prints for each engine is a KVTransferConfig vLLM accepts, and vLLM's connector
+    factory resolves it to rlk's class (as an engine's worker creates its connector)."""
+    import json
+
+    from vllm.config import KVTransferConfig
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    from rlk_repro import cli
+    from rlk_vllm_plugin import kv_connector
+
+    assert cli.main(["plan", "--engine", "frameworks", "--model", "tiny", "--pd"]) == 0
+    pd = json.loads(capsys.readouterr().out)["pd"]
+    for role in ("prefill", "decode"):
+        kt = KVTransferConfig(**pd[role]["kv_transfer_config"])
+        assert kt.kv_role == pd[role]["kv_role"] and (kt.is_kv_producer, kt.is_kv_consumer) == (
+            role == "prefill", role == "decode")
+        assert KVConnectorFactory.get_connector_class(kt) is kv_connector.RlkSharedStorageConnector
