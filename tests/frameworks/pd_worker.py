@@ -17,6 +17,9 @@ between them on the local disk):
 ``prefill-other``  the same engine on ``ckpt-other``: set B's KV, from other weights, to the same store
 ``decode``         R/R, ``kv_role=kv_consumer``, CUDA graphs: sets A and B sampled from the store's KV
 ``recompute``      rlk-repro's ``Trainer`` (consistency plan, train side, bf16) recomputes set A's decode tokens
+``inprocess``      measured, not required: both engines in ONE process, as the frameworks engine's loop would hold
+                   them (vLLM keeps one KV-connector agent per process: which engine's is it, and does set A still
+                   equal one engine's?); last, so the time budget drops it first
 =================  ===========================================================================================
 
 Writes ``pd_exact.json`` / ``.md`` (+ readbacks and logs as tarballs) to ``--out``; exit 1 unless every required check
@@ -35,8 +38,8 @@ from pathlib import Path
 import vllm_stages as V
 import vllm_worker as W
 
-ORDER = ("ckpt", "rr", "prefill", "prefill-other", "decode", "recompute")
-CAPS = {"ckpt": 90, "rr": 150, "prefill": 100, "prefill-other": 100, "decode": 150, "recompute": 120}
+ORDER = ("ckpt", "rr", "prefill", "prefill-other", "decode", "recompute", "inprocess")
+CAPS = {"ckpt": 90, "rr": 150, "prefill": 100, "prefill-other": 100, "decode": 150, "recompute": 120, "inprocess": 200}
 REQUIRED = ("decode.equal_single_engine", "decode.logp_equal_trainer", "decode.loaded_prefill_kv",
             "decode.other_prefill_changes_output", "engines.one_contract_digest", "engines.readback_rlk",
             "engines.validate_pd")
@@ -105,6 +108,42 @@ def stage_engine(a, work: Path, name: str) -> dict:
     res.update(V.engine_readbacks(a, engine))
     torch.save(data, work / f"{name}.pt")
     V.close_engine(engine)
+    return res
+
+
+def _agent() -> dict:
+    from vllm.distributed.kv_transfer import kv_transfer_state
+
+    agent = kv_transfer_state._KV_CONNECTOR_AGENT
+    if agent is None:
+        return {"agent": None}
+    return {"agent": type(agent).__name__, "agent_kv_role": agent._kv_transfer_config.kv_role,
+            "agent_engine_id": agent._kv_transfer_config.engine_id}
+
+
+def stage_inprocess(a, work: Path) -> dict:
+    """Both engines in this one process (measured: the frameworks engine's loop would need it)."""
+    import torch
+
+    from rlk_vllm_plugin import kv_connector
+
+    os.environ.update(ROUTES)
+    store = str(work / "kv-store-inprocess")
+    prompts, set_a, _ = _sets(a, work)
+    res: dict = {}
+    pre = V._VllmEngine(a, work, {"case": "R/R", "env": {}, "backend": "CUSTOM", "eager": True, "kwargs": {
+        "kv_transfer_config": kv_connector.kv_transfer_config("kv_producer", store)}})
+    res["after_prefill_engine"] = {**_agent(), "engine_id": pre.llm.llm_engine.vllm_config.kv_transfer_config.engine_id}
+    dec = V._VllmEngine(a, work, {"case": "R/R", "env": {}, "backend": "CUSTOM", "eager": False, "kwargs": {
+        "kv_transfer_config": kv_connector.kv_transfer_config("kv_consumer", store)}})
+    res["after_decode_engine"] = {**_agent(), "engine_id": dec.llm.llm_engine.vllm_config.kv_transfer_config.engine_id}
+    before = dict(kv_connector.COUNTS)
+    pre.generate(a, [prompts[i] for i in set_a], set_a, 1, 1)
+    recs = dec.generate(a, [prompts[i] for i in set_a], set_a, a.samples, a.max_tokens)
+    res["connector"] = {k: kv_connector.COUNTS[k] - before[k] for k in before}
+    torch.save({"a": recs}, work / "inprocess.pt")
+    V.close_engine(dec)
+    V.close_engine(pre)
     return res
 
 
@@ -195,6 +234,17 @@ def evaluate(result: dict, work: Path) -> None:
         check("engines.readback_rlk", mods_ok, True, readbacks=summaries)
         vp = _validate_pd(result, work)
         check("engines.validate_pd", not vp["findings"], True, **vp)
+    ip = st.get("inprocess") or {}
+    if ip.get("status") not in (None, "skipped"):  # measured, not required: can the loop hold both engines?
+        if (work / "inprocess.pt").exists() and "rr" in data:
+            s = V._same_records(torch.load(work / "inprocess.pt")["a"], data["rr"]["a"])
+            check("inprocess.equal_single_engine", s["sequences"] > 0 and s["token_ids_differ"] == 0
+                  and s["logprobs_differ"] == 0, False, **s, **(ip.get("result") or {}))
+        elif ip.get("error") == "timeout (budget)":  # not measured: the time ran out, not the engines
+            check("inprocess.pair_runs", None, False, error=ip.get("error"))
+        else:
+            check("inprocess.pair_runs", False, False, error=ip.get("error"),
+                  log_tail=(ip.get("log_tail") or "")[-1500:])
     names = {c["name"] for c in checks}
     for req in REQUIRED:
         if req not in names:
@@ -211,7 +261,8 @@ def markdown(result: dict) -> str:
 STAGES = {"ckpt": stage_ckpt, "rr": lambda a, w: stage_engine(a, w, "rr"),
           "prefill": lambda a, w: stage_engine(a, w, "prefill"),
           "prefill-other": lambda a, w: stage_engine(a, w, "prefill-other"),
-          "decode": lambda a, w: stage_engine(a, w, "decode"), "recompute": stage_recompute}
+          "decode": lambda a, w: stage_engine(a, w, "decode"), "recompute": stage_recompute,
+          "inprocess": stage_inprocess}
 
 
 def main(argv=None) -> int:
