@@ -170,12 +170,13 @@ def stage_recompute(a, work: Path) -> dict:
 
 def _validate_pd(result: dict, work: Path) -> dict:
     """rlk-validate's P/D check (rlk_validate.pd) on the two engines' readbacks, as a run directory lists them."""
+    from rlk_validate.evidence import PD_LAYOUT_SCHEMA
     from rlk_validate.pd import check_pd
     from rlk_validate.safeio import Root
 
     run = work / "pd-evidence"
     shutil.rmtree(run, ignore_errors=True)
-    layout: dict = {"schema": "rlk.pd-layout.v1", "connector": {"class": "RlkSharedStorageConnector",
+    layout: dict = {"schema": PD_LAYOUT_SCHEMA, "connector": {"class": "RlkSharedStorageConnector",
                                                                  "lossless_for_rlk_layout": True}}
     for role, stage, kv_role in (("prefill", "prefill", "kv_producer"), ("decode", "decode", "kv_consumer")):
         rels = []

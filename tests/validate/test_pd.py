@@ -9,6 +9,7 @@ from pathlib import Path
 from validate_builders import RR, build_run, mutate_json, read_json, readback, write_json
 
 from rlk_validate.digest import DIGEST_SCHEMA, digest_of
+from rlk_validate.evidence import PD_LAYOUT_SCHEMA
 
 PREFILL, DECODE = "readbacks/vllm-rollout-3000.json", "readbacks/vllm-rollout-3001.json"
 TRAIN = "readbacks/megatron-training-2000.json"
@@ -31,7 +32,7 @@ def _layout(connector_lossless: bool = True) -> dict:
         return {"kv_role": kv_role, "engine": "vllm", "tp": 1, "gpus": [0], "routes": {m: "R" for m in RR},
                 "readbacks": [rb]}
 
-    return {"schema": "rlk.pd-layout.v1", "prefill": engine("kv_producer", PREFILL),
+    return {"schema": PD_LAYOUT_SCHEMA, "prefill": engine("kv_producer", PREFILL),
             "decode": engine("kv_consumer", DECODE),
             "connector": {"name": "rlk-shared-storage", "class": "RlkSharedStorageConnector",
                           "lossless_for_rlk_layout": connector_lossless},

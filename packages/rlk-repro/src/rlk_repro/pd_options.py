@@ -35,6 +35,7 @@ from typing import Any
 
 from rlk_core.errors import RlkConfigError
 from rlk_core.plan import MODULES
+from rlk_validate.evidence import PD_LAYOUT_SCHEMA
 
 RLK_CONNECTOR = "rlk-shared-storage"
 
@@ -180,7 +181,7 @@ def layout(a: argparse.Namespace, cfg) -> dict[str, Any] | None:
                 "readbacks": "its processes' vllm-rollout-<pid>.json, listed here by the run"}
 
     return {
-        "schema": "rlk.pd-layout.v1",
+        "schema": PD_LAYOUT_SCHEMA,
         "prefill": engine("prefill", "kv_producer", prefill_routes, share, "one token per prompt, dropped"),
         "decode": engine("decode", "kv_consumer", rollout, total - share,
                          "the response: the tokens and log-probs the trainer recomputes"),

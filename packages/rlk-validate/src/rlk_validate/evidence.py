@@ -42,6 +42,7 @@ VIME_LOGPROBS_SCHEMA = "rlk.vime-logprobs.v1"
 KERNEL_TRACE_SCHEMA = "rlk.kernel-trace.v1"  # `rlk-repro run --trace` (rlk_validate.kernel_trace)
 VIME_DUMPS_COMPARISON_SCHEMA = "rlk.vime-dumps-comparison.v1"  # `rlk-validate vime-dumps --json`
 CONTRACT_DIGEST_SCHEMA = "rlk.contract-digest.v1"  # the handshake's document (rlk_validate.digest, issue 37)
+PD_LAYOUT_SCHEMA = "rlk.pd-layout.v1"  # the manifest's Prefill/Decode layout (rlk_validate.pd, issue 37)
 
 #: document kind -> schema id
 SCHEMAS: dict[str, str] = {
@@ -63,6 +64,7 @@ SCHEMAS: dict[str, str] = {
     "kernel-trace": KERNEL_TRACE_SCHEMA,
     "vime-dumps-comparison": VIME_DUMPS_COMPARISON_SCHEMA,
     "contract-digest": CONTRACT_DIGEST_SCHEMA,
+    "pd-layout": PD_LAYOUT_SCHEMA,
 }
 
 # -- closed vocabularies ------------------------------------------------------------------------

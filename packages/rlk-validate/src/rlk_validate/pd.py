@@ -23,11 +23,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from .evidence import PD_LAYOUT_SCHEMA as SCHEMA
 from .findings import Finding, finding
 from .safeio import Root
 
 CHECK = "pd"
-SCHEMA = "rlk.pd-layout.v1"
 ROLES = {"prefill": "kv_producer", "decode": "kv_consumer"}
 MODULE_LETTERS = ("P", "R")
 
