@@ -82,3 +82,21 @@ def test_run_pd_checks_the_layout_then_refuses(capsys, tmp_path):
     err = capsys.readouterr().err
     assert code == cli.EXIT_USAGE and pd_options.engine_problem() in err and "pd_worker.py" in err, err
     assert not any(tmp_path.iterdir())
+
+
+def test_doctor_pd_says_what_the_connector_needs(capsys):
+    from rlk_core.plan import RoutePlan
+
+    assert cli.main(["doctor", "--device", "cpu", "--pd"]) == cli.EXIT_OK
+    out = capsys.readouterr().out
+    assert "RlkSharedStorageConnector (rlk_vllm_plugin.kv_connector)" in out and "run --pd refuses" in out
+
+    def status(connector, preset):
+        return {c.name: c.status for c in pd_options.doctor_checks(connector, RoutePlan.preset(preset))}
+
+    assert status("example", "consistency")["pd kv layout"] == "FAIL"
+    assert status("example", "native")["pd kv layout"] == "ok"
+    import importlib.util
+
+    nixl = importlib.util.find_spec("nixl") is not None
+    assert status("nixl", "native")["pd connector"] == ("ok" if nixl else "FAIL")  # NixlConnector needs nixl

@@ -103,6 +103,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--json", metavar="FILE", help="also write the result as JSON")
     d.add_argument("--workspace", metavar="W", default=None,  # issue 37
                    help="also check a prepared workspace: its recorded layout, data, manifests and checkpoint")
+    d.add_argument("--pd", action="store_true", help="also check what a Prefill/Decode split needs (issue 37)")
+    d.add_argument("--pd-connector", choices=tuple(pd_options.CONNECTORS), default=pd_options.RLK_CONNECTOR,
+                   help="the split's KV-transfer connector (rlk-shared-storage)")
     d.add_argument("--debug", action="store_true", help="show tracebacks")
     rp = sub.add_parser("report", help="plots and a summary table of run directories and matrix roots",
                         description="consistency.png, learning.png, optimization.png, performance.png and "
@@ -536,6 +539,10 @@ def _cmd_doctor(a: argparse.Namespace) -> int:
         from rlk_repro.workspace import checks as workspace_checks
 
         checks += workspace_checks(a.workspace)
+    if a.pd:  # issue 37: the Prefill/Decode split
+        from rlk_repro import pd_options
+
+        checks += pd_options.doctor_checks(a.pd_connector, plan)
     print(f"rlk-repro doctor: device {device}, plan "
           + ", ".join(f"{m} {c['case']} ({c['source']})" for m, c in resolved.as_dict().items()))
     print(format_checks(checks))

@@ -205,3 +205,30 @@ def engine_problem() -> str:
     return ("the frameworks engine's loop holds one vLLM engine in its process, and two would share vLLM's one "
             "KV-connector agent and rlk-vllm-plugin's one runtime per process: `rlk-repro plan --pd` checks and "
             "records the layout; the pair runs on one GPU in tests/frameworks/pd_worker.py (docs/frameworks.md)")
+
+
+def doctor_checks(connector: str, plan) -> list:
+    """``rlk-repro doctor --pd``: whether this machine has what the layout's connector needs (its module importable
+    through vLLM, its packages), whether the connector moves this plan's KV unchanged, and what runs the pair."""
+    from rlk_repro.doctor import FAIL, OK, WARN, Check
+
+    conn = CONNECTORS[connector]
+    module = conn.module or "vllm.distributed.kv_transfer.kv_connector.factory"
+    try:
+        found = importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        found = False
+    missing = [m for m in conn.packages if importlib.util.find_spec(m) is None]
+    if not found or missing:
+        what = ", ".join(([module] if not found else []) + missing)
+        out = [Check("pd connector", FAIL, f"{conn.cls} needs {what} (not importable here)")]
+    else:
+        out = [Check("pd connector", OK, f"{conn.cls} ({module}): {conn.transport}")]
+    r_rollout = any(plan.uses_rlk(m, "rollout") for m in MODULES)
+    if conn.why and (r_rollout or not conn.one_gpu or connector == "decode-bench"):
+        out.append(Check("pd kv layout", FAIL, conn.why))
+    else:
+        out.append(Check("pd kv layout", OK, "moves the engine's KV rows unchanged" if conn.lossless_rlk else
+                         "vLLM's own layout handling (every rollout letter P)"))
+    out.append(Check("pd engine", WARN, f"run --pd refuses: {engine_problem()}"))
+    return out
