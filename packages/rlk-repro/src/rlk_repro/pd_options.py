@@ -151,7 +151,8 @@ def layout(a: argparse.Namespace, cfg) -> dict[str, Any] | None:
 
     if tp_options.model_config(cfg).is_moe:
         raise RlkConfigError("--pd with a Qwen3-MoE model: the decode engine does not compute the prompt positions "
-                             "whose KV it receives, so the routing record the MoE comparison needs lacks them")
+                             "whose KV it receives, so the routing record the MoE comparison needs lacks them "
+                             "(vLLM 0.22 refuses its own routed-experts record with any KV connector for that reason)")
     if a.pd_connector == "decode-bench" or not conn.one_gpu:  # colocated engines: cannot run in any mode
         raise RlkConfigError(f"--pd-connector {a.pd_connector}: {conn.why}")
     problems = []
@@ -207,6 +208,23 @@ def engine_problem() -> str:
             "records the layout; the pair runs on one GPU in tests/frameworks/pd_worker.py (docs/frameworks.md)")
 
 
+def _module_file(name: str) -> bool:
+    """Whether module ``name`` is installed, found from its top-level package's folder without importing anything
+    (importing vLLM's packages would resolve its platform in this process)."""
+    from pathlib import Path
+
+    top, _, rest = name.partition(".")
+    try:
+        spec = importlib.util.find_spec(top)
+    except (ImportError, ValueError):
+        return False
+    if spec is None or not rest:
+        return spec is not None
+    sub = Path(*rest.split("."))
+    return any((Path(p) / sub).with_suffix(".py").is_file() or (Path(p) / sub / "__init__.py").is_file()
+               for p in spec.submodule_search_locations or ())
+
+
 def doctor_checks(connector: str, plan) -> list:
     """``rlk-repro doctor --pd``: whether this machine has what the layout's connector needs (its module importable
     through vLLM, its packages), whether the connector moves this plan's KV unchanged, and what runs the pair."""
@@ -214,10 +232,7 @@ def doctor_checks(connector: str, plan) -> list:
 
     conn = CONNECTORS[connector]
     module = conn.module or "vllm.distributed.kv_transfer.kv_connector.factory"
-    try:
-        found = importlib.util.find_spec(module) is not None
-    except (ImportError, ValueError):
-        found = False
+    found = _module_file(module)
     missing = [m for m in conn.packages if importlib.util.find_spec(m) is None]
     if not found or missing:
         what = ", ".join(([module] if not found else []) + missing)
