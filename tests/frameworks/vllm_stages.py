@@ -115,7 +115,7 @@ class _VllmEngine:
     def __init__(self, a, work: Path, spec: dict) -> None:
         from vllm import LLM
 
-        kw = dict(model=str(work / "ckpt"), dtype="bfloat16", skip_tokenizer_init=True, seed=a.seed,
+        kw = dict(model=str(work / spec.get("ckpt", "ckpt")), dtype="bfloat16", skip_tokenizer_init=True, seed=a.seed,
                   max_model_len=a.prompt_max + a.max_tokens + 16, enforce_eager=spec["eager"],
                   gpu_memory_utilization=a.gpu_mem, enable_chunked_prefill=True,
                   max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_batched_tokens,
@@ -133,6 +133,7 @@ class _VllmEngine:
                 compilation["pass_config"] = {"fuse_allreduce_rms": False}
         if compilation:
             kw["compilation_config"] = compilation
+        kw.update(spec.get("kwargs", {}))  # a stage's own engine arguments (pd_worker.py: kv_transfer_config)
         self.kwargs = {k: v for k, v in kw.items() if k != "model"}
         t0 = time.perf_counter()
         self.llm = LLM(**kw)

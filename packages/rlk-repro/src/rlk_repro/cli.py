@@ -68,6 +68,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "its last round state, with its recorded options (a conflicting option exits 2); RUN_DIR is not "
                    "written")
     _experiment_options(r)
+    from rlk_repro import pd_options  # issue 37: the Prefill/Decode split (run and plan only)
+
+    pd_options.add_options(r)
     pl = sub.add_parser("plan", help="print the resolved plan, environment and configuration of a run; runs nothing",
                         description="Resolve the options of `rlk-repro run` and print them as JSON (plan, the "
                         "RL_KERNEL_* variables that select it, the full configuration); nothing is run or written.")
@@ -76,6 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "run (a shell script, or --json; its own options: `rlk-repro plan --engine vime --help`)")
     _plan_options(pl)
     _experiment_options(pl)
+    pd_options.add_options(pl)
     m = sub.add_parser("matrix", help="run the operator ablation matrix and check it with rlk-validate matrix",
                        description="Run every cell of the ablation matrix into one new matrix root under --output "
                        "(or finish an interrupted one with --resume), then validate it.")
@@ -99,6 +103,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--json", metavar="FILE", help="also write the result as JSON")
     d.add_argument("--workspace", metavar="W", default=None,  # issue 37
                    help="also check a prepared workspace: its recorded layout, data, manifests and checkpoint")
+    d.add_argument("--pd", action="store_true", help="also check what a Prefill/Decode split needs (issue 37)")
+    d.add_argument("--pd-connector", choices=tuple(pd_options.CONNECTORS), default=pd_options.RLK_CONNECTOR,
+                   help="the split's KV-transfer connector (rlk-shared-storage)")
     d.add_argument("--debug", action="store_true", help="show tracebacks")
     rp = sub.add_parser("report", help="plots and a summary table of run directories and matrix roots",
                         description="consistency.png, learning.png, optimization.png, performance.png and "
@@ -386,6 +393,11 @@ def _cmd_run(a: argparse.Namespace, argv: Sequence[str]) -> int:
         else:
             result = run_local(cfg, output, progress=Progress(), resume=parent)
         return _report_run(cfg, result)
+    from rlk_repro import pd_options  # issue 37
+
+    if pd_options.given(a) and (a.resume is not None or a.pair):
+        raise RlkConfigError(f"--pd with {'--resume' if a.resume is not None else '--pair'}: a P/D run is one new "
+                             "frameworks run")
     if a.pair:  # issue 37: a phase's native / consistency pairs (rlk_repro.phase_pairs)
         from rlk_repro import phase_pairs
 
@@ -393,6 +405,8 @@ def _cmd_run(a: argparse.Namespace, argv: Sequence[str]) -> int:
     resolved = _resolve(a)
     cfg = _config(a, argv, resolved)
     plan = resolved.plan
+    if pd_options.layout(a, cfg) is not None:  # checked first: a layout problem is said before the refusal
+        raise RlkConfigError(f"run --pd: {pd_options.engine_problem()}")
     if _frameworks(a):
         _needs(a)
     _preflight(cfg, a.output)
@@ -459,6 +473,11 @@ def _cmd_plan(a: argparse.Namespace, argv: Sequence[str]) -> int:
 
         doc["parallel"] = tp_options.section(cfg, tp_options.check(cfg))
         doc["env"].update(tp_options.env(cfg))
+    from rlk_repro import pd_options  # issue 37: the Prefill/Decode split
+
+    pd = pd_options.layout(a, cfg)
+    if pd is not None:
+        doc["pd"] = pd
     print(json.dumps(doc, indent=2))
     return EXIT_OK
 
@@ -523,6 +542,10 @@ def _cmd_doctor(a: argparse.Namespace) -> int:
         from rlk_repro.workspace import checks as workspace_checks
 
         checks += workspace_checks(a.workspace)
+    if a.pd:  # issue 37: the Prefill/Decode split
+        from rlk_repro import pd_options
+
+        checks += pd_options.doctor_checks(a.pd_connector, plan)
     print(f"rlk-repro doctor: device {device}, plan "
           + ", ".join(f"{m} {c['case']} ({c['source']})" for m, c in resolved.as_dict().items()))
     print(format_checks(checks))

@@ -42,6 +42,7 @@ VIME_LOGPROBS_SCHEMA = "rlk.vime-logprobs.v1"
 KERNEL_TRACE_SCHEMA = "rlk.kernel-trace.v1"  # `rlk-repro run --trace` (rlk_validate.kernel_trace)
 VIME_DUMPS_COMPARISON_SCHEMA = "rlk.vime-dumps-comparison.v1"  # `rlk-validate vime-dumps --json`
 CONTRACT_DIGEST_SCHEMA = "rlk.contract-digest.v1"  # the handshake's document (rlk_validate.digest, issue 37)
+PD_LAYOUT_SCHEMA = "rlk.pd-layout.v1"  # the manifest's Prefill/Decode layout (rlk_validate.pd, issue 37)
 
 #: document kind -> schema id
 SCHEMAS: dict[str, str] = {
@@ -63,6 +64,7 @@ SCHEMAS: dict[str, str] = {
     "kernel-trace": KERNEL_TRACE_SCHEMA,
     "vime-dumps-comparison": VIME_DUMPS_COMPARISON_SCHEMA,
     "contract-digest": CONTRACT_DIGEST_SCHEMA,
+    "pd-layout": PD_LAYOUT_SCHEMA,
 }
 
 # -- closed vocabularies ------------------------------------------------------------------------
@@ -302,6 +304,10 @@ MANIFEST_FIELDS = (
        "round; every readback then carries it", required=False),
     _f("rollout_quantization", "string", "`none` or `fp8` (vLLM's FP8 weights and activations on the rollout, the "
        "trainer BF16): a quantized rollout is a mismatch knob, never a bitwise claim", required=False),
+    _f("pd", "object", "a Prefill/Decode split's layout (`rlk.pd-layout.v1`, issue 37; `rlk-repro plan --pd`): "
+       "`prefill` / `decode` each with `kv_role` (`kv_producer` / `kv_consumer`), `routes` (module -> `P` / `R`) and "
+       "`readbacks` (the run-directory paths of its processes' readbacks), `connector` (`class`, "
+       "`lossless_for_rlk_layout`, ...), `placement`; checked by rlk_validate.pd", required=False),
 )
 METRICS_FIELDS = (
     _f("schema", "string", f"`{METRICS_SCHEMA}`"),

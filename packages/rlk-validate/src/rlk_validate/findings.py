@@ -177,6 +177,18 @@ CODES: dict[str, tuple[str, str]] = {
     "CONTRACT_DIGEST_DISAGREES": (ERROR, "a contract digest disagrees with the readback's plan or executed contracts "
                                   "and backends, or the manifest's / metrics lines' digest is not the readbacks'"),
     "CONTRACT_DIGEST_MISSING": (ERROR, "the manifest records a contract digest but a readback carries none"),
+    # Prefill/Decode layout (rlk_validate.pd, issue 37)
+    "PD_LAYOUT_INVALID": (ERROR, "the manifest's pd layout is malformed (roles, routes, readback lists, a readback "
+                          "listed by both engines, one that is not a vLLM rollout readback)"),
+    "PD_ROUTES_DIFFER": (ERROR, "the prefill and decode engines ran different routes, or the decode engine not the "
+                         "plan's rollout letters (a warning where exactness is not required)"),
+    "PD_CONNECTOR_LOSSY": (ERROR, "an exact run with rlk on the rollout used a KV connector not recorded as moving "
+                           "rlk's KV layout unchanged"),
+    "PD_READBACK_MISSING": (INCOMPLETE, "a readback the P/D layout lists is absent or unusable"),
+    "PD_ENGINE_SILENT": (ERROR, "a P/D engine's readback records no executed op"),
+    "PD_DIGEST_MISSING": (ERROR, "a P/D engine's readback carries no contract digest"),
+    "PD_DIGEST_DIFFERS": (ERROR, "the prefill and decode engines' readbacks carry different contract digests, or not "
+                          "the manifest's"),
     "MODULE_RECORD_MISSING": (ERROR, "a planned module has no record in a side's readbacks"),
     "MODULE_NOT_EXECUTED": (ERROR, "a planned module has call_count 0 on every process of a side"),
     "CASE_MISMATCH": (ERROR, "a module record's case is not this side's letter of the plan"),

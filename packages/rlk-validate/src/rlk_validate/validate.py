@@ -17,6 +17,7 @@ from .evidence import EXIT_CODE, INFORMATIVE_LOGP, MIN_INFORMATIVE_FRACTION, RUN
 from .findings import finding
 from .greedy import check_greedy
 from .kernel_trace import check_kernel_trace
+from .pd import check_pd
 from .readbacks import check_readbacks
 from .report import Report
 from .run import check_exit_and_log, check_manifest
@@ -159,6 +160,7 @@ def _validate(run_dir: str, opts: Options, report: Report) -> None:
     f.extend(check_greedy(root, _manifest_doc(root), report.require_exact))  # issue 40: greedy rollout requests
     f.extend(check_kernel_trace(root, info["plan"], _manifest_doc(root)))  # issue 37: run --trace
     f.extend(check_cuda_graphs(root, _manifest_doc(root)))  # issue 37: CUDA-graph evidence vs the manifest
+    f.extend(check_pd(root, _manifest_doc(root), report.require_exact))  # issue 37: the Prefill/Decode layout
     f.extend(digest_tree(root))
     report.inputs = dict(sorted(root.digests.items()))
     check_complete(root, report, opts.verify_key)
