@@ -27,31 +27,31 @@ def test_every_variant_same_bits_tp_shards_and_the_leaf_tree(run_interpreted):
         return y
 
     g = torch.Generator().manual_seed(0)
-    # decode, row and ragged leaves (EVEN_K False); (40, 100) on 16x32 tiles: 12 tiles, more than CPU.sms, so the
-    # stash kernel's persistent loop reuses its workspace slots
-    for m, n, k, tile in ((3, 40, 8 * 24, T._SPLIT_DECODE), (20, 70, 8 * 16, T._ROWS), (17, 33, 8 * 40, T._DECODE),
-                          (40, 100, 8 * 32, T._SPLIT_DECODE)):
-        for dtype in (torch.float32, torch.float16):
-            x = torch.randn(m, k, generator=g).to(dtype)
-            w = (torch.randn(n, k, generator=g) / k ** 0.5).to(dtype)
-            base = run(x, w, 8, "fused", tile)
-            torch.testing.assert_close(base, ref(x, w, 8), **dtype_tols(torch.float32))
-            for v in T.VARIANTS:
-                assert torch.equal(run(x, w, 8, v, tile), base), (dtype, m, n, k, v)
-                for tp in (2, 4, 8):
-                    c = k // tp
-                    parts = [run(x[:, r * c:(r + 1) * c], w[:, r * c:(r + 1) * c], 8 // tp, v, tile)
-                             for r in range(tp)]
-                    assert torch.equal(tree_sum_fp32(parts), base), (dtype, m, n, k, v, tp)
-            leaf = k // 8
-            leaves = [run(x[:, j * leaf:(j + 1) * leaf], w[:, j * leaf:(j + 1) * leaf], 1, "split", tile)
-                      for j in range(8)]
-            assert torch.equal(pairs_sum(leaves), base)
-            seq = leaves[0]
-            for part in leaves[1:]:
-                seq = seq + part
-            assert not torch.equal(seq, base), "negative control: another tree over the same leaves"
-            assert not torch.equal(run(x, w, 1, "split", tile), base), "negative control: one leaf"
+    # decode, ragged leaves (EVEN_K False: L = 40, BLOCK_K 32 in fp32); (40, 100) on 16x32 tiles: 12 tiles, more than
+    # CPU.sms, so the stash kernel's persistent loop reuses its workspace slots (TP 4 is the rule test's)
+    for m, n, k, tile, dtype in ((3, 40, 8 * 16, T._SPLIT_DECODE, torch.float16),
+                                 (17, 33, 8 * 40, T._DECODE, torch.float32),
+                                 (40, 100, 8 * 16, T._SPLIT_DECODE, torch.float16)):
+        x = torch.randn(m, k, generator=g).to(dtype)
+        w = (torch.randn(n, k, generator=g) / k ** 0.5).to(dtype)
+        base = run(x, w, 8, "fused", tile)
+        torch.testing.assert_close(base, ref(x, w, 8), **dtype_tols(torch.float32))
+        for v in T.VARIANTS:
+            assert torch.equal(run(x, w, 8, v, tile), base), (dtype, m, n, k, v)
+            for tp in (2, 8):
+                c = k // tp
+                parts = [run(x[:, r * c:(r + 1) * c], w[:, r * c:(r + 1) * c], 8 // tp, v, tile)
+                         for r in range(tp)]
+                assert torch.equal(tree_sum_fp32(parts), base), (dtype, m, n, k, v, tp)
+        leaf = k // 8
+        leaves = [run(x[:, j * leaf:(j + 1) * leaf], w[:, j * leaf:(j + 1) * leaf], 1, "split", tile)
+                  for j in range(8)]
+        assert torch.equal(pairs_sum(leaves), base)
+        seq = leaves[0]
+        for part in leaves[1:]:
+            seq = seq + part
+        assert not torch.equal(seq, base), "negative control: another tree over the same leaves"
+        assert not torch.equal(run(x, w, 1, "split", tile), base), "negative control: one leaf"
     print("ok")
     """)
 
@@ -62,7 +62,7 @@ def test_rule_tp_shards_bitwise_and_rows_across_the_variant_switch(run_interpret
     from rlk_core.ops.linear_tp import triton as T
 
     g = torch.Generator().manual_seed(1)
-    for m in (3, 130):  # the rule's split and stash (fp16)
+    for m in (3, 130):  # the rule's split and stash (fp16), at TP 2, 4, 8
         x = torch.randn(m, 8 * 16, generator=g).half()
         w = (torch.randn(72, 8 * 16, generator=g) / 11.3).half()
         full = T.forward(CPU, x, w, 8)

@@ -290,7 +290,9 @@ def partials(p, x: torch.Tensor, weight: torch.Tensor, leaves: int, which: str |
 
 def _launch(p, x: torch.Tensor, weight: torch.Tensor, leaves: int, out: torch.Tensor,
             cfg: dict[str, int | bool | str]) -> None:
-    """``out`` (fp32 ``[M, N]``, contiguous for ``split`` with more than one leaf) = the call's merged partial."""
+    """``out`` (fp32 ``[M, N]``, contiguous for ``split`` with more than one leaf) = the call's merged partial. The
+    workspaces are buffers of the call (``p.new``), never freed early: ``rlk.cuda`` keeps a plan with no ``free`` as
+    one program."""
     m, k = x.shape
     n = weight.shape[0]
     c = dict(cfg)
@@ -307,13 +309,11 @@ def _launch(p, x: torch.Tensor, weight: torch.Tensor, leaves: int, out: torch.Te
         if leaves > 1:
             p.launch(_linear_tp_merge_kernel, (triton.cdiv(m * n, MERGE_BLOCK),), ws, out, m * n, LEAVES=leaves,
                      BLOCK=MERGE_BLOCK, num_warps=4)
-            p.free(ws)
     elif which == "stash":
         programs = min(tiles, p.sms)
         ws = p.new((programs * slots(leaves) * c["BLOCK_M"] * c["BLOCK_N"],), torch.float32)
         p.launch(_linear_tp_stash_kernel, (programs,), x, weight, out, ws, m, n, k // leaves, *xs,
                  out.stride(0), out.stride(1), LEAVES=leaves, SLOTS=slots(leaves), NUM_PROGRAMS=p.sms, **c)
-        p.free(ws)
     else:
         raise ValueError(f"linear_tp: no variant {which!r}; known: {VARIANTS}")
 
