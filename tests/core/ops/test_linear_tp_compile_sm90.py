@@ -39,6 +39,7 @@ def test_split_kernels_compile_without_spills():
     for tile in T.TILES["split"]:
         ptx = _compile(T, T._linear_tp_leaf_kernel, T.tile_config(tile, 512, torch.bfloat16), "*bf16")
         assert ("wgmma" in ptx) == (tile[0] >= 64), tile
+    _compile(T, T._linear_tp_leaf_kernel, T.tile_config(T._FP32, 512, torch.float32), "*fp32")
     for leaves in (2, 8):
         compile_sm90(T._linear_tp_merge_kernel, dict(LEAVES=leaves, BLOCK=T.MERGE_BLOCK),
                      pointers={"ws_ptr": "*fp32", "y_ptr": "*fp32"}, num_warps=4)
