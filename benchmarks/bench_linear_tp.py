@@ -86,8 +86,8 @@ def parse_variants(text: str) -> tuple[str, ...]:
     names = tp_triton.VARIANTS if text == "all" else tuple(v for v in text.split(",") if v)
     bad = [v for v in names if v not in tp_triton.VARIANTS]
     if bad or not names:
-        raise SystemExit(f"bench_linear_tp: --variants {text!r}: unknown {bad or 'empty'}; "
-                         f"give rule, all or a comma list of {', '.join(tp_triton.VARIANTS)}")
+        raise ValueError(f"--variants {text!r}: unknown {bad or 'empty'}; give rule, all or a comma list of "
+                         f"{', '.join(tp_triton.VARIANTS)}")
     return names
 
 
@@ -98,7 +98,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--variants", default="rule",
                     help="rule (the op only, default), all, or a comma list of fused,split,stash: each timed forced")
     args = ap.parse_args(argv)
-    variants = parse_variants(args.variants)
+    try:
+        variants = parse_variants(args.variants)
+    except ValueError as e:
+        ap.error(str(e))  # exit 2
     require_cuda("bench_linear_tp")
     shapes, tps, ms = row_parallel_shapes(), (1, 2, 4, 8), M_LIST
     if args.quick:
