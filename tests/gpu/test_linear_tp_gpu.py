@@ -2,7 +2,10 @@
 K slice run with that rank's own launch (its shapes, G / TP leaves), the partials merged by rlk.collective.v1's rank
 tree in process (``tree_sum_fp32``) and rounded once — TP 1, 2, 4, 8 bitwise equal on the Qwen3-8B row-parallel
 shapes at decode and training M; batch-invariant; close to the reference; the native per-rank GEMM + sum differs.
-(Part of the GPU suite since it was written: passed in the clean run of `tests/gpu` at `c9d2ad4`.)"""
+Every variant of the kernel (fused, split, stash: ``rlk_core.ops.linear_tp.triton``), forced through the launch plan,
+gives the rule's bits at every TP, and a row's bits do not depend on M across the rule's variant switch.
+(The rule's tests passed in the clean run of `tests/gpu` at `c9d2ad4`, before the variants; the variant tests are
+written, not run.)"""
 
 from __future__ import annotations
 
@@ -12,6 +15,8 @@ import torch.nn.functional as F
 
 from rlk_collectives import reduce_reference, tree_sum_fp32
 from rlk_core.ops import linear_tp, linear_tp_finish, linear_tp_partials
+from rlk_core.ops._plan import jit_plan
+from rlk_core.ops.linear_tp import triton as T
 from rlk_core.ops.linear_tp.reference import linear_tp_partials_reference
 from rlk_core.testing import check_batch_invariance
 
@@ -28,9 +33,15 @@ def _inputs(m, n, k, seed=0):
     return x, w
 
 
-def _emulated(x, w, tp, g=8):
+def _emulated(x, w, tp, g=8, which=None):
     c = x.shape[1] // tp
-    parts = [linear_tp_partials(x[:, r * c:(r + 1) * c], w[:, r * c:(r + 1) * c], g // tp) for r in range(tp)]
+
+    def part(xr, wr):
+        if which is None:
+            return linear_tp_partials(xr, wr, g // tp)
+        return T.partials(jit_plan(x.device), xr, wr, g // tp, which)
+
+    parts = [part(x[:, r * c:(r + 1) * c], w[:, r * c:(r + 1) * c]) for r in range(tp)]
     return linear_tp_finish(tree_sum_fp32(parts), None, x.dtype)
 
 
@@ -41,6 +52,36 @@ def test_emulated_tp_1_2_4_8_bitwise(m, n, k):
     want = linear_tp(x, w)
     for tp in (1, 2, 4, 8):
         assert torch.equal(_emulated(x, w, tp), want), (m, n, k, tp)
+
+
+@pytest.mark.parametrize("n, k", SHAPES)
+@pytest.mark.parametrize("m", [1, 16, 17, T.SPLIT_MAX_M, T.SPLIT_MAX_M + 1, 1000])
+def test_every_variant_at_every_tp_gives_the_rules_bits(m, n, k):
+    x, w = _inputs(m, n, k, seed=3)
+    want = linear_tp(x, w)
+    for which in T.VARIANTS:
+        for tp in (1, 2, 4, 8):
+            assert torch.equal(_emulated(x, w, tp, which=which), want), (m, n, k, which, tp)
+
+
+def test_rows_across_the_variant_switch():
+    """M = SPLIT_MAX_M runs split, one row more runs stash (the rule), and 1 row decode's split tile: a row's bits
+    are the same in all three, at TP 1 and TP 4 (the rank's own leaves)."""
+    x, w = _inputs(T.SPLIT_MAX_M + 1, 4096, 12288, seed=4)
+    assert T.variant(x.dtype, T.SPLIT_MAX_M, 4096, 12288 // 8) != T.variant(x.dtype, T.SPLIT_MAX_M + 1, 4096, 1536)
+    for tp in (1, 4):
+        c = 12288 // tp
+        xr, wr = x[:, :c].contiguous(), w[:, :c].contiguous()
+        big = linear_tp_partials(xr, wr, 8 // tp)
+        assert torch.equal(linear_tp_partials(xr[:T.SPLIT_MAX_M], wr, 8 // tp), big[:T.SPLIT_MAX_M]), tp
+        assert torch.equal(linear_tp_partials(xr[5:6], wr, 8 // tp), big[5:6]), tp
+
+
+def test_negative_control_variants_are_not_the_bi_gemm():
+    x, w = _inputs(300, 4096, 4096, seed=5)
+    for which in T.VARIANTS:
+        assert not torch.equal(T.partials(jit_plan(x.device), x, w, 8, which), T.partials(jit_plan(x.device), x, w,
+                                                                                          1, which)), which
 
 
 def test_close_to_the_reference_and_batch_invariant():

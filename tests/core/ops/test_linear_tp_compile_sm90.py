@@ -1,6 +1,6 @@
-"""linear_tp_partials' kernel compiles for sm_90 on this CPU machine with every tile its rule picks and every leaf
-count up to 8, without register spills or serialised wgmma (ptxas's report; the helper of
-test_kernels_compile_sm90.py)."""
+"""linear_tp_partials' kernels compile for sm_90 on this CPU machine with every (variant, tile) the rule or the
+benchmark picks and every leaf count up to 8, without register spills or serialised wgmma (ptxas's report; the
+helper of test_kernels_compile_sm90.py)."""
 
 import importlib.util
 
@@ -12,20 +12,47 @@ from .test_kernels_compile_sm90 import compile_sm90
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
 
 
+def _compile(T, kernel, c, name, **extra):
+    ptrs = {"x_ptr": name, "w_ptr": name, "y_ptr": "*fp32", "ws_ptr": "*fp32"}
+    constexprs = dict(EVEN_K=True, IEEE=c["IEEE"], BLOCK_M=c["BLOCK_M"], BLOCK_N=c["BLOCK_N"], BLOCK_K=c["BLOCK_K"],
+                      GROUP_M=c["GROUP_M"], **extra)
+    return compile_sm90(kernel, constexprs, pointers=ptrs, num_warps=c["num_warps"], num_stages=c["num_stages"],
+                        ones=("stride_xk", "stride_wk", "stride_yn"))
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_linear_tp_kernel_compiles_without_spills(dtype):
+def test_fused_kernel_compiles_without_spills(dtype):
     from rlk_core.ops.linear_tp import triton as T
 
-    tiles = [T._FP32] if dtype == torch.float32 else [T._DECODE, T._ROWS]
+    tiles = [T._FP32] if dtype == torch.float32 else list(T.TILES["fused"])
     name = "*fp32" if dtype == torch.float32 else "*bf16"
     for tile in tiles:
         for leaves in (1, 8) if dtype == torch.bfloat16 else (8,):
-            c = T.tile_config(tile, 512, dtype)
-            ptx = compile_sm90(T._linear_tp_fwd_kernel,
-                               dict(LEAVES=leaves, EVEN_K=True, IEEE=c["IEEE"], BLOCK_M=c["BLOCK_M"],
-                                    BLOCK_N=c["BLOCK_N"], BLOCK_K=c["BLOCK_K"], GROUP_M=c["GROUP_M"]),
-                               pointers={"x_ptr": name, "w_ptr": name, "y_ptr": "*fp32"}, num_warps=c["num_warps"],
-                               num_stages=c["num_stages"], ones=("stride_xk", "stride_wk", "stride_yn"))
+            ptx = _compile(T, T._linear_tp_fwd_kernel, T.tile_config(tile, 512, dtype), name, LEAVES=leaves)
             if dtype == torch.bfloat16:
                 assert ("wgmma" in ptx) == (tile[0] >= 64), (tile, leaves)
 
+
+def test_split_kernels_compile_without_spills():
+    from rlk_core.ops.linear_tp import triton as T
+
+    for tile in T.TILES["split"]:
+        ptx = _compile(T, T._linear_tp_leaf_kernel, T.tile_config(tile, 512, torch.bfloat16), "*bf16")
+        assert ("wgmma" in ptx) == (tile[0] >= 64), tile
+    _compile(T, T._linear_tp_leaf_kernel, T.tile_config(T._FP32, 512, torch.float32), "*fp32")
+    for leaves in (2, 8):
+        compile_sm90(T._linear_tp_merge_kernel, dict(LEAVES=leaves, BLOCK=T.MERGE_BLOCK),
+                     pointers={"ws_ptr": "*fp32", "y_ptr": "*fp32"}, num_warps=4)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_stash_kernel_compiles_without_spills(dtype):
+    from rlk_core.ops.linear_tp import triton as T
+
+    tile = T._FP32 if dtype == torch.float32 else T._STASH
+    name = "*fp32" if dtype == torch.float32 else "*bf16"
+    for leaves in (8,) if dtype == torch.float32 else (1, 8):
+        ptx = _compile(T, T._linear_tp_stash_kernel, T.tile_config(tile, 512, dtype), name, LEAVES=leaves,
+                       SLOTS=T.slots(leaves), NUM_PROGRAMS=132)
+        if dtype == torch.bfloat16:
+            assert "wgmma" in ptx

@@ -39,7 +39,8 @@ TRACE_SIDES = ("rollout", "train")
 #: and ops (``rlk::<op>``, their eager autograd functions ``<op>_function`` / ``<op>_functionBackward``) by family
 RLK_KERNELS: dict[str, tuple[str, ...]] = {
     "gemm": ("_linear_fwd_kernel", "_linear_tma_kernel", "_linear_bwd_kernel", "_linear_bwd_tma_kernel",
-             "_linear_tp_fwd_kernel", "_moe_grouped_fwd_kernel", "_moe_wgrad_kernel"),
+             "_linear_tp_fwd_kernel", "_linear_tp_leaf_kernel", "_linear_tp_merge_kernel", "_linear_tp_stash_kernel",
+             "_moe_grouped_fwd_kernel", "_moe_wgrad_kernel"),
     "attention_fwd": ("_attention_fwd_kernel", "_kv_cache_write_kernel"),
     "attention_bwd": ("_attn_bwd_stats_kernel", "_attn_bwd_dkdv_kernel", "_attn_bwd_group_sum_kernel",
                       "_attn_bwd_dq_kernel"),

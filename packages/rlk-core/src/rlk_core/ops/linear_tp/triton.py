@@ -1,15 +1,31 @@
-"""Triton kernel of ``linear_tp_partials`` under contract ``rlk.gemm.tp.v1`` (backend ``rlk.triton``).
+"""Triton kernels of ``linear_tp_partials`` under contract ``rlk.gemm.tp.v1`` (backend ``rlk.triton``).
 
-One program per ``BLOCK_M x BLOCK_N`` output tile. For each of the ``LEAVES`` leaves in order, a fresh fp32
-accumulator runs that leaf's K loop — the loop of ``linear``'s pointer kernel (``_linear_fwd_kernel``): ``tl.dot``
-k-steps in increasing k over the leaf's ``LEAF_K`` columns, masked past them — and the finished leaves are merged
-on chip by a binary counter over leaf order (after leaf ``j``: add it onto its left siblings while ``j + 1`` has
-trailing zero bits), which is the balanced adjacent-pairs tree ``((l0 + l1) + (l2 + l3)) + ...`` of the contract with
-at most ``log2(LEAVES) + 1`` accumulators alive. The merged partial is stored once, in fp32, never rounded.
+Every kernel here computes each leaf the same way — a fresh fp32 accumulator through the leaf's K loop, the loop of
+``linear``'s pointer kernel (``_linear_fwd_kernel``): ``tl.dot`` k-steps of ``BLOCK_K`` in increasing k over the
+leaf's ``LEAF_K`` columns, masked past them (:func:`_leaf`) — and merges the leaves by the balanced adjacent-pairs
+tree ``((l0 + l1) + (l2 + l3)) + ...`` in fp32, storing the merged partial once, never rounded. They differ only in
+where a leaf runs and where a finished subtree waits for its right sibling (the *variant*):
+
+- ``fused`` (``_linear_tp_fwd_kernel``): one program per output tile runs the leaves in order and keeps the waiting
+  subtrees in registers (a binary counter: after leaf ``j``, add it onto its left siblings while ``j + 1`` has
+  trailing zero bits) — at most ``log2(LEAVES) + 1`` accumulators alive, which caps the tile at 64x64;
+- ``split`` (``_linear_tp_leaf_kernel`` + ``_linear_tp_merge_kernel``): one program per (output tile, leaf), each
+  leaf's fp32 tile written to a workspace ``[LEAVES, M, N]``, then an elementwise merge runs the same binary counter
+  over the workspace — ``LEAVES`` times the programs of ``fused`` (decode: a memory-bound GEMM needs programs on
+  every SM), at the cost of ``LEAVES * M * N * 4`` workspace bytes written and read;
+- ``stash`` (``_linear_tp_stash_kernel``): ``fused``'s loop with one accumulator in registers and the waiting
+  subtrees in a per-program fp32 workspace (``log2(LEAVES)`` tiles per program of a persistent grid, in L2), so the
+  tile can grow to 128x64 at 8 leaves (128x128 still spills registers at 4 and 8 leaves: the slot loads' and
+  stores' pointer tensors).
+
+The same operands and the same adds in the same order: the variants give the same bits (tested under the
+interpreter; on the GPU, as for ``linear``, the tile decides which elements a program computes, never an element's K
+loop — ``tests/gpu/test_linear_tp_gpu.py`` checks every variant against every other). ``BLOCK_K`` is the same in
+every variant (:func:`tile_config`): a function of the dtype and the leaf length only.
 
 Configuration (:func:`config`): a fixed rule of (dtype, M, N, LEAF_K) — never of the local K or of ``LEAVES`` — so a
-rank at any TP runs each leaf with the configuration TP 1 runs it with; as for ``linear``, the tile decides which
-elements a program computes, never an element's K loop. Unswept on the GPU (docs/ops/linear_tp.md).
+rank at any TP runs each leaf with the configuration TP 1 runs it with. The rule (:func:`variant`) is reasoned, not
+measured (docs/ops/linear_tp.md, "Backends"; ``benchmarks/bench_linear_tp.py --variants all`` measures it).
 """
 
 from __future__ import annotations
@@ -22,24 +38,47 @@ from rlk_core.ops._plan import next_pow2
 from rlk_core.ops.linear.triton import _dot, _tile_coords
 
 DTYPES = frozenset({torch.bfloat16, torch.float16, torch.float32})
-# (BLOCK_M, BLOCK_N, GROUP_M, num_warps, num_stages); BLOCK_K from the leaf length (below)
-# Chosen to compile for sm_90 without register spills at 8 leaves (four live accumulators; ptxas, checked by
-# tests/core/ops/test_kernels_compile_sm90.py); their speed is unmeasured.
-_DECODE = (16, 64, 8, 4, 3)  # M <= 16: mma.sync
-_ROWS = (64, 64, 8, 8, 3)  # M > 16: wgmma; 8 warps (4 warps, or 128x64 tiles, spill at 8 leaves)
-_FP32 = (32, 64, 8, 4, 2)  # ieee dots (FMA), BLOCK_K <= 32 (64x64 with 4 warps spills at 8 leaves)
-TILES = (_DECODE, _ROWS, _FP32)
+VARIANTS = ("fused", "split", "stash")
+# (BLOCK_M, BLOCK_N, GROUP_M, num_warps, num_stages); BLOCK_K from the leaf length (below). Each compiles for sm_90
+# without register spills at 8 leaves (ptxas: tests/core/ops/test_linear_tp_compile_sm90.py); speeds unmeasured.
+_DECODE = (16, 64, 8, 4, 3)  # fused, M <= 16: mma.sync
+_ROWS = (64, 64, 8, 8, 3)  # fused, M > 16: wgmma; 8 warps (4 warps, or 128x64 tiles, spill at 8 leaves)
+_FP32 = (32, 64, 8, 4, 2)  # every variant in fp32: ieee dots (FMA), BLOCK_K <= 32 (fused 64x64 / 4 warps spills)
+# split, M <= 16: linear's decode tile for N = 4096 (16x32, the N tile that fills the SMs), one leaf per program
+_SPLIT_DECODE = (16, 32, 8, 4, 4)
+_SPLIT_ROWS = (64, 128, 8, 4, 4)  # split, M > 16: linear's 64x128 tile (as _SMALL_TMA's, by pointer loads)
+_STASH = (128, 64, 8, 8, 4)  # stash: one accumulator alive; 128 rows per weight read (128x128 spills at 4 leaves)
+TILES = {"fused": (_DECODE, _ROWS), "split": (_SPLIT_DECODE, _SPLIT_ROWS), "stash": (_STASH,)}
 MAX_BLOCK_K = 64
 MAX_BLOCK_K_FP32 = 32
+# The rule's M boundary (unmeasured). M <= SPLIT_MAX_M: split (programs over tiles x leaves fill the SMs; the
+# workspace is LEAVES * M * N * 4 bytes: 16 MiB at M = 128, N = 4096, 8 leaves, mostly in L2); above: stash, whose
+# 128x64 tiles make a full wave from M ~ 256 at N = 4096 and read the weight half as often per row as fused's 64x64.
+SPLIT_MAX_M = 128
+MERGE_BLOCK = 1024
 
 
-def config(dtype: torch.dtype, m: int, n: int, leaf_k: int) -> dict[str, int | bool]:
-    """The launch configuration of a call: a function of (dtype, M, N, the leaf length) only."""
+def variant(dtype: torch.dtype, m: int, n: int, leaf_k: int) -> str:
+    """The variant the launch plan runs: a fixed rule of (dtype, M, N, the leaf length); a speed choice only (every
+    variant gives the same bits). fp32 keeps ``fused``; bf16 / fp16: ``split`` for M <= SPLIT_MAX_M (decode and
+    small prefill: programs over the leaves fill the SMs), ``stash`` above (linear's large tile). Unmeasured."""
+    if dtype == torch.float32:
+        return "fused"
+    return "split" if m <= SPLIT_MAX_M else "stash"
+
+
+def config(dtype: torch.dtype, m: int, n: int, leaf_k: int, which: str | None = None) -> dict[str, int | bool | str]:
+    """The launch configuration of a call: a function of (dtype, M, N, the leaf length) only. ``which`` forces a
+    variant (benchmarks and tests: every variant gives the same bits); None is the rule (:func:`variant`)."""
+    which = which or variant(dtype, m, n, leaf_k)
+    if which not in VARIANTS:
+        raise ValueError(f"linear_tp: no variant {which!r}; known: {VARIANTS}")
     if dtype == torch.float32:
         tile = _FP32
     else:
-        tile = _DECODE if m <= 16 else _ROWS
-    return tile_config(tile, leaf_k, dtype)
+        tiles = TILES[which]
+        tile = tiles[0] if m <= 16 or len(tiles) == 1 else tiles[1]
+    return dict(tile_config(tile, leaf_k, dtype), VARIANT=which)
 
 
 def tile_config(tile: tuple[int, ...], leaf_k: int, dtype: torch.dtype) -> dict[str, int | bool]:
@@ -47,6 +86,11 @@ def tile_config(tile: tuple[int, ...], leaf_k: int, dtype: torch.dtype) -> dict[
     bk = min(MAX_BLOCK_K_FP32 if dtype == torch.float32 else MAX_BLOCK_K, max(16, next_pow2(leaf_k)))
     return dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=group, EVEN_K=leaf_k % bk == 0,
                 IEEE=dtype == torch.float32, num_warps=warps, num_stages=stages)
+
+
+def slots(leaves: int) -> int:
+    """Waiting subtrees of the binary counter over ``leaves`` leaves (``stash``'s workspace tiles per program)."""
+    return max(1, leaves.bit_length() - 1)
 
 
 @triton.jit
@@ -72,6 +116,22 @@ def _leaf(x_ptr, w_ptr, rows, cols, row_ok, k0, LEAF_K, stride_xm, stride_xk, st
     return acc
 
 
+@triton.jit
+def _tile(tile, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """A tile's rows, columns (and the columns to load: wrapped into range, marked contiguous) and row mask."""
+    pid_m, pid_n = _tile_coords(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols_ld = tl.max_contiguous(tl.multiple_of(cols % N, BLOCK_N), BLOCK_N)
+    return rows, cols, cols_ld, rows < M
+
+
+@triton.jit
+def _store(y_ptr, v, rows, cols, M, N, stride_ym, stride_yn):
+    y_ptrs = y_ptr + rows[:, None].to(tl.int64) * stride_ym + cols[None, :] * stride_yn
+    tl.store(y_ptrs, v, mask=(rows[:, None] < M) & (cols[None, :] < N))
+
+
 @triton.jit(do_not_specialize=["M"])
 def _linear_tp_fwd_kernel(
     x_ptr, w_ptr, y_ptr, M, N, LEAF_K,
@@ -79,11 +139,8 @@ def _linear_tp_fwd_kernel(
     LEAVES: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
-    pid_m, pid_n = _tile_coords(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_ok = rows < M
-    cols_ld = tl.max_contiguous(tl.multiple_of(cols % N, BLOCK_N), BLOCK_N)
+    """``fused``: every leaf of a tile in one program, the waiting subtrees in registers."""
+    rows, cols, cols_ld, row_ok = _tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     # the binary counter: s1, s2, s4 hold finished subtrees of 1, 2, 4 leaves waiting for their right sibling; s8 the
     # whole tree of 8
     s1 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -115,13 +172,110 @@ def _linear_tp_fwd_kernel(
         out = s4
     else:
         out = s8
-    y_ptrs = y_ptr + rows[:, None].to(tl.int64) * stride_ym + cols[None, :] * stride_yn
-    tl.store(y_ptrs, out, mask=row_ok[:, None] & (cols[None, :] < N))
+    _store(y_ptr, out, rows, cols, M, N, stride_ym, stride_yn)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _linear_tp_leaf_kernel(
+    x_ptr, w_ptr, y_ptr, M, N, LEAF_K,
+    stride_xm, stride_xk, stride_wn, stride_wk, stride_yl, stride_ym, stride_yn,
+    EVEN_K: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    """``split``'s first launch: program (tile, j) writes leaf ``j`` of the tile, unmerged fp32, to ``y[j]`` (the
+    workspace ``[LEAVES, M, N]``, or the output itself when the call has one leaf)."""
+    j = tl.program_id(1)
+    rows, cols, cols_ld, row_ok = _tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    t = _leaf(x_ptr, w_ptr, rows, cols_ld, row_ok, j * LEAF_K, LEAF_K, stride_xm, stride_xk, stride_wn, stride_wk,
+              EVEN_K, IEEE, BLOCK_M, BLOCK_N, BLOCK_K)
+    _store(y_ptr + j.to(tl.int64) * stride_yl, t, rows, cols, M, N, stride_ym, stride_yn)
+
+
+@triton.jit
+def _linear_tp_merge_kernel(ws_ptr, y_ptr, MN, LEAVES: tl.constexpr, BLOCK: tl.constexpr):
+    """``split``'s second launch: per element of the contiguous ``[M, N]`` output, the adjacent-pairs tree over the
+    ``LEAVES`` workspace values — the binary counter of ``fused`` in the same order, fp32 adds."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < MN
+    s1 = tl.zeros((BLOCK,), dtype=tl.float32)
+    s2 = tl.zeros((BLOCK,), dtype=tl.float32)
+    s4 = tl.zeros((BLOCK,), dtype=tl.float32)
+    s8 = tl.zeros((BLOCK,), dtype=tl.float32)
+    ptrs = ws_ptr + offs
+    for j in tl.static_range(LEAVES):
+        t = tl.load(ptrs, mask=ok, other=0.0)
+        ptrs += MN  # leaf j + 1 (a pointer step: no int32 product j * MN)
+        if j % 2 == 1:
+            t = s1 + t
+        if j % 4 == 3:
+            t = s2 + t
+        if j % 8 == 7:
+            t = s4 + t
+        if (j + 1) % 8 == 0:
+            s8 = t
+        elif (j + 1) % 4 == 0:
+            s4 = t
+        elif (j + 1) % 2 == 0:
+            s2 = t
+        else:
+            s1 = t
+    if LEAVES == 2:
+        out = s2
+    elif LEAVES == 4:
+        out = s4
+    else:
+        out = s8
+    tl.store(y_ptr + offs, out, mask=ok)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _linear_tp_stash_kernel(
+    x_ptr, w_ptr, y_ptr, ws_ptr, M, N, LEAF_K,
+    stride_xm, stride_xk, stride_wn, stride_wk, stride_ym, stride_yn,
+    LEAVES: tl.constexpr, SLOTS: tl.constexpr, NUM_PROGRAMS: tl.constexpr, EVEN_K: tl.constexpr,
+    IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    """``stash``: ``fused``'s loop with one accumulator in registers. A finished subtree of ``2^s`` leaves waits for
+    its right sibling in slot ``s`` of this program's workspace (``SLOTS`` fp32 tiles: exact stores and loads);
+    persistent over the tiles (``NUM_PROGRAMS`` programs, so the workspace is ``NUM_PROGRAMS * SLOTS`` tiles). The
+    barriers order one thread's stash stores before another's loads of them (the store and load layouts need not
+    match) and the loads before the slot is written again."""
+    pid = tl.program_id(0)
+    num_tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
+    tile_offs = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+    ws = ws_ptr + pid.to(tl.int64) * (SLOTS * BLOCK_M * BLOCK_N) + tile_offs
+    for tile in range(pid, num_tiles, NUM_PROGRAMS):
+        rows, cols, cols_ld, row_ok = _tile(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+        for j in tl.static_range(LEAVES):
+            t = _leaf(x_ptr, w_ptr, rows, cols_ld, row_ok, j * LEAF_K, LEAF_K, stride_xm, stride_xk, stride_wn,
+                      stride_wk, EVEN_K, IEEE, BLOCK_M, BLOCK_N, BLOCK_K)
+            if j % 2 == 1:
+                tl.debug_barrier()
+                t = tl.load(ws) + t
+            if j % 4 == 3:
+                t = tl.load(ws + BLOCK_M * BLOCK_N) + t
+            if j % 8 == 7:
+                t = tl.load(ws + 2 * BLOCK_M * BLOCK_N) + t
+            if j == LEAVES - 1:
+                _store(y_ptr, t, rows, cols, M, N, stride_ym, stride_yn)
+            else:
+                tl.debug_barrier()
+                if (j + 1) % 4 == 0:
+                    tl.store(ws + 2 * BLOCK_M * BLOCK_N, t)
+                elif (j + 1) % 2 == 0:
+                    tl.store(ws + BLOCK_M * BLOCK_N, t)
+                else:
+                    tl.store(ws, t)
 
 
 # -- the launch plan (rlk_core.ops._plan) -------------------------------------------------------------------------
 def forward(p, x: torch.Tensor, weight: torch.Tensor, leaves: int) -> torch.Tensor:
     """The op ``linear_tp_partials``: ``x [..., K_local]``, ``weight [N, K_local]`` into a fresh fp32 ``[..., N]``."""
+    return partials(p, x, weight, leaves)
+
+
+def partials(p, x: torch.Tensor, weight: torch.Tensor, leaves: int, which: str | None = None) -> torch.Tensor:
+    """:func:`forward` with ``which`` forcing a variant (benchmarks and tests; None: the rule, as the op runs)."""
     lead, k = x.shape[:-1], x.shape[-1]
     n = weight.shape[0]
     m = lead.numel()
@@ -130,19 +284,38 @@ def forward(p, x: torch.Tensor, weight: torch.Tensor, leaves: int) -> torch.Tens
         x2 = p.reshape(x, m, k)
         if x2.stride(-1) != 1:
             x2 = p.contiguous(x2)
-        _launch(p, x2, weight, leaves, y.view(m, n), config(x.dtype, m, n, k // leaves))
+        _launch(p, x2, weight, leaves, y.view(m, n), config(x.dtype, m, n, k // leaves, which))
     return y
 
 
 def _launch(p, x: torch.Tensor, weight: torch.Tensor, leaves: int, out: torch.Tensor,
-            cfg: dict[str, int | bool]) -> None:
+            cfg: dict[str, int | bool | str]) -> None:
+    """``out`` (fp32 ``[M, N]``, contiguous for ``split`` with more than one leaf) = the call's merged partial. The
+    workspaces are buffers of the call (``p.new``), never freed early: ``rlk.cuda`` keeps a plan with no ``free`` as
+    one program."""
     m, k = x.shape
     n = weight.shape[0]
     c = dict(cfg)
-    p.launch(_linear_tp_fwd_kernel, (triton.cdiv(m, c["BLOCK_M"]) * triton.cdiv(n, c["BLOCK_N"]),),
-             x, weight, out, m, n, k // leaves,
-             x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), out.stride(0), out.stride(1),
-             LEAVES=leaves, **c)
+    which = c.pop("VARIANT", "fused")
+    tiles = triton.cdiv(m, c["BLOCK_M"]) * triton.cdiv(n, c["BLOCK_N"])
+    xs = (x.stride(0), x.stride(1), weight.stride(0), weight.stride(1))
+    if which == "fused":
+        p.launch(_linear_tp_fwd_kernel, (tiles,), x, weight, out, m, n, k // leaves, *xs,
+                 out.stride(0), out.stride(1), LEAVES=leaves, **c)
+    elif which == "split":
+        ws = out if leaves == 1 else p.new((leaves, m, n), torch.float32)
+        p.launch(_linear_tp_leaf_kernel, (tiles, leaves), x, weight, ws, m, n, k // leaves, *xs,
+                 m * n, ws.stride(-2), ws.stride(-1), **c)
+        if leaves > 1:
+            p.launch(_linear_tp_merge_kernel, (triton.cdiv(m * n, MERGE_BLOCK),), ws, out, m * n, LEAVES=leaves,
+                     BLOCK=MERGE_BLOCK, num_warps=4)
+    elif which == "stash":
+        programs = min(tiles, p.sms)
+        ws = p.new((programs * slots(leaves) * c["BLOCK_M"] * c["BLOCK_N"],), torch.float32)
+        p.launch(_linear_tp_stash_kernel, (programs,), x, weight, out, ws, m, n, k // leaves, *xs,
+                 out.stride(0), out.stride(1), LEAVES=leaves, SLOTS=slots(leaves), NUM_PROGRAMS=p.sms, **c)
+    else:
+        raise ValueError(f"linear_tp: no variant {which!r}; known: {VARIANTS}")
 
 
 def supports(x: torch.Tensor, weight: torch.Tensor, leaves: int) -> tuple[bool, str]:
@@ -153,16 +326,18 @@ def supports(x: torch.Tensor, weight: torch.Tensor, leaves: int) -> tuple[bool, 
 
 # -- what the AOT build compiles (rlk_core.aot.build) ---------------------------------------------------------------
 def build_calls(dtype: torch.dtype, sms: int):
-    """Every tile :func:`config` can pick for ``dtype``, for every leaf count 1 .. 8, with and without ``EVEN_K``, on
-    aligned operands with sizes multiples of 16."""
-    tiles = [_FP32] if dtype == torch.float32 else [_DECODE, _ROWS]
-    rows = {_DECODE: 16, _ROWS: 256, _FP32: 64}
+    """Every (variant, tile) :func:`config` can pick for ``dtype`` — the rule's and the forced variants the benchmark
+    runs — for every leaf count 1 .. 8, with and without ``EVEN_K``, on aligned operands with sizes multiples of 16.
+    ``split`` also compiles its merge for 2, 4 and 8 leaves; ``stash`` its persistent kernel with ``sms`` programs."""
     bk = MAX_BLOCK_K_FP32 if dtype == torch.float32 else MAX_BLOCK_K
-    for tile in tiles:
-        for leaves in (1, 2, 4, 8):
-            for leaf_k in (bk * 4, bk * 4 + 16):
-                k = leaf_k * leaves
-                x = torch.empty((rows[tile], k), dtype=dtype, device="meta")
-                w = torch.empty((256, k), dtype=dtype, device="meta")
-                y = torch.empty((rows[tile], 256), dtype=torch.float32, device="meta")
-                yield _launch, (x, w, leaves, y, tile_config(tile, leaf_k, dtype))
+    for which in VARIANTS:
+        tiles = [_FP32] if dtype == torch.float32 else TILES[which]
+        for tile in tiles:
+            rows = 16 if tile[0] == 16 else 256
+            for leaves in (1, 2, 4, 8):
+                for leaf_k in (bk * 4, bk * 4 + 16):
+                    k = leaf_k * leaves
+                    x = torch.empty((rows, k), dtype=dtype, device="meta")
+                    w = torch.empty((256, k), dtype=dtype, device="meta")
+                    y = torch.empty((rows, 256), dtype=torch.float32, device="meta")
+                    yield _launch, (x, w, leaves, y, dict(tile_config(tile, leaf_k, dtype), VARIANT=which))
