@@ -1,14 +1,23 @@
-"""vLLM at TP 1 in TP-invariant mode (``RL_KERNEL_TP_INVARIANT=8``): the tiny Qwen3 of test_model.py built by real
-vLLM runs its row-parallel linears (o_proj, down_proj) under rlk.gemm.tp.v1, and its log-probs over chunked prefill
-and decode equal the training recompute whose row-parallel GEMMs run the same contract — the bits Megatron gives at
-TP 1, 2 and 4 in the same mode (tests/megatron/test_megatron_tp_invariant.py) — and the hooked down_proj's bits are not
-rlk.gemm.bi.v1's (negative control). Each row-parallel call is counted as ``linear_tp_partials`` in the readback."""
+"""vLLM in TP-invariant mode (``RL_KERNEL_TP_INVARIANT=8``).
+
+- TP 1: the tiny Qwen3 of test_model.py built by real vLLM runs its row-parallel linears (o_proj, down_proj) under
+  rlk.gemm.tp.v1, and its log-probs over chunked prefill and decode equal the training recompute whose row-parallel
+  GEMMs run the same contract — the bits Megatron gives at TP 1, 2 and 4 in the same mode
+  (tests/megatron/test_megatron_tp_invariant.py) — and the hooked down_proj's bits are not rlk.gemm.bi.v1's
+  (negative control). Each row-parallel call is counted as ``linear_tp_partials`` in the readback.
+- TP 2 and 4 (issue 35): real ``RowParallelLinear`` layers on vLLM's own process groups (gloo, 4 forked ranks,
+  ``init_distributed_environment`` / ``initialize_model_parallel``) give ``linear_tp(x, w, bias, 8)``'s bits — the
+  TP 1 result — on every rank, bias added once (or returned, ``skip_bias_add``), replicated input sliced by vLLM;
+  without the mode (rlk.gemm.bi.v1 + rlk's all-reduce) and natively (vLLM's GEMM + all-reduce) they differ; a layer
+  whose caller reduces (``reduce_results=False``) is refused; vLLM's SP / async-TP passes are refused.
+"""
 
 import pytest
 
 from .test_model import ENV, SCRIPT
 
-pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+pytestmark = [pytest.mark.vllm, pytest.mark.slow,
+              pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")]
 
 SMALL = "hidden_size=64, intermediate_size=128"
 # wider than test_model's model: at K = 64 / 128 the two K trees' fp32 differences vanish in the bf16 log-probs
@@ -52,3 +61,74 @@ def test_tiny_qwen3_rollout_at_tp_1_equals_the_tp_invariant_recompute(run_script
     assert CUT in SCRIPT and SMALL in SCRIPT
     script = SCRIPT[:SCRIPT.index(CUT)].replace("CUSTOM_OPS", repr("none")).replace(SMALL, WIDE) + TAIL
     run_script(script, env={**ENV, "RL_KERNEL_TP_INVARIANT": "8"})
+
+
+TP_SCRIPT = r'''
+import os, torch, torch.multiprocessing as mp
+import vllm.model_executor.layers.linear  # vLLM imported once here: the forked ranks share it
+import vllm_tp
+out = os.environ["RLK_TEST_TP_OUT"]
+mp.start_processes(vllm_tp.rank_main, args=(4, out + "/init", out, (4, 2)), nprocs=4, start_method="fork")
+print("ok")
+'''
+
+
+def test_row_parallel_linears_at_tp_2_and_4_give_the_tp_1_bits(run_script, tmp_path):
+    import torch
+
+    from rlk_core.ops import linear_tp
+
+    from .vllm_tp import LAYERS, G, inputs
+
+    run_script(TP_SCRIPT, env={"RL_KERNEL_MODE": "strict", "RLK_TEST_TP_OUT": str(tmp_path)})
+    for rank in range(4):
+        res = torch.load(tmp_path / f"rank{rank}.pt", weights_only=False)
+        assert sorted(res) == [2, 4]
+        for tp, by_plan in res.items():
+            for name, (_, _, kw) in LAYERS.items():
+                x, w, b = inputs(name)
+                skip = kw.get("skip_bias_add", False)
+                want = linear_tp(x, w, None if skip else b, G)  # TP 1, one process
+                inv = by_plan["invariant"]
+                assert inv["class." + name] == "RlkRowParallelLinear", (tp, name)
+                assert inv[name].dtype == torch.bfloat16 and torch.equal(inv[name], want), (rank, tp, name)
+                assert (inv["bias." + name] is None) == (not skip), (tp, name)
+                if skip:
+                    assert torch.equal(inv["bias." + name], b)
+                for plan in ("bi", "native"):  # negative controls: vLLM's forward, rounded before its all-reduce
+                    assert by_plan[plan]["class." + name] == "RowParallelLinear", (plan, tp, name)
+                    assert not torch.equal(by_plan[plan][name], want), (plan, rank, tp, name)
+            assert "reduce_results=False" in by_plan["invariant"]["refusal"], by_plan["invariant"]["refusal"]
+            mods = by_plan["invariant"]["readback"]
+            for m, calls in (("attention", 1), ("ffn", 2)):
+                ops = mods[m]["ops"]
+                assert ops["linear_tp_partials"]["contract_id"] == "rlk.gemm.tp.v1", ops
+                assert ops["linear_tp_partials"]["call_count"] == calls, ops
+                want_ar = {"world_size": tp, "leaves_total": G, "partials": "rlk.gemm.tp.v1"}
+                assert ops["all_reduce"]["call_count"] == calls, ops
+                assert want_ar.items() <= ops["all_reduce"]["provenance"].items(), ops["all_reduce"]
+                assert "linear" not in ops, ops  # no rlk.gemm.bi.v1 call in invariant mode
+
+
+@pytest.mark.parametrize("passes", [("enable_sp",), ("fuse_gemm_comms", "enable_sp")])
+@pytest.mark.parametrize("leaves", ["8", "off"])
+def test_sequence_parallel_and_async_tp_passes_are_refused_at_tp_2(plugin, passes, leaves):
+    from vllm.config import VllmConfig, set_current_vllm_config
+
+    from rlk_core.errors import RlkPolicyError
+    from rlk_vllm_plugin import collectives
+
+    rt = plugin(attention="R/R", ffn="R/R", RL_KERNEL_TP_INVARIANT=leaves)
+    vc = VllmConfig()
+    vc.parallel_config.tensor_parallel_size = 2
+    for name in passes:
+        setattr(vc.compilation_config.pass_config, name, True)
+    with set_current_vllm_config(vc):
+        with pytest.raises(RlkPolicyError, match="-cc.pass_config.enable_sp=false -cc.pass_config.fuse_gemm_comms=f"):
+            collectives.check_config(rt)
+        vc.parallel_config.tensor_parallel_size = 1  # TP 1: vLLM itself turns both off; nothing to refuse
+        collectives.check_config(rt)
+        vc.parallel_config.tensor_parallel_size = 2
+        for name in passes:
+            setattr(vc.compilation_config.pass_config, name, False)
+        collectives.check_config(rt)  # both off at TP 2: accepted

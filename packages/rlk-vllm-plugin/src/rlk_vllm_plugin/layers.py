@@ -188,14 +188,21 @@ def _linear_apply(original):
 def _tp_leaves(layer: Any, rt: Any) -> int:
     """G for a row-parallel linear when ``RL_KERNEL_TP_INVARIANT`` is set (read with the plan: ``rt.tp_leaves``), else
     0 — one attribute read when the mode is off, nothing that breaks a ``torch.compile`` trace. At TP 1 the layer's
-    whole K holds the G leaves; at TP > 1 the rank's partial would have to reach vLLM's all-reduce in fp32 and be
-    rounded after it, which this version does not do: refused (strict) or run as rlk.gemm.bi.v1 (audit)."""
+    whole K holds the G leaves. At TP > 1 the rank's fp32 partial must be merged across the TP group before the one
+    rounding, which the linear method cannot do: ``rlk_vllm_plugin.row_parallel``'s layer does it in its forward and
+    reaches this method only where it refused the layer (reported there; here it runs as rlk.gemm.bi.v1). Any other
+    row-parallel layer at TP > 1 — built before ``register()``, or a subclass with its own forward — is refused."""
     leaves = rt.tp_leaves
     if not leaves or not isinstance(layer, _compat.module("vllm.model_executor.layers.linear").RowParallelLinear):
         return 0
     if getattr(layer, "tp_size", 1) > 1:
-        rt.violation(f"RL_KERNEL_TP_INVARIANT={leaves}: linear {getattr(layer, 'prefix', '?')!r} runs at TP "
-                     f"{layer.tp_size}; the TP-invariant rollout covers TP 1 only in this version")
+        from rlk_vllm_plugin import row_parallel
+
+        if not (row_parallel._CLASS and type(layer) is row_parallel._CLASS[0]):
+            rt.violation(f"RL_KERNEL_TP_INVARIANT={leaves}: linear {getattr(layer, 'prefix', '?')!r} runs at TP "
+                         f"{layer.tp_size} as {type(layer).__name__}, not rlk's row-parallel layer (built before "
+                         "rlk-vllm-plugin registered, or a subclass with its own forward): its partial would be "
+                         "rounded before vLLM's all-reduce")
         return 0
     return leaves
 
@@ -309,7 +316,8 @@ def _load_model(original):
         model = original(self, *args, **kwargs)
         rt = _runtime.get()
         bind_model(model)
-        from rlk_vllm_plugin import attention, collectives
+        from rlk_vllm_plugin import attention, collectives, row_parallel
+        row_parallel.bind_model(model)  # issue 35: TP-invariant row-parallel layers decided (refused) at load
         attention.check_model(model, rt)
         collectives.check_config(rt)
         check_head_dtype(rt)
