@@ -65,6 +65,7 @@ def _build(name: str, tp: int):
 
 def _run(tp: int) -> dict:
     import torch
+    from vllm.model_executor.layers.linear import RowParallelLinear
 
     from rlk_core.errors import RlkPolicyError
     from rlk_vllm_plugin import _runtime
@@ -81,10 +82,9 @@ def _run(tp: int) -> dict:
             res[name] = y
             res["bias." + name] = None if bias is None else bias.data.clone()
         if plan == "invariant":  # strict refusal: a layer whose caller reduces would round before the merge
-            layer = _build("o_proj", tp)[0]
-            layer.reduce_results = False
             try:
-                layer(_build("o_proj", tp)[1])
+                RowParallelLinear(K_ATT, N, bias=False, reduce_results=False, params_dtype=torch.bfloat16,
+                                  prefix=LAYERS["o_proj"][0])
                 res["refusal"] = None
             except RlkPolicyError as exc:
                 res["refusal"] = str(exc)

@@ -34,9 +34,11 @@ from typing import Any
 import torch
 
 from rlk_vllm_plugin import _compat, _runtime
+from rlk_vllm_plugin.layers import _empty, _linear_module
 
 OP = "rlk_vllm::tp_all_reduce_partials"
 _CLASS: list[type] = []
+_VLLM: dict[str, Any] = {}  # vLLM's objects the forward uses, resolved once (no import while a graph is traced)
 _OP: list[Any] = []
 _CHECKED: set[tuple[int, int]] = set()  # (pid, id(runtime)) whose first merge ran the G agreement check
 
@@ -76,15 +78,12 @@ def decide(layer: Any, rt: _runtime.Runtime) -> tuple[str, int] | None:
     tp = int(getattr(layer, "tp_size", 1))
     if not g or tp == 1:
         return None
-    from rlk_vllm_plugin.layers import _linear_module
-
     module = _linear_module(layer)
     if not rt.r(module):
         return None
     name = getattr(layer, "prefix", "?")
-    linear = _compat.module("vllm.model_executor.layers.linear")
     problems = []
-    if not isinstance(getattr(layer, "quant_method", None), linear.UnquantizedLinearMethod):
+    if not isinstance(getattr(layer, "quant_method", None), _VLLM["UnquantizedLinearMethod"]):
         problems.append(f"its linear method is {type(getattr(layer, 'quant_method', None)).__name__}, not "
                         "UnquantizedLinearMethod (rlk runs unquantized weights only)")
     if tp & (tp - 1) or g % tp:
@@ -102,7 +101,8 @@ def decide(layer: Any, rt: _runtime.Runtime) -> tuple[str, int] | None:
 
 
 def _decision(layer: Any) -> tuple[str, int] | None:
-    """:func:`decide`, kept on the layer for the runtime that decided (bound at model load, :func:`bind_model`)."""
+    """:func:`decide`, kept on the layer for the runtime that decided: made when the layer is built and again at
+    model load (:func:`bind_model`), so a traced forward only reads it."""
     rt = _runtime.get()
     cached = layer.__dict__.get("_rlk_tp")
     if cached is not None and cached[0] is rt:
@@ -128,10 +128,7 @@ def _forward(self, input_):
     if self.input_is_parallel:
         x = input_
     else:  # vLLM's own slicing of a replicated input
-        split = _compat.module("vllm.distributed").split_tensor_along_last_dim
-        x = split(input_, num_partitions=self.tp_size)[self.tp_rank].contiguous()
-    from rlk_vllm_plugin.layers import _empty
-
+        x = _VLLM["split_tensor_along_last_dim"](input_, num_partitions=self.tp_size)[self.tp_rank].contiguous()
     weight = self.weight
     if _empty(weight):
         _runtime.get().violation(f"linear {self.prefix!r}: vLLM replaced the weight (CPU weight packing); rlk "
@@ -148,9 +145,18 @@ def _forward(self, input_):
 def layer_class() -> type:
     """``RlkRowParallelLinear``, a subclass of the installed vLLM's ``RowParallelLinear`` (built once)."""
     if not _CLASS:
-        base = _compat.module("vllm.model_executor.layers.linear").RowParallelLinear
-        _CLASS.append(type("RlkRowParallelLinear", (base,), {"forward": _forward, "__module__": __name__}))
+        linear = _compat.module("vllm.model_executor.layers.linear")
+        _VLLM["UnquantizedLinearMethod"] = linear.UnquantizedLinearMethod
+        _VLLM["split_tensor_along_last_dim"] = _compat.module("vllm.distributed").split_tensor_along_last_dim
+        base = linear.RowParallelLinear
+        ns = {"__init__": _init, "forward": _forward, "__module__": __name__}
+        _CLASS.append(type("RlkRowParallelLinear", (base,), ns))
     return _CLASS[0]
+
+
+def _init(self, *args, **kwargs):
+    super(type(self), self).__init__(*args, **kwargs)
+    _decision(self)  # a refusal is raised (strict) where vLLM builds the layer
 
 
 def install(probe: _compat.Probe) -> str:
