@@ -113,7 +113,7 @@ def test_row_parallel_linears_at_tp_2_and_4_give_the_tp_1_bits(run_script, tmp_p
 @pytest.mark.parametrize("passes", [("enable_sp",), ("fuse_gemm_comms", "enable_sp")])
 @pytest.mark.parametrize("leaves", ["8", "off"])
 def test_sequence_parallel_and_async_tp_passes_are_refused_at_tp_2(plugin, passes, leaves):
-    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.config import CompilationMode, VllmConfig, set_current_vllm_config
 
     from rlk_core.errors import RlkPolicyError
     from rlk_vllm_plugin import collectives
@@ -121,6 +121,7 @@ def test_sequence_parallel_and_async_tp_passes_are_refused_at_tp_2(plugin, passe
     rt = plugin(attention="R/R", ffn="R/R", RL_KERNEL_TP_INVARIANT=leaves)
     vc = VllmConfig()
     vc.parallel_config.tensor_parallel_size = 2
+    vc.compilation_config.mode = CompilationMode.VLLM_COMPILE
     for name in passes:
         setattr(vc.compilation_config.pass_config, name, True)
     with set_current_vllm_config(vc):
@@ -129,6 +130,9 @@ def test_sequence_parallel_and_async_tp_passes_are_refused_at_tp_2(plugin, passe
         vc.parallel_config.tensor_parallel_size = 1  # TP 1: vLLM itself turns both off; nothing to refuse
         collectives.check_config(rt)
         vc.parallel_config.tensor_parallel_size = 2
+        vc.compilation_config.mode = CompilationMode.NONE  # enforce_eager: no compile pass runs
+        collectives.check_config(rt)
+        vc.compilation_config.mode = CompilationMode.VLLM_COMPILE
         for name in passes:
             setattr(vc.compilation_config.pass_config, name, False)
         collectives.check_config(rt)  # both off at TP 2: accepted

@@ -66,9 +66,10 @@ def check_config(rt: _runtime.Runtime) -> None:
     - ``enable_sp`` (sequence parallelism) and ``fuse_gemm_comms`` (async TP, which turns ``enable_sp`` on): the
       all-reduce becomes vLLM's reduce-scatter + all-gather (async TP: fused into the GEMMs), which neither
       ``rlk_collectives``' rank tree nor, in invariant mode, ``rlk.gemm.tp.v1``'s fp32 merge runs. vLLM turns both on
-      by default for dense models at ``-O2`` / ``-O3`` with TP > 1. Not routed through rlk in this version: the
-      bits would be SP-on == SP-off (``reduce_scatter_partials`` is that), but vLLM's pass rewrites the graph's
-      ``torch.ops.vllm.all_reduce`` nodes, which rlk's row-parallel merge does not use."""
+      by default for dense models at ``-O2`` / ``-O3`` with TP > 1; they run only where vLLM compiles the model
+      (not under ``enforce_eager`` / ``-cc.mode=none``, which is accepted). Not routed through rlk in this version:
+      ``rlk_collectives.reduce_scatter_partials`` has the arithmetic (SP on == SP off), but vLLM's pass rewrites its
+      own graph patterns, which rlk's layers do not produce."""
     cfg = _compat.current_vllm_config()
     if cfg is None or not (rt.r("attention") or rt.r("ffn")):
         return
@@ -79,8 +80,9 @@ def check_config(rt: _runtime.Runtime) -> None:
     if getattr(pass_config, "fuse_allreduce_rms", False):
         rt.violation("vLLM's fuse_allreduce_rms compile pass is on with TP > 1; it bypasses rlk's all-reduce and "
                      "RMSNorm. Pass -cc.pass_config.fuse_allreduce_rms=false")
+    compiled = int(getattr(getattr(cfg, "compilation_config", None), "mode", 0) or 0) != 0  # CompilationMode.NONE
     on = [name for name in ("enable_sp", "fuse_gemm_comms") if getattr(pass_config, name, False)]
-    if on:
+    if on and compiled:
         mode = (f"RL_KERNEL_TP_INVARIANT={rt.tp_leaves}'s fp32 row-parallel merge (rlk.gemm.tp.v1)" if rt.tp_leaves
                 else "rlk's rank-order all-reduce (rlk.collective.v1)")
         rt.violation(f"vLLM's sequence-parallel / async-TP compile passes ({', '.join(on)}) are on at TP {tp}: they "
