@@ -9,7 +9,9 @@
   ``init_distributed_environment`` / ``initialize_model_parallel``) give ``linear_tp(x, w, bias, 8)``'s bits — the
   TP 1 result — on every rank, bias added once (or returned, ``skip_bias_add``), replicated input sliced by vLLM;
   without the mode (rlk.gemm.bi.v1 + rlk's all-reduce) and natively (vLLM's GEMM + all-reduce) they differ; a layer
-  whose caller reduces (``reduce_results=False``) is refused; vLLM's SP / async-TP passes are refused.
+  whose caller reduces (``reduce_results=False``) is refused; vLLM's SP / async-TP passes are refused. And the tiny
+  Qwen3 (test_model.py's, 64 wide) built by vLLM's loader at TP 2 on 2 forked ranks: every rank's log-probs over
+  chunked prefill and decode equal the TP 1 training recompute with rlk.gemm.tp.v1 row-parallel GEMMs.
 """
 
 import pytest
@@ -136,3 +138,40 @@ def test_sequence_parallel_and_async_tp_passes_are_refused_at_tp_2(plugin, passe
         for name in passes:
             setattr(vc.compilation_config.pass_config, name, False)
         collectives.check_config(rt)  # both off at TP 2: accepted
+
+
+MODEL_TP2 = r'''
+import os, torch, torch.multiprocessing as mp
+import vllm.model_executor.layers.linear  # vLLM imported once here: the forked ranks share it
+body = open(os.environ["RLK_TEST_TP_BODY"]).read()
+def rank_main(r):
+    torch.set_num_threads(1)
+    exec(body.replace("RANK", str(r)), {"__name__": "rank"})
+mp.start_processes(rank_main, nprocs=2, start_method="fork")  # raises if a rank failed
+print("ok")
+'''
+RANK_TAIL = r'''
+mods = _runtime.current().recorder.to_dict()["modules"]
+L, steps = cfg.num_hidden_layers, len(chunks)
+for m in ("attention", "ffn"):
+    ops = mods[m]["ops"]
+    assert ops["linear_tp_partials"]["call_count"] == L * steps, (m, ops)  # every o_proj / down_proj call
+    assert ops["linear"]["call_count"] == L * steps, (m, ops)  # qkv / gate_up only: column-parallel, rlk.gemm.bi.v1
+    want = {"world_size": 2, "leaves_total": 8, "partials": "rlk.gemm.tp.v1"}
+    assert want.items() <= ops["all_reduce"]["provenance"].items(), (m, ops["all_reduce"])
+print("rank RANK ok")
+'''
+
+
+def test_tiny_qwen3_rollout_at_tp_2_equals_the_tp_1_invariant_recompute(run_script, tmp_path):
+    """Both ranks of a vLLM TP 2 model (heads, KV heads, vocabulary and every linear sharded by vLLM's own loader):
+    the log-probs after vLLM's logits all-gather equal the single-process trainer's with rlk.gemm.tp.v1."""
+    init = 'init_distributed_environment(world_size=1, rank=0, distributed_init_method=f"file://{d}/dist", local_rank=0'
+    assert CUT in SCRIPT and init in SCRIPT and "initialize_model_parallel(1, 1)" in SCRIPT
+    tail = TAIL[:TAIL.index("# negative control at the layer")] + RANK_TAIL
+    body = (SCRIPT[:SCRIPT.index(CUT)].replace("CUSTOM_OPS", repr("none"))
+            .replace(init, f'init_distributed_environment(world_size=2, rank=RANK, distributed_init_method='
+                           f'"file://{tmp_path}/dist", local_rank=RANK')
+            .replace("initialize_model_parallel(1, 1)", "initialize_model_parallel(2, 1)") + tail)
+    (tmp_path / "rank.py").write_text(body)
+    run_script(MODEL_TP2, env={**ENV, "RL_KERNEL_TP_INVARIANT": "8", "RLK_TEST_TP_BODY": str(tmp_path / "rank.py")})

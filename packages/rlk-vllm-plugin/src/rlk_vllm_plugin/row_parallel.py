@@ -137,6 +137,8 @@ def _forward(self, input_):
     s = _runtime.rlk(module, "linear_tp_partials", x, weight, leaves)
     bias = None if self.skip_bias_add else self.bias
     out = merge_op()(s, bias, module, leaves * self.tp_size, x.dtype)
+    if not torch.compiler.is_compiling():
+        _runtime.note_linear(None)  # this layer's reduction is done: a later TP all-reduce is not this module's
     if not self.return_bias:
         return out
     return out, (self.bias if self.skip_bias_add else None)
