@@ -196,9 +196,7 @@ def _tp_leaves(layer: Any, rt: Any) -> int:
     if not leaves or not isinstance(layer, _compat.module("vllm.model_executor.layers.linear").RowParallelLinear):
         return 0
     if getattr(layer, "tp_size", 1) > 1:
-        from rlk_vllm_plugin import row_parallel
-
-        if not (row_parallel._CLASS and type(layer) is row_parallel._CLASS[0]):
+        if getattr(type(layer), "_rlk_bind", None) is None:  # not rlk_vllm_plugin.row_parallel's layer
             rt.violation(f"RL_KERNEL_TP_INVARIANT={leaves}: linear {getattr(layer, 'prefix', '?')!r} runs at TP "
                          f"{layer.tp_size} as {type(layer).__name__}, not rlk's row-parallel layer (built before "
                          "rlk-vllm-plugin registered, or a subclass with its own forward): its partial would be "
@@ -289,6 +287,9 @@ def bind_model(model: torch.nn.Module) -> dict[str, str]:
         prefix = getattr(layer, "prefix", None)
         if isinstance(prefix, str) and hasattr(layer, "quant_method"):  # linear layers: no regex per call
             layer._rlk_linear_module = module_of(prefix)
+            bind = getattr(type(layer), "_rlk_bind", None)
+            if bind is not None:  # issue 35: rlk_vllm_plugin.row_parallel's layer, decided (refused) at load
+                bind(layer)
         if classes and isinstance(layer, classes):
             module = "attention" if layer._rlk_op == "rope" else module_of(name)
             if name.endswith((".q_norm", ".k_norm")):
@@ -316,8 +317,7 @@ def _load_model(original):
         model = original(self, *args, **kwargs)
         rt = _runtime.get()
         bind_model(model)
-        from rlk_vllm_plugin import attention, collectives, row_parallel
-        row_parallel.bind_model(model)  # issue 35: TP-invariant row-parallel layers decided (refused) at load
+        from rlk_vllm_plugin import attention, collectives
         attention.check_model(model, rt)
         collectives.check_config(rt)
         check_head_dtype(rt)

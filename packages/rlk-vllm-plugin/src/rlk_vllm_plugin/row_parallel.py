@@ -21,7 +21,7 @@ belongs to an R module at TP > 1 in invariant mode. The merge is one opaque op, 
 tp_all_reduce_partials`` (a fake implementation for tracing), so a compiled graph keeps it whole as it keeps vLLM's
 ``torch.ops.vllm.all_reduce``; the GEMM is ``torch.ops.rlk.linear_tp_partials`` there as everywhere.
 
-What is refused (strict: raise at model load or first call; audit: logged, the layer runs vLLM's forward with
+What is refused (strict: raised where vLLM builds the layer; audit: logged, the layer runs vLLM's forward with
 ``rlk.gemm.bi.v1`` and rlk's all-reduce): a layer with ``reduce_results=False`` (its caller would reduce the rounded
 output), a quantized layer, a TP that is not a power of two dividing G, a local K not divisible by G / TP.
 """
@@ -102,7 +102,7 @@ def decide(layer: Any, rt: _runtime.Runtime) -> tuple[str, int] | None:
 
 def _decision(layer: Any) -> tuple[str, int] | None:
     """:func:`decide`, kept on the layer for the runtime that decided: made when the layer is built and again at
-    model load (:func:`bind_model`), so a traced forward only reads it."""
+    model load (``layers.bind_model``, through the class's ``_rlk_bind``), so a traced forward only reads it."""
     rt = _runtime.get()
     cached = layer.__dict__.get("_rlk_tp")
     if cached is not None and cached[0] is rt:
@@ -111,13 +111,6 @@ def _decision(layer: Any) -> tuple[str, int] | None:
     if not torch.compiler.is_compiling():
         layer.__dict__["_rlk_tp"] = (rt, found)
     return found
-
-
-def bind_model(model: torch.nn.Module) -> int:
-    """Decide every TP-invariant row-parallel layer of ``model`` now (after the load: refusals at load time, none
-    while a graph is traced); returns how many run ``rlk.gemm.tp.v1`` across the TP group."""
-    classes = tuple(_CLASS)
-    return sum(_decision(m) is not None for m in model.modules() if classes and isinstance(m, classes))
 
 
 def _forward(self, input_):
@@ -151,7 +144,8 @@ def layer_class() -> type:
         _VLLM["UnquantizedLinearMethod"] = linear.UnquantizedLinearMethod
         _VLLM["split_tensor_along_last_dim"] = _compat.module("vllm.distributed").split_tensor_along_last_dim
         base = linear.RowParallelLinear
-        ns = {"__init__": _init, "forward": _forward, "__module__": __name__}
+        # _rlk_bind: rlk_vllm_plugin.layers.bind_model decides each such layer again after the model load
+        ns = {"__init__": _init, "forward": _forward, "_rlk_bind": staticmethod(_decision), "__module__": __name__}
         _CLASS.append(type("RlkRowParallelLinear", (base,), ns))
     return _CLASS[0]
 
@@ -184,4 +178,4 @@ def uninstall() -> None:
         del custom_op.op_registry_oot["RowParallelLinear"]
 
 
-__all__ = ["OP", "bind_model", "decide", "install", "layer_class", "merge_op", "uninstall"]
+__all__ = ["OP", "decide", "install", "layer_class", "merge_op", "uninstall"]
