@@ -81,7 +81,12 @@ def _run(tp: int) -> dict:
                 y, bias = layer(x_in)
             res[name] = y
             res["bias." + name] = None if bias is None else bias.data.clone()
-        if plan == "invariant":  # strict refusal: a layer whose caller reduces would round before the merge
+        if plan == "invariant":  # vLLM compiles with fullgraph=True: the layer must trace whole (no graph break)
+            layer, x_in = _build("o_proj", tp)
+            compiled = torch.compile(layer, fullgraph=True, backend="aot_eager", dynamic=False)
+            with torch.no_grad():
+                res["compiled.o_proj"] = compiled(x_in)[0]
+        if plan == "invariant" and tp > 1:  # strict refusal: a layer whose caller reduces would round before the merge
             try:
                 RowParallelLinear(K_ATT, N, bias=False, reduce_results=False, params_dtype=torch.bfloat16,
                                   prefix=LAYERS["o_proj"][0])
@@ -103,7 +108,7 @@ def rank_main(rank: int, world: int, init: str, out_dir: str, tps: tuple[int, ..
     with set_current_vllm_config(VllmConfig()):
         init_distributed_environment(world_size=world, rank=rank, distributed_init_method=f"file://{init}",
                                      local_rank=rank, backend="gloo")
-        for tp in tps:  # world 4: TP 4, then TP 2 (two TP groups of vLLM's own layout: ranks 0-1, 2-3)
+        for tp in tps:  # world 4: TP 4, TP 2 (two TP groups of vLLM's own layout: ranks 0-1, 2-3), TP 1 (four)
             initialize_model_parallel(tp, 1)
             results[tp] = _run(tp)
             destroy_model_parallel()

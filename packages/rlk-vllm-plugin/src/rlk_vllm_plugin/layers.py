@@ -193,7 +193,7 @@ def _tp_leaves(layer: Any, rt: Any) -> int:
     reaches this method only where it refused the layer (reported there; here it runs as rlk.gemm.bi.v1). Any other
     row-parallel layer at TP > 1 — built before ``register()``, or a subclass with its own forward — is refused."""
     leaves = rt.tp_leaves
-    if not leaves or not isinstance(layer, _compat.module("vllm.model_executor.layers.linear").RowParallelLinear):
+    if not leaves or not isinstance(layer, _ROW_PARALLEL):  # the class resolved at install: no import in a trace
         return 0
     if getattr(layer, "tp_size", 1) > 1:
         if getattr(type(layer), "_rlk_bind", None) is None:  # not rlk_vllm_plugin.row_parallel's layer
@@ -235,8 +235,13 @@ def _lm_head_apply(original):
     return apply
 
 
+_ROW_PARALLEL: tuple[type, ...] = ()  # vLLM's RowParallelLinear, set by install_linear
+
+
 def install_linear(probe: _compat.Probe) -> None:
+    global _ROW_PARALLEL
     linear = _compat.module("vllm.model_executor.layers.linear")
+    _ROW_PARALLEL = (linear.RowParallelLinear,)
     patch(linear.UnquantizedLinearMethod, "apply", _linear_apply)
 
 
