@@ -129,8 +129,8 @@ class _VllmEngine:
             compilation["max_cudagraph_capture_size"] = a.capture_max
         if a.tp > 1:
             kw["tensor_parallel_size"] = a.tp
-            if spec["case"] != "P/P":  # the fused all-reduce + RMSNorm pass bypasses rlk (the plugin refuses it)
-                compilation["pass_config"] = {"fuse_allreduce_rms": False}
+            if spec["case"] != "P/P":  # these passes bypass rlk's all-reduce / norm (the plugin refuses them)
+                compilation["pass_config"] = {"fuse_allreduce_rms": False, "enable_sp": False, "fuse_gemm_comms": False}
         if compilation:
             kw["compilation_config"] = compilation
         kw.update(spec.get("kwargs", {}))  # a stage's own engine arguments (pd_worker.py: kv_transfer_config)

@@ -155,7 +155,9 @@ def test_the_8_gpu_profile_by_name_and_options_override_it(tmp_path, capsys) -> 
                 ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]):
         assert any(argv[i:i + len(seq)] == seq for i in range(len(argv))), seq
     graphs = json.loads(argv[argv.index("--vllm-compilation-config") + 1])
-    assert graphs == {"cudagraph_mode": "FULL_DECODE_ONLY", "cudagraph_capture_sizes": [1, 2, 3, 4, 5, 6, 7, 8]}
+    assert graphs == {"cudagraph_mode": "FULL_DECODE_ONLY", "cudagraph_capture_sizes": [1, 2, 3, 4, 5, 6, 7, 8],
+                      # rollout TP 4 with R modules: the passes that bypass rlk's TP all-reduce off (issue 35)
+                      "pass_config": {"fuse_allreduce_rms": False, "enable_sp": False, "fuse_gemm_comms": False}}
     doc = _plan(capsys, *_paths(model), "--linear-logp-abi", "--profile", "qwen3-8b-8gpu", "--rounds", "3",
                 "--no-recompute")
     assert doc["rounds"] == 3 and "--recompute-granularity" not in doc["submit"]

@@ -304,9 +304,15 @@ def flag_groups(cfg: VimeConfig) -> list[tuple[str, list[str]]]:
         rollout += ["--vllm-attention-backend", ENTRY_POINTS["vllm_attention_backend"]]
     if cfg.any_r():
         rollout += ["--vllm-enable-deterministic-inference"]
+    compilation: dict = {}
     if cfg.cuda_graph_decode:  # CUDA graphs for decode only, one per batch size a round can have
-        graphs = {"cudagraph_mode": "FULL_DECODE_ONLY", "cudagraph_capture_sizes": list(range(1, cfg.samples + 1))}
-        rollout += ["--vllm-compilation-config", json.dumps(graphs, separators=(",", ":"))]
+        compilation.update(cudagraph_mode="FULL_DECODE_ONLY", cudagraph_capture_sizes=list(range(1, cfg.samples + 1)))
+    if cfg.rollout_tensor_parallel > 1 and "R" in (cfg.letter("attention", "rollout"), cfg.letter("ffn", "rollout")):
+        # vLLM's fused all-reduce + RMSNorm and its sequence-parallel / async-TP passes bypass rlk's TP all-reduce
+        # (and rlk.gemm.tp.v1's merge): the plugin refuses them in strict mode (docs/vllm.md)
+        compilation["pass_config"] = {"fuse_allreduce_rms": False, "enable_sp": False, "fuse_gemm_comms": False}
+    if compilation:
+        rollout += ["--vllm-compilation-config", json.dumps(compilation, separators=(",", ":"))]
     groups.append(("rlk rollout side", rollout))
     if cfg.extra_args:
         groups.append(("extra", list(cfg.extra_args)))

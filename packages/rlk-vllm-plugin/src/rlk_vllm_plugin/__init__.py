@@ -12,7 +12,8 @@ What is installed for each module whose rollout letter is ``R`` (see ``PATCHES.m
 - ``attention``: out-of-tree ``RMSNorm`` / ``RotaryEmbedding``, the linear method, the ``CUSTOM``
   attention backend (:mod:`.attention`);
 - ``logp``: the final ``RMSNorm``, the LM-head method, the sampled-token log-prob hook (:mod:`.logprobs`);
-- ``attention`` or ``ffn``: the TP all-reduce (:mod:`.collectives`).
+- ``attention`` or ``ffn``: the TP all-reduce (:mod:`.collectives`); with ``RL_KERNEL_TP_INVARIANT``, the
+  row-parallel linear at TP > 1 (:mod:`.row_parallel`).
 
 For ``P`` modules — every module of a native run, where every rollout letter is ``P`` — only counting is
 installed: the out-of-tree ``RMSNorm`` / ``SiluAndMul`` and the linear / LM-head methods call vLLM's own
@@ -34,7 +35,7 @@ _REGISTERED: tuple | None = None
 
 
 def _key(rt) -> tuple:
-    return (rt.plan, rt.mode, rt.unfiltered_logprobs, rt.attention_override, os.getpid())
+    return (rt.plan, rt.mode, rt.unfiltered_logprobs, rt.attention_override, rt.tp_leaves, os.getpid())
 
 
 def register() -> None:
@@ -80,10 +81,12 @@ def register() -> None:
     _REGISTERED = _key(rt)
 
 
-def _groups(wanted: list[str]) -> tuple[str, ...]:
+def _groups(wanted: list[str], tp_invariant: bool = False) -> tuple[str, ...]:
     groups = ["common", "count", *wanted]
     if "attention" in wanted or "ffn" in wanted:
         groups.append("tp")
+        if tp_invariant:
+            groups.append("tp_invariant")
     return tuple(groups)
 
 
@@ -95,7 +98,7 @@ def _probe_problem(rt):
     head = (f"rlk-vllm-plugin {__version__}: the plan asks R on the rollout side of {', '.join(wanted)}, but"
             if wanted else f"rlk-vllm-plugin {__version__}: every rollout letter is P (counting only), but")
     try:
-        probe = _compat.probe(_groups(wanted))
+        probe = _compat.probe(_groups(wanted, bool(rt.tp_leaves)))
     except ImportError as exc:
         return f"{head} vLLM cannot be imported ({exc})"
     if not _compat.in_range(probe.version):
@@ -108,7 +111,7 @@ def _probe_problem(rt):
 
 
 def _install(rt, probe) -> None:
-    from rlk_vllm_plugin import _runtime, attention, collectives, cudagraphs, layers, logprobs
+    from rlk_vllm_plugin import _runtime, attention, collectives, cudagraphs, layers, logprobs, row_parallel
 
     _runtime.install(rt)
     _runtime.flush_at_exit()
@@ -132,6 +135,8 @@ def _install(rt, probe) -> None:
     if rt.r("attention") or rt.r("ffn"):
         for target in collectives.install(probe):
             rt.add_hook("tp_all_reduce", target, "patch")
+        if rt.tp_leaves:  # issue 35: the row-parallel linear at TP > 1 under rlk.gemm.tp.v1
+            rt.add_hook("row_parallel_linear", row_parallel.install(probe), "pluggable_layer_oot")
     if rt.r("attention"):
         for name in attention.install(probe, rt.attention_override):
             rt.add_hook(f"attention_backend.{name}", attention.BACKEND_PATH, "attention_backend")
@@ -152,8 +157,9 @@ def uninstall() -> None:
     from rlk_vllm_plugin import _runtime
 
     if _REGISTERED is not None and _runtime.current() is not None:
-        from rlk_vllm_plugin import attention, collectives, cudagraphs, layers, logprobs
+        from rlk_vllm_plugin import attention, collectives, cudagraphs, layers, logprobs, row_parallel
         cudagraphs.uninstall()
+        row_parallel.uninstall()
         layers.uninstall()
         logprobs.uninstall()
         collectives.uninstall()

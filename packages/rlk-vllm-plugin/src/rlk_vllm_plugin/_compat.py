@@ -82,6 +82,12 @@ TARGETS: dict[str, tuple[str, ...]] = {
     "tp": (
         "vllm.distributed.parallel_state:GroupCoordinator._all_reduce_out_place",
     ),
+    "tp_invariant": (  # RL_KERNEL_TP_INVARIANT with attention or ffn R: rlk_vllm_plugin.row_parallel
+        "vllm.model_executor.custom_op:PluggableLayer.register_oot",
+        "vllm.model_executor.layers.linear:RowParallelLinear.forward",
+        "vllm.distributed.parallel_state:get_tp_group",
+        "vllm.distributed:split_tensor_along_last_dim",
+    ),
 }
 
 # Targets the plugin overrides in a subclass rather than wrapping: defined on the named class or inherited from one

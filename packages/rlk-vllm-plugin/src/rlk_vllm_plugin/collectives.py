@@ -59,16 +59,37 @@ def uninstall() -> None:
 
 
 def check_config(rt: _runtime.Runtime) -> None:
-    """vLLM 0.22's ``fuse_allreduce_rms`` compile pass (TP > 1) replaces the all-reduce + RMSNorm pair with
-    a fused kernel that bypasses both hooks: refuse it for attention / ffn R."""
+    """Compile passes at TP > 1 that take the TP collectives out of rlk's hands, refused for attention / ffn R:
+
+    - ``fuse_allreduce_rms`` (vLLM 0.22): the all-reduce + RMSNorm pair becomes a fused kernel that bypasses both
+      hooks;
+    - ``enable_sp`` (sequence parallelism) and ``fuse_gemm_comms`` (async TP, which turns ``enable_sp`` on): the
+      all-reduce becomes vLLM's reduce-scatter + all-gather (async TP: fused into the GEMMs), which neither
+      ``rlk_collectives``' rank tree nor, in invariant mode, ``rlk.gemm.tp.v1``'s fp32 merge runs. vLLM turns both on
+      by default for dense models at ``-O2`` / ``-O3`` with TP > 1; they run only where vLLM compiles the model
+      (not under ``enforce_eager`` / ``-cc.mode=none``, which is accepted). Not routed through rlk in this version:
+      ``rlk_collectives.reduce_scatter_partials`` has the arithmetic (SP on == SP off), but vLLM's pass rewrites its
+      own graph patterns, which rlk's layers do not produce."""
     cfg = _compat.current_vllm_config()
     if cfg is None or not (rt.r("attention") or rt.r("ffn")):
         return
     tp = getattr(getattr(cfg, "parallel_config", None), "tensor_parallel_size", 1)
     pass_config = getattr(getattr(cfg, "compilation_config", None), "pass_config", None)
-    if tp > 1 and getattr(pass_config, "fuse_allreduce_rms", False):
+    if tp <= 1:
+        return
+    if getattr(pass_config, "fuse_allreduce_rms", False):
         rt.violation("vLLM's fuse_allreduce_rms compile pass is on with TP > 1; it bypasses rlk's all-reduce and "
                      "RMSNorm. Pass -cc.pass_config.fuse_allreduce_rms=false")
+    compiled = int(getattr(getattr(cfg, "compilation_config", None), "mode", 0) or 0) != 0  # CompilationMode.NONE
+    on = [name for name in ("enable_sp", "fuse_gemm_comms") if getattr(pass_config, name, False)]
+    if on and compiled:
+        mode = (f"RL_KERNEL_TP_INVARIANT={rt.tp_leaves}'s fp32 row-parallel merge (rlk.gemm.tp.v1)" if rt.tp_leaves
+                else "rlk's rank-order all-reduce (rlk.collective.v1)")
+        rt.violation(f"vLLM's sequence-parallel / async-TP compile passes ({', '.join(on)}) are on at TP {tp}: they "
+                     f"replace the TP all-reduce with vLLM's reduce-scatter + all-gather, which bypass {mode}; "
+                     "rlk does not route them. Pass "
+                     + " ".join(f"-cc.pass_config.{name}=false" for name in ("enable_sp", "fuse_gemm_comms"))
+                     + " (vLLM turns them on by default at -O2 / -O3 for dense models with TP > 1)")
 
 
 __all__ = ["TARGET", "check_config", "install", "uninstall"]

@@ -188,14 +188,19 @@ def _linear_apply(original):
 def _tp_leaves(layer: Any, rt: Any) -> int:
     """G for a row-parallel linear when ``RL_KERNEL_TP_INVARIANT`` is set (read with the plan: ``rt.tp_leaves``), else
     0 — one attribute read when the mode is off, nothing that breaks a ``torch.compile`` trace. At TP 1 the layer's
-    whole K holds the G leaves; at TP > 1 the rank's partial would have to reach vLLM's all-reduce in fp32 and be
-    rounded after it, which this version does not do: refused (strict) or run as rlk.gemm.bi.v1 (audit)."""
+    whole K holds the G leaves. At TP > 1 the rank's fp32 partial must be merged across the TP group before the one
+    rounding, which the linear method cannot do: ``rlk_vllm_plugin.row_parallel``'s layer does it in its forward and
+    reaches this method only where it refused the layer (reported there; here it runs as rlk.gemm.bi.v1). Any other
+    row-parallel layer at TP > 1 — built before ``register()``, or a subclass with its own forward — is refused."""
     leaves = rt.tp_leaves
-    if not leaves or not isinstance(layer, _compat.module("vllm.model_executor.layers.linear").RowParallelLinear):
+    if not leaves or not isinstance(layer, _ROW_PARALLEL):  # the class resolved at install: no import in a trace
         return 0
     if getattr(layer, "tp_size", 1) > 1:
-        rt.violation(f"RL_KERNEL_TP_INVARIANT={leaves}: linear {getattr(layer, 'prefix', '?')!r} runs at TP "
-                     f"{layer.tp_size}; the TP-invariant rollout covers TP 1 only in this version")
+        if getattr(type(layer), "_rlk_bind", None) is None:  # not rlk_vllm_plugin.row_parallel's layer
+            rt.violation(f"RL_KERNEL_TP_INVARIANT={leaves}: linear {getattr(layer, 'prefix', '?')!r} runs at TP "
+                         f"{layer.tp_size} as {type(layer).__name__}, not rlk's row-parallel layer (built before "
+                         "rlk-vllm-plugin registered, or a subclass with its own forward): its partial would be "
+                         "rounded before vLLM's all-reduce")
         return 0
     return leaves
 
@@ -230,8 +235,13 @@ def _lm_head_apply(original):
     return apply
 
 
+_ROW_PARALLEL: tuple[type, ...] = ()  # vLLM's RowParallelLinear, set by install_linear
+
+
 def install_linear(probe: _compat.Probe) -> None:
+    global _ROW_PARALLEL
     linear = _compat.module("vllm.model_executor.layers.linear")
+    _ROW_PARALLEL = (linear.RowParallelLinear,)
     patch(linear.UnquantizedLinearMethod, "apply", _linear_apply)
 
 
@@ -282,6 +292,9 @@ def bind_model(model: torch.nn.Module) -> dict[str, str]:
         prefix = getattr(layer, "prefix", None)
         if isinstance(prefix, str) and hasattr(layer, "quant_method"):  # linear layers: no regex per call
             layer._rlk_linear_module = module_of(prefix)
+            bind = getattr(type(layer), "_rlk_bind", None)
+            if bind is not None:  # issue 35: rlk_vllm_plugin.row_parallel's layer, decided (refused) at load
+                bind(layer)
         if classes and isinstance(layer, classes):
             module = "attention" if layer._rlk_op == "rope" else module_of(name)
             if name.endswith((".q_norm", ".k_norm")):

@@ -84,8 +84,10 @@ class VllmRollout:
                                   logprobs_mode="processed_logprobs")  # VIME's default: after temperature / filters
         if tp > 1:
             kw["distributed_executor_backend"] = "external_launcher"
-            # vLLM 0.22's fused all-reduce + RMSNorm pass bypasses the plugin's all-reduce and norm
-            kw["compilation_config"] = {"pass_config": {"fuse_allreduce_rms": False}}
+            # vLLM 0.22's fused all-reduce + RMSNorm pass bypasses the plugin's all-reduce and norm; its sequence-
+            # parallel / async-TP passes its all-reduce (and rlk.gemm.tp.v1's merge): the plugin refuses all three
+            kw["compilation_config"] = {"pass_config": {"fuse_allreduce_rms": False, "enable_sp": False,
+                                                        "fuse_gemm_comms": False}}
         if cuda_graphs is not None:  # issue 37: e.g. FULL_DECODE_ONLY with exact sizes (the plugin records replays)
             kw.setdefault("compilation_config", {}).update(cudagraph_mode=cuda_graphs["cudagraph_mode"],
                                                            cudagraph_capture_sizes=cuda_graphs["capture_sizes"])
