@@ -4,7 +4,8 @@
 initialises Megatron's parallel state at TP 1 and EP ``ep``, builds the model from the local MoE layer spec through
 the provider (the plan in SPEC's env), loads the converted weights (its local experts, ``GroupedMLP`` layout), runs
 its own packed sequences (``lengths[rank]``) forward, the rlk log-probs from the hidden states, and one backward of
-their sum; rank 0 writes every rank's log-probs, gradients and expert choices (``torch.save``) to OUT_PATH.
+their sum (then again for each of SPEC's ``variants``: overrides of the model — ``model`` — or of the dispatcher); rank
+0 writes every rank's log-probs, gradients and expert choices (``torch.save``) to OUT_PATH.
 """
 
 from __future__ import annotations
@@ -48,6 +49,8 @@ def run(rank: int, spec: dict, port: int, out: str) -> None:
         mine = one_rank(spec, rank)
         if spec.get("aux_too"):  # the same model with the aux / z losses on, in the same processes
             mine["aux"] = one_rank({**spec, "aux": 0.5, "z": 0.5}, rank)
+        # other models / dispatchers in the same processes (a process start costs more than a run)
+        mine["variants"] = {name: one_rank({**spec, **v}, rank) for name, v in spec.get("variants", {}).items()}
         every = [None] * ep
         dist.all_gather_object(every, mine)
         if rank == 0:
