@@ -3,7 +3,8 @@
 and gradients bitwise equal to the local engine's trainer and across expert-parallel sizes 1 / 2 / 4 (each EP rank
 its own sequences of other lengths); the aux / z losses attached without touching a log-prob; the stock MoE layer as
 the negative controls: other bits than rlk's at EP 1, and at EP 2 other bits than at EP 1 with top-4 (with top-2 the
-stock layer is exact across EP too: a token's combine adds two values, the same sum in any order)."""
+stock layer is exact across EP too: a token's combine adds two values, the same sum in any order); TP 2 (expert TP 1)
+in the provider's TP-invariant mode equal to TP 1 in log-probs and every gradient, and without the mode not."""
 
 from __future__ import annotations
 
@@ -192,6 +193,68 @@ def test_the_stock_moe_layer_at_ep_2_differs_from_ep_1_with_top_4():
     want = one["variants"]["even-top4"]["logp"]
     assert got.shape == want.shape and not torch.equal(got, want)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+INVARIANT = {**R_ALL, "RL_KERNEL_TP_INVARIANT": "4"}  # the provider's TP-invariant mode, G = 4 leaves
+
+
+def _full(cfg, every: list[dict]) -> dict:
+    """Every TP rank's gradients gathered to the local layout (EP 1: the experts are whole on every TP rank)."""
+    from rlk_megatron_provider.weights import from_megatron
+
+    return from_megatron(cfg, [r["grads"] for r in every])
+
+
+def test_tp_2_changes_no_bit_in_invariant_mode():
+    """TP 2 (expert TP 1: every TP rank routes the same tokens through the whole experts; the attention's linears
+    split as Megatron splits them, in the provider's TP-invariant mode): the log-probs on both TP ranks and every
+    gradient — experts, routers, attention, norms, embedding, output layer — gathered to the full shapes are TP 1's
+    in the same mode, bitwise."""
+    cfg = _moe_worker.model_config({})
+    (one,) = run("tp1-inv", 1, env=INVARIANT)
+    two = run("tp2-inv", 1, env=INVARIANT, tp=2)
+    assert [r["classes"] for r in two] == [["RlkMoELayer", "RlkTopKRouter", "RlkGroupedExperts"]] * 2
+    assert torch.equal(two[0]["logp"], one["logp"]) and torch.equal(two[1]["logp"], one["logp"])
+    want, got = _full(cfg, [one]), _full(cfg, two)
+    assert {"layers.1.w13", "layers.1.w2", "layers.1.router", "layers.1.qkv", "embed", "lm_head"} <= set(want)
+    assert [k for k in want if not torch.equal(got[k], want[k])] == []
+    assert all(bool(g.abs().sum() > 0) for g in want.values())  # no gradient is trivially zero
+
+
+def test_tp_2_without_invariant_mode_differs_the_negative_control():
+    """The same TP 2 model without the mode: its log-probs and the gradients below the TP-split reductions differ from
+    TP 1's (the row-parallel output projection's all-reduce, the column-parallel input gradients' sum over ranks)."""
+    cfg = _moe_worker.model_config({})
+    (one,) = run("ep1", 1, aux_too=True)
+    two = run("tp2-off", 1, tp=2)
+    assert not torch.equal(two[0]["logp"], one["logp"])
+    got, want = _full(cfg, two), _full(cfg, [one])
+    assert {"layers.0.qkv", "layers.0.q_norm", "layers.0.router", "layers.0.w13", "embed"} <= {
+        k for k in want if not torch.equal(got[k], want[k])}
+
+
+@pytest.mark.filterwarnings("ignore:Transformer Engine and Apex are not installed:UserWarning")
+@pytest.mark.filterwarnings("ignore:Apex is not installed:UserWarning")
+@pytest.mark.filterwarnings("ignore:absl.logging is not installed:UserWarning")
+@pytest.mark.filterwarnings("ignore::DeprecationWarning:megatron")
+@pytest.mark.filterwarnings("ignore:.*torch.jit.script_method.*:DeprecationWarning")
+@pytest.mark.filterwarnings("ignore:.*full scope is deprecated.*:UserWarning")
+def test_tp_with_ep_and_sequence_parallelism_are_refused():
+    """TP > 1 with EP > 1 (the TP ranks hold the same tokens: each would reach the experts TP times) and sequence
+    parallelism in an MoE model are refused by name."""
+    import types
+
+    from rlk_megatron_provider.moe import moe_problems
+
+    def cfg(**kw):
+        return types.SimpleNamespace(**{"tensor_model_parallel_size": 1, "expert_model_parallel_size": 1, **kw})
+
+    assert moe_problems(cfg(tensor_model_parallel_size=2)) == []
+    assert moe_problems(cfg(expert_model_parallel_size=2)) == []
+    assert any("TP 2 with EP 2" in p for p in moe_problems(cfg(tensor_model_parallel_size=2,
+                                                               expert_model_parallel_size=2)))
+    assert any("sequence parallelism" in p for p in moe_problems(cfg(tensor_model_parallel_size=2,
+                                                                     sequence_parallel=True)))
 
 
 @pytest.mark.filterwarnings("ignore:Transformer Engine and Apex are not installed:UserWarning")
