@@ -10,9 +10,8 @@
 # Left out by default because they fail on 0.33 (checked 2026-12-04; docs/vllm.md "Tests"), not skipped:
 # - test_fused_moe_under_ffn_p_is_vllm_s_own_and_the_negative_control: vLLM 0.33's own CPU fused MoE prepacks its
 #   weights with torch.ops._C.prepack_moe_weight, a compiled CPU op that the CUDA wheel installed here lacks;
-# - test_fused_moe_routing_record_holds_rlk_s_expert_ids_per_request_and_position: the plugin's routing record
-#   (RL_KERNEL_VLLM_MOE_ROUTING=1) binds FusedMoE.router.set_capture_fn, which 0.33's FusedMoE no longer has
-#   (0.33 captures routing through routed_experts_capturer); the plugin refuses it there, by name.
+# - test_fused_moe_routing_record_under_p_on_the_cpu_is_empty_the_negative_control: the same P model load (0.22's
+#   negative control of the routing record; 0.33's is test_fused_moe_routing_record_takes_vllm_s_router_ids_...).
 # The venv: torch 2.14.0 (vLLM 0.33.0's own pin, torch==2.14.0 in its Requires-Dist; PyPI has no CPU-only
 # build of it, so pip's default build, CUDA-enabled, used on the CPU), every rlk package editable
 # without compiled extensions (RLK_BUILD_EXT=0), no megatron-core; then real vLLM 0.33.0 and the test-only
@@ -24,7 +23,7 @@ venv="${RLK_VLLM033_VENV:-.venv-vllm033}"
 torch_version=2.14.0
 moe=tests/vllm/test_moe.py
 default="tests/vllm --deselect $moe::test_fused_moe_under_ffn_p_is_vllm_s_own_and_the_negative_control"
-default+=" --deselect $moe::test_fused_moe_routing_record_holds_rlk_s_expert_ids_per_request_and_position"
+default+=" --deselect $moe::test_fused_moe_routing_record_under_p_on_the_cpu_is_empty_the_negative_control"
 read -r -a tests <<< "${RLK_VLLM033_TESTS:-$default}"
 [ "${#tests[@]}" -gt 0 ] || { echo "test-vllm-033: RLK_VLLM033_TESTS names no test path" >&2; exit 2; }
 

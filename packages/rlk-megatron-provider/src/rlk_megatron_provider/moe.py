@@ -30,6 +30,12 @@ the bits of the log-probs and of every gradient do not depend on EP. The stock t
 ``MoELayer`` constructor builds it) but not called: its combine is the arithmetic above. The exchange moves
 ``k`` times a reduce-scatter's bytes; a dispatcher that moves only the pairs (all-to-all) is the next step.
 
+Tensor parallelism (TP > 1) at EP 1, expert TP 1: every TP rank holds the TP group's tokens and the whole experts
+and runs the layer as at TP 1 (replicated, like a norm): no MoE arithmetic is split, so TP changes no bit of it;
+the attention around it needs the provider's TP-invariant mode for TP 1's bits. TP > 1 with EP > 1 is refused (the
+EP group's TP-replicated tokens would each reach the experts TP times: sequence parallelism's token split first),
+and so is sequence parallelism.
+
 The aux / z losses change no forward value: ``MoEAuxLossAutoScaler`` returns its input and adds the loss's gradient
 in the backward; with the coefficients set, log-probs are the same bits (``tests/megatron/test_moe_layer.py``).
 """
@@ -54,6 +60,7 @@ _M = _compat.moe()
 def moe_problems(config) -> list[str]:
     """Why a config's MoE layers cannot run the rlk route (empty: they can)."""
     out = []
+    tp, ep = getattr(config, "tensor_model_parallel_size", 1), getattr(config, "expert_model_parallel_size", 1) or 1
     checks = (
         (getattr(config, "moe_router_score_function", "softmax") != "softmax", "a router score function other than "
          "softmax"),
@@ -66,7 +73,9 @@ def moe_problems(config) -> list[str]:
         (getattr(config, "moe_router_force_load_balancing", False), "moe_router_force_load_balancing"),
         (getattr(config, "moe_latent_size", None), "MoE latent projections"),
         (getattr(config, "moe_apply_probs_on_input", False), "moe_apply_probs_on_input"),
-        (getattr(config, "tensor_model_parallel_size", 1) != 1, "tensor parallelism in an MoE model (not built yet)"),
+        (tp != 1 and ep != 1, f"TP {tp} with EP {ep} in an MoE model (the TP ranks' tokens are the same: every one "
+         "would reach the experts TP times)"),
+        (tp != 1 and getattr(config, "sequence_parallel", False), "sequence parallelism in an MoE model"),
         (getattr(config, "expert_tensor_parallel_size", 1) not in (None, 1), "expert tensor parallelism"),
         (getattr(config, "router_replay", None), "router replay"),
     )

@@ -57,8 +57,9 @@ def _check_tp(cfg, tp: int, ep: int = 1, experts: str = "grouped") -> None:
             raise ValueError(f"experts={experts!r} is not one of {', '.join(EXPERT_LAYOUTS)}")
         if ep < 1 or cfg.num_experts % ep:
             raise ValueError(f"num_experts={cfg.num_experts} is not divisible by expert-parallel size {ep}")
-        if experts == "grouped" and tp != 1:
-            raise ValueError(f"the grouped expert layout is converted at expert TP 1, not {tp}")
+        if experts == "grouped" and tp != 1 and ep != 1:
+            raise ValueError(f"the grouped expert layout is converted at TP 1 with EP {ep}, or at EP 1 (expert TP 1: "
+                             f"every TP rank holds the whole experts), not TP {tp}")
 
 
 def _experts_to_megatron(cfg, w13: torch.Tensor, w2: torch.Tensor, m: str, tp: int, rank: int, ep: int,

@@ -22,6 +22,9 @@ Known differences handled here (see ``shared/reference/vllm.md`` §10):
 - ``UnquantizedFusedMoEMethod.is_monolithic``: 0.22 defines the property on the class (the CPU backend's escape
   hatch); 0.33 inherits ``FusedMoEMethodBase``'s. The plugin's subclass overrides it either way, so the target is
   :data:`INHERITED`: found on the class or a base.
+- ``FusedMoE``: 0.22's method is handed the ``FusedMoE`` (router, ``layer_id``); 0.33's the ``RoutedExperts`` (weights
+  and a ``routing_sink``), its ``MoERunner`` (router, ``layer_id``) registered by layer name in the compilation
+  config's ``static_forward_context``. The routing record finds either (``moe.moe_site`` / ``moe.capture_hook``).
 - CPU platform: 0.33 packs bf16 linear weights for its sgl-kernel GEMM on any AMX CPU (0.22 only with
   ``VLLM_CPU_SGL_KERNEL=1``); the weight is then emptied and an R linear layer is a violation (rlk cannot
   run it). Production runs on CUDA, where neither version packs.

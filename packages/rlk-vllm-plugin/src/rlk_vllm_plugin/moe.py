@@ -11,12 +11,26 @@ CPU path packs them for its sgl kernel) and no fused-MoE kernel set up. For a ``
 unchanged, and counted as a production call.
 
 vLLM's routed-experts record (``enable_return_routed_experts``: each sample's ``[tokens, layers, k]`` expert ids) is
-filled by a capture hook its router calls from ``select_experts``; a monolithic method selects the experts itself, so
-the R method hands rlk's ids to that hook (``layer.router.capture_fn``) as the router would. vLLM 0.22 keeps that
-record to its V1 runner, and rlk's log-probs need Model Runner V2; so, with ``RL_KERNEL_VLLM_MOE_ROUTING=1``, the
-plugin keeps its own (:class:`RoutingRecord`): the same hook bound to every ``FusedMoE`` at load time writes each
-layer's ids into one static device buffer (what a captured CUDA graph then replays), and after every MRv2
-``execute_model`` the step's rows are filed by request id and token position (:func:`take_routing`).
+filled by capture hooks; a monolithic method selects the experts itself, so the R method hands rlk's ids to the
+layer's hook as vLLM's own kernels would (:func:`capture_hook`). The hooks differ by version (:func:`moe_site`):
+
+- 0.22: the method is handed the ``FusedMoE``, which holds its router (``layer.router``, whose ``select_experts``
+  calls ``router.capture_fn``) and ``layer_id``; the R method calls the router's hook.
+- 0.33: the method is handed the ``RoutedExperts`` (the weights only); its ``MoERunner`` (the router, ``layer_id``)
+  is registered under the same layer name in the compilation config's ``static_forward_context``. A modular method
+  is routed by ``runner.router.select_experts`` (which calls the router's hook, as on 0.22); a monolithic one
+  reports its ids through the layer's ``routing_sink`` (a ``RoutedExpertsSink``: ``capture_fn``, and a buffer that
+  vLLM's replay-capable monolithic kernels write into); the R method calls the sink's ``capture_fn``.
+
+vLLM keeps its own record to its V1 runner on 0.22, and rlk's log-probs need Model Runner V2; so, with
+``RL_KERNEL_VLLM_MOE_ROUTING=1``, the plugin keeps its own (:class:`RoutingRecord`, the same on both versions): at
+load time every ``FusedMoE``'s hooks (the router's, and on 0.33 a sink for a monolithic method: rlk's under R, a
+replay-capable vLLM kernel's under P) are bound to write each layer's ids into one static device buffer (what a
+captured CUDA graph then replays), and after every MRv2 ``execute_model`` the step's rows are filed by request id and
+token position (:func:`take_routing`). Refused (a violation) where the record would be wrong or empty: vLLM's own
+routed-experts capture on as well (it binds the same hooks after the load and would take them over), dual-batch
+overlap (two micro-batches write the same rows), sequence-parallel MoE (a rank sees a shard of the tokens), and on
+0.33 a monolithic vLLM kernel without routing replay (nothing would report its ids).
 
 What an ``R`` ffn refuses (a violation: strict raises): expert parallelism (``expert_map``), grouped top-k, a score
 function other than softmax, a score-correction bias, a routed scaling factor other than 1, router weights applied
@@ -65,8 +79,8 @@ def rlk_experts(layer: Any, x: torch.Tensor, router_logits: torch.Tensor) -> tor
     for p in problems(layer):
         rt.violation(p)
     weights, ids = _runtime.rlk("ffn", "moe_topk", router_logits, int(layer.top_k), bool(layer.renormalize))
-    capture = getattr(getattr(layer, "router", None), "capture_fn", None)
-    if capture is not None:  # vLLM's routed-experts record (enable_return_routed_experts): rlk's ids, as its router's
+    capture = capture_hook(layer)
+    if capture is not None:  # a routed-experts record (vLLM's or the plugin's): rlk's ids, as vLLM's router's
         capture(ids)
     w13, w2 = layer.w13_weight, layer.w2_weight
     r = route(ids, weights, w13.shape[0])
@@ -142,16 +156,62 @@ def request_key(req_id: str) -> tuple[str, int] | None:
     return None if m is None else (m.group(2), int(m.group(1) or 0))
 
 
-def _bind_record(layer: Any) -> None:
-    """At a ``FusedMoE``'s load (``RL_KERNEL_VLLM_MOE_ROUTING=1``): the process's record (made at the first layer, sized
-    by vLLM's batch budget and CUDA-graph sizes), the router's capture hook bound to it, MRv2's ``execute_model``
-    wrapped to file each step's rows. Idempotent."""
-    router = getattr(layer, "router", None)
-    if router is None or not hasattr(router, "set_capture_fn"):
-        _runtime.get().violation("RL_KERNEL_VLLM_MOE_ROUTING: this vLLM's FusedMoE has no router capture hook")
+def capture_hook(layer: Any) -> Any:
+    """The routed-experts hook a monolithic method hands its ``[T, k]`` expert ids to (None: none bound): on 0.33 the
+    layer's ``routing_sink.capture_fn``, on 0.22 its router's ``capture_fn``."""
+    sink = getattr(layer, "routing_sink", None)
+    if sink is not None:
+        return sink.capture_fn
+    return getattr(getattr(layer, "router", None), "capture_fn", None)
+
+
+def moe_site(layer: Any) -> tuple[Any, int] | str:
+    """``(router, layer index)`` of the ``FusedMoE`` whose quant method is handed ``layer``, or why none is found:
+    0.22's ``FusedMoE`` holds both; 0.33's ``RoutedExperts`` is found in its ``MoERunner``, registered under the same
+    layer name in the compilation config's ``static_forward_context``."""
+    if hasattr(layer, "router"):  # 0.22: the FusedMoE itself
+        return layer.router, int(layer.layer_id)
+    name = getattr(layer, "layer_name", None)
+    runner = _compat.current_vllm_config().compilation_config.static_forward_context.get(name)
+    if runner is None or getattr(runner, "routed_experts", None) is not layer:
+        return f"no MoE runner of {type(layer).__name__} {name!r} in the compilation config's static forward context"
+    return runner.router, int(runner.layer_id)
+
+
+def _record_problems(layer: Any, vc: Any) -> list[str]:
+    """Why the plugin's routing record cannot be kept for ``layer`` (empty: it can)."""
+    own = (getattr(vc.model_config, "enable_return_routed_experts", False)  # 0.22
+           or getattr(getattr(vc, "aux_output_config", None), "enable_return_routed_experts", False))  # 0.33
+    checks = (
+        (own, "vLLM's own routed-experts capture (enable_return_routed_experts) binds the same hooks"),
+        (getattr(vc.parallel_config, "enable_dbo", False), "dual-batch overlap (two micro-batches, one buffer)"),
+        (getattr(getattr(layer, "moe_config", None), "is_sequence_parallel", False),
+         "sequence-parallel MoE (a rank routes a shard of the tokens)"),
+    )
+    return [f"RL_KERNEL_VLLM_MOE_ROUTING: {what} is not supported" for bad, what in checks if bad]
+
+
+def _bind_record(layer: Any, method: Any) -> None:
+    """After a ``FusedMoE``'s weights are processed (``RL_KERNEL_VLLM_MOE_ROUTING=1``): the process's record (made at
+    the first layer, sized by vLLM's batch budget and CUDA-graph sizes), the layer's hooks bound to it (the router's
+    on both versions; on 0.33 a monolithic method's routing sink too), MRv2's ``execute_model`` wrapped to file each
+    step's rows. Idempotent."""
+    rt = _runtime.get()
+    site = moe_site(layer)
+    if isinstance(site, str):
+        rt.violation(f"RL_KERNEL_VLLM_MOE_ROUTING: {site}")
+        return
+    router, index = site
+    if not hasattr(router, "set_capture_fn"):
+        rt.violation(f"RL_KERNEL_VLLM_MOE_ROUTING: {type(router).__name__} of this vLLM's FusedMoE has no capture hook")
+        return
+    vc = _compat.current_vllm_config()
+    bad = _record_problems(layer, vc)
+    for p in bad:
+        rt.violation(p)
+    if bad:
         return
     if not _RECORD:
-        vc = _compat.current_vllm_config()
         budget = int(vc.scheduler_config.max_num_batched_tokens)
         sizes = list(getattr(vc.compilation_config, "cudagraph_capture_sizes", None) or [])
         hf = vc.model_config.hf_text_config
@@ -159,7 +219,25 @@ def _bind_record(layer: Any) -> None:
                                      layer.w13_weight.device))
         _wrap_execute_model()
     rec = _RECORD[0]
-    router.set_capture_fn(lambda ids, _layer=int(layer.layer_id): rec.capture(_layer, ids))
+
+    def fn(ids: torch.Tensor, _layer: int = index) -> None:
+        rec.capture(_layer, ids)
+
+    router.set_capture_fn(fn)  # what vLLM's router calls from select_experts (a modular method)
+    if hasattr(layer, "routing_sink") and method.is_monolithic:  # 0.33: a monolithic method reports through a sink
+        if not r_ffn():
+            experts = getattr(getattr(getattr(method, "moe_kernel", None), "impl", None), "fused_experts", None)
+            if not getattr(experts, "supports_routing_replay_capture", lambda: False)():
+                rt.violation(f"RL_KERNEL_VLLM_MOE_ROUTING: vLLM's monolithic MoE kernel {type(experts).__name__} "
+                             "does not report its expert ids (no routing replay)")
+                return
+        sink = _compat.module("vllm.model_executor.layers.fused_moe.routed_experts_capturer").RoutedExpertsSink
+        layer.routing_sink = sink(layer.moe_config, fn)
+
+
+def r_ffn() -> bool:
+    """Whether the plan runs the ffn module on rlk (R)."""
+    return _runtime.get().r("ffn")
 
 
 def _wrap_execute_model() -> None:
@@ -194,8 +272,7 @@ def method_class() -> type:
     base = _compat.module("vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method"
                           ).UnquantizedFusedMoEMethod
 
-    def r() -> bool:
-        return _runtime.get().r("ffn")
+    r = r_ffn
 
     def production() -> None:
         for op in OPS:
@@ -209,12 +286,12 @@ def method_class() -> type:
             return True if r() else base.is_monolithic.fget(self)
 
         def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
-            if envs.current("RL_KERNEL_VLLM_MOE_ROUTING"):
-                _bind_record(layer)
             if not r():
-                return base.process_weights_after_loading(self, layer)
-            # the weights as loaded: the base's step before vLLM's (its own first call), no packing, no kernel
-            return super(base, self).process_weights_after_loading(layer)
+                base.process_weights_after_loading(self, layer)
+            else:  # the weights as loaded: the base's step before vLLM's (its own first call), no packing, no kernel
+                super(base, self).process_weights_after_loading(layer)
+            if envs.current("RL_KERNEL_VLLM_MOE_ROUTING"):  # after: under P on 0.33 the kernel it reads is built
+                _bind_record(layer, self)
 
         def apply_monolithic(self, layer, x, router_logits, input_ids=None):
             if r():
