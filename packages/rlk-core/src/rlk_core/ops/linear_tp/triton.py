@@ -132,6 +132,41 @@ def _store(y_ptr, v, rows, cols, M, N, stride_ym, stride_yn):
     tl.store(y_ptrs, v, mask=(rows[:, None] < M) & (cols[None, :] < N))
 
 
+@triton.jit
+def _count(t, s1, s2, s4, s8, J: tl.constexpr):
+    """Leaf ``J``'s value ``t`` into the binary counter of finished subtrees (``s1``: one leaf, ``s2``: two, ...): the
+    adjacent-pairs tree in leaf order, fp32 adds, at most log2(G) + 1 values alive."""
+    if J % 2 == 1:
+        t = s1 + t
+    if J % 4 == 3:
+        t = s2 + t
+    if J % 8 == 7:
+        t = s4 + t
+    if (J + 1) % 8 == 0:
+        s8 = t
+    elif (J + 1) % 4 == 0:
+        s4 = t
+    elif (J + 1) % 2 == 0:
+        s2 = t
+    else:
+        s1 = t
+    return s1, s2, s4, s8
+
+
+@triton.jit
+def _root(s1, s2, s4, s8, LEAVES: tl.constexpr):
+    """The tree's root after all ``LEAVES`` leaves went through :func:`_count`."""
+    if LEAVES == 1:
+        out = s1
+    elif LEAVES == 2:
+        out = s2
+    elif LEAVES == 4:
+        out = s4
+    else:
+        out = s8
+    return out
+
+
 @triton.jit(do_not_specialize=["M"])
 def _linear_tp_fwd_kernel(
     x_ptr, w_ptr, y_ptr, M, N, LEAF_K,
@@ -150,28 +185,8 @@ def _linear_tp_fwd_kernel(
     for j in tl.static_range(LEAVES):
         t = _leaf(x_ptr, w_ptr, rows, cols_ld, row_ok, j * LEAF_K, LEAF_K, stride_xm, stride_xk, stride_wn,
                   stride_wk, EVEN_K, IEEE, BLOCK_M, BLOCK_N, BLOCK_K)
-        if j % 2 == 1:
-            t = s1 + t
-        if j % 4 == 3:
-            t = s2 + t
-        if j % 8 == 7:
-            t = s4 + t
-        if (j + 1) % 8 == 0:
-            s8 = t
-        elif (j + 1) % 4 == 0:
-            s4 = t
-        elif (j + 1) % 2 == 0:
-            s2 = t
-        else:
-            s1 = t
-    if LEAVES == 1:
-        out = s1
-    elif LEAVES == 2:
-        out = s2
-    elif LEAVES == 4:
-        out = s4
-    else:
-        out = s8
+        s1, s2, s4, s8 = _count(t, s1, s2, s4, s8, j)
+    out = _root(s1, s2, s4, s8, LEAVES)
     _store(y_ptr, out, rows, cols, M, N, stride_ym, stride_yn)
 
 
@@ -205,26 +220,8 @@ def _linear_tp_merge_kernel(ws_ptr, y_ptr, MN, LEAVES: tl.constexpr, BLOCK: tl.c
     for j in tl.static_range(LEAVES):
         t = tl.load(ptrs, mask=ok, other=0.0)
         ptrs += MN  # leaf j + 1 (a pointer step: no int32 product j * MN)
-        if j % 2 == 1:
-            t = s1 + t
-        if j % 4 == 3:
-            t = s2 + t
-        if j % 8 == 7:
-            t = s4 + t
-        if (j + 1) % 8 == 0:
-            s8 = t
-        elif (j + 1) % 4 == 0:
-            s4 = t
-        elif (j + 1) % 2 == 0:
-            s2 = t
-        else:
-            s1 = t
-    if LEAVES == 2:
-        out = s2
-    elif LEAVES == 4:
-        out = s4
-    else:
-        out = s8
+        s1, s2, s4, s8 = _count(t, s1, s2, s4, s8, j)
+    out = _root(s1, s2, s4, s8, LEAVES)
     tl.store(y_ptr + offs, out, mask=ok)
 
 
