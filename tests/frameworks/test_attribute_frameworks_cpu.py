@@ -139,13 +139,10 @@ print("ok")
 '''
 
 MEGATRON_DUMP = r'''
-import json, os, socket, sys, torch, torch.distributed as dist
+import json, os, sys, torch
 sys.path.insert(0, os.environ['TEST_MEGATRON_DIR'])
-from _cpu import cpu_recipe
-cpu_recipe()
-with socket.socket() as s:
-    s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]
-dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+from _cpu import gloo_world_of_one
+gloo_world_of_one()
 from rlk_repro.engine.frameworks_megatron import MegatronTrainer, init_model_parallel
 from rlk_repro.engine.trainer import Sample
 from rlk_repro.model.config import PRESETS

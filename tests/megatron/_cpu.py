@@ -17,6 +17,20 @@ def cpu_recipe() -> None:
     torch.cuda.manual_seed = torch.manual_seed
 
 
+
+def gloo_world_of_one() -> None:
+    """A subprocess test's start: :func:`cpu_recipe`, then a one-rank gloo process group on a free local port (what
+    megatron-core's parallel state is initialised over on the CPU)."""
+    import socket
+
+    import torch.distributed as dist
+
+    cpu_recipe()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+
 def hybrid_final_norm_without_te() -> None:
     """megatron-core 0.19's ``HybridStack`` builds its final norm as ``TENorm``, which raises without
     Transformer Engine: point that name at Megatron's local torch norm (``WrappedTorchNorm``, the norm of
