@@ -11,7 +11,8 @@ Transport: ``torch.distributed`` (NCCL on GPUs, gloo on CPUs), moving bytes only
 - :class:`ZigzagLayout`, :func:`cp_all_gather`, :func:`cp_all_gather_kv`, :func:`cp_reduce_scatter`
   (context parallelism in Megatron's zigzag layout);
 - :func:`all_reduce_partials`, :func:`reduce_scatter_partials`: the rank merge of the TP-invariant row-parallel
-  GEMM (``rlk.gemm.tp.v1``: fp32 partials, the same tree, one rounding at the end);
+  GEMM (``rlk.gemm.tp.v1``: fp32 partials, the same tree, one rounding at the end); :func:`merge_partials`, the
+  same merge of W ranks' partials in one process (emulated TP);
 - :func:`tree_sum_fp32`, :func:`round_to_dtype`, :func:`reduce_reference`: the single-process
   specification (``reduce_reference(xs) == round_to_dtype(tree_sum_fp32(xs), dtype)`` is what every
   rank receives).
@@ -23,7 +24,7 @@ Each call reports ``(op, BACKEND_ID, CONTRACT_ID)`` to the active readback scope
 from rlk_collectives._ops import BACKEND_ID, CONTRACT_ID, all_gather, all_reduce, reduce_scatter
 from rlk_collectives._tree import CANONICAL_NAN, DTYPES, reduce_reference, round_to_dtype, tree_sum_fp32
 from rlk_collectives.cp import ZigzagLayout, cp_all_gather, cp_all_gather_kv, cp_reduce_scatter
-from rlk_collectives.partials import all_reduce_partials, reduce_scatter_partials
+from rlk_collectives.partials import all_reduce_partials, merge_partials, reduce_scatter_partials
 
 __version__ = "0.1.0"
 
@@ -43,6 +44,7 @@ __all__ = [
     "cp_all_gather",
     "cp_all_gather_kv",
     "cp_reduce_scatter",
+    "merge_partials",
     "reduce_reference",
     "reduce_scatter",
     "reduce_scatter_partials",

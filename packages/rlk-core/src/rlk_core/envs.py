@@ -108,6 +108,18 @@ def _tp_leaves(raw: str, var: EnvVar) -> int:
     raise var.error(raw)
 
 
+def _tp_emulate(raw: str, var: EnvVar) -> tuple[int, bool, bool] | None:
+    """``off`` / ``0`` -> None; ``t[,sp][,bi]`` -> ``(t, sp, bi)``: t a power of two >= 2."""
+    value = raw.strip().lower().replace(" ", "")
+    if value in ("off", "0", "false"):
+        return None
+    t, *flags = value.split(",")
+    if t.isdigit() and int(t) >= 2 and not int(t) & (int(t) - 1) and set(flags) <= {"sp", "bi"} \
+            and len(set(flags)) == len(flags):
+        return int(t), "sp" in flags, "bi" in flags
+    raise var.error(raw)
+
+
 def _targets(raw: str, var: EnvVar) -> tuple[str, ...]:
     items = tuple(t.strip() for t in raw.split(",") if t.strip())
     if not all(t.count(":") == 1 and all(t.split(":")) for t in items):
@@ -171,6 +183,20 @@ ENV_VARS: tuple[EnvVar, ...] = (
            "Unset / off: row-parallel linears sum per-rank partials (rlk.gemm.bi.v1), and strict mode refuses a "
            "train TP that differs from the rollout TP.",
            allowed_doc="off, 0, on (= 8), or a power of two >= 2 (2, 4, 8, 16, ...)"),
+    EnvVar("RL_KERNEL_TP_EMULATE", _tp_emulate, None,
+           "Megatron provider, emulated TP on one process (docs/ops/linear_tp.md, 'Emulated TP on one GPU'): a model "
+           "built at real TP 1 in TP-invariant mode runs every TP-split op as the t ranks of TP t would — each rank's "
+           "shard with its own launches and shapes (row- and column-parallel linears, their input gradients, the "
+           "attention heads, the q/k norms' head leaves), the ranks' fp32 partials merged in process by "
+           "rlk_collectives.merge_partials (the rank tree of all_reduce_partials) and rounded once. ',sp' adds "
+           "Megatron's sequence parallelism: the reduce-scatter as the ranks' rows of the merge, the norms' weight "
+           "gradients over the ranks' token leaves. ',bi' is the negative control: the row-parallel linears as "
+           "rlk.gemm.bi.v1 per rank (each rank's linear on its K slice, the rank outputs summed by the "
+           "rlk.collective.v1 tree: what real TP t computes without invariant mode), everything else as with the "
+           "mode. Needs RL_KERNEL_TP_INVARIANT=G with t dividing G and a real TP of 1. Proves every rank's "
+           "arithmetic, not the transport. Unset / off: no emulation.",
+           allowed_doc="off, 0, or t with optional ,sp and ,bi (t a power of two >= 2 dividing "
+           "RL_KERNEL_TP_INVARIANT): 4, 4,sp, 4,bi, 4,sp,bi"),
     EnvVar("RL_KERNEL_READBACK_DIR", _path, None,
            "Directory that receives one rlk.readback.v1 JSON per (framework, target, process). "
            "Unset: nothing is written.", allowed_doc="a directory path"),
