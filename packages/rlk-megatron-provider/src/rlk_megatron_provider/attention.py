@@ -31,7 +31,7 @@ import rlk_collectives
 from rlk_core import envs
 from rlk_core.errors import RlkPolicyError
 from rlk_core.ops.rope import reserve_tables
-from rlk_megatron_provider import _compat, _state
+from rlk_megatron_provider import _compat, _state, tp_emulate
 from rlk_megatron_provider.layers import RlkQKVLinear, RlkRMSNorm
 
 Tensor = torch.Tensor
@@ -139,6 +139,8 @@ class RlkCoreAttention(_compat.MegatronModule):
         self.apply_rope = True
         self.max_positions: int | None = None  # the model's max_sequence_length (prepare_model sets it)
         self._rope_device = None  # the device whose cos/sin table was reserved
+        # emulated TP: RoPE and the attention run per emulated rank, on its query groups
+        self.rlk_tp_emulate = tp_emulate.emulation(config, getattr(config, "tensor_model_parallel_size", 1))
         problems = config_problems(config)
         if attention_type != "self":
             problems.append(f"attention_type={attention_type!r} (rlk covers causal self-attention)")
@@ -189,18 +191,28 @@ class RlkCoreAttention(_compat.MegatronModule):
                 q, k, v = query, key, value
             if self.apply_rope:
                 self._check_rope(q, batch.longest)
-                q = routes.call("attention", "rope", q, batch.pos, self.rope_theta)
-                k = routes.call("attention", "rope", k, batch.pos, self.rope_theta)
-            if cp > 1:
+            if cp == 1 and self.rlk_tp_emulate is not None:
+                o = tp_emulate.attention_ranks(self.rlk_tp_emulate, q, k, v, lambda *a: self._attend(batch, *a))
+            elif cp > 1:
+                if self.apply_rope:
+                    q = routes.call("attention", "rope", q, batch.pos, self.rope_theta)
+                    k = routes.call("attention", "rope", k, batch.pos, self.rope_theta)
                 k, v = rlk_collectives.cp_all_gather_kv(k, v, batch.layout, cp_group, check=self.rlk_check_collectives)
                 o = routes.call("attention", "attention_varlen", q, k, v, batch.cu_q, batch.cu_k, self.scale,
                                 causal=True, q_positions=batch.pos)
             else:
-                o = routes.call("attention", "attention_varlen", q, k, v, batch.cu_q, batch.cu_q, self.scale,
-                                causal=True)
+                o = self._attend(batch, q, k, v)
         if packed_seq_params is None:
             return o.reshape(b, sq, -1).transpose(0, 1)
         return o.reshape(o.shape[0], -1)
+
+    def _attend(self, batch: _Batch, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        """RoPE (where it applies) and causal ``attention_varlen`` of one packed batch, CP 1 (inside the scope)."""
+        routes = _state.get().routes
+        if self.apply_rope:
+            q = routes.call("attention", "rope", q, batch.pos, self.rope_theta)
+            k = routes.call("attention", "rope", k, batch.pos, self.rope_theta)
+        return routes.call("attention", "attention_varlen", q, k, v, batch.cu_q, batch.cu_q, self.scale, causal=True)
 
     def _check_rope(self, q: Tensor, longest: int) -> None:
         """Refuse a batch longer than the model's maximum length; on the first call on a device, reserve the

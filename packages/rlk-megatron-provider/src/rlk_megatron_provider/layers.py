@@ -18,6 +18,9 @@ row-parallel, TP-invariant    rlk all_reduce_partials (fp32)      identity (into
 column-parallel, TP-invariant identity                            dX by rlk.gemm.tp.v1 over N, merged
 ============================  ==================================  =====================================
 
+Emulated TP (``RL_KERNEL_TP_EMULATE=t``, invariant mode at real TP 1): every TP-split op runs as the t ranks of TP
+t would, their partials merged in process (:mod:`rlk_megatron_provider.tp_emulate`).
+
 TP-invariant mode (``RL_KERNEL_TP_INVARIANT=G``, read when a layer is built): a row-parallel linear runs
 ``linear_tp_partials`` over its G / TP K-leaves and ``rlk_collectives.all_reduce_partials`` (contract
 ``rlk.gemm.tp.v1``, docs/ops/linear_tp.md), so its output has the same bits at every TP dividing G; a
@@ -38,7 +41,7 @@ from rlk_core import envs
 from rlk_core.errors import RlkPolicyError
 from rlk_core.ops import linear_tp_finish
 from rlk_core.ops.linear_tp import group_leaves
-from rlk_megatron_provider import _compat, _state, tp_grads
+from rlk_megatron_provider import _compat, _state, tp_emulate, tp_grads
 
 Tensor = torch.Tensor
 
@@ -173,6 +176,7 @@ class _RlkLayer:
 
     rlk_check_collectives = True
     rlk_tp_leaves = 0  # G of RL_KERNEL_TP_INVARIANT when the layer was built (0: off)
+    rlk_tp_emulate = None  # the tp_emulate.Emulation of RL_KERNEL_TP_EMULATE when the layer was built (None: off)
 
     def _rlk_setup(self, module: str, problems: list[str]) -> None:
         st = _state.get()
@@ -202,9 +206,11 @@ class RlkColumnParallelLinear(_RlkLayer, _compat.ColumnParallelLinear):
         problems = linear_problems(self, self.config)
         self.rlk_module = rlk_module
         self.rlk_tp_leaves = envs.current("RL_KERNEL_TP_INVARIANT")
+        tp = _tp(_compat.tp_group_of(self))
+        if rlk_module in ("attention", "ffn"):  # QKV, fc1 (the LM head's arithmetic does not depend on TP)
+            self.rlk_tp_emulate = tp_emulate.emulation(self.config, tp)
         if self.rlk_tp_leaves:
-            problems += tp_grads.column_problems(self._rlk_components(), self.rlk_tp_leaves,
-                                                 _tp(_compat.tp_group_of(self)))
+            problems += tp_grads.column_problems(self._rlk_components(), self.rlk_tp_leaves, tp)
         self._rlk_setup(rlk_module, problems)
 
     def _rlk_components(self) -> list[int]:
@@ -219,6 +225,13 @@ class RlkColumnParallelLinear(_RlkLayer, _compat.ColumnParallelLinear):
         cached = self.__dict__.get("_rlk_rows")
         if cached is None or cached.device != device:
             cached = self.__dict__["_rlk_rows"] = tp_grads.leaf_rows(self._rlk_components(), leaves, device)
+        return cached
+
+    def _rlk_rank_rows(self, tp: int, device) -> tuple[list[Tensor], Tensor]:
+        """Emulated TP: each rank's rows of the TP 1 weight and their inverse (:func:`tp_emulate.rank_rows`), once."""
+        cached = self.__dict__.get("_rlk_ranks")
+        if cached is None or cached[1].device != device:
+            cached = self.__dict__["_rlk_ranks"] = tp_emulate.rank_rows(self._rlk_components(), tp, device)
         return cached
 
     def _rlk_input(self, input_: Tensor, group, tp: int) -> Tensor:
@@ -245,6 +258,8 @@ class RlkColumnParallelLinear(_RlkLayer, _compat.ColumnParallelLinear):
 
 
     def _gemm(self, x: Tensor, w: Tensor) -> Tensor:
+        if self.rlk_tp_emulate is not None:
+            return tp_emulate.ColumnRanks.apply(x, w, self)
         if self.rlk_tp_leaves:
             return tp_grads.ColumnTPInvariant.apply(x, w, self)
         return _state.get().routes.call(self.rlk_module, "linear", x, w)
@@ -398,8 +413,9 @@ class RlkRowParallelLinear(_RlkLayer, _compat.RowParallelLinear):
         if not self.input_is_parallel:
             problems.append("input_is_parallel=False (a scatter of the input) is not covered")
         self.rlk_tp_leaves = envs.current("RL_KERNEL_TP_INVARIANT")
+        tp = _tp(_compat.tp_group_of(self))
+        self.rlk_tp_emulate = tp_emulate.emulation(self.config, tp)
         if self.rlk_tp_leaves:
-            tp = _tp(_compat.tp_group_of(self))
             if tp & (tp - 1) or self.rlk_tp_leaves % tp:
                 problems.append(f"TP {tp} is not a power of two dividing RL_KERNEL_TP_INVARIANT={self.rlk_tp_leaves}")
         self._rlk_setup(rlk_module, problems)
@@ -410,6 +426,8 @@ class RlkRowParallelLinear(_RlkLayer, _compat.RowParallelLinear):
             return super().forward(input_)
         routes = _state.get().routes
         group, tp = self._tp_group()
+        if self.rlk_tp_emulate is not None:
+            return tp_emulate.row_parallel(self, input_), None
         if self.rlk_tp_leaves:
             s = routes.call(self.rlk_module, "linear_tp_partials", input_, self.weight, self.rlk_tp_leaves // tp)
             if tp > 1:
@@ -433,6 +451,7 @@ class RlkRMSNorm(_RlkLayer, torch.nn.Module):
         self.weight.sequence_parallel = bool(getattr(config, "sequence_parallel", False))
         self.rlk_module, self.rlk_active = rlk_module, _state.get().rlk(rlk_module)
         self.rlk_tp_leaves = envs.current("RL_KERNEL_TP_INVARIANT")
+        self.rlk_tp_emulate = tp_emulate.emulation(config, _tp(_compat.tp_group_of(self)))
         if not self.rlk_active:  # the spec keeps the stock norm for such modules; reaching here is a bug
             raise RlkPolicyError(f"RlkRMSNorm built for module {rlk_module!r}, which does not run rlk")
 
@@ -442,16 +461,22 @@ class RlkRMSNorm(_RlkLayer, torch.nn.Module):
         st = _state.get()
         if self.rlk_head_tree is not None:  # the weight gradient over head leaves, merged over the TP ranks
             group, heads, leaves = self.rlk_head_tree
+            em = self.rlk_tp_emulate  # emulated TP: the heads' leaves are those of its ranks
             return tp_grads.leaf_norm(x, self.weight, self.eps, self.rlk_module, dim=-2,
                                       leaves_total=group_leaves(heads, leaves), group=group,
-                                      check=self.rlk_check_collectives)
+                                      check=self.rlk_check_collectives, ranks=em.tp if em else 1)
         if self.rlk_tp_leaves and torch.is_grad_enabled() and self.weight.requires_grad:
             # the weight gradient over gcd(T, G) token leaves (sequence parallelism: the rank's, merged over the ranks)
             group = _compat.tp_group_of(self) if self.weight.sequence_parallel else None
             tokens = x.shape[0] * (1 if group is None else group.size())
+            em = self.rlk_tp_emulate  # emulated sequence parallelism: the tokens' leaves are those of its ranks
+            ranks = em.tp if em is not None and em.sp else 1
+            if tokens % ranks:
+                raise RlkPolicyError(f"rlk-megatron-provider, emulated TP {ranks} with sequence parallelism: "
+                                     f"{tokens} tokens are not divisible by {ranks}")
             return tp_grads.leaf_norm(x, self.weight, self.eps, self.rlk_module, dim=0,
                                       leaves_total=group_leaves(tokens, self.rlk_tp_leaves), group=group,
-                                      check=self.rlk_check_collectives)
+                                      check=self.rlk_check_collectives, ranks=ranks)
         return st.routes.call(self.rlk_module, "rms_norm", x, self.weight, self.eps)
 
 

@@ -47,6 +47,7 @@ import functools
 import torch
 import torch.distributed as dist
 
+from rlk_core import envs
 from rlk_core.errors import RlkPolicyError
 from rlk_core.ops import moe_combine
 from rlk_core.ops.moe import layer as moe_layer
@@ -213,6 +214,8 @@ class RlkMoELayer(_RlkLayer, _M.MoELayer):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         problems = moe_problems(self.config)
+        if envs.current("RL_KERNEL_TP_EMULATE") is not None:
+            problems.append("emulated TP (RL_KERNEL_TP_EMULATE) does not cover MoE layers")
         if not isinstance(self.router, RlkTopKRouter) or not isinstance(self.experts, RlkGroupedExperts):
             problems.append(f"the router / experts are {type(self.router).__name__} / {type(self.experts).__name__}, "
                             "not rlk's")

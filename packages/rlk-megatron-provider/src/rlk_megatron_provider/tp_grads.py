@@ -32,6 +32,7 @@ from __future__ import annotations
 import torch
 
 import rlk_collectives
+from rlk_collectives import merge_partials
 from rlk_core.errors import RlkPolicyError
 from rlk_core.ops import linear_tp_finish
 from rlk_core.ops.linear_tp import column_leaf_rows, pairs_sum
@@ -123,18 +124,19 @@ class LeafNorm(torch.autograd.Function):
     merged over the TP group; without it, all of them on every rank)."""
 
     @staticmethod
-    def forward(ctx, x, w, eps, module, dim, leaves, leaves_total, group, check):
-        if x.shape[dim] % leaves:  # group_leaves makes the count divide; a caller that does not is a bug
+    def forward(ctx, x, w, eps, module, dim, leaves, leaves_total, group, check, ranks=1):
+        if x.shape[dim] % leaves or leaves % ranks:  # group_leaves makes these divide; a caller that does not: a bug
             raise RlkPolicyError(f"rlk-megatron-provider, module {module!r}, TP-invariant mode: dim {dim} of the "
-                                 f"norm's input (shape {tuple(x.shape)}) does not divide into {leaves} leaves")
-        ctx.args = (eps, module, dim, leaves, leaves_total, group, check)
+                                 f"norm's input (shape {tuple(x.shape)}) does not divide into {leaves} leaves "
+                                 f"over {ranks} ranks")
+        ctx.args = (eps, module, dim, leaves, leaves_total, group, check, ranks)
         ctx.save_for_backward(x, w)
         return _state.get().routes.call(module, "rms_norm", x, w, eps)
 
     @staticmethod
     def backward(ctx, dy):
         x, w = ctx.saved_tensors
-        eps, module, dim, leaves, leaves_total, group, check = ctx.args
+        eps, module, dim, leaves, leaves_total, group, check, ranks = ctx.args
         routes = _state.get().routes
         tp, rank = _tp(group)
         size = x.shape[dim] // leaves
@@ -145,14 +147,21 @@ class LeafNorm(torch.autograd.Function):
                                       x.narrow(dim, j * size, size).contiguous(), w, eps)
                 dxs.append(dx_l)
                 parts.append(dw_l.float())
-            dw = _merge(pairs_sum(parts), group, leaves_total, w.dtype, check)
+            if ranks > 1:  # emulated TP: each emulated rank's subtree, merged in process by the rank tree
+                n = leaves // ranks
+                dw = merge_partials([pairs_sum(parts[r * n:(r + 1) * n]) for r in range(ranks)],
+                                    leaves_total=leaves_total, dtype=w.dtype)
+            else:
+                dw = _merge(pairs_sum(parts), group, leaves_total, w.dtype, check)
         if tp > 1 and rank:  # Megatron's TP sum (finalize_model_grads) then returns rank 0's bits exactly
             dw = torch.full_like(dw, -0.0)
-        return torch.cat(dxs, dim=dim), dw, None, None, None, None, None, None, None
+        return torch.cat(dxs, dim=dim), dw, None, None, None, None, None, None, None, None
 
 
 def leaf_norm(x: Tensor, w: Tensor, eps: float, module: str, *, dim: int, leaves_total: int, group,
-              check: bool) -> Tensor:
-    """:class:`LeafNorm` with this rank's share of ``leaves_total`` leaves (all of them where ``group`` is None)."""
+              check: bool, ranks: int = 1) -> Tensor:
+    """:class:`LeafNorm` with this rank's share of ``leaves_total`` leaves (all of them where ``group`` is None).
+    ``ranks`` > 1 (emulated TP, ``group`` None): the leaves are those of ``ranks`` ranks in rank order, each rank's
+    subtree summed and the subtrees merged by ``rlk_collectives.merge_partials``."""
     tp, _ = _tp(group)
-    return LeafNorm.apply(x, w, eps, module, dim, leaves_total // tp, leaves_total, group, check)
+    return LeafNorm.apply(x, w, eps, module, dim, leaves_total // tp, leaves_total, group, check, ranks)
