@@ -19,12 +19,12 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _model
 from test_megatron_provider import MEGATRON_WARNINGS, run
 from test_megatron_tp_invariant import (
-    G,
     INVARIANT,
     LENGTHS,
     MODEL,
     MODEL8,
     TIED,
+    G,
     differing,
     full_grads,
     invariant_run,
