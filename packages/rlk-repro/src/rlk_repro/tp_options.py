@@ -7,8 +7,12 @@ dry-run. The rule of the run (:func:`rlk_core.tp.check_tp_layout`): train TP != 
 refused in strict mode with the message that says what to set (audit mode plans it and records the problem); with
 it, both TPs must be powers of two dividing G, and the model's row-parallel K and column components divisible by G.
 The frameworks engine itself runs one TP for both sides, without SP or CP: a layout beyond that is planned here and
-refused by ``run`` (:func:`engine_problem`) until the engine runs it (issue 39). Kept apart from ``cli.py``'s own
-options.
+refused by ``run`` (:func:`engine_problem`) until the engine runs it (issue 39) — except **emulated** train TP
+(``--train-tp 4 --emulate-train-tp``, rollout TP 1, invariant mode; ``--sequence-parallel`` allowed): one process,
+Megatron built at TP 1 running the arithmetic of every rank of TP 4 (``RL_KERNEL_TP_EMULATE``,
+``rlk_megatron_provider.tp_emulate``), recorded as such (``parallel.train_tp_emulated``) so that no reader takes it
+for a real TP 4 run. ``--emulate-train-tp bi-control``: the negative control (the row-parallel linears split as
+``rlk.gemm.bi.v1``, whose bits differ). Kept apart from ``cli.py``'s own options.
 """
 
 from __future__ import annotations
@@ -22,8 +26,10 @@ from rlk_core.tp import check_tp_layout
 from rlk_repro._args import positive_int
 
 VAR = "RL_KERNEL_TP_INVARIANT"
+EMULATE_VAR = "RL_KERNEL_TP_EMULATE"
 CONTRACT = "rlk.gemm.tp.v1"
-NAMES = ("train_tp", "rollout_tp", "sequence_parallel", "context_parallel", "tp_invariant")
+NAMES = ("train_tp", "rollout_tp", "sequence_parallel", "context_parallel", "tp_invariant", "train_tp_emulated")
+EMULATIONS = ("on", "bi-control")
 
 
 def _leaves(value: str) -> int:
@@ -45,6 +51,12 @@ def add_options(g: argparse._ArgumentGroup) -> None:
                    help="Megatron's --sequence-parallel (train TP > 1, TP-invariant mode: the same bits as without)")
     g.add_argument("--context-parallel", type=positive_int, default=1, metavar="C",
                    help="Megatron's context-parallel size (1); training takes train TP x C GPUs")
+    g.add_argument("--emulate-train-tp", dest="train_tp_emulated", nargs="?", const="on", default=None,
+                   choices=EMULATIONS,
+                   help=f"run --train-tp on one GPU, emulated ({EMULATE_VAR}): Megatron built at TP 1 runs every "
+                   "rank's shard with the rank's own launches and merges the partials in process (TP-invariant mode, "
+                   "--rollout-tp 1; the arithmetic of every rank, not the transport). bi-control: the negative "
+                   "control, the row-parallel linears split as rlk.gemm.bi.v1")
     g.add_argument("--tp-invariant", type=_leaves, default=None, metavar="G",
                    help=f"TP-invariant mode for both sides: on (G = 8), off, or G (a power of two >= 2); sets {VAR} "
                    f"for the run (default: {VAR} from the environment, else off)")
@@ -62,6 +74,7 @@ def config_kwargs(a: argparse.Namespace, frameworks: bool) -> dict[str, Any]:
     leaves = a.tp_invariant if a.tp_invariant is not None else envs.get(VAR)
     return {"train_tp": a.train_tp or a.tp, "rollout_tp": a.rollout_tp or a.tp,
             "sequence_parallel": a.sequence_parallel, "context_parallel": a.context_parallel, "tp_invariant": leaves,
+            "train_tp_emulated": a.train_tp_emulated or "",
             "tp_invariant_source": ("flag --tp-invariant" if a.tp_invariant is not None
                                     else VAR if envs.get(VAR) else "default (off)")}
 
@@ -96,11 +109,11 @@ def model_config(cfg):
 
 
 def apply_environment(cfg) -> None:
-    """``run``: the run's G in this process's environment (the plugin's and the provider's processes read it)."""
+    """``run``: the run's G (and the emulation) in this process's environment (the plugin's and the provider's
+    processes read it)."""
     import os
 
-    if cfg.tp_invariant:
-        os.environ[VAR] = str(cfg.tp_invariant)
+    os.environ.update(env(cfg))
 
 
 def check(cfg, model_cfg=None) -> str | None:
@@ -111,6 +124,8 @@ def check(cfg, model_cfg=None) -> str | None:
     for name in ("train_tp", "rollout_tp", "context_parallel"):
         if getattr(cfg, name) < 1:
             raise RlkConfigError(f"{name.replace('_', '-')} must be >= 1, got {getattr(cfg, name)}")
+    if getattr(cfg, "train_tp_emulated", ""):
+        _check_emulated(cfg)
     if cfg.sequence_parallel and cfg.train_tp == 1:
         raise RlkConfigError("--sequence-parallel shards the tokens over the training TP ranks: it needs "
                              "--train-tp > 1")
@@ -126,8 +141,44 @@ def check(cfg, model_cfg=None) -> str | None:
         raise RlkConfigError(str(exc)) from None
 
 
+def _check_emulated(cfg) -> None:
+    """``--emulate-train-tp``: a train TP > 1 emulated on one process, rollout TP 1, CP 1, in invariant mode."""
+    t = cfg.train_tp
+    if t < 2 or t & (t - 1):
+        raise RlkConfigError(f"--emulate-train-tp emulates --train-tp on one GPU: give a power of two >= 2, not {t}")
+    if not cfg.tp_invariant:
+        raise RlkConfigError(f"--emulate-train-tp runs in TP-invariant mode only (emulated TP {t} differs from TP 1 "
+                             f"otherwise): set {VAR}=8 on both sides (or --tp-invariant 8)")
+    if cfg.tp_invariant % t:
+        raise RlkConfigError(f"--emulate-train-tp: --train-tp {t} must divide G={cfg.tp_invariant}")
+    if cfg.rollout_tp != 1 or cfg.context_parallel != 1:
+        raise RlkConfigError(f"--emulate-train-tp runs in one process: --rollout-tp 1 and --context-parallel 1, not "
+                             f"{cfg.rollout_tp} and {cfg.context_parallel}")
+
+
+def emulated(cfg) -> dict[str, Any] | None:
+    """The manifest's / plan's ``parallel.train_tp_emulated``: what ran (None: no emulation)."""
+    kind = getattr(cfg, "train_tp_emulated", "")
+    if not kind:
+        return None
+    return {"tp": cfg.train_tp, "sequence_parallel": cfg.sequence_parallel, "processes": 1, "real_train_tp": 1,
+            "negative_control": kind == "bi-control", EMULATE_VAR: env(cfg)[EMULATE_VAR],
+            "proves": "the arithmetic of every rank: its shards, kernel launches and shapes, and the rank tree of "
+                      "the merge (in process)",
+            "does_not_prove": "the transport (NCCL moving the fp32 partials between GPUs) and the multi-process "
+                              "layout (issue 39)"}
+
+
+def token_multiple(cfg) -> int:
+    """What the Megatron side pads a packed batch's tokens to: the train TP under emulated sequence parallelism (the
+    ranks' token shards), else 1."""
+    return cfg.train_tp if getattr(cfg, "train_tp_emulated", "") and cfg.sequence_parallel else 1
+
+
 def engine_problem(cfg) -> str | None:
     """What the frameworks engine cannot run of this layout today (``plan`` prints it, ``run`` refuses it)."""
+    if getattr(cfg, "train_tp_emulated", ""):
+        return None  # one process at real TP 1 (check() holds the rest)
     out = []
     if cfg.train_tp != cfg.rollout_tp:
         out.append(f"train TP {cfg.train_tp} with rollout TP {cfg.rollout_tp} (one TP for both sides today)")
@@ -142,8 +193,13 @@ def engine_problem(cfg) -> str | None:
 
 
 def env(cfg) -> dict[str, str]:
-    """The variable both sides' processes need (exported by the run; printed by ``plan``)."""
-    return {VAR: str(cfg.tp_invariant)} if cfg.tp_invariant else {}
+    """The variables both sides' processes need (exported by the run; printed by ``plan``)."""
+    out = {VAR: str(cfg.tp_invariant)} if cfg.tp_invariant else {}
+    kind = getattr(cfg, "train_tp_emulated", "")
+    if kind:
+        flags = (",sp" if cfg.sequence_parallel else "") + (",bi" if kind == "bi-control" else "")
+        out[EMULATE_VAR] = f"{cfg.train_tp}{flags}"
+    return out
 
 
 def section(cfg, problem: str | None) -> dict[str, Any]:
@@ -158,6 +214,7 @@ def section(cfg, problem: str | None) -> dict[str, Any]:
                          "source": cfg.tp_invariant_source,
                          "leaves_per_rank": {"train": leaves // cfg.train_tp, "rollout": leaves // cfg.rollout_tp}
                          if leaves else None},
+        "train_tp_emulated": emulated(cfg),
         "layout_problem": problem,
         "engine_problem": engine_problem(cfg),
     }

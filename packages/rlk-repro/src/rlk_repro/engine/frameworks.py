@@ -66,6 +66,7 @@ class FrameworksRunConfig(LocalRunConfig):
     context_parallel: int = 1
     tp_invariant: int = 0  # G of RL_KERNEL_TP_INVARIANT (0: off)
     tp_invariant_source: str = "default (off)"
+    train_tp_emulated: str = ""  # "on" / "bi-control": --train-tp emulated in this process (RL_KERNEL_TP_EMULATE)
     rollout_quantization: str = "none"  # issue 38: "fp8" = vLLM's FP8 W8A8 rollout (rlk_repro.engine.fp8)
     state_every: int = 0  # round state every N rounds (TP 1): off by default, 12 bytes a parameter (the CLI's default)
 
@@ -313,6 +314,7 @@ class _Run:
             self.watch.close()
 
     def _go(self) -> LocalRunResult:
+        from rlk_repro import tp_options
         from rlk_repro.engine.frameworks_megatron import MegatronTrainer, init_model_parallel, set_rng_state
         from rlk_repro.engine.frameworks_vllm import VllmRollout, write_model_dir
 
@@ -344,7 +346,8 @@ class _Run:
         self.trainer = MegatronTrainer(self.model_cfg, weights, tp=cfg.tp, rank=self.rank, device=self.device,
                                        dtype=DTYPES[cfg.dtype], temperature=cfg.temperature,
                                        optimizer=cfg.optimizer, lr=cfg.lr, micro_tokens=cfg.train_micro_tokens,
-                                       sampling=sampling_params(cfg), processed=cfg.train_semantics == "processed")
+                                       sampling=sampling_params(cfg), processed=cfg.train_semantics == "processed",
+                                       pad_tokens_to=tp_options.token_multiple(cfg))
         if self.model_cfg.is_moe and cfg.tp != 1:
             raise RlkConfigError(f"a Qwen3-MoE model runs at TP 1 in the frameworks engine, not --tp {cfg.tp}")
         del weights
@@ -394,6 +397,8 @@ class _Run:
                                                    **self.trainer.round_state(), "rng": rng_state(self.device)})
 
     def _manifest(self) -> dict[str, Any]:
+        from rlk_repro import tp_options
+
         cfg, plan = self.cfg, self.cfg.plan
         packages = runs.package_versions()
         for name in ("vllm", "megatron-core", "rlk-vllm-plugin", "rlk-megatron-provider", "rlk-collectives"):
@@ -432,6 +437,7 @@ class _Run:
                        "world_size": self.world, "tensor_parallel": cfg.tp, "reward": self.ps.rm_type,
                        "cuda_graphs": cfg.cuda_graphs},  # issue 37: what rlk-validate holds the readbacks to
             **manifest_facts(cfg, self.ps),  # issue 37: what the run may claim, its model, data and reward
+            "parallel": tp_options.section(cfg, None),  # issue 35: the layout; train_tp_emulated where emulated
             # what the engines reported at start-up: follows from the routes (attention backend, rlk layers,
             # THD vs padded) or is a measurement (start time), so a matrix does not compare it across cells
             "runtime": {"vllm": self.vllm.info(), "megatron_rlk_layers": self.trainer.layer_counts,

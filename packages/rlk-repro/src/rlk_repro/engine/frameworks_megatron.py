@@ -165,7 +165,7 @@ class MegatronTrainer:
 
     def __init__(self, cfg, weights: dict[str, torch.Tensor], *, tp: int, rank: int, device: torch.device,
                  dtype: torch.dtype, temperature: float, optimizer: str, lr: float, micro_tokens: int,
-                 clip_eps: float = 0.2, sampling=None, processed: bool = False) -> None:
+                 clip_eps: float = 0.2, sampling=None, processed: bool = False, pad_tokens_to: int = 1) -> None:
         from megatron.core import parallel_state
         from megatron.core.models.gpt import GPTModel
 
@@ -174,6 +174,9 @@ class MegatronTrainer:
 
         self.cfg, self.tp, self.device, self.dtype = cfg, tp, device, dtype
         self.temperature, self.clip_eps, self.micro_tokens = temperature, clip_eps, micro_tokens
+        # a THD pack's tokens a multiple of this (sequence parallelism, emulated: the tokens split over the ranks):
+        # one padding sequence at the end, outside the compared rows and the loss
+        self.pad_tokens_to = pad_tokens_to
         # processed log-probs: the rollout's filters (engine.sampling.SamplingParams); each position's kept set is
         # found from this side's own logits (rlk's kept_set under R, the native filter under P)
         self.sampling, self.processed = sampling, processed and sampling is not None
@@ -299,6 +302,9 @@ class MegatronTrainer:
         dev = self.device
         seqs = [s.prompt + s.response for s in samples]
         lens = [len(q) - 1 for q in seqs]
+        if self.r_attention and sum(lens) % self.pad_tokens_to:  # one padding sequence, outside the rows
+            pad = self.pad_tokens_to - sum(lens) % self.pad_tokens_to
+            seqs, lens = [*seqs, [0] * (pad + 1)], [*lens, pad]
         if self.r_attention:
             from megatron.core.packed_seq_params import PackedSeqParams
 
@@ -307,7 +313,7 @@ class MegatronTrainer:
             cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=dev)
             psp = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=max(lens),
                                   max_seqlen_kv=max(lens))
-            starts = cu[:-1].tolist()
+            starts = cu[:-1].tolist()[:len(samples)]  # the padding sequence (if any) is no sample
             out = self.model(ids, pos, None, packed_seq_params=psp)
         else:
             s_max = max(lens)
