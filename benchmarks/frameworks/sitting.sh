@@ -24,7 +24,10 @@
 # "gpu and not multi_gpu"; the loop's R/R run directory is kept as rr-run/), exact (every one of them; $EXACT_MARK
 # "multi_gpu" on an x2 machine), vllm (vllm_gpu.py: throughput), vllm-capture (R/R and P/P with --capture-max 4096),
 # loop (loop_gpu.py: R/R 10 rounds + P/P, throughput), moe-loop (moe_loop_gpu.py: Qwen3-MoE R/R 5 rounds + P/P 3,
-# rlk-validate on both, routing and K3 KL; needs `MOE=1 ... prepare`: the site with vLLM's MoE kernels), filtered
+# rlk-validate on both, routing and K3 KL; needs `MOE=1 ... prepare`: the site with vLLM's MoE kernels), tp-emu-loop
+# (tp_emu_loop_gpu.py, issue 35: R/R with vLLM TP 1 and Megatron at emulated TP 4 with SP, invariant mode, 6 rounds of
+# 64 prompts x 8 samples, weights synced every round, >= 100,000 compared tokens, rlk-validate --require-bitwise; then
+# 1 round of the bi-control negative control, which must mismatch; $TP_EMU_ROUNDS), filtered
 # (filtered_gpu.py: top-k / top-p / min-p runs), processed (bench_processed_logprobs.py), linear-tp (bench_linear_tp.py:
 # the cost of rlk.gemm.tp.v1 per rank; $LINEAR_TP_ARGS, e.g. --quick), vllm-mp (vllm_gpu.py R/R with
 # VLLM_ENABLE_V1_MULTIPROCESSING=1: the engine core's readbacks), matrix-a / matrix-b (loop_gpu.py --matrix, 4 cells each, 2
@@ -49,7 +52,8 @@ ROOT=$(cd "$HERE/../.." && pwd)
 SHIP=/tmp/ship
 declare -A CAP=([vllm]=420 [vllm-filtered]=420 [vllm-capture]=300 [loop]=420 [moe-loop]=560 [matrix-a]=400 [matrix-b]=400 [hybrid]=180
                 [megatron]=240 [cuda]=330 [local]=420 [tests]=300 [profile]=200 [exact]=560 [exact-megatron]=240
-                [exact-vllm]=480 [exact-loop]=420 [filtered]=560 [processed]=240 [linear-tp]=150 [vllm-mp]=200)
+                [exact-vllm]=480 [exact-loop]=420 [filtered]=560 [processed]=240 [linear-tp]=150 [vllm-mp]=200
+                [tp-emu-loop]=470)
 
 prepare() {
     cd "$ROOT" || exit 2
@@ -166,6 +170,11 @@ stage() {  # stage NAME SECONDS
                 --rr-cap-s $(( (cap - 40) * 3 / 5 )) --pp-cap-s $(( (cap - 40) * 2 / 5 - 40 )) \
                 > "$out/moe-loop.log" 2>&1
             echo "moe_loop_gpu rc $?"; tail -20 "$out/moe-loop.log"; rm -rf "$out/plugin-site" ;;
+        tp-emu-loop)  # tp_emu_loop_gpu.py (issue 35): vLLM TP 1, Megatron at emulated TP 4 + SP, R/R, then bi-control
+            timeout "$cap" $py "$G/benchmarks/frameworks/tp_emu_loop_gpu.py" --out "$out" \
+                --rounds "${TP_EMU_ROUNDS:-6}" --rr-cap-s $(( (cap - 30) * 3 / 4 )) --bi-cap-s $(( (cap - 30) / 4 - 10 )) \
+                > "$out/tp-emu-loop.log" 2>&1
+            echo "tp_emu_loop_gpu rc $?"; tail -20 "$out/tp-emu-loop.log"; rm -rf "$out/plugin-site" ;;
         matrix-a) timeout "$cap" $py "$G/benchmarks/frameworks/loop_gpu.py" --out "$out" --rounds 2 --prompts 32 \
                       --max-new-tokens 64 --matrix control-RR,native-PP,attention-RP,attention-PR \
                       --matrix-cap-s $((cap - 20)) ;;

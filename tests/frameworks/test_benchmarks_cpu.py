@@ -90,3 +90,38 @@ def test_the_loop_summary_keeps_each_rounds_evidence_and_names_rounds_without_a_
     assert [r["informative_fraction"] for r in s["per_round"]] == [1.0, 0.5]
     assert [r["sampled_nll_mean"] for r in s["per_round"]] == [1.25, 0.25]
     assert all(set(EVIDENCE_KEYS) <= set(r) for r in s["per_round"])
+
+
+def test_tp_emu_loop_stage_commands_parse_and_plan_the_emulation(capsys):
+    """tp_emu_loop_gpu.py (sitting.sh stage tp-emu-loop, issue 35): its two ``rlk-repro run`` command lines, planned on
+    the CPU: R/R at emulated train TP 4 with SP in invariant mode, then the bi-control, both runnable by the engine."""
+    import json
+    import shlex
+
+    from rlk_repro import cli
+
+    sys.path.insert(0, str(BENCH))
+    import tp_emu_loop_gpu
+
+    assert tp_emu_loop_gpu.main(["--out", "/tmp/unused", "--dry-run"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert len(lines) == 2
+    for line, control in zip(lines, (False, True)):
+        argv = shlex.split(line.split(" -m rlk_repro ", 1)[1])
+        assert argv[0] == "run"
+        i = argv.index("--output")
+        argv = ["plan", *argv[1:i], *argv[i + 2:]]
+        argv.remove("--debug")
+        assert cli.main(argv) == cli.EXIT_OK
+        doc = json.loads(capsys.readouterr().out)
+        emu = doc["parallel"]["train_tp_emulated"]
+        assert emu["tp"] == 4 and emu["sequence_parallel"] and emu["negative_control"] is control
+        assert doc["parallel"]["engine_problem"] is None and doc["env"]["RL_KERNEL_TP_INVARIANT"] == "8"
+    rounds = int(lines[0].split("--rounds ")[1].split()[0])
+    per_round = 64 * 8 * 40  # prompts x samples x the shortest response limit (max-new-tokens / 2)
+    assert rounds * per_round >= 100_000  # >= 100,000 compared tokens unless rollouts stop early
+
+
+def test_sitting_stage_tp_emu_loop_is_wired():
+    text = (BENCH / "sitting.sh").read_text()
+    assert "[tp-emu-loop]=" in text and "tp-emu-loop)" in text and "tp_emu_loop_gpu.py" in text
