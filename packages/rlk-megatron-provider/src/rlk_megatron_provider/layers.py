@@ -206,11 +206,11 @@ class RlkColumnParallelLinear(_RlkLayer, _compat.ColumnParallelLinear):
         problems = linear_problems(self, self.config)
         self.rlk_module = rlk_module
         self.rlk_tp_leaves = envs.current("RL_KERNEL_TP_INVARIANT")
-        tp = _tp(_compat.tp_group_of(self))
         if rlk_module in ("attention", "ffn"):  # QKV, fc1 (the LM head's arithmetic does not depend on TP)
-            self.rlk_tp_emulate = tp_emulate.emulation(self.config, tp)
+            self.rlk_tp_emulate = tp_emulate.emulation(self.config, lambda: _tp(_compat.tp_group_of(self)))
         if self.rlk_tp_leaves:
-            problems += tp_grads.column_problems(self._rlk_components(), self.rlk_tp_leaves, tp)
+            problems += tp_grads.column_problems(self._rlk_components(), self.rlk_tp_leaves,
+                                                 _tp(_compat.tp_group_of(self)))
         self._rlk_setup(rlk_module, problems)
 
     def _rlk_components(self) -> list[int]:
@@ -413,9 +413,9 @@ class RlkRowParallelLinear(_RlkLayer, _compat.RowParallelLinear):
         if not self.input_is_parallel:
             problems.append("input_is_parallel=False (a scatter of the input) is not covered")
         self.rlk_tp_leaves = envs.current("RL_KERNEL_TP_INVARIANT")
-        tp = _tp(_compat.tp_group_of(self))
-        self.rlk_tp_emulate = tp_emulate.emulation(self.config, tp)
+        self.rlk_tp_emulate = tp_emulate.emulation(self.config, lambda: _tp(_compat.tp_group_of(self)))
         if self.rlk_tp_leaves:
+            tp = _tp(_compat.tp_group_of(self))
             if tp & (tp - 1) or self.rlk_tp_leaves % tp:
                 problems.append(f"TP {tp} is not a power of two dividing RL_KERNEL_TP_INVARIANT={self.rlk_tp_leaves}")
         self._rlk_setup(rlk_module, problems)
@@ -451,7 +451,7 @@ class RlkRMSNorm(_RlkLayer, torch.nn.Module):
         self.weight.sequence_parallel = bool(getattr(config, "sequence_parallel", False))
         self.rlk_module, self.rlk_active = rlk_module, _state.get().rlk(rlk_module)
         self.rlk_tp_leaves = envs.current("RL_KERNEL_TP_INVARIANT")
-        self.rlk_tp_emulate = tp_emulate.emulation(config, _tp(_compat.tp_group_of(self)))
+        self.rlk_tp_emulate = tp_emulate.emulation(config, lambda: _tp(_compat.tp_group_of(self)))
         if not self.rlk_active:  # the spec keeps the stock norm for such modules; reaching here is a bug
             raise RlkPolicyError(f"RlkRMSNorm built for module {rlk_module!r}, which does not run rlk")
 

@@ -58,12 +58,14 @@ class Emulation:
         return self.leaves_total // self.tp
 
 
-def emulation(config, tp: int) -> Emulation | None:
-    """The run's emulation (None: off), checked against invariant mode, the real TP ``tp`` (must be 1), CP 1 and the
-    model's heads; refused with one line naming what to change."""
+def emulation(config, tp) -> Emulation | None:
+    """The run's emulation (None: off), checked against invariant mode, the real TP ``tp`` (must be 1; an int, or a
+    function giving it, asked only when the variable is set), CP 1 and the model's heads; refused with one line naming
+    what to change."""
     value = envs.current(VAR)
     if value is None:
         return None
+    tp = tp() if callable(tp) else tp
     t, sp, bi = value
     spelled = f"{VAR}={t}{',sp' if sp else ''}{',bi' if bi else ''}"
     leaves = envs.current("RL_KERNEL_TP_INVARIANT")
