@@ -11,6 +11,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 FW = Path("benchmarks/results/h200/frameworks")
+MOE = Path("benchmarks/results/h100/frameworks/moe_loop/moe_loop.json")
 COMMITTED_RUN = Path("tests/validate/data/frameworks-rr")
 
 
@@ -36,6 +37,7 @@ def claims(root: Path) -> dict[str, str]:
     first_reward, last_reward = ten_rounds[0]["reward_mean"], ten_rounds[-1]["reward_mean"]
     (run,) = [p for p in (root / COMMITTED_RUN).iterdir() if p.is_dir()]
     committed = _json(root, run / "bitwise-validation.json")
+    moe = _json(root, MOE)["runs"]
 
     rr, ratios = loop["runs"]["rr"], loop["ratios"]
     rr_filtered = [filtered["rr-t1"], filtered["rr-t07"]]
@@ -77,6 +79,11 @@ def claims(root: Path) -> dict[str, str]:
                                         f"({speed['qwen3-1.7b']:.2f}x at 1.7B)",
         "megatron_gpu.json (negative control)": f"{negative['differing_tokens']:,} of {negative['tokens']:,} "
                                                 "log-probs differ",
+        "moe_loop.json (R/R)": f"{moe['rr']['compared_tokens']:,} tokens compared, **{moe['rr']['mismatches']} differ**; "
+                               f"{moe['rr']['routing_mismatch_tokens']} of {moe['rr']['routing_compared_tokens']:,} "
+                               "routed tokens on another expert set",
+        "moe_loop.json (P/P)": f"{moe['pp']['mismatches']:,} of {moe['pp']['compared_tokens']:,} differ; "
+                               f"{100 * moe['pp']['routing_mismatch_fraction']:.1f}% of routed tokens on another expert set",
         "the committed run": f"{committed['element_count']:,} tokens, {committed['mismatch_count']} differ",
     }
 
@@ -91,7 +98,7 @@ def test_every_headline_figure_of_the_readme_is_its_result_files():
 
 
 def test_a_result_re_measured_without_the_readme_is_caught(tmp_path):
-    for rel in (FW, COMMITTED_RUN):
+    for rel in (FW, COMMITTED_RUN, MOE.parent):
         shutil.copytree(REPO / rel, tmp_path / rel)
     path = tmp_path / FW / "loop" / "loop_gpu.json"
     doc = json.loads(path.read_text())
