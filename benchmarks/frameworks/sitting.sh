@@ -113,7 +113,8 @@ prepare_lite() {
     cd "$ROOT" || exit 2
     grep -qxF /.xfer/ .git/info/exclude || echo /.xfer/ >> .git/info/exclude
     local whl
-    whl=$(ls .xfer/src/megatron_core-0.19.2-*.whl .xfer/2/megatron_core-0.19.2-*.whl 2>/dev/null | head -1)
+    whl=$(ls .xfer/src/megatron_core-0.19.2-*.whl .xfer/src-moe/megatron_core-0.19.2-*.whl .xfer/2/megatron_core-0.19.2-*.whl \
+        2>/dev/null | head -1)  # kept by prepare, MOE=1 prepare or make-site.sh
     [ -n "$whl" ] || { echo "no megatron-core 0.19.2 wheel: run prepare (or make-site.sh) first"; exit 3; }
     rm -rf .xfer/lite && mkdir -p .xfer/lite && cp "$whl" .xfer/lite/ || exit 4
     ship_archive .xfer/lite/ship.tar.xz || exit 4
