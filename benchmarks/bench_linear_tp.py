@@ -5,18 +5,21 @@
     python benchmarks/bench_linear_tp.py [--quick] [--repeats N] [--variants all|rule|fused,split,stash]
 
 For each row-parallel shape of Qwen3-0.6B and Qwen3-8B, each TP t in 1, 2, 4, 8 (G = 8: a rank holds G / t leaves
-of the global K) and each M: one rank's work under invariance, ``linear_tp_partials(x_r, w_r, G / t)`` (fp32
-partials, the in-op adjacent-pairs tree) plus, at TP 1, ``linear_tp_finish`` (the one rounding; at TP > 1 the
-rounding follows the all-reduce and is timed there: ``bench_collectives.py``), against the same rank's
-``linear(x_r, w_r)`` (bf16 out) and ``F.linear``. ``ratio`` = tp time / bi time (<= 1.10 is the issue's budget for
-the whole step; a GEMM-level figure bounds the row-parallel GEMMs' share of it). Device time through
-``harness.time_fns`` (L2 flushed, GPU held busy before each call).
+of the global K) and each M: one rank's work under invariance — at TP > 1 ``linear_tp_partials(x_r, w_r, G / t)``
+(fp32 partials, the in-op adjacent-pairs tree; the rounding follows the all-reduce and is timed there:
+``bench_collectives.py``), at TP 1 ``linear_tp(x, w, None, G)``, the one op whose last kernel also adds the bias and
+rounds (and, as ``unfused_ms``, the two steps ``linear_tp_finish(linear_tp_partials(...))`` it replaced: three more
+launches) — against the same rank's ``linear(x_r, w_r)`` (bf16 out) and ``F.linear``. ``ratio`` = tp time / bi time
+(<= 1.10 is the issue's budget for the whole step; a GEMM-level figure bounds the row-parallel GEMMs' share of it).
+Device time through ``harness.time_fns`` (L2 flushed, GPU held busy before each call).
 
 ``--variants all`` also times every variant of the rlk.triton kernel forced (``fused``, ``split``, ``stash``:
 ``rlk_core.ops.linear_tp.triton``'s docstring) through the same launch plan, each as ``<variant>_ms`` and
-``<variant>_ratio`` (its time over ``bi_ms``, the finish included at TP 1 as for ``tp_ms``) beside the rule's
-``variant``, and checks that every variant's partial has the rule's bits (``same_bits``; the run fails otherwise):
-the measurement the rule (``variant()``, unmeasured) is to be set from.
+``<variant>_ratio`` (its time over ``bi_ms``; at TP 1 finished, as the op runs), and per row: ``rule`` (the variant
+the rule ran), ``best`` (the fastest), ``rule_over_best`` (the rule's time over the best's: 1.0 where the rule chose
+best); every variant's result must have the op's bits (``same_bits``; the run fails otherwise). The run ends with
+the rule's verdict: the rows where another variant is more than 5% faster — what the rule (``variant()``,
+unmeasured) is to be set from.
 """
 
 from __future__ import annotations
@@ -31,11 +34,12 @@ from harness import copy_bandwidth, default_out_dir, environment, require_cuda, 
 
 from rlk_core import ops
 from rlk_core.ops._plan import jit_plan
-from rlk_core.ops.linear_tp import linear_tp_finish, linear_tp_partials
+from rlk_core.ops.linear_tp import linear_tp, linear_tp_finish, linear_tp_partials
 from rlk_core.ops.linear_tp import triton as tp_triton
 
 G = 8
 M_LIST = (1, 16, 128, 1024, 4096, 8192)
+RULE_SLACK = 1.05  # the verdict names rows where the rule's variant is more than 5% slower than the best
 
 
 def row_parallel_shapes() -> list[tuple[str, int, int]]:
@@ -53,8 +57,9 @@ def row(name: str, n: int, k: int, tp: int, m: int, repeats: int, variants: tupl
     plan = jit_plan(sets[0][0].device)
 
     def tp_call(x, w, which=None):
-        s = linear_tp_partials(x, w, leaves) if which is None else tp_triton.partials(plan, x, w, leaves, which)
-        return linear_tp_finish(s, None, x.dtype) if tp == 1 else s
+        if tp == 1:  # the whole tree and the rounding in one op (the forced variant: the same plan, finished)
+            return linear_tp(x, w, None, G) if which is None else tp_triton.finished(plan, x, w, None, leaves, which)
+        return linear_tp_partials(x, w, leaves) if which is None else tp_triton.partials(plan, x, w, leaves, which)
 
     t_tp = time_fns([lambda x=x, w=w: tp_call(x, w) for x, w in sets], repeats=repeats)["median_ms"]
     t_bi = time_fns([lambda x=x, w=w: ops.linear(x, w) for x, w in sets], repeats=repeats)["median_ms"]
@@ -62,21 +67,39 @@ def row(name: str, n: int, k: int, tp: int, m: int, repeats: int, variants: tupl
     rule = tp_triton.variant(sets[0][0].dtype, m, n, kl // leaves)
     r = {"shape": name, "TP": tp, "M": m, "N": n, "K_local": kl, "leaves": leaves, "variant": rule, "tp_ms": t_tp,
          "bi_ms": t_bi, "native_ms": t_nat, "ratio": t_tp / t_bi, "ratio_native": t_tp / t_nat}
+    line = f"{name:18s} TP{tp} M={m:5d} bi {t_bi:.4f} ms F.linear {t_nat:.4f} ms | rule {rule}: {t_tp:.4f} ms " \
+           f"({r['ratio']:.2f}x bi)"
+    if tp == 1:  # what the one op saves: the partial and linear_tp_finish's three launches
+        r["unfused_ms"] = time_fns([lambda x=x, w=w: linear_tp_finish(linear_tp_partials(x, w, leaves), None, x.dtype)
+                                    for x, w in sets], repeats=repeats)["median_ms"]
+        r["unfused_over_tp"] = r["unfused_ms"] / t_tp
+        line += f", unfused {r['unfused_ms']:.4f} ms"
     if variants:
         x, w = sets[0]
-        want = linear_tp_partials(x, w, leaves)
+        want = tp_call(x, w)
         same = True
         for v in variants:
             r[f"{v}_ms"] = t = time_fns([lambda x=x, w=w, v=v: tp_call(x, w, v) for x, w in sets],
                                         repeats=repeats)["median_ms"]
             r[f"{v}_ratio"] = t / t_bi
-            same = same and torch.equal(tp_triton.partials(plan, x, w, leaves, v), want)
+            same = same and torch.equal(tp_call(x, w, v), want)
         r["same_bits"] = same
         r["best"] = min(variants, key=lambda v: r[f"{v}_ms"])
-    per = " ".join(f"{v} {r[f'{v}_ratio']:.3f}" for v in variants)
-    print(f"{name:18s} TP{tp} M={m:5d} tp {t_tp:.4f} ms bi {t_bi:.4f} ms F.linear {t_nat:.4f} ms "
-          f"tp/bi {r['ratio']:.3f} ({rule}) {per}", flush=True)
+        if rule in variants:
+            r["rule_over_best"] = r[f"{rule}_ms"] / r[f"{r['best']}_ms"]
+        line += " | " + " ".join(f"{v} {r[f'{v}_ms']:.4f} ms ({r[f'{v}_ratio']:.2f}x)" for v in variants)
+        line += f" | best {r['best']}" + (f", rule/best {r['rule_over_best']:.2f}" if "rule_over_best" in r else "")
+    print(line, flush=True)
     return r
+
+
+def rule_verdict(rows: list[dict]) -> dict:
+    """Where the rule's variant is more than :data:`RULE_SLACK` slower than the fastest variant of its row."""
+    timed = [r for r in rows if "rule_over_best" in r]
+    off = [{k: r[k] for k in ("shape", "TP", "M", "variant", "best", "rule_over_best")}
+           for r in timed if r["rule_over_best"] > RULE_SLACK]
+    return {"rows_timed": len(timed), "rule_best_within_slack": len(timed) - len(off), "slack": RULE_SLACK,
+            "rows_where_another_variant_is_faster": off}
 
 
 def parse_variants(text: str) -> tuple[str, ...]:
@@ -113,13 +136,21 @@ def main(argv: list[str] | None = None) -> int:
             "bi": "rlk_core.ops.linear(x_r, w_r)", "native": "torch.nn.functional.linear (cuBLAS)",
             "variant": "the variant the rule ran for tp_ms (rlk_core.ops.linear_tp.triton.variant)",
             "variants": list(variants), "variant_ms": "<variant>_ms: that variant forced, as tp_ms; same_bits: every "
-            "variant's partial equal to the op's (torch.equal)", "split_max_m": tp_triton.SPLIT_MAX_M}
+            "variant's result equal to the op's (torch.equal)", "split_max_m": tp_triton.SPLIT_MAX_M,
+            "unfused": "TP 1: unfused_ms, linear_tp_finish(linear_tp_partials(x, w, G)) (what linear_tp ran before "
+            "its rounding moved into the last kernel); unfused_over_tp: its time over tp_ms"}
+    if variants:
+        meta["rule_verdict"] = verdict = rule_verdict(rows)
+        print(f"the rule: best (within {RULE_SLACK}x) in {verdict['rule_best_within_slack']} of "
+              f"{verdict['rows_timed']} rows; another variant faster in: "
+              f"{verdict['rows_where_another_variant_is_faster'] or 'none'}", flush=True)
     write_results(default_out_dir(), "linear_tp", meta, rows,
                   [("shape", "shape"), ("TP", "TP"), ("M", "M"), ("N", "N"), ("K_local", "K local"),
                    ("variant", "rule"), ("tp_ms", "tp ms"), ("bi_ms", "bi ms"), ("native_ms", "F.linear ms"),
-                   ("ratio", "tp / bi"), ("ratio_native", "tp / F.linear"),
-                   *((f"{v}_ratio", f"{v} / bi") for v in variants), *((("best", "best"), ("same_bits", "same bits"))
-                                                                       if variants else ())])
+                   ("ratio", "tp / bi"), ("ratio_native", "tp / F.linear"), ("unfused_ms", "TP 1 unfused ms"),
+                   *((f"{v}_ms", f"{v} ms") for v in variants), *((f"{v}_ratio", f"{v} / bi") for v in variants),
+                   *((("best", "best"), ("rule_over_best", "rule / best"), ("same_bits", "same bits"))
+                     if variants else ())])
     bad = [r for r in rows if r.get("same_bits") is False]
     if bad:
         print(f"bench_linear_tp: {len(bad)} rows where a variant's bits differ from the op's: "

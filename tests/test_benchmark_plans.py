@@ -226,3 +226,27 @@ def test_the_backend_clock_times_a_plan_the_op_layer_runs_itself(bench):
     assert torch.equal(out, torch.full((4, 4), 2.0)) and ran == [torch.device("cpu")]
     assert clock.calls == 1 and clock.seconds > 0
     assert b.plan_fn is plan and b.fn is fn  # uninstalled
+
+
+def test_bench_linear_tp_forces_each_variant_finished_at_tp_1_and_states_the_rule(bench):
+    """bench_linear_tp.py at TP 1 times what the op runs — the forced variant's launches with the last one finished
+    (FINISH, into the dtype), one launch plan; at TP > 1 the fp32 partial. Its verdict names the rows where another
+    variant beat the rule by more than the slack."""
+    bl = bench("bench_linear_tp")
+    from rlk_core.ops.linear_tp import triton as T
+
+    p = Recording()
+    x, w = meta(1, 4096), meta(4096, 4096)
+    for v, last in (("fused", "_linear_tp_fwd_kernel"), ("split", "_linear_tp_merge_kernel"),
+                    ("stash", "_linear_tp_stash_kernel")):
+        launches = p.run(lambda v=v: T.finished(p, x, w, None, 8, v))
+        assert launches[-1][0] == last and launches[-1][2]["FINISH"] is True, v
+        assert all(kw["FINISH"] is False for _, _, kw in launches[:-1]), v
+        assert all(kw["FINISH"] is False for _, _, kw in p.run(lambda v=v: T.partials(p, x, w, 8, v))), v
+    assert bl.parse_variants("all") == T.VARIANTS and bl.parse_variants("rule") == ()
+    rows = [{"shape": "8b/o", "TP": 1, "M": 1, "variant": "split", "best": "split", "rule_over_best": 1.0},
+            {"shape": "8b/o", "TP": 1, "M": 4096, "variant": "stash", "best": "fused", "rule_over_best": 1.3},
+            {"shape": "8b/o", "TP": 4, "M": 1, "variant": "split"}]
+    verdict = bl.rule_verdict(rows)
+    assert verdict["rows_timed"] == 2 and verdict["rule_best_within_slack"] == 1
+    assert [(r["M"], r["best"]) for r in verdict["rows_where_another_variant_is_faster"]] == [(4096, "fused")]

@@ -19,11 +19,20 @@ Stages, each recorded in ``megatron_gpu.json`` (rewritten after every stage) and
 ``--tp N`` (under ``torchrun --nproc-per-node N``): the timing stage at TP N. ``--hybrid``: megatron-core 0.19's
 ``HybridModel``. ``--device cpu --tiny``: the whole flow on a 2-layer model (fp32, gloo) in seconds. Exit 1 if a
 stage failed.
+
+``--tp-cost G`` (issue 35) runs instead the cost of TP-invariant mode: ``tp_cost_<shape>``, the rlk model's training
+step built without and with ``RL_KERNEL_TP_INVARIANT=G`` in this process (the same weights and batch; the variable
+is read when the layers are built), timed as above — the row-parallel GEMMs under ``rlk.gemm.tp.v1``, the
+column-parallel input gradients and the norms' weight gradients over leaf trees — with ``time_ratio`` = invariant's
+median step over off's (target <= 1.10) and the built layers counted (every row-parallel linear in invariant mode,
+none without); the Qwen3-0.6B shape, then ``qwen3-8b-L4`` (Qwen3-8B's layer shape, 4 layers) if ``--budget-s``
+allows (``--tp-cost-shapes`` picks them).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import os
 import sys
@@ -42,11 +51,15 @@ from harness import step_times  # noqa: E402
 from megatron_setup import Batch, build, grpo_loss, hidden_head, load, log  # noqa: E402
 
 SPEED_TARGET = 0.9  # the issue's: the rlk step at most ~1.11x the stock one's time
+TP_COST_TARGET = 1.10  # issue 35: a step in TP-invariant mode at most 10% slower than without
+S.SHAPES.setdefault("qwen3-8b-L4", dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288,
+                                        num_hidden_layers=4, num_attention_heads=32, num_key_value_heads=8,
+                                        head_dim=128))  # Qwen3-8B's layer shape, 4 layers (tp-cost)
 
 
 # -- timing ------------------------------------------------------------------------------------------------
 def time_steps(cfg, dev, dtype, rlk: bool, w, n: int, s: int, warmup: int, iters: int, tp: int = 1,
-               profile_steps: int = 2) -> dict:
+               profile_steps: int = 2, inspect=None) -> dict:
     from megatron.core import parallel_state
 
     group = parallel_state.get_tensor_model_parallel_group() if tp > 1 else None
@@ -67,7 +80,7 @@ def time_steps(cfg, dev, dtype, rlk: bool, w, n: int, s: int, warmup: int, iters
         opt.step()
 
     out = {"tokens": b.T, "layout": "thd packed" if rlk else "sbhd (local spec refuses THD)",
-           **step_times(step, warmup, iters, cuda)}
+           **({"model": inspect(model)} if inspect is not None else {}), **step_times(step, warmup, iters, cuda)}
     fresh = copy.copy(b)  # the same values in new tensors, as a training loop's next batch: built again
     fresh.cu = b.cu.clone()
     out["host_syncs"] = host_syncs(lambda: step(fresh), cuda,
@@ -183,6 +196,55 @@ def stage_timing(rep: S.Report, rec: dict, shape: str, cfg, dev, dtype, n: int, 
     rec.update(speed_ratio=res["speed_ratio"], rlk_ms=r, stock_ms=p)
 
 
+@contextlib.contextmanager
+def tp_invariant(leaves: int):
+    """``RL_KERNEL_TP_INVARIANT`` set to ``leaves`` (0: removed) for the layers built inside, restored after."""
+    was = os.environ.pop("RL_KERNEL_TP_INVARIANT", None)
+    if leaves:
+        os.environ["RL_KERNEL_TP_INVARIANT"] = str(leaves)
+    try:
+        yield
+    finally:
+        os.environ.pop("RL_KERNEL_TP_INVARIANT", None)
+        if was is not None:
+            os.environ["RL_KERNEL_TP_INVARIANT"] = was
+
+
+def row_parallel_leaves(model) -> dict:
+    """The rlk row-parallel linears of a built model by the G they were built with (0: invariant mode off)."""
+    import collections
+
+    from rlk_megatron_provider.layers import RlkRowParallelLinear
+
+    return {"row_parallel_by_leaves": dict(collections.Counter(
+        m.rlk_tp_leaves for m in model.modules() if isinstance(m, RlkRowParallelLinear)))}
+
+
+def stage_tp_cost(rep: S.Report, rec: dict, shape: str, cfg, dev, dtype, n: int, s: int, warmup: int, iters: int,
+                  leaves: int) -> None:
+    """The rlk model's step without and with TP-invariant mode (G = ``leaves``), the same weights and batch."""
+    w = S.make_weights(cfg, dev, seed=5)
+    res = rep.data.setdefault("tp_cost", {})[shape] = {"leaves": leaves}
+    for name, g in (("off", 0), ("invariant", leaves)):
+        S._free()
+        log(f"tp_cost {shape} {name} ...")
+        with tp_invariant(g):
+            res[name] = time_steps(cfg, dev, dtype, True, w, n, s, warmup, iters, inspect=row_parallel_leaves)
+        r = res[name]
+        log(f"tp_cost {shape} {name}: median {r['median_ms']} ms (wall {r['median_wall_ms']}), layers {r['model']}")
+        rep.write()
+    layers = 2 * cfg.num_hidden_layers  # o_proj and fc2 per layer
+    built = {name: res[name]["model"]["row_parallel_by_leaves"] for name in ("off", "invariant")}
+    if built != {"off": {0: layers}, "invariant": {leaves: layers}}:
+        raise RuntimeError(f"the row-parallel linears were not built as asked: {built} (want {layers} with G 0, then "
+                           f"{layers} with G {leaves})")
+    off, inv = res["off"]["median_ms"], res["invariant"]["median_ms"]
+    res.update(time_ratio=round(inv / off, 4),
+               wall_ratio=round(res["invariant"]["median_wall_ms"] / res["off"]["median_wall_ms"], 4),
+               target=f"time_ratio <= {TP_COST_TARGET}", within_target=inv / off <= TP_COST_TARGET)
+    rec.update(time_ratio=res["time_ratio"], within_target=res["within_target"], off_ms=off, invariant_ms=inv)
+
+
 def stage_logp_memory(rep: S.Report, rec: dict, cfg, dev, dtype, tokens: int) -> None:
     import torch
 
@@ -249,6 +311,17 @@ def tables(rep: S.Report) -> list[str]:
                              f"{r.get('host_syncs', {}).get('per_step')} | "
                              f"{pr.get('cuda_stream_synchronize_per_step')} | {pr.get('memcpy_dtoh_per_step')} | "
                              f"{pr.get('memcpy_htod_per_step')} |")
+    cost = rep.data.get("tp_cost", {})
+    if cost:
+        lines += ["", f"| shape | step ms, invariant off | step ms, RL_KERNEL_TP_INVARIANT=G | time ratio "
+                      f"(target <= {TP_COST_TARGET}) | within | kernel ms off / on |",
+                  "| --- | --- | --- | --- | --- | --- |"]
+        for shape, v in cost.items():
+            off, on = v.get("off", {}), v.get("invariant", {})
+            lines.append(f"| {shape} (G {v.get('leaves')}) | {off.get('median_ms')} | {on.get('median_ms')} | "
+                         f"{v.get('time_ratio')} | {v.get('within_target')} | "
+                         f"{off.get('profile', {}).get('kernel_ms_per_step')} / "
+                         f"{on.get('profile', {}).get('kernel_ms_per_step')} |")
     mem = rep.data.get("logp_memory")
     if mem:
         lines += ["", f"logp module peak (fwd+bwd, T={mem['tokens']}, V={mem['vocab']}): rlk "
@@ -268,7 +341,16 @@ def main() -> int:
     ap.add_argument("--tp", type=int, default=1, help="tensor parallel size (> 1: under torchrun)")
     ap.add_argument("--hybrid", action="store_true",
                     help="megatron-core 0.19's HybridModel (pattern '*-' per layer) instead of GPTModel")
+    ap.add_argument("--tp-cost", type=int, default=0, metavar="G",
+                    help="only the cost of TP-invariant mode: the rlk step without and with RL_KERNEL_TP_INVARIANT=G")
+    ap.add_argument("--tp-cost-shapes", default="qwen3-0.6b,qwen3-8b-L4",
+                    help="the shapes --tp-cost times, in order (later ones only if --budget-s allows)")
     args = ap.parse_args()
+    if args.tp_cost and (args.tp_cost < 2 or args.tp_cost & (args.tp_cost - 1) or args.tp > 1 or args.hybrid):
+        ap.error("--tp-cost G: G a power of two >= 2, at TP 1, GPTModel")
+    shapes = [x for x in args.tp_cost_shapes.split(",") if x]
+    if args.tp_cost and not set(shapes) <= set(S.SHAPES):
+        ap.error(f"--tp-cost-shapes: known shapes {sorted(S.SHAPES)}")
     S.NAME = "megatron_gpu"
     if args.hybrid:
         why = "--hybrid runs on one GPU only (not with --tp > 1)" if args.tp > 1 else S.use_hybrid()
@@ -290,6 +372,17 @@ def main() -> int:
     cfg = S.qwen_cfg(main_shape)
     n, s = (4, 16) if args.tiny else (16, 256)
     warmup, iters = (1, 2) if args.tiny else (2, 5)
+    if args.tp_cost:
+        shapes = ["tiny"] if args.tiny else shapes
+        for i, shape in enumerate(shapes):
+            left = args.budget_s - (time.monotonic() - S.T0)
+            spent = rep.data["stages"].get(f"tp_cost_{shapes[0]}", {}).get("seconds", 0.0)
+            if i and left < 2.5 * spent:  # the next shape's estimate: a bigger model than the first
+                rep.skip(f"tp_cost_{shape}", f"time budget: {left:.0f} s left, estimate {2.5 * spent:.0f} s")
+                continue
+            with rep.stage(f"tp_cost_{shape}", required=i == 0) as rec:
+                stage_tp_cost(rep, rec, shape, S.qwen_cfg(shape), dev, dtype, n, s, warmup, iters, args.tp_cost)
+        return rep.finish(rank, tables(rep))
     if args.tp > 1:
         with rep.stage(f"timing_{main_shape}_tp{args.tp}") as rec:
             stage_timing(rep, rec, f"{main_shape}_tp{args.tp}", cfg, dev, dtype, n, s, warmup, iters, args.tp)

@@ -46,6 +46,11 @@
 # shortened to 100 rounds, native and consistency on seed 1234, rlk-validate, rlk-repro report. learn-a: data, tokenizer,
 # checkpoint, warm start and the native run; learn-b (the next call, machine still warm: /tmp/learn is kept): the
 # consistency run, validation, report; learn: all in one call. $LEARN_ARGS: learn_gpu.py options (e.g. --lr 1e-5).
+# Stages tp-cost-vllm / tp-cost-vllm-8b / tp-cost-megatron (issue 35: TP-invariant mode's end-to-end cost, target <= 10%):
+# vllm_gpu.py --tp-invariant ${TP_COST_G:-8} --skip pp,bi — R/R off (rr) against R/R with RL_KERNEL_TP_INVARIANT (rr_tp),
+# TP 1, the Qwen3-0.6B shape (-8b: qwen3-8b-L8, Qwen3-8B's layer shape with 8 layers); megatron_gpu.py --tp-cost
+# ${TP_COST_G:-8}: the rlk training step built without and with the variable, Qwen3-0.6B then qwen3-8b-L4 if the cap
+# allows. Run after cuda (rlk.cuda's cubins) or rlk.triton's JIT serves; the JSON's tp_cost holds the ratios.
 set -u
 HERE=$(cd "$(dirname "$0")" && pwd)
 ROOT=$(cd "$HERE/../.." && pwd)
@@ -204,6 +209,15 @@ stage() {  # stage NAME SECONDS
             timeout "$cap" $py "$G/benchmarks/frameworks/vllm_gpu.py" --multiprocessing --skip pp,bi --prompts 64 \
                 --gen-budget-s 15 --gen-repeats 1 --budget-s $((cap - 15)) --out "$out" ;;
         megatron) timeout "$cap" $py "$G/benchmarks/frameworks/megatron_gpu.py" --budget-s $((cap - 40)) --out "$out" ;;
+        tp-cost-vllm|tp-cost-vllm-8b)  # issue 35: R/R with RL_KERNEL_TP_INVARIANT (rr_tp) against R/R without (rr)
+            local model=""
+            [ "$name" = tp-cost-vllm-8b ] && model="--model qwen3-8b-L8"
+            # shellcheck disable=SC2086
+            timeout "$cap" $py "$G/benchmarks/frameworks/vllm_gpu.py" --tp-invariant "${TP_COST_G:-8}" --skip pp,bi \
+                $model --gen-budget-s 20 --gen-repeats 3 --budget-s $((cap - 15)) --out "$out" ;;
+        tp-cost-megatron)  # issue 35: the rlk training step without and with RL_KERNEL_TP_INVARIANT
+            timeout "$cap" $py "$G/benchmarks/frameworks/megatron_gpu.py" --tp-cost "${TP_COST_G:-8}" \
+                --budget-s $((cap - 30)) --out "$out" ;;
         cuda)
             # $RLK_BUILD_OPS / $RLK_BUILD_DTYPES (setup.py) limit the AOT families and dtypes built (the GPU suite skips,
             # by name, what the build left out; the logp sweep needs linear and linear_backward built too: its chunk
@@ -277,6 +291,7 @@ run() {
 CAP[ladder]=420  # issue 38 (set here, apart from the CAP table that other stages edit)
 CAP[attribute]=560  # issue 38
 CAP[learn-a]=540; CAP[learn-b]=480; CAP[learn]=590  # issue 37 (learn_gpu.py caps its parts inside these)
+CAP[tp-cost-vllm]=480; CAP[tp-cost-vllm-8b]=580; CAP[tp-cost-megatron]=420  # issue 35
 
 cmd=${1:-}; shift || true
 case $cmd in

@@ -17,6 +17,14 @@ prompt (median of ``--ttft-runs``) and one decode step of ``--decode-batch`` req
 tables of a decode and a mixed run per engine stage. ``vllm_gpu.json`` / ``.md`` in ``--out``: every stage, and R/R's
 output tok/s over native's and over the batch-invariant mode's (the targets: >= 0.8x native, faster than BI).
 ``--device cpu --tiny`` runs rlk-repro's local engine as the stand-in (a smoke run; the figures mean nothing).
+
+The cost of TP-invariant mode (issue 35): ``--tp-invariant G`` adds the stage ``rr_tp`` after ``rr`` — the same R/R
+engine with ``RL_KERNEL_TP_INVARIANT=G`` (o_proj and down_proj under ``rlk.gemm.tp.v1``; ``rr`` runs with the
+variable cleared), the same prompts — and ``tp_cost`` in the JSON: ``rr``'s output tok/s over ``rr_tp``'s (the time
+ratio of invariant mode, target <= 1.10), the decode-step and TTFT ratios, and the row-parallel ops each stage's
+readbacks counted (``linear_tp`` at TP 1: the mode was on; none in ``rr``). ``--model qwen3-8b-L<n>``: a random
+model of Qwen3-8B's layer shape with ``n`` layers (tied embedding) instead of the 0.6B shape; ``--skip pp,bi`` keeps
+the run to the two R/R stages (the sitting's ``tp-cost-vllm`` / ``tp-cost-vllm-8b``).
 """
 
 from __future__ import annotations
@@ -37,8 +45,11 @@ import vllm_stages as V  # noqa: E402
 from harness import wall_times  # noqa: E402
 
 ORDER = ("ckpt", "rr", "pp", "bi")
-CAPS = {"ckpt": 120, "rr": 260, "pp": 170, "bi": 170}  # per-stage wall-clock caps (s)
+ORDER_TP = ("ckpt", "rr", "rr_tp", "pp", "bi")  # --tp-invariant G
+CAPS = {"ckpt": 120, "rr": 260, "rr_tp": 260, "pp": 170, "bi": 170}  # per-stage wall-clock caps (s)
+CKPT_CAP_8B = 300  # the random checkpoint of a qwen3-8b-L<n> model (billions of parameters drawn on the CPU)
 TARGETS = {"rr_vs_native": ">= 0.8", "rr_vs_batch_invariant": "> 1"}
+TP_COST_TARGET = 1.10  # issue 35: invariant mode at most 10% slower end to end
 
 
 def stage_time(a, work: Path, name: str) -> dict:
@@ -158,6 +169,46 @@ def evaluate(result: dict, work: Path) -> None:
     if "rr" in tps and "bi" in tps:
         ratios["rr_vs_batch_invariant"] = round(tps["rr"] / tps["bi"], 3)
     result["throughput"] = {"output_tok_s": tps, "ratios": ratios, "targets": TARGETS}
+    if "rr_tp" in st:
+        result["tp_cost"] = tp_cost(st, work)
+
+
+def tp_cost(st: dict, work: Path) -> dict:
+    """Invariant mode's end-to-end cost: ``rr`` (off) against ``rr_tp`` (``RL_KERNEL_TP_INVARIANT=G``), the same
+    engine, prompts and sizes. ``time_ratio`` = off's output tok/s over invariant's (> 1: invariant is slower); the
+    decode step and TTFT as ratios of invariant's milliseconds over off's; the row-parallel op calls in each stage's
+    readbacks (``linear_tp`` / ``linear_tp_partials``), which say whether the mode ran."""
+    res = {n: (st.get(n, {}).get("result") or {}) for n in ("rr", "rr_tp")}
+    out: dict = {"target_time_ratio": f"<= {TP_COST_TARGET}",
+                 "row_parallel_calls": {n: _row_parallel_calls(work / "readbacks" / n) for n in res}}
+    calls = out["row_parallel_calls"]
+    out["invariant_mode_ran"] = bool(calls["rr_tp"].get("linear_tp")) and not any(calls["rr"].values())
+    gen = {n: r.get("generate") or {} for n, r in res.items()}
+    tim = {n: r.get("timing") or {} for n, r in res.items()}
+    if gen["rr"].get("output_tok_s") and gen["rr_tp"].get("output_tok_s"):
+        out["output_tok_s"] = {n: g["output_tok_s"] for n, g in gen.items()}
+        out["time_ratio"] = round(gen["rr"]["output_tok_s"] / gen["rr_tp"]["output_tok_s"], 4)
+        # a pass only where the mode ran (the local stand-in engine does not wire it: its ratio is noise)
+        out["within_target"] = out["invariant_mode_ran"] and out["time_ratio"] <= TP_COST_TARGET
+    for key, name in (("decode_step_ms", "decode_step_ratio"), ("ttft_single_ms_median", "ttft_ratio")):
+        if tim["rr"].get(key) and tim["rr_tp"].get(key):
+            out[name] = round(tim["rr_tp"][key] / tim["rr"][key], 4)
+    return out
+
+
+def _row_parallel_calls(rb_dir: Path) -> dict:
+    """Calls of ``linear_tp`` and ``linear_tp_partials`` over every readback of a stage (a compiled call site counts
+    once, at trace)."""
+    calls = {"linear_tp": 0, "linear_tp_partials": 0}
+    for f in sorted(rb_dir.rglob("*.json")) if rb_dir.is_dir() else []:
+        try:
+            mods = json.loads(f.read_text()).get("modules") or {}
+        except (OSError, ValueError):
+            continue
+        for m in mods.values():
+            for op in calls:
+                calls[op] += int(((m.get("ops") or {}).get(op) or {}).get("call_count", 0))
+    return calls
 
 
 def markdown(result: dict) -> str:
@@ -166,9 +217,16 @@ def markdown(result: dict) -> str:
              f"GPU: {m.get('gpu')} · torch {m.get('torch')} · vLLM {m.get('vllm')} · Triton {m.get('triton')} · "
              f"RLK_COMMIT {m.get('RLK_COMMIT')} · engine {m.get('engine')}", "",
              f"R/R output tok/s over native and over the batch-invariant mode: "
-             f"{(result.get('throughput') or {}).get('ratios')} (targets {TARGETS})", "",
-             "| stage | status | seconds | output tok/s (median) | timed generates s (SM MHz before) | "
-             "TTFT ms (single) | decode step ms |", "| --- | --- | --- | --- | --- | --- | --- |"]
+             f"{(result.get('throughput') or {}).get('ratios')} (targets {TARGETS})", ""]
+    cost, g_leaves = result.get("tp_cost"), result["settings"].get("tp_invariant")
+    if cost:
+        lines += [f"TP-invariant mode (rr_tp, RL_KERNEL_TP_INVARIANT={g_leaves}) against off (rr): time "
+                  f"ratio {cost.get('time_ratio')} (target {cost['target_time_ratio']}, within: "
+                  f"{cost.get('within_target')}), decode step {cost.get('decode_step_ratio')}, TTFT "
+                  f"{cost.get('ttft_ratio')}; the mode ran: {cost['invariant_mode_ran']} (row-parallel calls "
+                  f"{cost['row_parallel_calls']})", ""]
+    lines += ["| stage | status | seconds | output tok/s (median) | timed generates s (SM MHz before) | "
+              "TTFT ms (single) | decode step ms |", "| --- | --- | --- | --- | --- | --- | --- |"]
     for name, s in result["stages"].items():
         r = s.get("result") or {}
         g, t = r.get("generate") or {}, r.get("timing") or {}
@@ -181,28 +239,44 @@ def markdown(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-STAGES = {"ckpt": V.stage_ckpt, **{n: (lambda a, w, n=n: stage_time(a, w, n)) for n in ("rr", "pp", "bi")}}
+STAGES = {"ckpt": V.stage_ckpt, **{n: (lambda a, w, n=n: stage_time(a, w, n)) for n in ("rr", "rr_tp", "pp", "bi")}}
 
 
 def main(argv=None) -> int:
-    p = V.parser(__doc__.split("\n\n")[0], ORDER)
+    p = V.parser(__doc__.split("\n\n")[0], ORDER_TP)
     p.add_argument("--warm-prompts", type=int, default=16)
     p.add_argument("--decode-steps", type=int, default=32)
     p.add_argument("--gen-budget-s", type=float, default=60.0, help="the R/R big generate is sized to this")
     p.add_argument("--gen-repeats", type=int, default=3, help="timed runs of the big generate (tok/s: their median)")
     p.add_argument("--profile", action="store_true", help="torch.profiler tables of a decode and a mixed run per "
                    "engine stage -> profile-<stage>.txt in --out")
+    p.add_argument("--tp-invariant", type=int, default=0, metavar="G",
+                   help="add stage rr_tp: R/R with RL_KERNEL_TP_INVARIANT=G (invariant mode's cost against rr)")
+    p.add_argument("--model", default="", help="qwen3-8b-L<n> (Qwen3-8B's layer shape, n layers, random weights) "
+                   "instead of the Qwen3-0.6B shape")
     a = V.checked(p, p.parse_args(argv))
-    a.passed = (*V.COMMON, "warm_prompts", "decode_steps", "gen_budget_s", "gen_repeats", "profile")
+    if a.model:
+        try:
+            V._model_cfg(a.tiny, a.model)
+        except (KeyError, ValueError):
+            p.error(f"--model {a.model!r}: a preset's name or {V.QWEN3_8B_LAYERS}<layers>")
+    if a.tp_invariant and (a.tp_invariant < 2 or a.tp_invariant & (a.tp_invariant - 1)):
+        p.error(f"--tp-invariant {a.tp_invariant}: G is a power of two >= 2")
+    a.passed = (*V.COMMON, "warm_prompts", "decode_steps", "gen_budget_s", "gen_repeats", "profile", "tp_invariant",
+                "model")
+    if a.tp_invariant:  # the engine of stage rr_tp: rr's, with the variable (every other stage has it cleared)
+        V.ENGINES["rr_tp"] = {**V.ENGINES["rr"], "env": {"RL_KERNEL_TP_INVARIANT": str(a.tp_invariant)}}
     if a.stage:
         return V.run_stage(a, STAGES)
-    result = V.drive(a, Path(__file__).resolve(), "vllm_gpu", ORDER, CAPS, evaluate, markdown)
+    caps = dict(CAPS, ckpt=CKPT_CAP_8B) if a.model.startswith(V.QWEN3_8B_LAYERS) else CAPS
+    result = V.drive(a, Path(__file__).resolve(), "vllm_gpu", ORDER_TP if a.tp_invariant else ORDER, caps, evaluate,
+                     markdown)
     for prof in Path(result["work_dir"]).glob("profile-*.txt"):
         (Path(a.out) / prof.name).write_bytes(prof.read_bytes())
     V.finish_work(result, a.keep_work)
     ran = not any(s["status"] == "failed" for s in result["stages"].values()) and "evaluate_error" not in result
     print(json.dumps({"stages": {n: s["status"] for n, s in result["stages"].items()},
-                      "throughput": result.get("throughput")}, indent=1))
+                      "throughput": result.get("throughput"), "tp_cost": result.get("tp_cost")}, indent=1))
     return 0 if ran else 1
 
 

@@ -100,8 +100,9 @@ def test_the_coverage_check_fails_when_the_build_misses_a_tile(monkeypatch):
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])
 def test_every_launch_of_the_linear_tp_rule_finds_its_variant(dtype):
     """linear_tp_partials (rlk.gemm.tp.v1) over Qwen3's row-parallel shapes at TP 1/2/4/8 (G = 8) and M across the
-    rule's variant switch: every launch of every variant the rule picks (the split's merge, the stash's persistent
-    kernel) is built, so rlk.cuda serves the rule's plan; the sweep reaches every variant."""
+    rule's variant switch, and linear_tp (TP 1: the store finished, without and with a bias): every launch of every
+    variant the rule picks (the split's merge, the stash's persistent kernel) is built, so rlk.cuda serves the rule's
+    plan; the sweep reaches every variant."""
     from rlk_core.ops.linear_tp import triton as tt
 
     built = {v["key"] for v in B.enumerate_variants(["linear_tp"], [dtype])}
@@ -115,9 +116,17 @@ def test_every_launch_of_the_linear_tp_rule_finds_its_variant(dtype):
                 w = torch.empty((n, k // tp), dtype=DTYPES[dtype], device="meta")
                 tt.forward(plan, x, w, 8 // tp)
                 variants.add(tt.variant(DTYPES[dtype], m, n, k // 8))
+    partials = len(seen)
+    for m in (1, 7, 16, 17, 100, tt.SPLIT_MAX_M, tt.SPLIT_MAX_M + 1, 1000, 8192):
+        for n, k in ((1024, 2048), (1024, 3072), (4096, 4096), (4096, 12288)):  # TP 1: linear_tp
+            x = torch.empty((m, k), dtype=DTYPES[dtype], device="meta")
+            w = torch.empty((n, k), dtype=DTYPES[dtype], device="meta")
+            for b in (None, torch.empty((n,), dtype=DTYPES[dtype], device="meta")):
+                tt.forward_finished(plan, x, w, b, 8)
     missing = set(seen) - built
     assert not missing, [seen[key]["spec"] for key in sorted(missing)][:5]
     assert variants == ({"fused"} if dtype == "fp32" else {"split", "stash"})
+    assert len(seen) > partials, "the finished stores are launches of their own"
 
 
 def test_the_enumeration_is_deterministic_and_its_keys_name_their_kernels():

@@ -37,6 +37,40 @@ def test_vllm_throughput_stages_cpu(worker, tmp_path):
     assert len(doc["stages"]["rr"]["result"]["generate"]["seconds_each"]) == 2
 
 
+@pytest.mark.megatron
+@pytest.mark.slow
+def test_megatron_tp_cost_cpu(worker, tmp_path):
+    """--tp-cost G: the rlk model built without and with RL_KERNEL_TP_INVARIANT=G in one process, each timed; every
+    row-parallel linear built as asked (the stage checks it), the ratio against the 10% target in the JSON."""
+    proc = worker([sys.executable, str(BENCH / "megatron_gpu.py"), "--device", "cpu", "--tiny", "--tp-cost", "8",
+                   "--out", str(tmp_path)], timeout=300)
+    assert proc.returncode == 0, proc.log[-4000:]
+    doc = json.loads((tmp_path / "megatron_gpu.json").read_text())
+    cost = doc["tp_cost"]["tiny"]
+    assert cost["off"]["model"] == {"row_parallel_by_leaves": {"0": 4}}
+    assert cost["invariant"]["model"] == {"row_parallel_by_leaves": {"8": 4}}
+    assert cost["time_ratio"] > 0 and cost["target"] == "time_ratio <= 1.1" and "within_target" in cost
+    assert set(doc["stages"]) == {"init", "tp_cost_tiny"}
+
+
+@pytest.mark.slow
+def test_vllm_tp_cost_stages_cpu(worker, tmp_path):
+    """--tp-invariant G adds stage rr_tp (R/R with the variable) after rr (without it) and the tp_cost section; on the
+    CPU stand-in engine the mode is not wired, so it reads "did not run" and no pass is claimed."""
+    proc = worker([sys.executable, str(BENCH / "vllm_gpu.py"), "--tiny", "--device", "cpu", "--prompts", "4",
+                   "--samples", "2", "--max-tokens", "4", "--decode-batch", "2", "--decode-steps", "2", "--ttft-runs",
+                   "1", "--gen-repeats", "1", "--tp-invariant", "8", "--skip", "pp,bi", "--out", str(tmp_path)],
+                  timeout=300, env=child_env(CUDA_VISIBLE_DEVICES="", RL_KERNEL_TP_INVARIANT="4"))
+    assert proc.returncode == 0, proc.log[-4000:]
+    doc = json.loads((tmp_path / "vllm_gpu.json").read_text())
+    st = doc["stages"]
+    assert [n for n, v in st.items() if v["status"] == "ok"] == ["ckpt", "rr", "rr_tp"]
+    env = {n: st[n]["result"]["env"]["RL_KERNEL_TP_INVARIANT"] for n in ("rr", "rr_tp")}
+    assert env == {"rr": None, "rr_tp": "8"}  # the outer variable cleared for every stage; rr_tp's own
+    cost = doc["tp_cost"]
+    assert cost["time_ratio"] > 0 and cost["invariant_mode_ran"] is False and cost["within_target"] is False
+
+
 def test_moe_loop_summaries_read_a_run_directory(tmp_path):
     """moe_loop_gpu.py's K3 KL and routing summaries on a run directory written by rlk-repro's own writers: K3 is 0
     where the two sides agree and ``mean(r - 1 - log r)`` where they do not; the routing counts are the rounds' sums."""

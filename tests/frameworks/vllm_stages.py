@@ -40,7 +40,7 @@ ROOT = Path(__file__).resolve().parents[2]
 PLUGIN_VERSION = "0.1.0"
 ROUTE_VARS = ("RL_KERNEL_ATTENTION_CASE", "RL_KERNEL_FFN_CASE", "RL_KERNEL_LOGP_CASE")
 CLEARED_VARS = (*ROUTE_VARS, "RL_KERNEL_MODE", "RL_KERNEL_READBACK_DIR", "RL_KERNEL_VLLM_UNFILTERED_LOGPROBS",
-                "RL_KERNEL_VLLM_ATTENTION_OVERRIDE", "VLLM_PLUGINS", "VLLM_BATCH_INVARIANT")
+                "RL_KERNEL_VLLM_ATTENTION_OVERRIDE", "VLLM_PLUGINS", "VLLM_BATCH_INVARIANT", "RL_KERNEL_TP_INVARIANT")
 VLLM_ENV = {"VLLM_USE_FLASHINFER_SAMPLER": "0", "VLLM_USE_DEEP_GEMM": "0", "VLLM_NO_USAGE_STATS": "1",
             "HF_HUB_OFFLINE": "1", "VLLM_DISABLE_COMPILE_CACHE": "1", "TOKENIZERS_PARALLELISM": "false"}
 # per engine stage: routes, extra env, engine kwargs
@@ -64,9 +64,22 @@ def _seed_of(prompt_idx: int, base: int) -> int:
     return base + 1000 * prompt_idx
 
 
-def _model_cfg(tiny: bool):
-    from rlk_repro.model.config import PRESETS
+def _model_cfg(tiny: bool, model: str = ""):
+    """rlk-repro's ``qwen3-0.6b`` preset (``tiny`` with ``--tiny``), or a script's ``--model``: a preset's name or
+    ``qwen3-8b-L<n>`` — Qwen3-8B's layer shape (hidden 4096, ffn 12288, 32 / 8 heads of 128) with ``n`` layers and
+    the embedding tied (half the random checkpoint; the LM head's GEMM runs either way)."""
+    from rlk_repro.model.config import PRESETS, Qwen3Config
+    if model.startswith(QWEN3_8B_LAYERS):
+        return Qwen3Config(num_hidden_layers=int(model[len(QWEN3_8B_LAYERS):]), **QWEN3_8B_SHAPE)
+    if model:
+        return PRESETS[model]
     return PRESETS["tiny"] if tiny else PRESETS["qwen3-0.6b"]
+
+
+QWEN3_8B_LAYERS = "qwen3-8b-L"
+QWEN3_8B_SHAPE = dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_attention_heads=32,
+                      num_key_value_heads=8, head_dim=128, tie_word_embeddings=True, bos_token_id=None,
+                      eos_token_id=151645)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -77,7 +90,7 @@ def stage_ckpt(a, work: Path) -> dict:
 
     from rlk_repro.model import weights as W
 
-    cfg = _model_cfg(a.tiny)
+    cfg = _model_cfg(a.tiny, getattr(a, "model", "") or "")
     t0 = time.perf_counter()
     w = W.random_weights(cfg, seed=a.seed, dtype=torch.bfloat16)
     ckpt = work / "ckpt"

@@ -99,3 +99,52 @@ def test_negative_control_per_rank_cublas_and_sum_differs():
     naive = reduce_reference([F.linear(x[:, r * c:(r + 1) * c], w[:, r * c:(r + 1) * c]) for r in range(4)])
     assert not torch.equal(naive, F.linear(x, w))
     assert not torch.equal(naive, linear_tp(x, w))
+
+
+# -- linear_tp at TP 1: the finished store (bias, one rounding, canonical NaN in its last kernel; written, not run) --
+def _bits(t):
+    return t.view(torch.int32 if t.dtype == torch.float32 else torch.int16)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("m", [1, 16, 17, T.SPLIT_MAX_M, T.SPLIT_MAX_M + 1, 1000])
+def test_every_variant_finished_is_the_partial_finished(m, dtype):
+    """Each variant with its store finished (fused's and stash's epilogue, split's merge) and the op (rlk.cuda where
+    built) give linear_tp_finish of the fp32 partial bit for bit, with and without a bias, rows with inf and NaN."""
+    x, w = (t.to(dtype) for t in _inputs(m, 4096, 4096, seed=6))
+    b = torch.randn(4096, generator=torch.Generator(device="cuda").manual_seed(7), device="cuda").to(dtype)
+    x[0, 3], x[0, 4000], x[m - 1, 17] = float("inf"), float("-inf"), float("nan")
+    plan = jit_plan(x.device)
+    for bias in (None, b):
+        want = linear_tp_finish(linear_tp_partials(x, w, 8), bias, dtype)
+        assert torch.equal(_bits(linear_tp(x, w, bias, 8)), _bits(want)), (m, dtype, bias is None)
+        for which in T.VARIANTS:
+            got = T.finished(plan, x, w, bias, 8, which)
+            assert torch.equal(_bits(got), _bits(want)), (m, dtype, which, bias is None)
+    assert want[m - 1].isnan().all() and (want[0].isnan().any() or want[0].isinf().any())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_the_finished_merge_rounds_as_torch_on_special_values(dtype):
+    """The split's merge finished on the GPU, on crafted fp32 leaves (rounding ties, overflow, subnormals, signed zeros,
+    infinities, NaNs with payloads) and a bias: bitwise torch's conversion and masked_fill (linear_tp_finish)."""
+    import triton
+
+    from rlk_core.ops.linear_tp.reference import pairs_sum
+
+    words = torch.tensor([0x7FC00123, 0xFFC00000, 0x7F800001, 0xFFFFFFFF], dtype=torch.int64).to(torch.int32)
+    special = torch.cat([torch.tensor([1.0 + 2**-8, 1.0 + 3 * 2**-8, -(1.0 + 2**-8), 1.0 + 2**-11, 3.4e38, -3.4e38,
+                                       65520.0, 65519.0, 1e-40, -1e-40, 3e-8, 1e-45, 0.0, -0.0, float("inf"),
+                                       float("-inf")]), words.view(torch.float32)]).cuda()
+    n = special.numel()
+    g = torch.Generator(device="cuda").manual_seed(8)
+    ws = torch.randn(8, 64, n, generator=g, device="cuda")
+    ws[:, ::2] = 0.0
+    ws[0, ::2] = special
+    for bias in (None, special.flip(0).to(dtype), torch.randn(n, generator=g, device="cuda").to(dtype)):
+        got = torch.empty(64, n, dtype=dtype, device="cuda")
+        T._linear_tp_merge_kernel[(triton.cdiv(64 * n, T.MERGE_BLOCK),)](
+            ws, got, ws if bias is None else bias, 64 * n, n, LEAVES=8, FINISH=True, HAS_BIAS=bias is not None,
+            BLOCK=T.MERGE_BLOCK, num_warps=4)
+        want = linear_tp_finish(pairs_sum(list(ws)), bias, dtype)
+        assert torch.equal(_bits(got), _bits(want)), (dtype, bias is None)

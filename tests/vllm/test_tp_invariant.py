@@ -4,7 +4,8 @@
   rlk.gemm.tp.v1, and its log-probs over chunked prefill and decode equal the training recompute whose row-parallel
   GEMMs run the same contract — the bits Megatron gives at TP 1, 2 and 4 in the same mode
   (tests/megatron/test_megatron_tp_invariant.py) — and the hooked down_proj's bits are not rlk.gemm.bi.v1's
-  (negative control). Each row-parallel call is counted as ``linear_tp_partials`` in the readback.
+  (negative control). Each row-parallel call is one op, counted as ``linear_tp`` in the readback (no
+  ``linear_tp_partials``: the rounding is in the op).
 - TP 2 and 4 (issue 35): real ``RowParallelLinear`` layers on vLLM's own process groups (gloo, 4 forked ranks,
   ``init_distributed_environment`` / ``initialize_model_parallel``) give ``linear_tp(x, w, bias, 8)``'s bits — the
   TP 1 result — on every rank, bias added once (or returned, ``skip_bias_add``), replicated input sliced by vLLM;
@@ -52,8 +53,9 @@ mods = _runtime.current().recorder.to_dict()["modules"]
 L, steps = cfg.num_hidden_layers, len(chunks)
 for m in ("attention", "ffn"):
     ops = mods[m]["ops"]
-    assert ops["linear_tp_partials"]["call_count"] == L * steps + (m == "ffn"), (m, ops)
-    assert ops["linear_tp_partials"]["contract_id"] == "rlk.gemm.tp.v1"
+    assert ops["linear_tp"]["call_count"] == L * steps + (m == "ffn"), (m, ops)
+    assert ops["linear_tp"]["contract_id"] == "rlk.gemm.tp.v1"
+    assert "linear_tp_partials" not in ops, (m, ops)  # one op at TP 1: partial and rounding together
     assert ops["linear"]["call_count"] == L * steps, (m, ops)  # qkv / gate_up: column-parallel, rlk.gemm.bi.v1
 print("ok")
 '''
@@ -105,9 +107,10 @@ def test_row_parallel_linears_at_tp_1_2_and_4_give_the_tp_1_bits(run_script, tmp
             assert torch.equal(by_plan["invariant"]["compiled.o_proj"], linear_tp(x, w, None, G)), (rank, tp)
             mods = by_plan["invariant"]["readback"]
             # o_proj: one eager call + the compiled call site (counted once, at trace); down_proj: two eager calls
-            if tp == 1:  # the linear method runs linear_tp itself: no merge
-                assert {m: mods[m]["ops"]["linear_tp_partials"]["call_count"] for m in ("attention", "ffn")} == {
+            if tp == 1:  # the linear method runs linear_tp itself (one op): no merge
+                assert {m: mods[m]["ops"]["linear_tp"]["call_count"] for m in ("attention", "ffn")} == {
                     "attention": 2, "ffn": 2}, mods
+                assert not any("linear_tp_partials" in mods[m]["ops"] for m in ("attention", "ffn")), mods
                 assert "all_reduce" not in mods["attention"]["ops"], mods
                 continue
             assert "reduce_results=False" in by_plan["invariant"]["refusal"], by_plan["invariant"]["refusal"]

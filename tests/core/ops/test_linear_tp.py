@@ -193,8 +193,58 @@ def test_backward_is_linear_s_and_tp_shards_give_the_slices():
 
 
 def test_opcheck():
-    x, w, _ = _inputs(5, 7, 64, torch.float32)
+    x, w, b = _inputs(5, 7, 64, torch.float32)
     torch.library.opcheck(torch.ops.rlk.linear_tp_partials, (x.requires_grad_(), w, 4))
+    torch.library.opcheck(torch.ops.rlk.linear_tp, (x, w.requires_grad_(), b.requires_grad_(), 4))
+    torch.library.opcheck(torch.ops.rlk.linear_tp, (x, w, None, 8))
+
+
+# -- linear_tp: the one op of TP 1 (torch.ops.rlk.linear_tp) --------------------------------------------------------
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_linear_tp_is_the_partial_finished(dtype):
+    """``linear_tp`` (one op: on rlk.triton one launch sequence with the store finished) is bitwise
+    ``linear_tp_finish(linear_tp_partials(...))`` with and without a bias, NaN and inf included; a bias of another
+    dtype takes the two steps; the negative control: rounding before the bias add differs."""
+    x, w, b = _inputs(19, 37, 8 * 13, dtype, seed=11)
+    x[0, 3], x[1, 60], x[2, 5] = float("inf"), float("nan"), float("-inf")
+    for bias in (None, b, b.float() if dtype != torch.float32 else b.half()):
+        for leaves in (1, 2, 8):
+            got = ops.linear_tp(x, w, bias, leaves)
+            want = ops.linear_tp_finish(ops.linear_tp_partials(x, w, leaves), bias, dtype)
+            assert_bitwise_equal(got, want, f"{dtype} leaves={leaves}")
+            assert got[1].isnan().all()
+    assert_bitwise_equal(torch.ops.rlk.linear_tp(x, w, b, 8), ops.linear_tp(x, w, b), "torch.ops")
+    if dtype != torch.float32:
+        s = ops.linear_tp_partials(x, w, 8)
+        early = ops.linear_tp_finish(ops.linear_tp_finish(s, None, dtype).float(), b, dtype)
+        assert not torch.equal(early, ops.linear_tp(x, w, b)), "negative control: rounded before the bias add"
+
+
+def test_linear_tp_backward_is_the_two_steps():
+    """dx, dW and the bias gradient of the one op are the two steps' (partials' backward on dy, the bias's through
+    the fp32 add), bit for bit, on finite outputs."""
+    x, w, b = _inputs(24, 40, 256, torch.bfloat16, seed=12)
+    dy = torch.randn(24, 40, generator=torch.Generator().manual_seed(13)).to(torch.bfloat16)
+
+    def grads(fn):
+        xx, ww, bb = (t.detach().requires_grad_() for t in (x, w, b))
+        torch.autograd.backward(fn(xx, ww, bb), dy)
+        return xx.grad, ww.grad, bb.grad
+
+    one = grads(lambda a, c, d: ops.linear_tp(a, c, d))
+    two = grads(lambda a, c, d: ops.linear_tp_finish(ops.linear_tp_partials(a, c, G), d, a.dtype))
+    for g1, g2, name in zip(one, two, ("dx", "dw", "db"), strict=True):
+        assert_bitwise_equal(g1, g2, name)
+
+
+def test_linear_tp_refuses_bad_bias():
+    x, w, b = _inputs(2, 3, 40, torch.bfloat16)
+    with pytest.raises(RlkInputError, match="bias must have shape"):
+        torch.ops.rlk.linear_tp(x, w, b[:2], 8)
+    with pytest.raises(RlkInputError):
+        torch.ops.rlk.linear_tp(x, w, b.float(), 8)  # the op takes x's dtype (linear_tp() converts in two steps)
+    with pytest.raises(RlkInputError, match="not divisible by leaves=8"):
+        ops.linear_tp(x[:, :36], w[:, :36], b, 8)
 
 
 # -- errors ---------------------------------------------------------------------------------------------------------

@@ -103,3 +103,108 @@ def test_build_calls_cover_every_variant_tile_and_leaf_count():
                 for t in ([T._FP32] if dtype == torch.float32 else T.TILES[v])
                 for leaves in (1, 2, 4, 8) for even in (False, True)}
         assert seen == want
+
+
+# -- the finished store (linear_tp, TP 1): bias, one rounding, canonical NaN in the last kernel's epilogue ------------
+def test_the_finished_store_is_bitwise_linear_tp_finish_on_every_special_value(run_interpreted):
+    """The merge kernel's epilogue on crafted fp32 leaves: ties of the rounding, overflow to inf, subnormals, signed
+    zeros, infinities, NaNs with payloads and signs, and a bias with the same — bitwise ``linear_tp_finish`` of the
+    leaves' tree in bf16, fp16 and fp32. Negative controls: rounding before the bias add (then again after), and the
+    conversion without the canonical NaN, each differ on these inputs."""
+    run_interpreted("""
+    import triton
+
+    from rlk_core.ops import linear_tp_finish
+    from rlk_core.ops.linear_tp import triton as T
+    from rlk_core.ops.linear_tp.reference import pairs_sum
+
+    def bits(t):
+        return t.view(torch.int32 if t.dtype == torch.float32 else torch.int16)
+
+    def f32(*words):
+        return torch.tensor(list(words), dtype=torch.int64).to(torch.int32).view(torch.float32)
+
+    special = torch.cat([
+        torch.tensor([1.0 + 2**-8, 1.0 + 3 * 2**-8, -(1.0 + 2**-8), 1.0 + 2**-11, 1.0 + 3 * 2**-11, 3.4e38, -3.4e38,
+                      65520.0, -65520.0, 65519.0, 1e-40, -1e-40, 3e-8, 1e-45, 0.0, -0.0, float("inf"),
+                      float("-inf"), 2.5, -7.0]),
+        f32(0x7FC00123, 0xFFC00000, 0x7F800001, 0xFFFFFFFF),  # NaNs: a payload, negative, signalling, all ones
+    ])
+    n = special.numel()
+    g = torch.Generator().manual_seed(3)
+    for leaves in (2, 8):
+        for m in (1, 5, 3000 // n):  # 5 rows: M not a multiple of anything; the last: several merge blocks
+            ws = torch.randn(leaves, m, n, generator=g)
+            ws[0] = special  # the first leaf the special values, the others zero: the tree keeps them
+            ws[1:, :, :] = 0.0
+            ws[1:, 1::2] = torch.randn(leaves - 1, ws[:, 1::2].shape[1], n, generator=g)  # some rows: real sums
+            for dtype in (torch.bfloat16, torch.float16, torch.float32):
+                s = pairs_sum(list(ws))
+                for i, bias in enumerate((None, special.flip(0).to(dtype), torch.randn(n, generator=g).to(dtype))):
+                    got = torch.empty(m, n, dtype=dtype)
+                    T._linear_tp_merge_kernel[(triton.cdiv(m * n, T.MERGE_BLOCK),)](
+                        ws, got, ws if bias is None else bias, m * n, n, LEAVES=leaves, FINISH=True,
+                        HAS_BIAS=bias is not None, BLOCK=T.MERGE_BLOCK)
+                    want = linear_tp_finish(s, bias, dtype)
+                    assert torch.equal(bits(got), bits(want)), (leaves, m, dtype, bias is None)
+                    if i == 2 and m > 1 and dtype != torch.float32:  # a random bias on rows of real sums
+                        twice = linear_tp_finish(linear_tp_finish(s, None, dtype).float(), bias, dtype)
+                        assert not torch.equal(bits(twice), bits(got)), "negative control: rounded before the bias"
+                if dtype != torch.float32:
+                    assert not torch.equal(bits(s.to(dtype)), bits(got)), "negative control: NaN not canonical"
+    print("ok")
+    """)
+
+
+def test_every_variant_finished_is_bitwise_its_partial_finished(run_interpreted):
+    """Each variant (and the rule) with its store finished — fused's and stash's epilogue, split's merge, split's leaf
+    kernel at one leaf — gives ``linear_tp_finish`` of its own fp32 partial, bit for bit: bf16, fp16, fp32; with and
+    without a bias; inputs with inf and NaN; M = 1, 16, 17, 129 (the decode tile's edge, stash's second tile row);
+    1, 2 and 8 leaves; K = 0."""
+    run_interpreted("""
+    from rlk_core.ops import linear_tp_finish
+    from rlk_core.ops.linear_tp import triton as T
+
+    def bits(t):
+        return t.view(torch.int32 if t.dtype == torch.float32 else torch.int16)
+
+    g = torch.Generator().manual_seed(4)
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        for m in (1, 16, 17, 129):
+            x = torch.randn(m, 8 * 16, generator=g).to(dtype)
+            w = (torch.randn(40, 8 * 16, generator=g) / 11.3).to(dtype)
+            b = torch.randn(40, generator=g).to(dtype)
+            b[3] = float("-inf")
+            x[0, 7], x[0, 100] = float("inf"), float("-inf")  # row 0: +-inf, NaN where the tree adds inf to -inf
+            x[m - 1, 70] = float("nan")  # the last row: NaN
+            for which in (*T.VARIANTS, None):
+                for leaves in (1, 2, 8):
+                    s = T.partials(CPU, x, w, leaves, which)
+                    for bias in (None, b):
+                        got = T.finished(CPU, x, w, bias, leaves, which)
+                        assert got.dtype == dtype and got.shape == (m, 40)
+                        want = linear_tp_finish(s, bias, dtype)
+                        assert torch.equal(bits(got), bits(want)), (dtype, m, which, leaves, bias is None)
+                        if bias is not None and which is None and leaves == 8:
+                            assert torch.equal(bits(T.forward_finished(CPU, x, w, bias, 8)), bits(want))
+            if dtype != torch.bfloat16:  # the interpreter's bf16 dot drops inf and NaN (its partial is still finished)
+                assert got[m - 1].isnan().all() and (m == 1 or got[0].isnan().any() and got[0].isinf().any())
+    # K = 0: the finish of a zero partial (a -0.0 bias gives +0.0)
+    b = torch.tensor([-0.0, 1.5, float("nan")])
+    z = T.finished(CPU, torch.empty(2, 0), torch.empty(3, 0), b, 1)
+    assert torch.equal(bits(z), bits(linear_tp_finish(torch.zeros(2, 3), b, torch.float32)))
+    print("ok")
+    """)
+
+
+def test_build_calls_compile_the_finished_store_of_every_variant():
+    for dtype in (torch.bfloat16, torch.float32):
+        seen = set()
+        for _, args in T.build_calls(dtype, 132):
+            finish, bias = (args[6], args[5] is not None) if len(args) > 5 else (False, False)
+            seen.add((args[4]["VARIANT"], args[2], args[4]["EVEN_K"], finish, bias))
+        want = {(v, leaves, even, fin, bias) for v in T.VARIANTS for leaves in (1, 2, 4, 8) for even in (False, True)
+                for fin, bias in ((False, False), (True, False), (True, True))}
+        assert seen == want
+        for _, args in T.build_calls(dtype, 132):
+            assert args[3].dtype == (dtype if len(args) > 5 else torch.float32)

@@ -14,6 +14,7 @@ from __future__ import annotations
 OP_CONTRACTS: dict[str, str] = {
     "linear": "rlk.gemm.bi.v1",
     "linear_tp_partials": "rlk.gemm.tp.v1",
+    "linear_tp": "rlk.gemm.tp.v1",
     "rms_norm": "rlk.rms_norm.v1",
     "rms_norm_backward": "rlk.rms_norm.v1",
     "swiglu": "rlk.swiglu.v1",
@@ -53,6 +54,7 @@ OP_CONTRACTS: dict[str, str] = {
 # ops that belong to another op's arithmetic (its backward, its vocab-parallel halves): a backend forced
 # for the main op with RLK_BACKENDS runs them too, so the pieces of one computation never mix backends
 COMPANION_OF: dict[str, str] = {
+    "linear_tp": "linear_tp_partials",
     "rms_norm_backward": "rms_norm",
     "swiglu_backward": "swiglu",
     "rope_backward": "rope",

@@ -47,8 +47,10 @@ MODULE_OPS: dict[tuple[str, str], tuple[str, ...]] = {
 }
 # The tensor-parallel variants a sharded side runs in place of (or beside) the ops above.
 TP_OPS: dict[str, tuple[str, ...]] = {
-    "attention": ("linear_tp_partials",),  # the output projection in TP-invariant mode (RL_KERNEL_TP_INVARIANT)
-    "ffn": ("linear_tp_partials",),  # the down projection in TP-invariant mode
+    # the output projection in TP-invariant mode (RL_KERNEL_TP_INVARIANT): the rank's partial, or at TP 1 the whole
+    # tree and the rounding in one op
+    "attention": ("linear_tp_partials", "linear_tp"),
+    "ffn": ("linear_tp_partials", "linear_tp"),  # the down projection in TP-invariant mode
     "logp": ("linear_logp_partials", "logp_partials", "merge_logp_partials"),
 }
 # The ops of a module's other form (``docs/ops/moe.md``: an MoE block is the ffn module's MoE form), run where a

@@ -39,7 +39,6 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 import rlk_collectives
 from rlk_core import envs
 from rlk_core.errors import RlkPolicyError
-from rlk_core.ops import linear_tp_finish
 from rlk_core.ops.linear_tp import group_leaves
 from rlk_megatron_provider import _compat, _state, tp_emulate, tp_grads
 
@@ -429,12 +428,12 @@ class RlkRowParallelLinear(_RlkLayer, _compat.RowParallelLinear):
         if self.rlk_tp_emulate is not None:
             return tp_emulate.row_parallel(self, input_), None
         if self.rlk_tp_leaves:
+            if tp == 1:  # the whole tree and the one rounding in one op
+                return routes.call(self.rlk_module, "linear_tp", input_, self.weight, None, self.rlk_tp_leaves), None
             s = routes.call(self.rlk_module, "linear_tp_partials", input_, self.weight, self.rlk_tp_leaves // tp)
-            if tp > 1:
-                merge = _ReduceScatterPartialsFromTP if self.sequence_parallel else _ReducePartialsFromTP
-                return merge.apply(s, group, self.rlk_module, self.rlk_check_collectives, self.rlk_tp_leaves,
-                                   input_.dtype), None
-            return linear_tp_finish(s, None, input_.dtype), None
+            merge = _ReduceScatterPartialsFromTP if self.sequence_parallel else _ReducePartialsFromTP
+            return merge.apply(s, group, self.rlk_module, self.rlk_check_collectives, self.rlk_tp_leaves,
+                               input_.dtype), None
         y = routes.call(self.rlk_module, "linear", input_, self.weight)
         return (_ReduceFromTP.apply(y, group, self.rlk_module, self.rlk_check_collectives) if tp > 1 else y), None
 

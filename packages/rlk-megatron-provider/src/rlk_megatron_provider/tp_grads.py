@@ -95,10 +95,12 @@ class ColumnTPInvariant(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             leaves = layer.rlk_tp_leaves // tp
             rows = layer._rlk_leaf_rows(leaves, w.device)
-            s = routes.call(layer.rlk_module, "linear_tp_partials", g2.index_select(1, rows),
-                            w.index_select(0, rows).t().contiguous(), leaves)
+            operands = (g2.index_select(1, rows), w.index_select(0, rows).t().contiguous())
+            s = routes.call(layer.rlk_module, "linear_tp_partials", *operands, leaves) if tp > 1 else None
             with routes.scope(layer.rlk_module):
-                if ctx.sp:  # the same rank tree, reduce-scattered over the tokens: the rank's rows of the merge
+                if s is None:  # TP 1: the whole tree and the one rounding in one op (partial + finish's bits)
+                    dx = routes.call(layer.rlk_module, "linear_tp", *operands, None, leaves).reshape(x.shape)
+                elif ctx.sp:  # the same rank tree, reduce-scattered over the tokens: the rank's rows of the merge
                     dx = rlk_collectives.reduce_scatter_partials(
                         s.reshape(*x.shape[:-1], s.shape[-1]), group, 0, leaves_total=layer.rlk_tp_leaves,
                         dtype=x.dtype, check=layer.rlk_check_collectives)

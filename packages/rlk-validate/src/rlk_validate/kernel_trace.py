@@ -52,7 +52,7 @@ RLK_KERNELS: dict[str, tuple[str, ...]] = {
                     "_moe_combine_bwd_kernel"),
 }
 RLK_OPS: dict[str, tuple[str, ...]] = {
-    "gemm": ("linear", "linear_tp_partials", "moe_grouped_linear", "moe_grouped_linear_backward"),
+    "gemm": ("linear", "linear_tp_partials", "linear_tp", "moe_grouped_linear", "moe_grouped_linear_backward"),
     "attention_fwd": ("attention_varlen", "attention_decode", "attention_paged_prefill", "kv_cache_write"),
     "attention_bwd": ("attention_varlen_backward",),
     "swiglu": ("swiglu", "swiglu_backward"),

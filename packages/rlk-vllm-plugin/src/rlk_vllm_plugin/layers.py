@@ -175,9 +175,9 @@ def _linear_apply(original):
                              "cannot run it")
                 return original(self, layer, x, bias)
             leaves = _tp_leaves(layer, rt)
-            if leaves:  # TP-invariant mode: a row-parallel linear under rlk.gemm.tp.v1 (docs/ops/linear_tp.md)
-                s = _runtime.rlk(module, "linear_tp_partials", x, weight, leaves)
-                return _finish(s, bias, x.dtype)
+            if leaves:  # TP-invariant mode: a row-parallel linear under rlk.gemm.tp.v1 (docs/ops/linear_tp.md), at
+                # TP 1 the whole tree and the one rounding (the bias added once) in one op
+                return _runtime.rlk(module, "linear_tp", x, weight, bias, leaves)
             return _runtime.rlk(module, "linear", x, weight, bias)
         _runtime.production(module, "linear", "production.vllm.UnquantizedLinearMethod.apply")
         return original(self, layer, x, bias)
@@ -203,12 +203,6 @@ def _tp_leaves(layer: Any, rt: Any) -> int:
                          "rounded before vLLM's all-reduce")
         return 0
     return leaves
-
-
-def _finish(s: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
-    from rlk_core.ops import linear_tp_finish
-
-    return linear_tp_finish(s, bias, dtype)
 
 
 def _empty(weight: torch.Tensor) -> bool:

@@ -23,6 +23,7 @@ from rlk_core.ops.linear import _linear
 from rlk_core.ops.linear_tp.reference import (
     linear_tp_finish_reference,
     linear_tp_partials_reference,
+    linear_tp_reference,
     pairs_sum,
 )
 from rlk_core.tp import DEFAULT_LEAVES
@@ -161,15 +162,62 @@ def linear_tp_finish(s: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dt
     return linear_tp_finish_reference(s, bias, dtype)
 
 
+@define("linear_tp")
+def _linear_tp(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, leaves: int) -> torch.Tensor:
+    _linear_tp_partials.check(x, weight, leaves)
+    if bias is not None:
+        op = "linear_tp"
+        C.float_tensor(bias, op, "bias")
+        C.same_dtype(op, x=x, bias=bias)
+        C.same_device(op, x=x, bias=bias)
+        C.require(bias.shape == (weight.shape[0],), op,
+                  f"bias must have shape ({weight.shape[0]},), got {tuple(bias.shape)}")
+
+
+@_linear_tp.register_fake
+def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, leaves: int) -> torch.Tensor:
+    _linear_tp.check(x, weight, bias, leaves)
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+def _setup_context_tp(ctx, inputs, output) -> None:
+    x, weight, bias, _ = inputs
+    ctx.save_for_backward(x, weight)
+    ctx.has_bias = bias is not None
+
+
+def _backward_tp(ctx, grad):
+    # the partials' backward on dy (the rounding passes the gradient through, as the TP > 1 merge's identity
+    # backward does); the bias's gradient as autograd takes it through linear_tp_finish's fp32 add
+    dx, dw, _ = _backward(ctx, grad)
+    db = None
+    if ctx.has_bias and ctx.needs_input_grad[2]:
+        db = grad.float().sum_to_size(grad.shape[-1]).to(grad.dtype)
+    return dx, dw, db, None
+
+
+_linear_tp.register_autograd(_backward_tp, setup_context=_setup_context_tp)
+
+
 def linear_tp(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
               leaves: int = DEFAULT_LEAVES) -> torch.Tensor:
-    """The whole row-parallel GEMM on one process (TP 1) under ``rlk.gemm.tp.v1``: ``linear_tp_finish(
-    linear_tp_partials(x, weight, leaves), bias, x.dtype)`` with ``leaves = G``. Bitwise what TP ranks holding K
-    slices compute with :func:`linear_tp_partials` and merge with ``rlk_collectives.all_reduce_partials``."""
-    return linear_tp_finish(linear_tp_partials(x, weight, leaves), bias, x.dtype)
+    """The whole row-parallel GEMM on one process (TP 1) under ``rlk.gemm.tp.v1`` (``torch.ops.rlk.linear_tp``):
+    bitwise ``linear_tp_finish(linear_tp_partials(x, weight, leaves), bias, x.dtype)`` with ``leaves = G`` — the
+    same leaves, tree, fp32 bias add and one rounding (canonical NaN), on ``rlk.triton`` in the last kernel's
+    epilogue (one launch, not the partial's and the finish's). Bitwise what TP ranks holding K slices compute with
+    :func:`linear_tp_partials` and merge with ``rlk_collectives.all_reduce_partials``. ``bias``: ``[N]`` in ``x``'s
+    dtype (another float dtype takes the two steps: the same bits). Backward: ``dx``, ``dW`` as
+    :func:`linear_tp_partials`' on ``dy`` (the rounding passes the gradient through)."""
+    if isinstance(bias, torch.Tensor) and isinstance(x, torch.Tensor) and bias.dtype != x.dtype:
+        return linear_tp_finish(linear_tp_partials(x, weight, leaves), bias, x.dtype)
+    return _linear_tp(x, weight, bias, leaves)
 
 
 REGISTRY.register(Backend("rlk.reference", "linear_tp_partials", linear_tp_partials_reference,
                           devices=("cpu", "cuda"), priority=0, builtin=True))
+REGISTRY.register(Backend("rlk.reference", "linear_tp", linear_tp_reference, devices=("cpu", "cuda"), priority=0,
+                          builtin=True))
 register_kernel_backends("linear_tp_partials", "rlk_core.ops.linear_tp.triton:forward",
                          "rlk_core.ops.linear_tp.triton:supports")
+register_kernel_backends("linear_tp", "rlk_core.ops.linear_tp.triton:forward_finished",
+                         "rlk_core.ops.linear_tp.triton:supports_finished")

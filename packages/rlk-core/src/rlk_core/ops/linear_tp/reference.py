@@ -48,3 +48,8 @@ def linear_tp_finish_reference(s: torch.Tensor, bias: torch.Tensor | None, dtype
         s = s + bias.float()
     y = s.to(dtype, copy=True)
     return y.masked_fill_(y.isnan(), CANONICAL_NAN)
+
+
+def linear_tp_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, leaves: int) -> torch.Tensor:
+    """``linear_tp`` (TP 1): the partial over all ``leaves`` leaves and the one rounding."""
+    return linear_tp_finish_reference(linear_tp_partials_reference(x, weight, leaves), bias, x.dtype)

@@ -133,6 +133,53 @@ def _store(y_ptr, v, rows, cols, M, N, stride_ym, stride_yn):
 
 
 @triton.jit
+def _round(v, y_ptr):
+    """``linear_tp_finish``'s conversion in one step: fp32 ``v`` rounded to ``y_ptr``'s dtype (nearest even), a NaN
+    made the canonical quiet NaN of that dtype — the bits ``masked_fill(isnan, nan)`` writes: 0x7FC0 (bf16), 0x7E00
+    (fp16), 0x7FC00000 (fp32), set after the conversion (the GPU's conversion of a NaN has its own bits). A value is
+    NaN after the rounding exactly where it is NaN before. bf16 is rounded on the bits (add ``0x7FFF`` plus the kept
+    part's lowest bit, drop the low half: round to nearest even, overflow to inf — c10's conversion, and what the
+    GPU's ``cvt.rn.bf16.f32`` gives for every number), because Triton's interpreter truncates; fp16 by the
+    conversion (nearest even on the GPU and in the interpreter's numpy)."""
+    ty: tl.constexpr = y_ptr.dtype.element_ty
+    nan = v != v
+    if ty == tl.bfloat16:
+        u = v.to(tl.uint32, bitcast=True)
+        r = (u + (0x7FFF + ((u >> 16) & 1))) >> 16
+        y = tl.where(nan, 0x7FC0, r).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    elif ty == tl.float16:
+        canon = tl.full(v.shape, 0x7E00, tl.int16).to(tl.float16, bitcast=True)
+        y = tl.where(nan, canon, v.to(tl.float16))
+    else:
+        canon = tl.full(v.shape, 0x7FC00000, tl.int32).to(tl.float32, bitcast=True)
+        y = tl.where(nan, canon, v)
+    return y
+
+
+@triton.jit
+def _f32(b):
+    """A loaded bias in fp32, exactly: bf16 by its bits (the upper half of the fp32 word; Triton's interpreter
+    converts bf16 subnormals wrongly), the others by the conversion."""
+    if b.dtype == tl.bfloat16:
+        out = (b.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+    else:
+        out = b.to(tl.float32)
+    return out
+
+
+@triton.jit
+def _store_out(y_ptr, b_ptr, v, rows, cols, M, N, stride_ym, stride_yn, FINISH: tl.constexpr,
+               HAS_BIAS: tl.constexpr):
+    """A tile's merged fp32 partial ``v`` stored as it is, or (``FINISH``) finished: ``f32(bias)`` added once, then
+    :func:`_round` — ``linear_tp_finish(v, bias, dtype)``'s fp32 add and one rounding, in the kernel's epilogue."""
+    if FINISH:
+        if HAS_BIAS:
+            v = v + _f32(tl.load(b_ptr + cols, mask=cols < N, other=0.0))[None, :]
+        v = _round(v, y_ptr)
+    _store(y_ptr, v, rows, cols, M, N, stride_ym, stride_yn)
+
+
+@triton.jit
 def _count(t, s1, s2, s4, s8, J: tl.constexpr):
     """Leaf ``J``'s value ``t`` into the binary counter of finished subtrees (``s1``: one leaf, ``s2``: two, ...): the
     adjacent-pairs tree in leaf order, fp32 adds, at most log2(G) + 1 values alive."""
@@ -169,12 +216,13 @@ def _root(s1, s2, s4, s8, LEAVES: tl.constexpr):
 
 @triton.jit(do_not_specialize=["M"])
 def _linear_tp_fwd_kernel(
-    x_ptr, w_ptr, y_ptr, M, N, LEAF_K,
+    x_ptr, w_ptr, y_ptr, b_ptr, M, N, LEAF_K,
     stride_xm, stride_xk, stride_wn, stride_wk, stride_ym, stride_yn,
-    LEAVES: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr,
+    LEAVES: tl.constexpr, FINISH: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
-    """``fused``: every leaf of a tile in one program, the waiting subtrees in registers."""
+    """``fused``: every leaf of a tile in one program, the waiting subtrees in registers; ``FINISH``: the root
+    finished in the epilogue (:func:`_store_out`)."""
     rows, cols, cols_ld, row_ok = _tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     # the binary counter: s1, s2, s4 hold finished subtrees of 1, 2, 4 leaves waiting for their right sibling; s8 the
     # whole tree of 8
@@ -187,29 +235,33 @@ def _linear_tp_fwd_kernel(
                   stride_wk, EVEN_K, IEEE, BLOCK_M, BLOCK_N, BLOCK_K)
         s1, s2, s4, s8 = _count(t, s1, s2, s4, s8, j)
     out = _root(s1, s2, s4, s8, LEAVES)
-    _store(y_ptr, out, rows, cols, M, N, stride_ym, stride_yn)
+    _store_out(y_ptr, b_ptr, out, rows, cols, M, N, stride_ym, stride_yn, FINISH, HAS_BIAS)
 
 
 @triton.jit(do_not_specialize=["M"])
 def _linear_tp_leaf_kernel(
-    x_ptr, w_ptr, y_ptr, M, N, LEAF_K,
+    x_ptr, w_ptr, y_ptr, b_ptr, M, N, LEAF_K,
     stride_xm, stride_xk, stride_wn, stride_wk, stride_yl, stride_ym, stride_yn,
-    EVEN_K: tl.constexpr, IEEE: tl.constexpr,
+    FINISH: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     """``split``'s first launch: program (tile, j) writes leaf ``j`` of the tile, unmerged fp32, to ``y[j]`` (the
-    workspace ``[LEAVES, M, N]``, or the output itself when the call has one leaf)."""
+    workspace ``[LEAVES, M, N]``, or the output itself when the call has one leaf — then finished there with
+    ``FINISH``)."""
     j = tl.program_id(1)
     rows, cols, cols_ld, row_ok = _tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     t = _leaf(x_ptr, w_ptr, rows, cols_ld, row_ok, j * LEAF_K, LEAF_K, stride_xm, stride_xk, stride_wn, stride_wk,
               EVEN_K, IEEE, BLOCK_M, BLOCK_N, BLOCK_K)
-    _store(y_ptr + j.to(tl.int64) * stride_yl, t, rows, cols, M, N, stride_ym, stride_yn)
+    _store_out(y_ptr + j.to(tl.int64) * stride_yl, b_ptr, t, rows, cols, M, N, stride_ym, stride_yn, FINISH,
+               HAS_BIAS)
 
 
 @triton.jit
-def _linear_tp_merge_kernel(ws_ptr, y_ptr, MN, LEAVES: tl.constexpr, BLOCK: tl.constexpr):
+def _linear_tp_merge_kernel(ws_ptr, y_ptr, b_ptr, MN, N, LEAVES: tl.constexpr, FINISH: tl.constexpr,
+                            HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
     """``split``'s second launch: per element of the contiguous ``[M, N]`` output, the adjacent-pairs tree over the
-    ``LEAVES`` workspace values — the binary counter of ``fused`` in the same order, fp32 adds."""
+    ``LEAVES`` workspace values — the binary counter of ``fused`` in the same order, fp32 adds; ``FINISH``: the root
+    finished before the store (``f32(bias[col])`` added once, :func:`_round`)."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < MN
     s1 = tl.zeros((BLOCK,), dtype=tl.float32)
@@ -222,21 +274,26 @@ def _linear_tp_merge_kernel(ws_ptr, y_ptr, MN, LEAVES: tl.constexpr, BLOCK: tl.c
         ptrs += MN  # leaf j + 1 (a pointer step: no int32 product j * MN)
         s1, s2, s4, s8 = _count(t, s1, s2, s4, s8, j)
     out = _root(s1, s2, s4, s8, LEAVES)
+    if FINISH:
+        if HAS_BIAS:
+            out = out + _f32(tl.load(b_ptr + offs % N, mask=ok, other=0.0))
+        out = _round(out, y_ptr)
     tl.store(y_ptr + offs, out, mask=ok)
 
 
 @triton.jit(do_not_specialize=["M"])
 def _linear_tp_stash_kernel(
-    x_ptr, w_ptr, y_ptr, ws_ptr, M, N, LEAF_K,
+    x_ptr, w_ptr, y_ptr, b_ptr, ws_ptr, M, N, LEAF_K,
     stride_xm, stride_xk, stride_wn, stride_wk, stride_ym, stride_yn,
-    LEAVES: tl.constexpr, SLOTS: tl.constexpr, NUM_PROGRAMS: tl.constexpr, EVEN_K: tl.constexpr,
+    LEAVES: tl.constexpr, SLOTS: tl.constexpr, NUM_PROGRAMS: tl.constexpr, FINISH: tl.constexpr,
+    HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
     IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     """``stash``: ``fused``'s loop with one accumulator in registers. A finished subtree of ``2^s`` leaves waits for
     its right sibling in slot ``s`` of this program's workspace (``SLOTS`` fp32 tiles: exact stores and loads);
     persistent over the tiles (``NUM_PROGRAMS`` programs, so the workspace is ``NUM_PROGRAMS * SLOTS`` tiles). The
     barriers order one thread's stash stores before another's loads of them (the store and load layouts need not
-    match) and the loads before the slot is written again."""
+    match) and the loads before the slot is written again. ``FINISH``: the root finished in the epilogue."""
     pid = tl.program_id(0)
     num_tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
     tile_offs = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
@@ -254,7 +311,7 @@ def _linear_tp_stash_kernel(
             if j % 8 == 7:
                 t = tl.load(ws + 2 * BLOCK_M * BLOCK_N) + t
             if j == LEAVES - 1:
-                _store(y_ptr, t, rows, cols, M, N, stride_ym, stride_yn)
+                _store_out(y_ptr, b_ptr, t, rows, cols, M, N, stride_ym, stride_yn, FINISH, HAS_BIAS)
             else:
                 tl.debug_barrier()
                 if (j + 1) % 4 == 0:
@@ -271,6 +328,13 @@ def forward(p, x: torch.Tensor, weight: torch.Tensor, leaves: int) -> torch.Tens
     return partials(p, x, weight, leaves)
 
 
+def forward_finished(p, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                     leaves: int) -> torch.Tensor:
+    """The op ``linear_tp`` (TP 1: the whole tree in one call): ``x [..., K]``, ``weight [N, K]``, ``bias [N]`` or
+    None into a fresh ``[..., N]`` of ``x``'s dtype, finished in the last kernel's epilogue."""
+    return finished(p, x, weight, bias, leaves)
+
+
 def partials(p, x: torch.Tensor, weight: torch.Tensor, leaves: int, which: str | None = None) -> torch.Tensor:
     """:func:`forward` with ``which`` forcing a variant (benchmarks and tests; None: the rule, as the op runs)."""
     lead, k = x.shape[:-1], x.shape[-1]
@@ -285,32 +349,62 @@ def partials(p, x: torch.Tensor, weight: torch.Tensor, leaves: int, which: str |
     return y
 
 
+def finished(p, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, leaves: int,
+             which: str | None = None) -> torch.Tensor:
+    """:func:`forward_finished` with ``which`` forcing a variant: the launches of :func:`partials` (the same
+    configuration, the same leaves and tree) with the last kernel's store finished — ``f32(bias)`` added once, one
+    rounding to ``x``'s dtype, NaN canonical — so the result is bitwise ``linear_tp_finish(partials(...), bias,
+    x.dtype)``, in one launch fewer than three torch ones (four with a bias)."""
+    lead, k = x.shape[:-1], x.shape[-1]
+    n = weight.shape[0]
+    m = lead.numel()
+    y = p.new((*lead, n), x.dtype)
+    if m and n and not k:  # no leaf: the finish of a zero partial (bias or not: 0 + (-0.0) is +0.0)
+        from rlk_core.ops.linear_tp.reference import linear_tp_finish_reference
+
+        p.host(lambda: y.copy_(linear_tp_finish_reference(y.new_zeros(y.shape, dtype=torch.float32), bias,
+                                                          x.dtype)))
+    elif m and n:
+        x2 = p.reshape(x, m, k)
+        if x2.stride(-1) != 1:
+            x2 = p.contiguous(x2)
+        _launch(p, x2, weight, leaves, y.view(m, n), config(x.dtype, m, n, k // leaves, which), bias, True)
+    return y
+
+
 def _launch(p, x: torch.Tensor, weight: torch.Tensor, leaves: int, out: torch.Tensor,
-            cfg: dict[str, int | bool | str]) -> None:
-    """``out`` (fp32 ``[M, N]``, contiguous for ``split`` with more than one leaf) = the call's merged partial. The
-    workspaces are buffers of the call (``p.new``), never freed early: ``rlk.cuda`` keeps a plan with no ``free`` as
-    one program."""
+            cfg: dict[str, int | bool | str], bias: torch.Tensor | None = None, finish: bool = False) -> None:
+    """``out`` (``[M, N]``, contiguous for ``split`` with more than one leaf) = the call's merged partial: fp32, or
+    with ``finish`` that partial plus ``f32(bias)``, rounded once to ``out``'s dtype with NaN canonical (the last
+    kernel's epilogue: fused's and stash's store, split's merge — its leaf kernel at one leaf). The workspaces are
+    buffers of the call (``p.new``), never freed early: ``rlk.cuda`` keeps a plan with no ``free`` as one
+    program."""
     m, k = x.shape
     n = weight.shape[0]
     c = dict(cfg)
     which = c.pop("VARIANT", "fused")
     tiles = triton.cdiv(m, c["BLOCK_M"]) * triton.cdiv(n, c["BLOCK_N"])
     xs = (x.stride(0), x.stride(1), weight.stride(0), weight.stride(1))
+    fin = dict(FINISH=finish, HAS_BIAS=finish and bias is not None)
+    b = bias if fin["HAS_BIAS"] else out  # an unread pointer without a bias
     if which == "fused":
-        p.launch(_linear_tp_fwd_kernel, (tiles,), x, weight, out, m, n, k // leaves, *xs,
-                 out.stride(0), out.stride(1), LEAVES=leaves, **c)
+        p.launch(_linear_tp_fwd_kernel, (tiles,), x, weight, out, b, m, n, k // leaves, *xs,
+                 out.stride(0), out.stride(1), LEAVES=leaves, **fin, **c)
     elif which == "split":
-        ws = out if leaves == 1 else p.new((leaves, m, n), torch.float32)
-        p.launch(_linear_tp_leaf_kernel, (tiles, leaves), x, weight, ws, m, n, k // leaves, *xs,
-                 m * n, ws.stride(-2), ws.stride(-1), **c)
-        if leaves > 1:
-            p.launch(_linear_tp_merge_kernel, (triton.cdiv(m * n, MERGE_BLOCK),), ws, out, m * n, LEAVES=leaves,
-                     BLOCK=MERGE_BLOCK, num_warps=4)
+        if leaves == 1:  # one leaf: the leaf kernel writes (and finishes) the output itself
+            p.launch(_linear_tp_leaf_kernel, (tiles, 1), x, weight, out, b, m, n, k, *xs,
+                     m * n, out.stride(0), out.stride(1), **fin, **c)
+            return
+        ws = p.new((leaves, m, n), torch.float32)
+        p.launch(_linear_tp_leaf_kernel, (tiles, leaves), x, weight, ws, ws, m, n, k // leaves, *xs,
+                 m * n, ws.stride(-2), ws.stride(-1), FINISH=False, HAS_BIAS=False, **c)
+        p.launch(_linear_tp_merge_kernel, (triton.cdiv(m * n, MERGE_BLOCK),), ws, out,
+                 b if fin["HAS_BIAS"] else ws, m * n, n, LEAVES=leaves, **fin, BLOCK=MERGE_BLOCK, num_warps=4)
     elif which == "stash":
         programs = min(tiles, p.sms)
         ws = p.new((programs * slots(leaves) * c["BLOCK_M"] * c["BLOCK_N"],), torch.float32)
-        p.launch(_linear_tp_stash_kernel, (programs,), x, weight, out, ws, m, n, k // leaves, *xs,
-                 out.stride(0), out.stride(1), LEAVES=leaves, SLOTS=slots(leaves), NUM_PROGRAMS=p.sms, **c)
+        p.launch(_linear_tp_stash_kernel, (programs,), x, weight, out, b, ws, m, n, k // leaves, *xs,
+                 out.stride(0), out.stride(1), LEAVES=leaves, SLOTS=slots(leaves), NUM_PROGRAMS=p.sms, **fin, **c)
     else:
         raise ValueError(f"linear_tp: no variant {which!r}; known: {VARIANTS}")
 
@@ -321,12 +415,20 @@ def supports(x: torch.Tensor, weight: torch.Tensor, leaves: int) -> tuple[bool, 
     return True, ""
 
 
+def supports_finished(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                      leaves: int) -> tuple[bool, str]:
+    return supports(x, weight, leaves)
+
+
 # -- what the AOT build compiles (rlk_core.aot.build) ---------------------------------------------------------------
 def build_calls(dtype: torch.dtype, sms: int):
     """Every (variant, tile) :func:`config` can pick for ``dtype`` — the rule's and the forced variants the benchmark
-    runs — for every leaf count 1 .. 8, with and without ``EVEN_K``, on aligned operands with sizes multiples of 16.
-    ``split`` also compiles its merge for 2, 4 and 8 leaves; ``stash`` its persistent kernel with ``sms`` programs."""
+    runs — for every leaf count 1 .. 8, with and without ``EVEN_K``, on aligned operands with sizes multiples of 16,
+    each as the fp32 partial (``linear_tp_partials``) and finished to ``dtype`` without and with a bias
+    (``linear_tp``). ``split`` also compiles its merge for 2, 4 and 8 leaves; ``stash`` its persistent kernel with
+    ``sms`` programs."""
     bk = MAX_BLOCK_K_FP32 if dtype == torch.float32 else MAX_BLOCK_K
+    bias = torch.empty((256,), dtype=dtype, device="meta")
     for which in VARIANTS:
         tiles = [_FP32] if dtype == torch.float32 else TILES[which]
         for tile in tiles:
@@ -336,5 +438,9 @@ def build_calls(dtype: torch.dtype, sms: int):
                     k = leaf_k * leaves
                     x = torch.empty((rows, k), dtype=dtype, device="meta")
                     w = torch.empty((256, k), dtype=dtype, device="meta")
+                    cfg = dict(tile_config(tile, leaf_k, dtype), VARIANT=which)
                     y = torch.empty((rows, 256), dtype=torch.float32, device="meta")
-                    yield _launch, (x, w, leaves, y, dict(tile_config(tile, leaf_k, dtype), VARIANT=which))
+                    yield _launch, (x, w, leaves, y, cfg)
+                    y = torch.empty((rows, 256), dtype=dtype, device="meta")
+                    for b in (None, bias):
+                        yield _launch, (x, w, leaves, y, cfg, b, True)
