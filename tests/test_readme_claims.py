@@ -37,7 +37,7 @@ def claims(root: Path) -> dict[str, str]:
     first_reward, last_reward = ten_rounds[0]["reward_mean"], ten_rounds[-1]["reward_mean"]
     (run,) = [p for p in (root / COMMITTED_RUN).iterdir() if p.is_dir()]
     committed = _json(root, run / "bitwise-validation.json")
-    moe = _json(root, MOE)["runs"]
+    moe_rr, moe_pp = (_json(root, MOE)["runs"][k] for k in ("rr", "pp"))
 
     rr, ratios = loop["runs"]["rr"], loop["ratios"]
     rr_filtered = [filtered["rr-t1"], filtered["rr-t07"]]
@@ -79,11 +79,12 @@ def claims(root: Path) -> dict[str, str]:
                                         f"({speed['qwen3-1.7b']:.2f}x at 1.7B)",
         "megatron_gpu.json (negative control)": f"{negative['differing_tokens']:,} of {negative['tokens']:,} "
                                                 "log-probs differ",
-        "moe_loop.json (R/R)": f"{moe['rr']['compared_tokens']:,} tokens compared, **{moe['rr']['mismatches']} differ**; "
-                               f"{moe['rr']['routing_mismatch_tokens']} of {moe['rr']['routing_compared_tokens']:,} "
+        "moe_loop.json (R/R)": f"{moe_rr['compared_tokens']:,} tokens compared, **{moe_rr['mismatches']} differ**; "
+                               f"{moe_rr['routing_mismatch_tokens']} of {moe_rr['routing_compared_tokens']:,} "
                                "routed tokens on another expert set",
-        "moe_loop.json (P/P)": f"{moe['pp']['mismatches']:,} of {moe['pp']['compared_tokens']:,} differ; "
-                               f"{100 * moe['pp']['routing_mismatch_fraction']:.1f}% of routed tokens on another expert set",
+        "moe_loop.json (P/P)": f"{moe_pp['mismatches']:,} of {moe_pp['compared_tokens']:,} differ; "
+                               f"{100 * moe_pp['routing_mismatch_fraction']:.1f}% of routed tokens on another "
+                               "expert set",
         "the committed run": f"{committed['element_count']:,} tokens, {committed['mismatch_count']} differ",
     }
 
