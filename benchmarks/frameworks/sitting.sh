@@ -51,6 +51,12 @@
 # TP 1, the Qwen3-0.6B shape (-8b: qwen3-8b-L8, Qwen3-8B's layer shape with 8 layers); megatron_gpu.py --tp-cost
 # ${TP_COST_G:-8}: the rlk training step built without and with the variable, Qwen3-0.6B then qwen3-8b-L4 if the cap
 # allows. Run after cuda (rlk.cuda's cubins) or rlk.triton's JIT serves; the JSON's tp_cost holds the ratios.
+# Stage moe-bench (issue 36's performance part; needs `MOE=1 ... prepare`: the site's vllm/_moe_C for vLLM's fused MoE):
+# bench_moe.py — the Qwen3-30B-A3B MoE layer as the vLLM plugin's R method runs it vs vLLM's fused MoE, decode 1..256
+# and prefill 2k..16k tokens, target ratio >= 0.8 ($MOE_BENCH_ARGS: its options, e.g. --quick or --backward) — then
+# megatron_moe_gpu.py: the Megatron training step of $MOE_MODEL (default qwen3-moe-30b-a3b-L2) with rlk's MoE layer vs
+# the stock MoELayer (SequentialMLP; GroupedMLP where it builds without TE), target >= 1.0. Run after cuda or
+# rlk.triton's JIT serves. Results: moe.json/.md, megatron_moe_gpu.json/.md.
 set -u
 HERE=$(cd "$(dirname "$0")" && pwd)
 ROOT=$(cd "$HERE/../.." && pwd)
@@ -215,6 +221,18 @@ stage() {  # stage NAME SECONDS
             # shellcheck disable=SC2086
             timeout "$cap" $py "$G/benchmarks/frameworks/vllm_gpu.py" --tp-invariant "${TP_COST_G:-8}" --skip pp,bi \
                 $model --gen-budget-s 20 --gen-repeats 3 --budget-s $((cap - 15)) --out "$out" ;;
+        moe-bench)  # issue 36: bench_moe.py (the MoE layer vs vLLM's fused MoE), then megatron_moe_gpu.py (the step)
+            local t0=$SECONDS
+            [ -f /tmp/site/vllm/_moe_C.abi3.so ] || echo "moe-bench: the site has no vllm/_moe_C.abi3.so (prepare with" \
+                "MOE=1): bench_moe.py skips vLLM's side"
+            # shellcheck disable=SC2086
+            (cd "$G/benchmarks" && RLK_BENCH_OUT="$out" timeout $((cap / 2)) $py bench_moe.py ${MOE_BENCH_ARGS:-} \
+                > "$out/bench_moe.log" 2>&1)
+            echo "bench_moe rc $?"; tail -16 "$out/bench_moe.log"
+            timeout $((cap - (SECONDS - t0) - 5)) $py "$G/benchmarks/frameworks/megatron_moe_gpu.py" --out "$out" \
+                --model "${MOE_MODEL:-qwen3-moe-30b-a3b-L2}" --budget-s $((cap - (SECONDS - t0) - 15)) \
+                > "$out/megatron_moe.log" 2>&1
+            echo "megatron_moe_gpu rc $?"; tail -12 "$out/megatron_moe.log" ;;
         tp-cost-megatron)  # issue 35: the rlk training step without and with RL_KERNEL_TP_INVARIANT
             timeout "$cap" $py "$G/benchmarks/frameworks/megatron_gpu.py" --tp-cost "${TP_COST_G:-8}" \
                 --budget-s $((cap - 30)) --out "$out" ;;
@@ -292,6 +310,7 @@ CAP[ladder]=420  # issue 38 (set here, apart from the CAP table that other stage
 CAP[attribute]=560  # issue 38
 CAP[learn-a]=540; CAP[learn-b]=480; CAP[learn]=590  # issue 37 (learn_gpu.py caps its parts inside these)
 CAP[tp-cost-vllm]=480; CAP[tp-cost-vllm-8b]=580; CAP[tp-cost-megatron]=420  # issue 35
+CAP[moe-bench]=300  # issue 36 (bench_moe.py within half of it, megatron_moe_gpu.py the rest)
 
 cmd=${1:-}; shift || true
 case $cmd in

@@ -1,6 +1,6 @@
 """Issue 36: the provider's MoE layer spec in real megatron-core on CPU (gloo, ``_moe_worker.py``): a Qwen3-MoE
 ``GPTModel`` (8 experts, top-2, and top-4 in the same processes) whose router and experts slots are rlk's — log-probs
-and gradients bitwise equal to the local engine's trainer and across expert-parallel sizes 1 / 2 / 4 (each EP rank
+and gradients bitwise equal to the local engine's trainer and across expert-parallel sizes 1 / 2 / 4 / 8 (each EP rank
 its own sequences of other lengths); the aux / z losses attached without touching a log-prob; the stock MoE layer as
 the negative controls: other bits than rlk's at EP 1, and at EP 2 other bits than at EP 1 with top-4 (with top-2 the
 stock layer is exact across EP too: a token's combine adds two values, the same sum in any order); TP 2 (expert TP 1)
@@ -26,7 +26,8 @@ import _moe_worker  # noqa: E402
 
 R_ALL = {"RL_KERNEL_ATTENTION_CASE": "R/R", "RL_KERNEL_FFN_CASE": "R/R", "RL_KERNEL_LOGP_CASE": "R/R",
          "RL_KERNEL_MODE": "strict"}
-LENGTHS = {1: [[8, 12, 4, 10]], 2: [[8, 12], [4, 10]], 4: [[8], [12], [4], [10]]}  # one global batch, split
+LENGTHS = {1: [[8, 12, 4, 10]], 2: [[8, 12], [4, 10]], 4: [[8], [12], [4], [10]],  # one global batch, split
+           8: [[8], [12], [4], [10], [6], [9], [5], [11]]}  # EP 8 (one expert a rank): a sequence a rank, 4 more
 _RUNS: dict[str, list[dict]] = {}
 
 
@@ -108,18 +109,24 @@ def test_ep1_moe_model_equals_the_local_engine_bitwise():
     assert res["readback"]["modules"]["ffn"]["implementation"] == "rlk"
 
 
-@pytest.mark.parametrize("ep", [2, 4])
+@pytest.mark.parametrize("ep", [2, 4, 8])
 @pytest.mark.parametrize("variant", [None, "top4"])
 def test_expert_parallel_changes_no_bit(ep, variant):
     """EP ranks holding other sequences (other token counts): their log-probs, concatenated, are the local engine's
-    on the whole batch and EP 1's; the experts' gradients (each over every rank's tokens) are too; every token goes
-    to the same experts. Top-2 and top-4 (run in the same processes)."""
+    on the whole batch and (EP 2, 4) EP 1's; the experts' gradients (each over every rank's tokens) are too; every
+    token goes to the same experts. Top-2 and top-4 (run in the same processes). EP 8 (one expert a rank, a sequence
+    a rank) runs a batch of 8 sequences, EP 1's 4 and 4 more: it is held to the local engine on that batch (which EP 1
+    equals bitwise on its own: test_ep1_moe_model_equals_the_local_engine_bitwise)."""
     every = run(f"ep{ep}", ep, variants={"top4": TOP4})
-    cfg, lp, ref, routing = reference(variant)
+    seqs = [s for r in every for s in r["seqs"]]
+    cfg, lp, ref, routing = reference(variant, seqs)
     (one,) = run("ep1", 1, aux_too=True)
     assert [r["local_experts"] for r in every] == [list(range(q * 8 // ep, (q + 1) * 8 // ep)) for q in range(ep)]
     assert len({r["logp"].numel() for r in every}) > 1  # the ranks' token counts differ
-    assert [s for r in every for s in r["seqs"]] == one["seqs"]  # the same global batch, split
+    if ep < 8:
+        assert seqs == one["seqs"]  # the same global batch, split
+    else:
+        assert len(seqs) == 8 and seqs[:4] == one["seqs"]
     if variant:
         every = [r["variants"][variant] for r in every]
     assert every[0]["ids"][0].shape[1] == cfg.num_experts_per_tok
@@ -128,7 +135,7 @@ def test_expert_parallel_changes_no_bit(ep, variant):
         w13, w2 = _experts(every, cfg, layer)
         assert torch.equal(w13, ref[f"layers.{layer}.w13"]) and torch.equal(w2, ref[f"layers.{layer}.w2"])
         assert torch.equal(torch.cat([r["ids"][layer] for r in every]), routing[layer])
-    if variant is None:
+    if variant is None and ep < 8:
         for layer in range(cfg.num_hidden_layers):
             assert torch.equal(torch.cat([r["ids"][layer] for r in every]), one["ids"][layer])
     # every other gradient (attention, norms, routers, output layer) on an EP rank is over its own tokens (their sum
