@@ -716,3 +716,49 @@ def test_processed_logits_are_finite_exactly_on_the_kept_set(plugin):
     assert support[1].nonzero()[:, 0].tolist() == list(range(40))  # ties kept by id ascending, exactly top_k
     native = torch.isfinite(apply_top_k_top_p(logits.float()[1:2] / 1.0, torch.tensor([40]), None))
     assert not torch.equal(native[0], support[1])  # vLLM's own top-k keeps every tied token
+
+
+def test_a_quantized_linear_method_is_counted_under_p_and_refused_under_r(plugin):
+    """Issue 38: an FP8 rollout's GEMMs are vLLM's quantized linear method (``Fp8LinearMethod``), not the unquantized
+    one rlk hooks; bind_model wraps such a method's ``apply`` so the readback counts it in the layer's module (P) and
+    an R module refuses it. A real ``LinearMethodBase`` subclass stands for the FP8 method (which needs FP8 tensor
+    cores); the unquantized method is left alone (its own hook routes it)."""
+    from vllm.model_executor.layers.linear import LinearMethodBase, UnquantizedLinearMethod
+
+    from rlk_core.errors import RlkPolicyError
+    from rlk_vllm_plugin import layers
+
+    class HalfScaleLinearMethod(LinearMethodBase):  # a quantized method in miniature: its own GEMM
+        def create_weights(self, *args, **kwargs):
+            raise NotImplementedError
+
+        def apply(self, layer, x, bias=None):
+            return torch.nn.functional.linear(x, layer.weight * 0.5, bias)
+
+    class HalfScaleOnline(HalfScaleLinearMethod):  # inherits apply: the defining class is wrapped
+        pass
+
+    rt = plugin(attention="P/P", ffn="P/R", logp="P/P")
+    x, w = _bf16(6, 64), _bf16(96, 64, seed=5)
+    model = torch.nn.Module()
+    for name, prefix, method in (("o", "model.layers.0.self_attn.o_proj", HalfScaleOnline()),
+                                 ("down", "model.layers.0.mlp.down_proj", HalfScaleLinearMethod()),
+                                 ("qkv", "model.layers.0.self_attn.qkv_proj", UnquantizedLinearMethod())):
+        layer = torch.nn.Module()
+        layer.weight = torch.nn.Parameter(w, requires_grad=False)
+        layer.prefix, layer.quant_method = prefix, method
+        setattr(model, name, layer)
+    assert getattr(HalfScaleLinearMethod.apply, "_rlk_original", None) is None
+    layers.bind_model(model)
+    assert HalfScaleLinearMethod.apply._rlk_original is not None  # wrapped once, on the class defining apply
+    assert "apply" not in HalfScaleOnline.__dict__
+    assert torch.equal(model.o.quant_method.apply(model.o, x), torch.nn.functional.linear(x, w * 0.5))
+    ops = rt.recorder.to_dict()["modules"]["attention"]["ops"]["linear"]
+    assert ops["backend_id"] == "production.vllm.HalfScaleLinearMethod.apply" and ops["call_count"] == 1
+    hooks = {h[0] for h in rt.hooks}
+    assert "linear_quantized.HalfScaleLinearMethod" in hooks
+    assert not any("UnquantizedLinearMethod" in h for h in hooks if h.startswith("linear_quantized"))
+    with pytest.raises(RlkPolicyError, match="quantized method HalfScaleLinearMethod in module 'ffn'"):
+        model.down.quant_method.apply(model.down, x)  # ffn is R on the rollout side
+    layers.uninstall()
+    assert getattr(HalfScaleLinearMethod.apply, "_rlk_original", None) is None  # uninstall put it back

@@ -229,6 +229,45 @@ def _lm_head_apply(original):
     return apply
 
 
+def _quantized_apply(original, name: str):
+    """A quantized linear method's ``apply`` (vLLM's ``Fp8LinearMethod`` under ``--rollout-quantization fp8``, or
+    any other ``LinearMethodBase`` but the unquantized one): vLLM's own GEMM, counted as
+    ``production.vllm.<name>.apply`` in the layer's module — so the readback shows what served an FP8 rollout — and
+    refused in an R module, whose contract runs the unquantized weights (no silent production GEMM under R)."""
+    def apply(self, layer, x, bias=None):
+        module = _linear_module(layer)
+        _runtime.note_linear(module)
+        rt = _runtime.get()
+        if module is None and rt.wanted():
+            rt.violation(f"vLLM linear layer {getattr(layer, 'prefix', '?')!r} belongs to no rlk module")
+        if rt.r(module):
+            rt.violation(f"linear {getattr(layer, 'prefix', '?')!r} runs vLLM's quantized method {name} in module "
+                         f"{module!r}, whose route is R: rlk runs unquantized weights only (a quantized rollout is "
+                         "P in every module)")
+        _runtime.production(module, "linear", f"production.vllm.{name}.apply")
+        return original(self, layer, x, bias)
+    apply._rlk_original = original
+    return apply
+
+
+_QUANTIZED: list[type] = []  # the quantized linear methods whose apply bind_model wrapped (uninstall puts them back)
+
+
+def count_quantized(method: Any) -> str | None:
+    """Wrap the ``apply`` of a layer's quantized linear method class once (the class in its MRO that defines it);
+    the class's name, or None for the unquantized method, a method that is not a linear one, or one done before."""
+    linear = _compat.module("vllm.model_executor.layers.linear")
+    if not isinstance(method, linear.LinearMethodBase) or isinstance(method, linear.UnquantizedLinearMethod):
+        return None
+    owner = next(c for c in type(method).__mro__ if "apply" in c.__dict__)
+    if not patch(owner, "apply", lambda original: _quantized_apply(original, owner.__name__)):
+        return None
+    _QUANTIZED.append(owner)
+    _runtime.get().add_hook(f"linear_quantized.{owner.__name__}", f"{owner.__module__}.{owner.__name__}.apply",
+                            "patch")
+    return owner.__name__
+
+
 _ROW_PARALLEL: tuple[type, ...] = ()  # vLLM's RowParallelLinear, set by install_linear
 
 
@@ -268,6 +307,8 @@ def plain_weight_types() -> list[type]:
 
 def uninstall() -> None:
     unpatch(_compat.module("vllm.model_executor.layers.linear").UnquantizedLinearMethod, "apply")
+    while _QUANTIZED:
+        unpatch(_QUANTIZED.pop(), "apply")
     unpatch(_compat.module("vllm.model_executor.layers.vocab_parallel_embedding").UnquantizedEmbeddingMethod,
              "apply")
     base_loader = _compat.module("vllm.model_executor.model_loader.base_loader")
@@ -286,6 +327,7 @@ def bind_model(model: torch.nn.Module) -> dict[str, str]:
         prefix = getattr(layer, "prefix", None)
         if isinstance(prefix, str) and hasattr(layer, "quant_method"):  # linear layers: no regex per call
             layer._rlk_linear_module = module_of(prefix)
+            count_quantized(layer.quant_method)  # issue 38: an FP8 (quantized) linear method is counted, or refused
             bind = getattr(type(layer), "_rlk_bind", None)
             if bind is not None:  # issue 35: rlk_vllm_plugin.row_parallel's layer, decided (refused) at load
                 bind(layer)
