@@ -161,13 +161,20 @@ def _linear_module(layer: Any) -> str | None:
 _UNBOUND = object()
 
 
+def _routed(layer: Any) -> tuple[str | None, Any]:
+    """A linear layer's module (noted once) and the runtime; a layer of no module is a violation where a plan wants
+    rlk somewhere."""
+    module = _linear_module(layer)
+    _runtime.note_linear(module)
+    rt = _runtime.get()
+    if module is None and rt.wanted():
+        rt.violation(f"vLLM linear layer {getattr(layer, 'prefix', '?')!r} belongs to no rlk module")
+    return module, rt
+
+
 def _linear_apply(original):
     def apply(self, layer, x, bias=None):
-        module = _linear_module(layer)
-        _runtime.note_linear(module)
-        rt = _runtime.get()
-        if module is None and rt.wanted():
-            rt.violation(f"vLLM linear layer {getattr(layer, 'prefix', '?')!r} belongs to no rlk module")
+        module, rt = _routed(layer)
         if rt.r(module):
             weight = layer.weight
             if _empty(weight):
@@ -235,11 +242,7 @@ def _quantized_apply(original, name: str):
     ``production.vllm.<name>.apply`` in the layer's module — so the readback shows what served an FP8 rollout — and
     refused in an R module, whose contract runs the unquantized weights (no silent production GEMM under R)."""
     def apply(self, layer, x, bias=None):
-        module = _linear_module(layer)
-        _runtime.note_linear(module)
-        rt = _runtime.get()
-        if module is None and rt.wanted():
-            rt.violation(f"vLLM linear layer {getattr(layer, 'prefix', '?')!r} belongs to no rlk module")
+        module, rt = _routed(layer)
         if rt.r(module):
             rt.violation(f"linear {getattr(layer, 'prefix', '?')!r} runs vLLM's quantized method {name} in module "
                          f"{module!r}, whose route is R: rlk runs unquantized weights only (a quantized rollout is "
