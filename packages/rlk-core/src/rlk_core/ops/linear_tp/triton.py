@@ -39,6 +39,9 @@ from rlk_core.ops.linear.triton import _dot, _tile_coords
 
 DTYPES = frozenset({torch.bfloat16, torch.float16, torch.float32})
 VARIANTS = ("fused", "split", "stash")
+# Forced only (config(..., which=...), the benchmark's --variants all), never the rule's, not in the AOT build:
+# smem, the Gluon kernel of rlk_core.ops.linear_tp.gluon (bf16 / fp16, EVEN_K, sm_90; written, not run).
+FORCED = ("smem",)
 # (BLOCK_M, BLOCK_N, GROUP_M, num_warps, num_stages); BLOCK_K from the leaf length (below). Each compiles for sm_90
 # without register spills at 8 leaves (ptxas: tests/core/ops/test_linear_tp_compile_sm90.py); speeds unmeasured.
 _DECODE = (16, 64, 8, 4, 3)  # fused, M <= 16: mma.sync
@@ -71,8 +74,12 @@ def config(dtype: torch.dtype, m: int, n: int, leaf_k: int, which: str | None = 
     """The launch configuration of a call: a function of (dtype, M, N, the leaf length) only. ``which`` forces a
     variant (benchmarks and tests: every variant gives the same bits); None is the rule (:func:`variant`)."""
     which = which or variant(dtype, m, n, leaf_k)
+    if which in FORCED:
+        from rlk_core.ops.linear_tp import gluon
+
+        return gluon.config(dtype, leaf_k, tile_config(gluon.TILE[:5], leaf_k, dtype))
     if which not in VARIANTS:
-        raise ValueError(f"linear_tp: no variant {which!r}; known: {VARIANTS}")
+        raise ValueError(f"linear_tp: no variant {which!r}; known: {VARIANTS + FORCED}")
     if dtype == torch.float32:
         tile = _FP32
     else:
@@ -405,8 +412,12 @@ def _launch(p, x: torch.Tensor, weight: torch.Tensor, leaves: int, out: torch.Te
         ws = p.new((programs * slots(leaves) * c["BLOCK_M"] * c["BLOCK_N"],), torch.float32)
         p.launch(_linear_tp_stash_kernel, (programs,), x, weight, out, b, ws, m, n, k // leaves, *xs,
                  out.stride(0), out.stride(1), LEAVES=leaves, SLOTS=slots(leaves), NUM_PROGRAMS=p.sms, **fin, **c)
+    elif which == "smem":
+        from rlk_core.ops.linear_tp import gluon
+
+        gluon.launch(p, x, weight, leaves, out, c, bias, finish)
     else:
-        raise ValueError(f"linear_tp: no variant {which!r}; known: {VARIANTS}")
+        raise ValueError(f"linear_tp: no variant {which!r}; known: {VARIANTS + FORCED}")
 
 
 def supports(x: torch.Tensor, weight: torch.Tensor, leaves: int) -> tuple[bool, str]:
