@@ -14,12 +14,13 @@ launches) — against the same rank's ``linear(x_r, w_r)`` (bf16 out) and ``F.li
 Device time through ``harness.time_fns`` (L2 flushed, GPU held busy before each call).
 
 ``--variants all`` also times every variant of the rlk.triton kernel forced (``fused``, ``split``, ``stash``:
-``rlk_core.ops.linear_tp.triton``'s docstring) through the same launch plan, each as ``<variant>_ms`` and
-``<variant>_ratio`` (its time over ``bi_ms``; at TP 1 finished, as the op runs), and per row: ``rule`` (the variant
-the rule ran), ``best`` (the fastest), ``rule_over_best`` (the rule's time over the best's: 1.0 where the rule chose
-best); every variant's result must have the op's bits (``same_bits``; the run fails otherwise). The run ends with
-the rule's verdict: the rows where another variant is more than 5% faster — what the rule (``variant()``,
-unmeasured) is to be set from.
+``rlk_core.ops.linear_tp.triton``'s docstring; and ``smem``, the forced-only Gluon kernel of
+``rlk_core.ops.linear_tp.gluon``, on sm_90 where Gluon imports) through the same launch plan, each as
+``<variant>_ms`` and ``<variant>_ratio`` (its time over ``bi_ms``; at TP 1 finished, as the op runs), and per row:
+``rule`` (the variant the rule ran), ``best`` (the fastest), ``rule_over_best`` (the rule's time over the best's:
+1.0 where the rule chose best); every variant's result must have the op's bits (``same_bits``; the run fails
+otherwise). The run ends with the rule's verdict: the rows where another variant is more than 5% faster — what the
+rule (``variant()``, unmeasured) is to be set from.
 """
 
 from __future__ import annotations
@@ -102,15 +103,29 @@ def rule_verdict(rows: list[dict]) -> dict:
             "rows_where_another_variant_is_faster": off}
 
 
+def forced_variants() -> tuple[str, ...]:
+    """The forced-only variants (``tp_triton.FORCED``: ``smem``, the Gluon kernel) where they can run: Gluon for
+    Hopper importable and an sm_90 device; none otherwise."""
+    try:
+        from rlk_core.ops.linear_tp import gluon  # noqa: F401
+    except (ImportError, AttributeError):
+        return ()
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
+        return ()
+    return tp_triton.FORCED
+
+
 def parse_variants(text: str) -> tuple[str, ...]:
-    """``--variants``: ``rule`` (the op only), ``all``, or a comma list of ``tp_triton.VARIANTS``."""
+    """``--variants``: ``rule`` (the op only), ``all`` (``tp_triton.VARIANTS`` and :func:`forced_variants`), or a
+    comma list of those."""
     if text == "rule":
         return ()
-    names = tp_triton.VARIANTS if text == "all" else tuple(v for v in text.split(",") if v)
-    bad = [v for v in names if v not in tp_triton.VARIANTS]
+    known = tp_triton.VARIANTS + forced_variants()
+    names = known if text == "all" else tuple(v for v in text.split(",") if v)
+    bad = [v for v in names if v not in known]
     if bad or not names:
         raise ValueError(f"--variants {text!r}: unknown {bad or 'empty'}; give rule, all or a comma list of "
-                         f"{', '.join(tp_triton.VARIANTS)}")
+                         f"{', '.join(known)}")
     return names
 
 
@@ -119,7 +134,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="Qwen3-8B, TP 1 and 4, four M")
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--variants", default="rule",
-                    help="rule (the op only, default), all, or a comma list of fused,split,stash: each timed forced")
+                    help="rule (the op only, default), all, or a comma list of fused,split,stash(,smem on sm_90): each "
+                    "timed forced")
     args = ap.parse_args(argv)
     try:
         variants = parse_variants(args.variants)

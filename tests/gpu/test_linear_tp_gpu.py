@@ -5,7 +5,8 @@ shapes at decode and training M; batch-invariant; close to the reference; the na
 Every variant of the kernel (fused, split, stash: ``rlk_core.ops.linear_tp.triton``), forced through the launch plan,
 gives the rule's bits at every TP, and a row's bits do not depend on M across the rule's variant switch.
 (The rule's tests passed in the clean run of `tests/gpu` at `c9d2ad4`, before the variants; the variant tests are
-written, not run.)"""
+written, not run.) The forced-only ``smem`` variant (the Gluon kernel, sm_90): its partial bitwise fused's and the
+op's at 1 / 2 / 4 / 8 leaves, with a negative control (the leaves summed in sequence differ) — written, not run."""
 
 from __future__ import annotations
 
@@ -148,3 +149,52 @@ def test_the_finished_merge_rounds_as_torch_on_special_values(dtype):
             BLOCK=T.MERGE_BLOCK, num_warps=4)
         want = linear_tp_finish(pairs_sum(list(ws)), bias, dtype)
         assert torch.equal(_bits(got), _bits(want)), (dtype, bias is None)
+
+
+# -- the smem variant (rlk_core.ops.linear_tp.gluon: Hopper Gluon, forced only; written, not run) -----------------
+def _sm90():
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the smem variant is sm_90 only (TMA + wgmma)")
+
+
+@pytest.mark.parametrize("n, k", SHAPES)
+@pytest.mark.parametrize("m", [1, 17, 1024, 4096])
+def test_smem_variant_gives_fused_and_the_ops_bits(m, n, k):
+    """The Gluon kernel's fp32 partial is bitwise fused's and the op's at 1 / 2 / 4 / 8 leaves (each a rank's
+    slice of G = 8 at TP 8 / 4 / 2 / 1: the leaf length of TP 1), and finished at TP 1 bitwise linear_tp."""
+    _sm90()
+    x, w = _inputs(m, n, k, seed=9)
+    plan = jit_plan(x.device)
+    for leaves in (1, 2, 4, 8):
+        c = k * leaves // 8
+        xr, wr = x[:, :c], w[:, :c].contiguous()
+        got = T.partials(plan, xr, wr, leaves, "smem")
+        assert torch.equal(got, T.partials(plan, xr, wr, leaves, "fused")), (m, n, k, leaves)
+        assert torch.equal(got, linear_tp_partials(xr, wr, leaves)), (m, n, k, leaves)
+    assert torch.equal(T.finished(plan, x, w, None, 8, "smem"), linear_tp(x, w)), (m, n, k)
+
+
+def test_negative_control_smem_is_not_the_sequential_sum_of_leaves():
+    """The leaves summed left to right ((l0 + l1) + l2) + ... (each leaf the smem kernel's own one-leaf result)
+    differ from the smem kernel's tree, so the equalities above can fail."""
+    _sm90()
+    x, w = _inputs(1024, 4096, 4096, seed=10)
+    plan = jit_plan(x.device)
+    c = 4096 // 8
+    seq = None
+    for j in range(8):
+        leaf = T.partials(plan, x[:, j * c:(j + 1) * c], w[:, j * c:(j + 1) * c].contiguous(), 1, "smem")
+        seq = leaf if seq is None else seq + leaf
+    tree = T.partials(plan, x, w, 8, "smem")
+    assert not torch.equal(tree, seq)
+    assert not torch.equal(tree, T.partials(plan, x, w, 1, "smem"))  # nor one leaf over all of K
+    torch.testing.assert_close(tree, seq, rtol=1e-5, atol=1e-4)
+
+
+def test_smem_refuses_what_it_does_not_implement():
+    _sm90()
+    x, w = _inputs(64, 256, 8 * 80, seed=11)  # leaf 80: not a multiple of BLOCK_K 64
+    with pytest.raises(ValueError, match="EVEN_K only"):
+        T.partials(jit_plan(x.device), x, w, 8, "smem")
+    with pytest.raises(ValueError, match="bf16 / fp16 only"):
+        T.partials(jit_plan(x.device), x.float(), w.float(), 8, "smem")
